@@ -1,0 +1,41 @@
+"""simple-mutex: lease locks (mutex and semaphore) over any conditional-write cache.
+
+The cache you pass sets who the lock excludes: ``InMemoryCache`` one process,
+``DiskCache`` one machine, a server-backed cache (``simple_mutex.caches``) every machine.
+"""
+
+from __future__ import annotations
+
+from .caches import DiskCache, InMemoryCache, cache_from_url
+from .contract import ConditionalCache, Entry
+from .decorator import with_simple_mutex
+from .errors import (
+    ConstraintError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexError,
+    SimpleMutexLeaseExpiredError,
+)
+from .lease import Lease
+from .mutex import Mutex, Semaphore
+from .records import Holder
+
+__all__ = [
+    "ConditionalCache",
+    "ConstraintError",
+    "DiskCache",
+    "Entry",
+    "Holder",
+    "InMemoryCache",
+    "Lease",
+    "MalfunctionError",
+    "Mutex",
+    "Semaphore",
+    "SimpleCacheConditionError",
+    "SimpleMutexAcquireTimeoutError",
+    "SimpleMutexError",
+    "SimpleMutexLeaseExpiredError",
+    "cache_from_url",
+    "with_simple_mutex",
+]

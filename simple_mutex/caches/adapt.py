@@ -1,0 +1,24 @@
+"""Turn what the user passed as ``cache`` into a ConditionalCache, or say what to pass."""
+
+from __future__ import annotations
+
+from simple_mutex.contract import ConditionalCache
+from simple_mutex.errors import ConstraintError
+
+_CACHE_METHODS = ("get", "put_if_absent", "compare_and_set", "compare_and_delete", "wait")
+
+
+def as_cache(cache: object) -> ConditionalCache:
+    if isinstance(cache, str):
+        raise ConstraintError(
+            f"cache must be a cache object, not the string {cache!r}; "
+            "use cache_from_url(...) to build one from a URL"
+        )
+    if all(callable(getattr(cache, name, None)) for name in _CACHE_METHODS) and isinstance(
+        getattr(cache, "name", None), str
+    ):
+        return cache  # type: ignore[return-value]
+    raise ConstraintError(
+        f"cache must implement the ConditionalCache contract (InMemoryCache, DiskCache, "
+        f"or a client of a supported server), got {type(cache).__name__}"
+    )

@@ -1,0 +1,129 @@
+"""InMemoryCache: one process. A dict under a condition variable.
+
+Releases wake waiters at once (threads through the condition, asyncio waiters through
+their loop), so a hand-off costs microseconds, not a poll interval.
+
+Fences come from one counter for the whole cache: it only grows, so it also grows per key,
+and freed keys can be dropped instead of kept as tombstones (a per-order lock would
+otherwise leak one entry per order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from simple_mutex.contract import Entry
+from simple_mutex.errors import SimpleCacheConditionError
+
+_SWEEP_EVERY = 4096
+
+
+class InMemoryCache:
+    name = "memory"
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: dict[str, Entry] = {}
+        self._counter = itertools.count(1)
+        self._writes = 0
+        self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    def _live(self, key: str, now: float) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.expires_at > now:
+            return entry
+        del self._entries[key]
+        return None
+
+    def get(self, key: str) -> Entry | None:
+        with self._cond:
+            return self._live(key, self._clock())
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        with self._cond:
+            now = self._clock()
+            current = self._live(key, now)
+            if current is not None:
+                if current.value == value:
+                    return current
+                raise SimpleCacheConditionError(f"memory: {key!r} is held")
+            fence = next(self._counter)
+            entry = Entry(value, str(fence), fence, now + ttl)
+            self._entries[key] = entry
+            self._writes += 1
+            if self._writes % _SWEEP_EVERY == 0:
+                self._sweep(now)
+            return entry
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        with self._cond:
+            now = self._clock()
+            current = self._live(key, now)
+            if current is None or current.version != version:
+                raise SimpleCacheConditionError(f"memory: {key!r} is not at version {version}")
+            entry = Entry(value, str(next(self._counter)), current.fence, now + ttl)
+            self._entries[key] = entry
+            return entry
+
+    def compare_and_delete(self, key: str, *, version: str) -> None:
+        with self._cond:
+            current = self._live(key, self._clock())
+            if current is None or current.version != version:
+                raise SimpleCacheConditionError(f"memory: {key!r} is not at version {version}")
+            del self._entries[key]
+            self._cond.notify_all()
+            waiters, self._async_waiters = self._async_waiters, set()
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        with self._cond:
+            pause = self._pause(keys, timeout)
+            if pause > 0:
+                self._cond.wait(pause)
+
+    async def wait_async(self, keys: Sequence[str], timeout: float) -> None:
+        """The asyncio form of ``wait``: parks on a future instead of a thread."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        waiter = (loop, future)
+        with self._cond:
+            pause = self._pause(keys, timeout)
+            if pause <= 0:
+                return
+            self._async_waiters.add(waiter)
+        try:
+            await asyncio.wait_for(future, pause)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                self._async_waiters.discard(waiter)
+
+    def _pause(self, keys: Sequence[str], timeout: float) -> float:
+        """How long to sleep (caller holds the lock): 0 if a key is already free, since a
+        release between the caller's failed attempt and now would otherwise be missed; never
+        past the earliest expiry, which frees a key without any notification."""
+        now = self._clock()
+        earliest = timeout
+        for key in keys:
+            entry = self._live(key, now)
+            if entry is None:
+                return 0.0
+            earliest = min(earliest, entry.expires_at - now)
+        return earliest
+
+    def _sweep(self, now: float) -> None:
+        expired = [k for k, e in self._entries.items() if e.expires_at <= now]
+        for key in expired:
+            del self._entries[key]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

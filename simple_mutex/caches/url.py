@@ -1,0 +1,34 @@
+"""``cache_from_url``: build a cache from a URL in configuration."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlsplit
+
+from simple_mutex.contract import ConditionalCache
+from simple_mutex.errors import ConstraintError
+
+from .disk import DiskCache
+from .memory import InMemoryCache
+
+_SCHEMES = "memory://, file:///path"
+
+
+def cache_from_url(url: str) -> ConditionalCache:
+    """``memory://`` (this process) or ``file:///var/lock/myapp`` (this machine)."""
+    if not isinstance(url, str):
+        raise ConstraintError(f"cache URL must be a str like 'memory://', got {url!r}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "memory":
+        return InMemoryCache()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ConstraintError(
+                f"file URL {url!r} names host {parts.netloc!r}; a DiskCache is local, "
+                "write file:///absolute/path"
+            )
+        if not parts.path:
+            raise ConstraintError(f"file URL {url!r} has no path; write file:///absolute/path")
+        return DiskCache(unquote(parts.path))
+    # Only the scheme is echoed: the rest of a URL may hold a password.
+    raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {_SCHEMES}")

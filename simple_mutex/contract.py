@@ -1,0 +1,81 @@
+"""The conditional-write cache contract that every backend implements.
+
+A cache is a small key/value store with expiry, a version per entry and a counter per key.
+It holds **no locking logic**: each method is one non-blocking, compare-then-act step, and
+the lock engine (``simple_mutex.engine``) builds mutexes and semaphores from them. The
+contract is shaped by the weakest backend (S3 has only ``If-None-Match: *`` and
+``If-Match: <etag>``), so a new backend needs nothing more than those two conditions.
+
+Writing your own backend
+------------------------
+Implement the five methods of :class:`ConditionalCache` and pass the shared contract suite
+(``tests/contract.py``). The rules:
+
+``get(key)``
+    The live entry, or ``None`` when the key is absent, freed or expired.
+
+``put_if_absent(key, value, ttl=...)``
+    Write ``value`` if the key has no live entry (absent, freed, or expired by the cache's
+    own clock: the server's where it has one). The key's fence counter goes up by one in
+    the same atomic step and survives deletion and expiry (keep a freed tombstone or a
+    separate counter: never restart it). If a live entry already holds exactly ``value``,
+    return it unchanged: it is our own earlier write whose reply was lost, and values carry
+    a unique token, so equality proves ownership. Otherwise raise
+    ``SimpleCacheConditionError``.
+
+``compare_and_set(key, value, ttl=..., version=...)``
+    Replace the live entry whose version is ``version`` and restart its expiry; the fence
+    does not change; the version does. Raise ``SimpleCacheConditionError`` if the entry is
+    absent, expired or has another version.
+
+``compare_and_delete(key, version=...)``
+    Free the live entry whose version is ``version`` (keeping the fence counter). Raise
+    ``SimpleCacheConditionError`` if it is absent, expired or has another version.
+
+``wait(keys, timeout)``
+    Block for at most ``timeout`` seconds, returning early when any of ``keys`` may have
+    been freed (a condition variable, a Redis signal list...). Spurious early returns are
+    fine: the engine retries and keeps its own deadline. A cache with no notification
+    simply sleeps.
+
+Faults of the driver (connection refused, corrupt file, timeouts) must be raised as
+``MalfunctionError`` naming the cache and the operation, never as the driver's own error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One live cache entry as a cache returns it."""
+
+    value: str
+    """Exactly what the engine wrote (a JSON lock record)."""
+    version: str
+    """Opaque; changes on every write. The condition of compare-and-set and -delete."""
+    fence: int
+    """The key's grant counter as of this entry; only ever grows."""
+    expires_at: float
+    """When the entry lapses, in Unix seconds by the cache's clock."""
+
+
+@runtime_checkable
+class ConditionalCache(Protocol):
+    """What the lock engine needs from a cache. See the module docstring for the rules."""
+
+    name: str
+    """A short name used in error messages ("memory", "disk", "redis"...)."""
+
+    def get(self, key: str) -> Entry | None: ...
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry: ...
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry: ...
+
+    def compare_and_delete(self, key: str, *, version: str) -> None: ...
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None: ...

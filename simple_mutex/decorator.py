@@ -1,0 +1,158 @@
+"""``with_simple_mutex``: wrap a function so calls that share a key never overlap."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, overload
+
+from .durations import Duration, timeout_seconds
+from .errors import ConstraintError
+from .keys import check_key, check_template, render_template
+from .lease import Lease
+from .mutex import DEFAULT_INTERVAL, DEFAULT_LEASE, Mutex
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def key_function(logic: Callable[..., Any], key: str | Callable[..., str]) -> Callable[..., str]:
+    """Make ``key`` (a template or a callable) into a function of ``logic``'s arguments.
+
+    A template is filled from the bound arguments with defaults applied, so ``f(1)`` and
+    ``f(phone=1)`` lock the same key; it is checked against the signature right away."""
+    if callable(key):
+
+        def from_callable(*args: Any, **kwargs: Any) -> str:
+            return check_key(key(*args, **kwargs))
+
+        return from_callable
+    if not isinstance(key, str) or not key:
+        raise ConstraintError(
+            f"key must be a template like 'order.{{order_id}}' or a callable, got {key!r}"
+        )
+    signature = inspect.signature(logic)
+    params = signature.parameters.values()
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    check_template(key, [p.name for p in params], accepts_any=var_keyword)
+
+    def from_template(*args: Any, **kwargs: Any) -> str:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConstraintError(f"arguments do not fit {logic.__qualname__}: {exc}") from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for param in params:
+            if param.kind is param.VAR_KEYWORD:
+                arguments.update(arguments.pop(param.name, {}))
+        return check_key(render_template(key, arguments))
+
+    return from_template
+
+
+@overload
+def with_simple_mutex(
+    logic: F,
+    *,
+    key: str | Callable[..., str],
+    cache: object,
+    lease: Duration = ...,
+    timeout: Duration | None = ...,
+    interval: Duration = ...,
+    renew: bool = ...,
+    label: str | None = ...,
+) -> F: ...
+
+
+@overload
+def with_simple_mutex(
+    logic: None = None,
+    *,
+    key: str | Callable[..., str],
+    cache: object,
+    lease: Duration = ...,
+    timeout: Duration | None = ...,
+    interval: Duration = ...,
+    renew: bool = ...,
+    label: str | None = ...,
+) -> Callable[[F], F]: ...
+
+
+def with_simple_mutex(
+    logic: F | None = None,
+    *,
+    key: str | Callable[..., str],
+    cache: object,
+    lease: Duration = DEFAULT_LEASE,
+    timeout: Duration | None = None,
+    interval: Duration = DEFAULT_INTERVAL,
+    renew: bool = False,
+    label: str | None = None,
+) -> F | Callable[[F], F]:
+    """Return ``logic`` guarded by a mutex on ``key`` in ``cache``.
+
+    ``lease`` is how long a call may hold the lock (it is interrupted with
+    SimpleMutexLeaseExpiredError past it, unless ``renew=True`` keeps extending it);
+    ``timeout`` how long a call waits for a busy key (None: forever, 0: try once);
+    ``interval`` the poll interval where the cache cannot notify. Works on plain and
+    ``async def`` functions. Without ``logic`` it returns a decorator."""
+    wait = timeout_seconds(timeout)
+    mutex = Mutex(cache, lease=lease, interval=interval, label=label)
+    if not isinstance(renew, bool):
+        raise ConstraintError(f"renew must be True or False, got {renew!r}")
+
+    def decorate(fn: F) -> F:
+        if not callable(fn):
+            raise ConstraintError(f"with_simple_mutex wraps a function, got {fn!r}")
+        key_of = key_function(fn, key)
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+                lease_ = await mutex.acquire_async(
+                    key_of(*args, **kwargs), timeout=wait, renew=renew
+                )
+                return await run_guarded_async(lease_, lambda: fn(*args, **kwargs))
+
+            return guarded_async  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            with mutex.acquire(key_of(*args, **kwargs), timeout=wait, renew=renew):
+                return fn(*args, **kwargs)
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate if logic is None else decorate(logic)
+
+
+async def run_guarded_async(lease: Lease, work: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``work`` while ``lease`` is held; cancel it the moment the lease is lost.
+
+    The work runs as its own task so that a loss (seen by the keeper thread) can cancel it
+    without cancelling the caller; the caller then gets SimpleMutexLeaseExpiredError."""
+    loop = asyncio.get_running_loop()
+    lost: asyncio.Future[None] = loop.create_future()
+
+    def on_lost() -> None:
+        loop.call_soon_threadsafe(_settle, lost)
+
+    task = asyncio.ensure_future(work())
+    try:
+        lease.on_lost(on_lost)
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        released = await asyncio.to_thread(lease.release)
+    if lost.done() or not released:
+        raise lease._expired_error() from (task.exception() if not task.cancelled() else None)
+    return task.result()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

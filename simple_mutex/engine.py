@@ -1,0 +1,216 @@
+"""The lock engine: every decision, no I/O.
+
+An acquire is a generator "flow" that yields cache operations (plain values) and receives
+their results; a driver runs the operations. ``run`` below is the blocking driver; an
+asyncio driver is the same loop with ``await``. Tests drive flows on a fake clock.
+
+The acquire flow, for the permit slots of one key (a mutex has one slot)::
+
+    try put-if-absent on each slot, starting at a random one   -> granted: done
+    on an unclear failure (a timeout may have written): read back, compare our value
+    all busy: give up if the deadline passed (or timeout == 0)
+    otherwise wait for a release notification, at most a jittered poll interval
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .contract import ConditionalCache, Entry
+from .errors import (
+    MalfunctionError,
+    SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexError,
+)
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str
+
+
+@dataclass(frozen=True)
+class PutIfAbsent:
+    key: str
+    value: str
+    ttl: float
+
+
+@dataclass(frozen=True)
+class CompareAndSet:
+    key: str
+    value: str
+    ttl: float
+    version: str
+
+
+@dataclass(frozen=True)
+class CompareAndDelete:
+    key: str
+    version: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    keys: tuple[str, ...]
+    seconds: float
+
+
+Op = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait
+
+
+@dataclass(frozen=True)
+class Grant:
+    slot: int
+    entry: Entry
+    started: float
+    """The monotonic time just before the winning write was sent: the lease runs from here
+    on the holder's side, which is never later than the cache's own start."""
+
+
+Flow = Generator[Op, Any, Grant]
+
+
+def acquire_flow(
+    *,
+    key: str,
+    slot_keys: Sequence[str],
+    value: str,
+    lease: float,
+    timeout: float | None,
+    interval: float,
+    now: Callable[[], float],
+    rng: random.Random,
+) -> Flow:
+    deadline = None if timeout is None else now() + timeout
+    count = len(slot_keys)
+    while True:
+        # A random first slot spreads semaphore holders instead of piling on slot 0.
+        first = rng.randrange(count) if count > 1 else 0
+        for step in range(count):
+            slot = (first + step) % count
+            started = now()
+            try:
+                entry = yield PutIfAbsent(slot_keys[slot], value, lease)
+            except SimpleCacheConditionError:
+                continue
+            except MalfunctionError:
+                # The write may have landed before the reply was lost: read back and compare
+                # (our value carries a unique token, so equality proves it is ours).
+                entry = yield Get(slot_keys[slot])
+                if entry is None or entry.value != value:
+                    raise
+            return Grant(slot, entry, started)
+        remaining = None if deadline is None else deadline - now()
+        if remaining is not None and remaining <= 0:
+            raise SimpleMutexAcquireTimeoutError(
+                f"lock {key!r} stayed busy for the whole timeout of {timeout:g} s; raise "
+                "timeout, or treat this as 'another worker is already on it'",
+                key=key,
+            )
+        pause = poll_pause(interval, rng)
+        yield Wait(tuple(slot_keys), pause if remaining is None else min(pause, remaining))
+
+
+def poll_pause(interval: float, rng: random.Random) -> float:
+    """A jittered poll (0.5x to 1.5x) so waiters that started together do not stay in step."""
+    return interval * (0.5 + rng.random())
+
+
+def renew_after(lease: float) -> float:
+    """Renew at a third of the lease: two renewals can fail before the lease lapses."""
+    return lease / 3.0
+
+
+def retry_renew_after(lease: float) -> float:
+    """After a failed renewal (backend fault), try again soon but without hammering."""
+    return min(max(lease / 10.0, 0.01), 1.0)
+
+
+def execute(cache: ConditionalCache, op: Op) -> Any:
+    """Run one operation, mapping any stray driver error to a MalfunctionError."""
+    try:
+        if isinstance(op, PutIfAbsent):
+            return cache.put_if_absent(op.key, op.value, ttl=op.ttl)
+        if isinstance(op, Get):
+            return cache.get(op.key)
+        if isinstance(op, CompareAndSet):
+            return cache.compare_and_set(op.key, op.value, ttl=op.ttl, version=op.version)
+        if isinstance(op, CompareAndDelete):
+            return cache.compare_and_delete(op.key, version=op.version)
+        return cache.wait(op.keys, op.seconds)
+    except SimpleMutexError:
+        raise
+    except Exception as exc:
+        # A backend should map its own errors; this is the net for those it missed.
+        name = type(op).__name__
+        raise MalfunctionError(
+            f"{cache.name} cache failed during {name} on {getattr(op, 'key', op)!r}: {exc!r}"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an operation gave back to a flow: a result, or an error to throw into it."""
+
+    result: Any = None
+    error: SimpleMutexError | None = None
+
+
+def attempt(cache: ConditionalCache, op: Op) -> Outcome:
+    try:
+        return Outcome(execute(cache, op))
+    except (SimpleCacheConditionError, MalfunctionError) as exc:
+        return Outcome(error=exc)
+
+
+def resume(flow: Flow, outcome: Outcome) -> Op | Grant:
+    """Hand an outcome to the flow; its next operation, or the Grant it returned."""
+    try:
+        if outcome.error is not None:
+            return flow.throw(outcome.error)
+        return flow.send(outcome.result)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+def run(cache: ConditionalCache, flow: Flow) -> Grant:
+    """The blocking driver."""
+    step: Op | Grant = next(flow)
+    while not isinstance(step, Grant):
+        step = resume(flow, attempt(cache, step))
+    return step
+
+
+async def run_async(cache: ConditionalCache, flow: Flow) -> Grant:
+    """The asyncio driver: the same flow, cache calls moved off the event loop."""
+    step: Op | Grant = next(flow)
+    while not isinstance(step, Grant):
+        step = resume(flow, await attempt_async(cache, step))
+    return step
+
+
+async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
+    if isinstance(op, Wait):
+        wait_async = getattr(cache, "wait_async", None)
+        if wait_async is not None:  # the cache can wake an event loop itself
+            await wait_async(op.keys, op.seconds)
+        else:
+            await asyncio.sleep(op.seconds)
+        return Outcome()
+    call = asyncio.ensure_future(asyncio.to_thread(attempt, cache, op))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        # The thread runs on regardless. If it wins the lock after we were cancelled,
+        # nobody would hold the lease: free it before passing the cancellation on.
+        outcome = await call
+        if isinstance(op, PutIfAbsent) and outcome.error is None:
+            free = CompareAndDelete(op.key, outcome.result.version)
+            await asyncio.to_thread(attempt, cache, free)
+        raise

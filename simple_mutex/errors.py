@@ -1,0 +1,69 @@
+"""The errors simple-mutex raises.
+
+::
+
+    SimpleMutexError
+    ├── ConstraintError                 the caller's to fix (bad option, busy, lease too short)
+    │   ├── SimpleMutexAcquireTimeoutError   (also a TimeoutError)
+    │   └── SimpleMutexLeaseExpiredError     the lease lapsed or was taken while the work ran
+    ├── MalfunctionError                a system fault: backend down, corrupt record
+    └── SimpleCacheConditionError       a precondition miss inside a cache: a lost race;
+                                        the engine handles it and it never escapes a Mutex
+
+Every error carries the user's ``key`` verbatim (``None`` when no key was involved, as
+for a bad option) so logs can be grepped for it. Every error pickles, because Celery and
+RQ serialize exceptions to report them: ``__reduce__`` rebuilds from the message and key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SimpleMutexError(Exception):
+    """The root of every error this library raises."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.message, self.key)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[SimpleMutexError], message: str, key: str | None) -> SimpleMutexError:
+    return cls(message, key=key)
+
+
+class ConstraintError(SimpleMutexError, ValueError):
+    """Something the caller can fix: a bad option, a busy key, a lease too short.
+
+    It is also a ``ValueError`` so code that validates input generically catches it.
+    """
+
+
+class SimpleMutexAcquireTimeoutError(ConstraintError, TimeoutError):
+    """The lock stayed busy for the whole wait ``timeout`` (or on the single try of 0)."""
+
+
+class SimpleMutexLeaseExpiredError(ConstraintError):
+    """The lease lapsed, or could not be renewed, while the protected work was running.
+
+    The work was interrupted (or is reported as unprotected): another holder may have
+    entered. Raise the lease above the section's worst case, or use ``renew=True``.
+    """
+
+
+class MalfunctionError(SimpleMutexError):
+    """A system fault: the backend is down or answered nonsense; the message names it."""
+
+
+class SimpleCacheConditionError(SimpleMutexError):
+    """A cache's precondition missed (the key was present, or its version changed).
+
+    Caches raise it; the lock engine treats it as a lost race. It never escapes a Mutex.
+    """

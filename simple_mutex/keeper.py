@@ -1,0 +1,99 @@
+"""One background thread per process that renews leases and notices lapsed ones.
+
+Why one thread and not one per lease: a worker may hold hundreds of leases, and a thread
+each (python-redis-lock's design) costs memory and start-up time on every acquire. Why a
+thread and not the event loop: sync holders have no loop, and an async holder's loop may be
+blocked by the very work we must interrupt.
+
+Threads do not survive ``fork()``: Celery's prefork pool and RQ's work horses fork after
+import. The child gets a fresh keeper (started lazily on first use); leases the parent
+holds stay the parent's to renew.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Protocol
+
+log = logging.getLogger("simple_mutex")
+
+
+class Watched(Protocol):
+    def _keeper_tick(self, now: float) -> float | None:
+        """Do what is due; return the next monotonic time to be called, or None when done."""
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, Watched]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, item: Watched, when: float) -> None:
+        with self._cond:
+            # Released leases leave stale entries behind (removal from a heap is O(n));
+            # drop them in one pass when they pile up.
+            if len(self._heap) > 1024 and len(self._heap) % 1024 == 0:
+                self._compact()
+            wake = not self._heap or when < self._heap[0][0]
+            heapq.heappush(self._heap, (when, next(self._seq), item))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="simple-mutex-keeper", daemon=True
+                )
+                self._thread.start()
+            elif wake:
+                self._cond.notify()
+
+    def _compact(self) -> None:
+        live = [e for e in self._heap if not getattr(e[2], "_done", False)]
+        heapq.heapify(live)
+        self._heap = live
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now:
+                        _, _, item = heapq.heappop(self._heap)
+                        break
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - now)
+            try:
+                again = item._keeper_tick(time.monotonic())
+            except Exception:  # the keeper must outlive any one lease's bug
+                log.exception("simple-mutex keeper: unexpected error while checking a lease")
+                continue
+            if again is not None:
+                self.watch(item, again)
+
+
+_keeper: Keeper | None = None
+_keeper_guard = threading.Lock()
+
+
+def keeper() -> Keeper:
+    """This process's keeper, created on first use."""
+    global _keeper
+    if _keeper is None:
+        with _keeper_guard:
+            if _keeper is None:
+                _keeper = Keeper()
+    return _keeper
+
+
+def _forget_after_fork() -> None:
+    # The parent's keeper thread does not exist here, and its lock may have been held at
+    # the instant of fork: start over.
+    global _keeper, _keeper_guard
+    _keeper = None
+    _keeper_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,102 @@
+"""Lock keys: the user's key kept verbatim, the cache key made safe and bounded.
+
+The cache key is ``prefix + encoded(key)``. Encoding keeps letters, digits and ``._-~:``
+and percent-encodes every other byte of the UTF-8 form, so no key can carry a glob
+(``* ? [ ]``: Redis patterns), a path step (``/``: files and S3 names), a hash-tag brace
+(``{ }``: Redis Cluster) or the ``#`` that separates semaphore slots. Past
+``MAX_KEY_CHARS`` the tail is replaced by a SHA-256 of the whole key, so keys stay bounded
+for every backend while distinct keys stay distinct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .errors import ConstraintError
+
+MAX_KEY_CHARS = 200
+_HEAD_CHARS = 120
+_SAFE = frozenset(string.ascii_letters + string.digits + "._-~:")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{0,64}")
+
+
+def check_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        raise ConstraintError(
+            f"prefix must be at most 64 characters from A-Z a-z 0-9 . _ : -, got {prefix!r}"
+        )
+    return prefix
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ConstraintError(
+            f"a lock key must be a non-empty str, got {key!r}; "
+            "build it from your arguments, e.g. key='order.{order_id}'"
+        )
+    return key
+
+
+def encode_key(key: str) -> str:
+    if all(c in _SAFE for c in key):
+        encoded = key
+    else:
+        encoded = "".join(
+            c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+            for c in key
+        )
+    if len(encoded) <= MAX_KEY_CHARS:
+        return encoded
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{encoded[:_HEAD_CHARS]}~{digest}"
+
+
+def slot_key(base: str, slot: int) -> str:
+    """The cache key of one permit slot. A mutex is a semaphore of one slot."""
+    return base if slot == 0 else f"{base}#{slot}"
+
+
+def template_fields(template: str) -> list[str]:
+    """The argument names a key template such as ``"order.{order.id}.{n}"`` refers to."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConstraintError(f"key template {template!r} is malformed: {exc}") from None
+    names: list[str] = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        root = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not root or root.isdigit():
+            raise ConstraintError(
+                f"key template {template!r} must name arguments, like 'order.{{order_id}}'"
+            )
+        names.append(root)
+    return names
+
+
+def check_template(template: str, parameters: Iterable[str], accepts_any: bool) -> None:
+    """Fail at decoration time when a template names an argument the function lacks."""
+    known = set(parameters)
+    missing = [name for name in template_fields(template) if name not in known]
+    if missing and not accepts_any:
+        raise ConstraintError(
+            f"key template {template!r} names {', '.join(missing)}, which the function "
+            f"does not take; its arguments are: {', '.join(sorted(known)) or '(none)'}"
+        )
+
+
+KeyFunction = Callable[..., str]
+
+
+def render_template(template: str, arguments: dict[str, Any]) -> str:
+    try:
+        return template.format_map(arguments)
+    except (KeyError, AttributeError, IndexError, ValueError) as exc:
+        raise ConstraintError(
+            f"key template {template!r} could not be filled from {sorted(arguments)}: {exc!r}"
+        ) from None

@@ -1,0 +1,220 @@
+"""Mutex and Semaphore: the user API over a cache. A mutex is a semaphore of one permit."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .caches.adapt import as_cache
+from .contract import Entry
+from .durations import Duration, positive_seconds, timeout_seconds
+from .engine import Flow, Get, Grant, acquire_flow, execute, run, run_async
+from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
+from .keys import check_key, check_prefix, encode_key, slot_key
+from .lease import Lease
+from .records import Holder, encode_record, holder_of, new_token
+
+DEFAULT_LEASE = 30 * 60.0
+DEFAULT_INTERVAL = 1.0
+MAX_PERMITS = 10_000
+
+T = TypeVar("T")
+
+_rng = random.Random()
+os.register_at_fork(after_in_child=_rng.seed)  # forked workers must not jitter in step
+
+
+class _LockSpace:
+    """Locks of ``permits`` slots per key, in one cache under one prefix."""
+
+    def __init__(
+        self,
+        cache: object,
+        *,
+        permits: int,
+        lease: Duration,
+        prefix: str,
+        interval: Duration,
+        label: str | None,
+    ) -> None:
+        if (
+            isinstance(permits, bool)
+            or not isinstance(permits, int)
+            or not (1 <= permits <= MAX_PERMITS)
+        ):
+            raise ConstraintError(
+                f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
+            )
+        if label is not None and not isinstance(label, str):
+            raise ConstraintError(f"label must be a str or None, got {label!r}")
+        self.cache = as_cache(cache)
+        self.permits = permits
+        self.lease = positive_seconds(lease, "lease")
+        self.interval = positive_seconds(interval, "interval")
+        self.prefix = check_prefix(prefix)
+        self.label = label
+
+    def _slot_keys(self, key: str) -> list[str]:
+        base = self.prefix + encode_key(check_key(key))
+        return [slot_key(base, slot) for slot in range(self.permits)]
+
+    def acquire(
+        self,
+        key: str,
+        *,
+        timeout: Duration | None = None,
+        interval: Duration | None = None,
+        renew: bool = False,
+        label: str | None = None,
+    ) -> Lease:
+        """Wait for the lock and return its Lease. ``timeout=None`` waits forever, ``0``
+        tries once; when the wait runs out it raises SimpleMutexAcquireTimeoutError.
+        ``renew=True`` keeps the lease alive from a background thread while it is held."""
+        attempt = self._attempt(key, timeout, interval, renew, label)
+        return attempt.lease(self._guard(key, lambda: run(self.cache, attempt.flow)))
+
+    async def acquire_async(
+        self,
+        key: str,
+        *,
+        timeout: Duration | None = None,
+        interval: Duration | None = None,
+        renew: bool = False,
+        label: str | None = None,
+    ) -> Lease:
+        """``acquire`` for asyncio: waiting does not block the event loop."""
+        attempt = self._attempt(key, timeout, interval, renew, label)
+        try:
+            grant = await run_async(self.cache, attempt.flow)
+        except MalfunctionError as exc:
+            exc.key = key
+            raise
+        return attempt.lease(grant)
+
+    def _attempt(
+        self,
+        key: str,
+        timeout: Duration | None,
+        interval: Duration | None,
+        renew: bool,
+        label: str | None,
+    ) -> _Attempt:
+        wait = timeout_seconds(timeout)
+        pause = self.interval if interval is None else positive_seconds(interval, "interval")
+        if not isinstance(renew, bool):
+            raise ConstraintError(f"renew must be True or False, got {renew!r}")
+        if label is not None and not isinstance(label, str):
+            raise ConstraintError(f"label must be a str or None, got {label!r}")
+        slot_keys = self._slot_keys(key)
+        token = new_token()
+        value = encode_record(token, self.label if label is None else label, time.time())
+        flow = acquire_flow(
+            key=key,
+            slot_keys=slot_keys,
+            value=value,
+            lease=self.lease,
+            timeout=wait,
+            interval=pause,
+            now=time.monotonic,
+            rng=_rng,
+        )
+        return _Attempt(self, key, slot_keys, token, value, renew, flow)
+
+    def try_acquire(self, key: str, *, renew: bool = False) -> Lease | None:
+        """One attempt: the Lease, or None if the lock is busy."""
+        try:
+            return self.acquire(key, timeout=0, renew=renew)
+        except SimpleMutexAcquireTimeoutError:
+            return None
+
+    def holders(self, key: str) -> list[Holder]:
+        """Who holds the key's permits now (never their tokens)."""
+        found = []
+        for slot, cache_key in enumerate(self._slot_keys(key)):
+            read = functools.partial(execute, self.cache, Get(cache_key))
+            entry: Entry | None = self._guard(key, read)
+            if entry is not None:
+                found.append(holder_of(entry, self.cache.name, key, slot))
+        return found
+
+    def holder(self, key: str) -> Holder | None:
+        """A holder of the key, or None when it is free."""
+        found = self.holders(key)
+        return found[0] if found else None
+
+    def locked(self, key: str) -> bool:
+        """True if an acquire now would have to wait (every permit is taken)."""
+        return len(self.holders(key)) >= self.permits
+
+    @staticmethod
+    def _guard(key: str, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except MalfunctionError as exc:
+            exc.key = key  # the user's key, verbatim, for grepping logs
+            raise
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One acquire in progress: its flow, and what the Lease needs once it is granted."""
+
+    space: _LockSpace
+    key: str
+    slot_keys: list[str]
+    token: str
+    value: str
+    renew: bool
+    flow: Flow
+
+    def lease(self, grant: Grant) -> Lease:
+        return Lease(
+            key=self.key,
+            cache=self.space.cache,
+            cache_key=self.slot_keys[grant.slot],
+            value=self.value,
+            token=self.token,
+            grant=grant,
+            length=self.space.lease,
+            renew=self.renew,
+        )
+
+
+class Mutex(_LockSpace):
+    """One holder per key at a time, in the scope of ``cache``."""
+
+    def __init__(
+        self,
+        cache: object,
+        *,
+        lease: Duration = DEFAULT_LEASE,
+        prefix: str = "mutex.",
+        interval: Duration = DEFAULT_INTERVAL,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(
+            cache, permits=1, lease=lease, prefix=prefix, interval=interval, label=label
+        )
+
+
+class Semaphore(_LockSpace):
+    """At most ``permits`` holders per key at a time; ``Lease.slot`` says which permit."""
+
+    def __init__(
+        self,
+        cache: object,
+        *,
+        permits: int,
+        lease: Duration = DEFAULT_LEASE,
+        prefix: str = "semaphore.",
+        interval: Duration = DEFAULT_INTERVAL,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(
+            cache, permits=permits, lease=lease, prefix=prefix, interval=interval, label=label
+        )

@@ -1,0 +1,90 @@
+"""The lock record a holder writes (JSON, never pickle) and what ``holder()`` shows of it.
+
+The record names the holder for people (host, pid, label, when) and carries the secret
+token that proves ownership. The token never leaves this module through ``Holder``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from .contract import Entry
+from .errors import MalfunctionError
+
+_HOST = socket.gethostname()
+
+
+def new_token() -> str:
+    """An unguessable owner token: 128 bits from ``secrets``."""
+    return secrets.token_urlsafe(16)
+
+
+def encode_record(token: str, label: str | None, acquired_at: float) -> str:
+    # host and pid are read at call time: a forked child is a different holder.
+    return json.dumps(
+        {
+            "v": 1,
+            "token": token,
+            "host": _HOST,
+            "pid": os.getpid(),
+            "label": label,
+            "acquired_at": round(acquired_at, 6),
+        },
+        separators=(",", ":"),
+    )
+
+
+def record_token(entry: Entry, cache_name: str, key: str) -> str:
+    return str(_decode(entry, cache_name, key)["token"])
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock, for people and dashboards. Never carries the token."""
+
+    host: str
+    pid: int
+    label: str | None
+    acquired_at: datetime
+    expires_at: datetime
+    fence: int
+    slot: int = 0
+
+
+def holder_of(entry: Entry, cache_name: str, key: str, slot: int) -> Holder:
+    record = _decode(entry, cache_name, key)
+    try:
+        return Holder(
+            host=str(record["host"]),
+            pid=int(record["pid"]),
+            label=None if record.get("label") is None else str(record["label"]),
+            acquired_at=datetime.fromtimestamp(float(record["acquired_at"]), timezone.utc),
+            expires_at=datetime.fromtimestamp(entry.expires_at, timezone.utc),
+            fence=entry.fence,
+            slot=slot,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MalfunctionError(
+            f"{cache_name} cache holds a malformed lock record for key {key!r}: {exc!r}",
+            key=key,
+        ) from None
+
+
+def _decode(entry: Entry, cache_name: str, key: str) -> dict[str, Any]:
+    try:
+        record = json.loads(entry.value)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("token"), str):
+        raise MalfunctionError(
+            f"{cache_name} cache holds a value for key {key!r} that is not a lock record; "
+            "is another program writing under the lock prefix?",
+            key=key,
+        )
+    return record
