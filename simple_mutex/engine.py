@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .contract import ConditionalCache, Entry
 from .errors import (
@@ -28,44 +27,56 @@ from .errors import (
     SimpleMutexError,
 )
 
+# Operations are small immutable values (NamedTuples: cheap to build on the hot path), each
+# knowing the one cache method it stands for.
 
-@dataclass(frozen=True)
-class Get:
+
+class Get(NamedTuple):
     key: str
 
+    def apply(self, cache: ConditionalCache) -> Entry | None:
+        return cache.get(self.key)
 
-@dataclass(frozen=True)
-class PutIfAbsent:
+
+class PutIfAbsent(NamedTuple):
     key: str
     value: str
     ttl: float
 
+    def apply(self, cache: ConditionalCache) -> Entry:
+        return cache.put_if_absent(self.key, self.value, ttl=self.ttl)
 
-@dataclass(frozen=True)
-class CompareAndSet:
+
+class CompareAndSet(NamedTuple):
     key: str
     value: str
     ttl: float
     version: str
 
+    def apply(self, cache: ConditionalCache) -> Entry:
+        return cache.compare_and_set(self.key, self.value, ttl=self.ttl, version=self.version)
 
-@dataclass(frozen=True)
-class CompareAndDelete:
+
+class CompareAndDelete(NamedTuple):
     key: str
     version: str
 
+    def apply(self, cache: ConditionalCache) -> None:
+        cache.compare_and_delete(self.key, version=self.version)
 
-@dataclass(frozen=True)
-class Wait:
+
+class Wait(NamedTuple):
     keys: tuple[str, ...]
     seconds: float
+
+    def apply(self, cache: ConditionalCache) -> None:
+        cache.wait(self.keys, self.seconds)
 
 
 Op = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait
 
 
-@dataclass(frozen=True)
-class Grant:
+class Grant(NamedTuple):
     slot: int
     entry: Entry
     started: float
@@ -135,15 +146,7 @@ def retry_renew_after(lease: float) -> float:
 def execute(cache: ConditionalCache, op: Op) -> Any:
     """Run one operation, mapping any stray driver error to a MalfunctionError."""
     try:
-        if isinstance(op, PutIfAbsent):
-            return cache.put_if_absent(op.key, op.value, ttl=op.ttl)
-        if isinstance(op, Get):
-            return cache.get(op.key)
-        if isinstance(op, CompareAndSet):
-            return cache.compare_and_set(op.key, op.value, ttl=op.ttl, version=op.version)
-        if isinstance(op, CompareAndDelete):
-            return cache.compare_and_delete(op.key, version=op.version)
-        return cache.wait(op.keys, op.seconds)
+        return op.apply(cache)
     except SimpleMutexError:
         raise
     except Exception as exc:
@@ -154,8 +157,7 @@ def execute(cache: ConditionalCache, op: Op) -> Any:
         ) from exc
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What an operation gave back to a flow: a result, or an error to throw into it."""
 
     result: Any = None

@@ -21,6 +21,7 @@ from .errors import ConstraintError
 MAX_KEY_CHARS = 200
 _HEAD_CHARS = 120
 _SAFE = frozenset(string.ascii_letters + string.digits + "._-~:")
+_SAFE_RE = re.compile(r"[A-Za-z0-9._~:-]*")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{0,64}")
 
 
@@ -42,7 +43,7 @@ def check_key(key: object) -> str:
 
 
 def encode_key(key: str) -> str:
-    if all(c in _SAFE for c in key):
+    if _SAFE_RE.fullmatch(key):
         encoded = key
     else:
         encoded = "".join(

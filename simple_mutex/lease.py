@@ -93,8 +93,12 @@ class Lease:
         self._length = length
         self._deadline = started + length
         self._renew_at = started + renew_after(length)
-        wall_start = time.time() - (time.monotonic() - started)
-        self.expires_at = datetime.fromtimestamp(wall_start + length, timezone.utc)
+        self._expires_wall = time.time() - (time.monotonic() - started) + length
+
+    @property
+    def expires_at(self) -> datetime:
+        """When the lease lapses unless renewed (UTC), as seen from this holder."""
+        return datetime.fromtimestamp(self._expires_wall, timezone.utc)
 
     @property
     def _done(self) -> bool:

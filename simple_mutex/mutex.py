@@ -7,8 +7,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from .caches.adapt import as_cache
 from .contract import Entry
@@ -160,8 +159,7 @@ class _LockSpace:
             raise
 
 
-@dataclass(frozen=True)
-class _Attempt:
+class _Attempt(NamedTuple):
     """One acquire in progress: its flow, and what the Lease needs once it is granted."""
 
     space: _LockSpace
