@@ -30,13 +30,14 @@ class Watched(Protocol):
 
 class Keeper:
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # entered directly on the hot path (watch)
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, Watched]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
 
     def watch(self, item: Watched, when: float) -> None:
-        with self._cond:
+        with self._lock:
             # Released leases leave stale entries behind (removal from a heap is O(n));
             # drop them in one pass when they pile up.
             if len(self._heap) > 1024 and len(self._heap) % 1024 == 0:
@@ -58,7 +59,7 @@ class Keeper:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while True:
                     now = time.monotonic()
                     if self._heap and self._heap[0][0] <= now:

@@ -27,10 +27,13 @@ class InMemoryCache:
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._cond = threading.Condition(threading.Lock())
+        # Enter the lock itself on hot paths: a Condition's own __enter__ is Python code.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
         self._counter = itertools.count(1)
         self._writes = 0
+        self._sleepers = 0
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
 
     def _live(self, key: str, now: float) -> Entry | None:
@@ -41,11 +44,11 @@ class InMemoryCache:
         return None
 
     def get(self, key: str) -> Entry | None:
-        with self._cond:
+        with self._lock:
             return self._live(key, self._clock())
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
-        with self._cond:
+        with self._lock:
             now = self._clock()
             current = self._live(key, now)
             if current is not None:
@@ -61,7 +64,7 @@ class InMemoryCache:
             return entry
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
-        with self._cond:
+        with self._lock:
             now = self._clock()
             current = self._live(key, now)
             if current is None or current.version != version:
@@ -71,28 +74,33 @@ class InMemoryCache:
             return entry
 
     def compare_and_delete(self, key: str, *, version: str) -> None:
-        with self._cond:
+        with self._lock:
             current = self._live(key, self._clock())
             if current is None or current.version != version:
                 raise SimpleCacheConditionError(f"memory: {key!r} is not at version {version}")
             del self._entries[key]
-            self._cond.notify_all()
+            if self._sleepers:  # notify_all is Python code: skip it when nobody waits
+                self._cond.notify_all()
             waiters, self._async_waiters = self._async_waiters, set()
         for loop, future in waiters:
             loop.call_soon_threadsafe(_resolve, future)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        with self._cond:
+        with self._lock:
             pause = self._pause(keys, timeout)
             if pause > 0:
-                self._cond.wait(pause)
+                self._sleepers += 1
+                try:
+                    self._cond.wait(pause)
+                finally:
+                    self._sleepers -= 1
 
     async def wait_async(self, keys: Sequence[str], timeout: float) -> None:
         """The asyncio form of ``wait``: parks on a future instead of a thread."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         waiter = (loop, future)
-        with self._cond:
+        with self._lock:
             pause = self._pause(keys, timeout)
             if pause <= 0:
                 return
@@ -102,7 +110,7 @@ class InMemoryCache:
         except asyncio.TimeoutError:
             pass
         finally:
-            with self._cond:
+            with self._lock:
                 self._async_waiters.discard(waiter)
 
     def _pause(self, keys: Sequence[str], timeout: float) -> float:
