@@ -32,7 +32,13 @@ def key_function(logic: Callable[..., Any], key: str | Callable[..., str]) -> Ca
         raise ConstraintError(
             f"key must be a template like 'order.{{order_id}}' or a callable, got {key!r}"
         )
-    signature = inspect.signature(logic)
+    try:
+        signature = inspect.signature(logic)
+    except (TypeError, ValueError):
+        raise ConstraintError(
+            f"key template {key!r} needs named arguments, but {logic!r} has no inspectable "
+            "signature; pass key as a callable instead"
+        ) from None
     params = signature.parameters.values()
     var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
     check_template(key, [p.name for p in params], accepts_any=var_keyword)

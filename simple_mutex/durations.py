@@ -35,7 +35,7 @@ def _to_seconds(value: object, name: str) -> float:
             f"{name} must be a duration (seconds, timedelta or {{'minutes': 5}}), not a bool"
         )
     if isinstance(value, (int, float)):
-        return float(value)
+        return _as_float(value)
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, Mapping):
@@ -48,12 +48,19 @@ def _to_seconds(value: object, name: str) -> float:
                 raise ConstraintError(f"{name} has unknown unit {unit!r}; use one of: {known}")
             if isinstance(amount, bool) or not isinstance(amount, (int, float)):
                 raise ConstraintError(f"{name}[{unit!r}] must be a number, got {amount!r}")
-            total += float(amount) * _UNIT_SECONDS[unit]
+            total += _as_float(amount) * _UNIT_SECONDS[unit]
         return total
     raise ConstraintError(
         f"{name} must be seconds (int/float), a timedelta or a mapping like "
         f"{{'minutes': 5}}, got {type(value).__name__}"
     )
+
+
+def _as_float(number: int | float) -> float:
+    try:
+        return float(number)
+    except OverflowError:  # an int beyond float range: out of bounds, reported as such
+        return math.inf
 
 
 def positive_seconds(value: object, name: str) -> float:

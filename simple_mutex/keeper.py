@@ -24,8 +24,10 @@ log = logging.getLogger("simple_mutex")
 
 
 class Watched(Protocol):
-    def _keeper_tick(self, now: float) -> float | None:
-        """Do what is due; return the next monotonic time to be called, or None when done."""
+    def _keeper_tick(self, now: float, when: float) -> float | None:
+        """Do what is due; return the next monotonic time to be called, or None when done.
+        ``when`` is the time this call was scheduled for: an item rescheduled earlier since
+        has two entries, and answers None to the stale one."""
 
 
 class Keeper:
@@ -53,7 +55,11 @@ class Keeper:
                 self._cond.notify()
 
     def _compact(self) -> None:
-        live = [e for e in self._heap if not getattr(e[2], "_done", False)]
+        live = [
+            e
+            for e in self._heap
+            if not getattr(e[2], "_done", False) and getattr(e[2], "_next_check", e[0]) == e[0]
+        ]
         heapq.heapify(live)
         self._heap = live
 
@@ -63,11 +69,11 @@ class Keeper:
                 while True:
                     now = time.monotonic()
                     if self._heap and self._heap[0][0] <= now:
-                        _, _, item = heapq.heappop(self._heap)
+                        when, _, item = heapq.heappop(self._heap)
                         break
                     self._cond.wait(None if not self._heap else self._heap[0][0] - now)
             try:
-                again = item._keeper_tick(time.monotonic())
+                again = item._keeper_tick(time.monotonic(), when)
             except Exception:  # the keeper must outlive any one lease's bug
                 log.exception("simple-mutex keeper: unexpected error while checking a lease")
                 continue

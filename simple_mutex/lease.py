@@ -83,9 +83,10 @@ class Lease:
         self._armed_thread: int | None = None
         self._interrupt_sent: type[LeaseInterrupt] | None = None
         self._on_lost: list[Callable[[], None]] = []
+        self._next_check: float | None = None
         self._set_deadline(grant.started, length)
         if renew:
-            keeper().watch(self, self._renew_at)
+            self._schedule(self._renew_at)
 
     # -- state --------------------------------------------------------------------------
 
@@ -175,6 +176,10 @@ class Lease:
             raise
         self._version = entry.version
         self._set_deadline(started, length)
+        if self._renew:
+            self._schedule(self._renew_at)
+        elif self._armed_thread is not None or self._on_lost:
+            self._schedule(self._deadline)
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss and interrupt the protected block (caller holds ``_lock``)."""
@@ -206,9 +211,19 @@ class Lease:
 
     # -- the keeper's side ------------------------------------------------------------
 
-    def _keeper_tick(self, now: float) -> float | None:
+    def _schedule(self, when: float) -> None:
+        """Ask the keeper to look at this lease by ``when`` (caller holds ``_lock``, or the
+        lease is new). A later check than the one booked needs nothing: that one comes
+        first and books the next."""
+        if self._next_check is None or when < self._next_check:
+            self._next_check = when
+            keeper().watch(self, when)
+
+    def _keeper_tick(self, now: float, when: float) -> float | None:
         with self._lock:
-            result = self._tick_locked(now)
+            if when != self._next_check:
+                return None  # superseded by an earlier booking
+            result = self._next_check = self._tick_locked(now)
         self._fire()
         return result
 
@@ -236,7 +251,7 @@ class Lease:
         with self._lock:
             self._on_lost.append(callback)
             if not self._renew:
-                keeper().watch(self, self._deadline)
+                self._schedule(self._deadline)
         self._fire()
 
     # -- context manager ----------------------------------------------------------------
@@ -248,7 +263,7 @@ class Lease:
             if self._lost_reason is None and not self._released:
                 self._armed_thread = threading.get_ident()
                 if not self._renew:
-                    keeper().watch(self, self._deadline)
+                    self._schedule(self._deadline)
                 return self
         if self._released:
             raise SimpleMutexLeaseExpiredError(

@@ -14,6 +14,11 @@ def as_cache(cache: object) -> ConditionalCache:
             f"cache must be a cache object, not the string {cache!r}; "
             "use cache_from_url(...) to build one from a URL"
         )
+    if isinstance(cache, type):
+        raise ConstraintError(
+            f"cache must be a cache instance, not the class {cache.__name__}; "
+            f"write {cache.__name__}(...)"
+        )
     if all(callable(getattr(cache, name, None)) for name in _CACHE_METHODS) and isinstance(
         getattr(cache, "name", None), str
     ):
