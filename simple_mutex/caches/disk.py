@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from simple_mutex import forksafe
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
@@ -68,6 +69,8 @@ class DiskCache:
     def __init__(
         self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
     ) -> None:
+        if not str(path):
+            raise ConstraintError("DiskCache needs a directory path, got an empty one")
         directory = Path(path)
         if directory.exists() and not directory.is_dir():
             raise ConstraintError(
@@ -85,9 +88,20 @@ class DiskCache:
         self._clock = clock
         self._guard = threading.Lock()
         self._conn: sqlite3.Connection | None = None
-        self._pid = 0
+        forksafe.register(self)
         with self._connection("open"):
             pass
+
+    def _before_fork(self) -> None:
+        # SQLite must not see a connection carried across fork(), even one the child never
+        # uses: its per-process lock bookkeeping would be copied in a state the child does
+        # not own (children then hung opening their own). Close it; it reopens on next use.
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _after_fork(self) -> None:
+        pass
 
     def _connect(self) -> sqlite3.Connection:
         # Autocommit: every statement is its own transaction. 10 s bounds a wait for the
@@ -104,10 +118,8 @@ class DiskCache:
     def _connection(self, operation: str) -> Iterator[sqlite3.Connection]:
         with self._guard:
             try:
-                # A connection must not cross fork(): the child opens its own.
-                if self._conn is None or self._pid != os.getpid():
+                if self._conn is None:
                     self._conn = self._connect()
-                    self._pid = os.getpid()
                 yield self._conn
             except sqlite3.Error as exc:
                 raise MalfunctionError(

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from simple_mutex import forksafe
 from simple_mutex.contract import Entry
 from simple_mutex.errors import SimpleCacheConditionError
 
@@ -28,13 +29,23 @@ class InMemoryCache:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         # Enter the lock itself on hot paths: a Condition's own __enter__ is Python code.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._guard = threading.Lock()
+        self._cond = threading.Condition(self._guard)
         self._entries: dict[str, Entry] = {}
         self._counter = itertools.count(1)
         self._writes = 0
         self._sleepers = 0
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+        forksafe.register(self)
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork(self) -> None:
+        # The parent's waiting threads and event loops do not exist here.
+        self._cond = threading.Condition(self._guard)
+        self._sleepers = 0
+        self._async_waiters = set()
 
     def _live(self, key: str, now: float) -> Entry | None:
         entry = self._entries.get(key)
@@ -44,11 +55,11 @@ class InMemoryCache:
         return None
 
     def get(self, key: str) -> Entry | None:
-        with self._lock:
+        with self._guard:
             return self._live(key, self._clock())
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
-        with self._lock:
+        with self._guard:
             now = self._clock()
             current = self._live(key, now)
             if current is not None:
@@ -64,7 +75,7 @@ class InMemoryCache:
             return entry
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
-        with self._lock:
+        with self._guard:
             now = self._clock()
             current = self._live(key, now)
             if current is None or current.version != version:
@@ -74,7 +85,7 @@ class InMemoryCache:
             return entry
 
     def compare_and_delete(self, key: str, *, version: str) -> None:
-        with self._lock:
+        with self._guard:
             current = self._live(key, self._clock())
             if current is None or current.version != version:
                 raise SimpleCacheConditionError(f"memory: {key!r} is not at version {version}")
@@ -86,7 +97,7 @@ class InMemoryCache:
             loop.call_soon_threadsafe(_resolve, future)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        with self._lock:
+        with self._guard:
             pause = self._pause(keys, timeout)
             if pause > 0:
                 self._sleepers += 1
@@ -100,7 +111,7 @@ class InMemoryCache:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         waiter = (loop, future)
-        with self._lock:
+        with self._guard:
             pause = self._pause(keys, timeout)
             if pause <= 0:
                 return
@@ -110,7 +121,7 @@ class InMemoryCache:
         except asyncio.TimeoutError:
             pass
         finally:
-            with self._lock:
+            with self._guard:
                 self._async_waiters.discard(waiter)
 
     def _pause(self, keys: Sequence[str], timeout: float) -> float:

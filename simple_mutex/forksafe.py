@@ -1,0 +1,67 @@
+"""Objects that hold thread locks must survive ``fork()`` in a usable state.
+
+``fork()`` copies only the calling thread. A lock another thread held at that instant
+stays held forever in the child, and a thread caught inside SQLite leaves SQLite's own
+mutexes held too: the child then hangs on its first lock operation. Celery's prefork pool
+and RQ's work horses fork from processes whose keeper thread may be inside a cache right
+then. So, around every fork, each registered object's guard is taken first (no thread is
+inside the object while the process is copied), released in the parent afterwards, and in
+the child the object gets ``_after_fork()`` to drop what belongs to the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Protocol
+
+
+class ForkAware(Protocol):
+    _guard: threading.Lock
+
+    def _before_fork(self) -> None:
+        """Called in the parent with ``_guard`` held, just before the process is copied."""
+
+    def _after_fork(self) -> None:
+        """Called in the child once its ``_guard`` is free again."""
+
+
+_objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+_registry_lock = threading.Lock()
+_held: list[ForkAware] = []
+
+
+def register(obj: ForkAware) -> None:
+    with _registry_lock:
+        _objects.add(obj)
+
+
+def _before_fork() -> None:
+    # Objects never take each other's guards, so taking them one by one cannot deadlock.
+    _registry_lock.acquire()
+    _held[:] = list(_objects)
+    for obj in _held:
+        obj._guard.acquire()
+        obj._before_fork()
+
+
+def _after_in_parent() -> None:
+    for obj in _held:
+        obj._guard.release()
+    _held.clear()
+    _registry_lock.release()
+
+
+def _after_in_child() -> None:
+    global _registry_lock
+    for obj in _held:
+        obj._guard.release()
+        obj._after_fork()
+    _held.clear()
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child
+)
