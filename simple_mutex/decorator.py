@@ -112,6 +112,14 @@ def with_simple_mutex(
     def decorate(fn: F) -> F:
         if not callable(fn):
             raise ConstraintError(f"with_simple_mutex wraps a function, got {fn!r}")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # The lock would be taken when the generator is created and freed before its
+            # body runs: it would protect nothing.
+            raise ConstraintError(
+                f"with_simple_mutex cannot guard the generator function {fn.__qualname__}: "
+                "its body runs after the call returns. Guard the code that consumes it, "
+                "or use `with mutex.acquire(key):` inside the generator"
+            )
         key_of = key_function(fn, key)
         if inspect.iscoroutinefunction(fn):
 

@@ -80,6 +80,7 @@ class Lease:
         self._lock = threading.Lock()
         self._released = False
         self._lost_reason: str | None = None
+        self._record_gone = False  # known freed or taken over: nothing left to release
         self._armed_thread: int | None = None
         self._interrupt_sent: type[LeaseInterrupt] | None = None
         self._on_lost: list[Callable[[], None]] = []
@@ -131,15 +132,20 @@ class Lease:
             if self._released:
                 return False
             self._released = True
-            if self._lost_reason is not None:
+            if self._record_gone:
                 return False
-            in_time = time.monotonic() < self._deadline
+            # A lapsed lease still frees its record if the cache kept it (the cache's clock
+            # may run behind ours): compare-and-delete cannot touch another holder's.
+            in_time = self._lost_reason is None and time.monotonic() < self._deadline
             try:
                 execute(self._cache, CompareAndDelete(self._cache_key, self._version))
             except SimpleCacheConditionError:
-                self._lost_reason = "taken over before release"
+                self._record_gone = True
+                self._lost_reason = self._lost_reason or "taken over before release"
                 return False
             except MalfunctionError as exc:
+                if not in_time:
+                    return False  # best effort: the lease was over anyway, and lapses alone
                 exc.key = self.key
                 raise
         log.debug("released %r (fence %d)", self.key, self.fence)
@@ -169,6 +175,7 @@ class Lease:
                 CompareAndSet(self._cache_key, self._value, length, self._version),
             )
         except SimpleCacheConditionError:
+            self._record_gone = True
             self._mark_lost("its record was gone or held by another owner at renewal")
             raise self._expired_error() from None
         except MalfunctionError as exc:

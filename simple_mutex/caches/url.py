@@ -14,7 +14,10 @@ _SCHEMES = "memory://, file:///path"
 
 
 def cache_from_url(url: str) -> ConditionalCache:
-    """``memory://`` (this process) or ``file:///var/lock/myapp`` (this machine)."""
+    """``memory://`` (this process) or ``file:///var/lock/myapp`` (this machine).
+
+    Each call builds a new cache: build it once and share it, since two ``memory://``
+    caches are two separate lock spaces."""
     if not isinstance(url, str):
         raise ConstraintError(f"cache URL must be a str like 'memory://', got {url!r}")
     parts = urlsplit(url)
@@ -27,8 +30,10 @@ def cache_from_url(url: str) -> ConditionalCache:
                 f"file URL {url!r} names host {parts.netloc!r}; a DiskCache is local, "
                 "write file:///absolute/path"
             )
-        if not parts.path:
-            raise ConstraintError(f"file URL {url!r} has no path; write file:///absolute/path")
+        if not parts.path.startswith("/"):
+            raise ConstraintError(
+                f"file URL {url!r} needs an absolute path; write file:///absolute/path"
+            )
         return DiskCache(unquote(parts.path))
     # Only the scheme is echoed: the rest of a URL may hold a password.
     raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {_SCHEMES}")
