@@ -1,0 +1,41 @@
+"""Shared fixtures for the core suites: fresh caches and unique keys.
+
+Nothing here is autouse, so backend suites written by others are not affected.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from simple_mutex import DiskCache, InMemoryCache
+
+
+@pytest.fixture
+def memory_cache() -> InMemoryCache:
+    """A fresh per-process cache."""
+    return InMemoryCache()
+
+
+@pytest.fixture
+def disk_cache(tmp_path: Path) -> DiskCache:
+    """A fresh per-machine cache in its own directory."""
+    return DiskCache(tmp_path / "locks")
+
+
+@pytest.fixture(params=["memory", "disk"])
+def any_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object]:
+    """Each local cache in turn, for API tests that must hold on every tier."""
+    if request.param == "memory":
+        yield InMemoryCache()
+    else:
+        yield DiskCache(tmp_path / "locks")
+
+
+@pytest.fixture
+def key() -> str:
+    """A lock key no other test uses."""
+    return f"test.{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,369 @@
+"""The contract suite every ConditionalCache must pass (see simple_mutex/contract.py).
+
+A backend's test module subclasses ``CacheContract`` and provides a ``cache`` fixture that
+yields a fresh, empty cache (or one whose keys cannot collide with other tests: use
+``unique_key``). Real time is used, with short TTLs, so the same suite runs against real
+servers; no test here sleeps more than about a second, and the class runs in a few seconds.
+
+Knobs a subclass may override for a slow or remote backend:
+
+``short_ttl``
+    The TTL of entries a test lets expire (seconds).
+``expiry_slack``
+    How long past ``short_ttl`` a test sleeps before it expects the entry gone (covers
+    a server that judges expiry by its own clock, or rounds TTLs to milliseconds).
+``clock_tolerance``
+    How far ``expires_at`` may sit from ``time.time() + ttl`` (clock skew to a server).
+``wait_slack``
+    How far past its timeout ``wait()`` may return (scheduling and round trips).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from simple_mutex import ConditionalCache, SimpleCacheConditionError
+from simple_mutex.contract import Entry
+
+
+def unique_key(name: str = "k") -> str:
+    return f"contract.{name}.{uuid.uuid4().hex}"
+
+
+class CacheContract:
+    """Subclass me and define a ``cache`` fixture."""
+
+    short_ttl: float = 0.2
+    expiry_slack: float = 0.1
+    clock_tolerance: float = 1.0
+    wait_slack: float = 0.15
+
+    @pytest.fixture
+    def cache(self) -> ConditionalCache:  # pragma: no cover - always overridden
+        raise NotImplementedError
+
+    def let_expire(self) -> None:
+        time.sleep(self.short_ttl + self.expiry_slack)
+
+    # -- the fixture itself -------------------------------------------------------------
+
+    def test_cache_has_a_name_and_the_five_methods(self, cache: ConditionalCache) -> None:
+        """The cache satisfies the runtime Protocol and names itself for error messages."""
+        assert isinstance(cache, ConditionalCache)
+        assert isinstance(cache.name, str)
+        assert cache.name
+
+    # -- get and put_if_absent ----------------------------------------------------------
+
+    def test_put_if_absent_then_get_returns_the_entry(self, cache: ConditionalCache) -> None:
+        """A first put wins, and get returns exactly what was written."""
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v1", ttl=30)
+        assert entry.value == "v1"
+        assert cache.get(key) == entry
+
+    def test_get_of_an_absent_key_is_none(self, cache: ConditionalCache) -> None:
+        """A key never written reads as None."""
+        assert cache.get(unique_key()) is None
+
+    def test_values_round_trip_byte_for_byte(self, cache: ConditionalCache) -> None:
+        """JSON with quotes, backslashes and non-ASCII text comes back unchanged."""
+        key = unique_key()
+        value = '{"token":"a\\"b","host":"h\\u00e9","label":"Grüße ☃ \\n"}'
+        cache.put_if_absent(key, value, ttl=30)
+        got = cache.get(key)
+        assert got is not None
+        assert got.value == value
+
+    def test_second_put_if_absent_loses(self, cache: ConditionalCache) -> None:
+        """Put-if-absent on a live key raises the condition error."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.put_if_absent(key, "v2", ttl=30)
+        assert cache.get(key) == first
+
+    def test_put_of_the_identical_value_returns_the_existing_entry_unchanged(
+        self, cache: ConditionalCache
+    ) -> None:
+        """Repeating our own put (a lost reply) returns the existing entry, unchanged."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "same", ttl=30)
+        again = cache.put_if_absent(key, "same", ttl=30)
+        assert again == first
+        assert cache.get(key) == first
+
+    def test_put_if_absent_on_an_expired_key_wins(self, cache: ConditionalCache) -> None:
+        """An expired entry counts as absent: a new put takes the key over."""
+        key = unique_key()
+        cache.put_if_absent(key, "old", ttl=self.short_ttl)
+        self.let_expire()
+        entry = cache.put_if_absent(key, "new", ttl=30)
+        assert entry.value == "new"
+        assert cache.get(key) == entry
+
+    def test_put_if_absent_on_a_freed_key_wins(self, cache: ConditionalCache) -> None:
+        """A key freed by compare_and_delete can be taken again at once."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        cache.compare_and_delete(key, version=first.version)
+        entry = cache.put_if_absent(key, "v2", ttl=30)
+        assert cache.get(key) == entry
+        assert entry.value == "v2"
+
+    def test_get_returns_none_for_an_expired_entry(self, cache: ConditionalCache) -> None:
+        """An entry past its TTL is not returned, though nobody deleted it."""
+        key = unique_key()
+        cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        assert cache.get(key) is not None
+        self.let_expire()
+        assert cache.get(key) is None
+
+    def test_keys_are_independent(self, cache: ConditionalCache) -> None:
+        """Keys sharing a prefix, or differing by '#', '%', '~', ':', are independent."""
+        base = unique_key()
+        keys = [base, base + "#1", base + "#2", base + "%2F", base + "~x", base + ":y"]
+        entries = [cache.put_if_absent(k, f"v{i}", ttl=30) for i, k in enumerate(keys)]
+        for key, entry in zip(keys, entries, strict=True):
+            assert cache.get(key) == entry
+        cache.compare_and_delete(base, version=entries[0].version)
+        assert cache.get(base) is None
+        for key, entry in zip(keys[1:], entries[1:], strict=True):
+            assert cache.get(key) == entry
+
+    def test_expires_at_is_now_plus_ttl_in_unix_seconds(self, cache: ConditionalCache) -> None:
+        """expires_at is a Unix timestamp about ttl seconds ahead of the wall clock."""
+        key = unique_key()
+        before = time.time()
+        entry = cache.put_if_absent(key, "v1", ttl=30)
+        after = time.time()
+        assert isinstance(entry.expires_at, float)
+        assert before + 30 - self.clock_tolerance <= entry.expires_at
+        assert entry.expires_at <= after + 30 + self.clock_tolerance
+        got = cache.get(key)
+        assert got is not None
+        assert got.expires_at == pytest.approx(entry.expires_at, abs=0.01)
+
+    def test_entry_fields_have_the_documented_types(self, cache: ConditionalCache) -> None:
+        """value str, version str, fence int (not bool), expires_at float."""
+        entry = cache.put_if_absent(unique_key(), "v1", ttl=30)
+        assert isinstance(entry, Entry)
+        assert isinstance(entry.value, str)
+        assert isinstance(entry.version, str)
+        assert entry.version
+        assert type(entry.fence) is int
+        assert entry.fence >= 1
+
+    # -- fences -------------------------------------------------------------------------
+
+    def test_fence_strictly_increases_across_put_delete_put(self, cache: ConditionalCache) -> None:
+        """Releasing a key does not restart its fence: each new grant has a larger one."""
+        key = unique_key()
+        fences = []
+        for i in range(4):
+            entry = cache.put_if_absent(key, f"v{i}", ttl=30)
+            fences.append(entry.fence)
+            cache.compare_and_delete(key, version=entry.version)
+        assert fences == sorted(set(fences))
+        assert len(set(fences)) == 4
+
+    def test_fence_strictly_increases_across_expiry_and_put(self, cache: ConditionalCache) -> None:
+        """An expired key taken over gets a larger fence than the holder it replaced."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        self.let_expire()
+        second = cache.put_if_absent(key, "v2", ttl=30)
+        assert second.fence > first.fence
+
+    def test_losing_put_does_not_consume_the_fence(self, cache: ConditionalCache) -> None:
+        """A failed put leaves the live entry's fence alone (the next grant is still larger)."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.put_if_absent(key, "v2", ttl=30)
+        got = cache.get(key)
+        assert got is not None
+        assert got.fence == first.fence
+        cache.compare_and_delete(key, version=first.version)
+        assert cache.put_if_absent(key, "v3", ttl=30).fence > first.fence
+
+    # -- compare_and_set ----------------------------------------------------------------
+
+    def test_compare_and_set_keeps_fence_and_changes_version(self, cache: ConditionalCache) -> None:
+        """A CAS on the current version keeps the fence and gets a new version."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        second = cache.compare_and_set(key, "v2", ttl=30, version=first.version)
+        assert second.value == "v2"
+        assert second.fence == first.fence
+        assert second.version != first.version
+        assert cache.get(key) == second
+
+    def test_compare_and_set_with_the_same_value_still_changes_version(
+        self, cache: ConditionalCache
+    ) -> None:
+        """A renewal writes the identical record; its version must change all the same."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "same", ttl=30)
+        second = cache.compare_and_set(key, "same", ttl=30, version=first.version)
+        assert second.version != first.version
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "same", ttl=30, version=first.version)
+
+    def test_compare_and_set_restarts_expiry(self, cache: ConditionalCache) -> None:
+        """After a CAS with a fresh TTL the entry outlives its original expiry."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        time.sleep(self.short_ttl * 0.6)
+        second = cache.compare_and_set(key, "v2", ttl=self.short_ttl * 4, version=first.version)
+        assert second.expires_at > first.expires_at
+        time.sleep(self.short_ttl * 0.6 + self.expiry_slack)  # past the first expiry
+        assert cache.get(key) == second
+
+    def test_compare_and_set_sets_expiry_to_now_plus_the_new_ttl(
+        self, cache: ConditionalCache
+    ) -> None:
+        """The new TTL replaces the old one (it may also shorten it)."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        before = time.time()
+        second = cache.compare_and_set(key, "v2", ttl=300, version=first.version)
+        assert second.expires_at >= before + 300 - self.clock_tolerance
+        third = cache.compare_and_set(key, "v3", ttl=5, version=second.version)
+        assert third.expires_at <= time.time() + 5 + self.clock_tolerance
+
+    def test_compare_and_set_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
+        """A CAS naming another version fails and leaves the entry as it was."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "v2", ttl=30, version=first.version + "x")
+        assert cache.get(key) == first
+
+    def test_compare_and_set_misses_on_a_stale_version(self, cache: ConditionalCache) -> None:
+        """After one CAS, the version it replaced no longer matches."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        second = cache.compare_and_set(key, "v2", ttl=30, version=first.version)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "v3", ttl=30, version=first.version)
+        assert cache.get(key) == second
+
+    def test_compare_and_set_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
+        """A CAS on a key never written fails and does not create it."""
+        key = unique_key()
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "v1", ttl=30, version="1")
+        assert cache.get(key) is None
+
+    def test_compare_and_set_misses_on_a_freed_key(self, cache: ConditionalCache) -> None:
+        """A CAS with the version a key had before it was freed fails; the key stays free."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        cache.compare_and_delete(key, version=first.version)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
+        assert cache.get(key) is None
+
+    def test_compare_and_set_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
+        """A CAS cannot resurrect an expired entry, even with its own version."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        self.let_expire()
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
+        assert cache.get(key) is None
+
+    # -- compare_and_delete -------------------------------------------------------------
+
+    def test_compare_and_delete_frees_the_key(self, cache: ConditionalCache) -> None:
+        """Deleting with the current version frees the key: get reads None."""
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v1", ttl=30)
+        assert cache.compare_and_delete(key, version=entry.version) is None
+        assert cache.get(key) is None
+
+    def test_compare_and_delete_twice_misses_the_second_time(self, cache: ConditionalCache) -> None:
+        """A second delete with the same version finds nothing to free."""
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v1", ttl=30)
+        cache.compare_and_delete(key, version=entry.version)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(key, version=entry.version)
+
+    def test_compare_and_delete_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
+        """A delete naming another version fails and leaves the entry in place."""
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v1", ttl=30)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(key, version=entry.version + "x")
+        assert cache.get(key) == entry
+
+    def test_compare_and_delete_with_a_pre_renewal_version_misses(
+        self, cache: ConditionalCache
+    ) -> None:
+        """After a CAS, the old version can no longer delete the entry."""
+        key = unique_key()
+        first = cache.put_if_absent(key, "v1", ttl=30)
+        second = cache.compare_and_set(key, "v1", ttl=30, version=first.version)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(key, version=first.version)
+        assert cache.get(key) == second
+        cache.compare_and_delete(key, version=second.version)
+        assert cache.get(key) is None
+
+    def test_compare_and_delete_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
+        """Deleting a key never written fails."""
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(unique_key(), version="1")
+
+    def test_compare_and_delete_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
+        """An expired entry cannot be deleted by its old holder, even with its version."""
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        self.let_expire()
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(key, version=entry.version)
+
+    def test_stale_holder_cannot_delete_the_new_holders_entry(
+        self, cache: ConditionalCache
+    ) -> None:
+        """After expiry and takeover, the old version never frees the new holder's entry."""
+        key = unique_key()
+        old = cache.put_if_absent(key, "old", ttl=self.short_ttl)
+        self.let_expire()
+        new = cache.put_if_absent(key, "new", ttl=30)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(key, version=old.version)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "old", ttl=30, version=old.version)
+        assert cache.get(key) == new
+
+    # -- wait ---------------------------------------------------------------------------
+
+    def test_wait_returns_within_its_timeout_on_a_held_key(self, cache: ConditionalCache) -> None:
+        """wait() on a key nobody frees comes back by its timeout (early is allowed)."""
+        key = unique_key()
+        cache.put_if_absent(key, "v1", ttl=30)
+        start = time.monotonic()
+        cache.wait([key], 0.2)
+        assert time.monotonic() - start <= 0.2 + self.wait_slack
+
+    def test_wait_with_a_tiny_timeout_returns_promptly(self, cache: ConditionalCache) -> None:
+        """wait() with a near-zero timeout does not block."""
+        key = unique_key()
+        cache.put_if_absent(key, "v1", ttl=30)
+        start = time.monotonic()
+        cache.wait([key], 0.001)
+        assert time.monotonic() - start <= self.wait_slack
+
+    def test_wait_on_several_keys_returns_within_its_timeout(self, cache: ConditionalCache) -> None:
+        """wait() accepts several keys (semaphore slots), some free, and stays bounded."""
+        base = unique_key()
+        cache.put_if_absent(base, "v1", ttl=30)
+        start = time.monotonic()
+        cache.wait([base, base + "#1", base + "#2"], 0.2)
+        assert time.monotonic() - start <= 0.2 + self.wait_slack

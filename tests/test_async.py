@@ -1,0 +1,326 @@
+"""with_simple_mutex on ``async def`` functions and Mutex.acquire_async: serialization
+without blocking the loop, cancellation on a lapsed lease, and release on cancellation.
+Each test drives its own loop with asyncio.run (no pytest plugin)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from simple_mutex import (
+    MalfunctionError,
+    Mutex,
+    Semaphore,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+    with_simple_mutex,
+)
+from simple_mutex.caches import InMemoryCache
+
+LIMIT = 10.0  # no test here should come near it; a broken release fails instead of hanging
+
+
+def run(coro):
+    """asyncio.run with a hard bound, so a lock that is never released fails the test."""
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
+
+
+def test_async_functions_on_one_key_serialize(any_cache):
+    """Concurrent calls on one key never overlap; calls on other keys still run."""
+    active = 0
+    peak = 0
+    order: list[tuple[str, int]] = []
+
+    @with_simple_mutex(key="a.{n}", cache=any_cache, interval=0.01, timeout=5)
+    async def work(n, tag):
+        nonlocal active, peak
+        if n == 1:
+            active += 1
+            peak = max(peak, active)
+        order.append(("in", tag))
+        await asyncio.sleep(0.03)
+        order.append(("out", tag))
+        if n == 1:
+            active -= 1
+        return tag
+
+    async def main():
+        return await asyncio.gather(*(work(1, t) for t in range(4)), work(2, 99))
+
+    start = time.monotonic()
+    results = run(main())
+    assert results == [0, 1, 2, 3, 99]
+    assert peak == 1
+    same_key = [event for event in order if event[1] != 99]
+    for i in range(0, len(same_key), 2):  # strictly in, out, in, out...
+        assert same_key[i][0] == "in"
+        assert same_key[i + 1] == ("out", same_key[i][1])
+    assert time.monotonic() - start >= 0.12
+
+
+def test_waiting_for_a_lock_does_not_block_the_event_loop(memory_cache, key):
+    """While one coroutine waits on a held key, other coroutines keep running."""
+    mutex = Mutex(memory_cache)
+    held = mutex.acquire(key)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        for _ in range(5):
+            await asyncio.sleep(0.02)
+            ticks += 1
+        await asyncio.to_thread(held.release)
+
+    async def main():
+        lease_task = asyncio.ensure_future(mutex.acquire_async(key, timeout=5, interval=10))
+        await ticker()
+        return await lease_task
+
+    start = time.monotonic()
+    lease = run(main())
+    assert ticks == 5
+    assert lease.fence > held.fence
+    assert time.monotonic() - start < 1.0  # woken by the release, not a 10 s poll
+
+
+def test_acquire_async_timeout_raises(memory_cache, key):
+    """acquire_async on a busy key raises SimpleMutexAcquireTimeoutError after ~timeout."""
+    mutex = Mutex(memory_cache)
+    mutex.acquire(key)
+
+    async def main():
+        await mutex.acquire_async(key, timeout=0.1, interval=0.02)
+
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
+        run(main())
+    assert 0.09 <= time.monotonic() - start < 1.0
+    assert info.value.key == key
+
+
+def test_lapsed_lease_cancels_the_coroutine_and_raises(memory_cache):
+    """A lapse mid-call cancels the coroutine, raises LeaseExpired, and frees the lock."""
+    events = []
+
+    @with_simple_mutex(key="slow", cache=memory_cache, lease=0.2)
+    async def slow():
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+        events.append("finished")  # pragma: no cover
+
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError) as info:
+        run(slow())
+    assert time.monotonic() - start < 1.5
+    assert events == ["cancelled"]
+    assert info.value.key == "slow"
+    # Free now, or at the latest when the cache's own expiry passes a moment later.
+    assert Mutex(memory_cache).acquire("slow", timeout=1).release() is True
+
+
+def test_renew_true_keeps_an_async_call_protected(memory_cache):
+    """renew=True keeps a 0.2 s lease alive across a 0.6 s coroutine."""
+    probe = Mutex(memory_cache)
+
+    @with_simple_mutex(key="renewed", cache=memory_cache, lease=0.2, renew=True)
+    async def long_call():
+        seen = []
+        for _ in range(6):
+            await asyncio.sleep(0.1)
+            seen.append(probe.locked("renewed"))
+        return seen
+
+    assert run(long_call()) == [True] * 6
+    assert not probe.locked("renewed")
+
+
+def test_cancelling_the_caller_releases_the_lock(memory_cache):
+    """A caller cancelled while inside the guarded coroutine frees the lock."""
+    probe = Mutex(memory_cache)
+
+    @with_simple_mutex(key="cancel-me", cache=memory_cache)
+    async def hang(inside):
+        inside.set()
+        await asyncio.sleep(30)
+
+    async def main():
+        inside = asyncio.Event()
+        task = asyncio.ensure_future(hang(inside))
+        await asyncio.wait_for(inside.wait(), 5)
+        assert probe.locked("cancel-me")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    start = time.monotonic()
+    run(main())
+    assert time.monotonic() - start < 2
+    assert not probe.locked("cancel-me")
+
+
+def test_cancelling_a_caller_that_waits_for_the_lock_leaves_no_lock_behind(memory_cache, key):
+    """A caller cancelled while waiting neither takes nor disturbs the lock."""
+    mutex = Mutex(memory_cache)
+    held = mutex.acquire(key)
+
+    async def main():
+        task = asyncio.ensure_future(mutex.acquire_async(key, timeout=5, interval=0.01))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    assert mutex.holder(key).fence == held.fence  # type: ignore[union-attr]
+    held.release()
+    assert not mutex.locked(key)
+
+
+def test_async_body_exception_propagates_and_releases(memory_cache):
+    """An exception from the coroutine comes out unchanged and the key is freed."""
+
+    @with_simple_mutex(key="err", cache=memory_cache)
+    async def fail():
+        await asyncio.sleep(0)
+        raise LookupError("nope")
+
+    with pytest.raises(LookupError, match="nope"):
+        run(fail())
+    assert not Mutex(memory_cache).locked("err")
+
+
+def test_async_template_key_applies_defaults(memory_cache):
+    """An async function's template key binds like a sync one: f(1) == f(phone=1)."""
+    probe = Mutex(memory_cache)
+    seen = []
+
+    @with_simple_mutex(key="phone.{phone}.{region}", cache=memory_cache, timeout=0)
+    async def call(phone, region="eu"):
+        seen.append(probe.locked("phone.1.eu"))
+
+    async def main():
+        await call(1)
+        await call(phone=1)
+
+    run(main())
+    assert seen == [True, True]
+
+
+def test_async_wrapper_keeps_metadata_and_stays_a_coroutine_function(memory_cache):
+    """The async wrapper is itself an ``async def`` with the original's metadata."""
+
+    async def original(a):
+        """Doc."""
+        return a
+
+    wrapped = with_simple_mutex(original, key="m.{a}", cache=memory_cache)
+    assert asyncio.iscoroutinefunction(wrapped)
+    assert wrapped.__name__ == "original"
+    assert wrapped.__doc__ == "Doc."
+    assert run(wrapped(3)) == 3
+
+
+def test_async_acquire_on_a_broken_cache_raises_malfunction_with_the_key():
+    """A cache fault during acquire_async surfaces as MalfunctionError carrying the key."""
+
+    class Broken(InMemoryCache):
+        name = "broken"
+
+        def put_if_absent(self, key, value, *, ttl):
+            raise OSError("down")
+
+        def get(self, key):
+            raise OSError("down")
+
+    mutex = Mutex(Broken())
+    with pytest.raises(MalfunctionError) as info:
+        run(mutex.acquire_async("order.7", timeout=0))
+    assert info.value.key == "order.7"
+    assert "broken" in str(info.value)
+
+
+def test_cancelled_acquire_whose_put_lands_late_leaves_no_orphan_lock(key):
+    """A caller cancelled while its put is in flight leaves no orphan lock behind."""
+
+    class SlowPut(InMemoryCache):
+        def put_if_absent(self, key, value, *, ttl):
+            time.sleep(0.1)  # the reply is slow; the write lands after the cancel
+            return super().put_if_absent(key, value, ttl=ttl)
+
+    cache = SlowPut()
+    mutex = Mutex(cache)
+
+    async def main():
+        task = asyncio.ensure_future(mutex.acquire_async(key, timeout=5))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    assert mutex.holder(key) is None
+    assert mutex.try_acquire(key) is not None
+
+
+def test_async_renewal_failure_cancels_the_coroutine(memory_cache):
+    """With renew=True, a renewal finding the record gone cancels the coroutine."""
+    events = []
+
+    @with_simple_mutex(key="renew-lost", cache=memory_cache, lease=0.3, renew=True)
+    async def work():
+        entry = memory_cache.get("mutex.renew-lost")
+        memory_cache.compare_and_delete("mutex.renew-lost", version=entry.version)
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        run(work())
+    assert time.monotonic() - start < 1.5
+    assert events == ["cancelled"]
+
+
+def test_async_semaphore_bounds_concurrency(memory_cache, key):
+    """Semaphore.acquire_async lets at most ``permits`` coroutines in at once."""
+    sem = Semaphore(memory_cache, permits=2)
+    active = 0
+    peak = 0
+
+    async def worker():
+        nonlocal active, peak
+        lease = await sem.acquire_async(key, timeout=5, interval=0.01)
+        try:
+            active += 1
+            peak = max(peak, active)
+            await asyncio.sleep(0.05)
+            active -= 1
+        finally:
+            await asyncio.to_thread(lease.release)
+
+    async def main():
+        await asyncio.gather(*(worker() for _ in range(6)))
+
+    run(main())
+    assert peak == 2
+    assert not sem.locked(key)
+
+
+def test_lapsed_async_call_frees_a_record_the_cache_still_holds():
+    """After a lapse cancels the call, our record is freed even if the cache says it lives."""
+    frozen = InMemoryCache(clock=lambda: 1_000_000.0)  # the cache's clock lags ours
+
+    @with_simple_mutex(key="lagging", cache=frozen, lease=0.2)
+    async def slow():
+        await asyncio.sleep(5)
+
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        run(slow())
+    assert not Mutex(frozen).locked("lagging"), "the lapsed holder left its record behind"

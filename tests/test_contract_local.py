@@ -1,0 +1,209 @@
+"""The cache contract run against the local caches, plus InMemoryCache's notification:
+a release wakes waiters at once (threads and asyncio), and no wake-up is ever lost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from contract import CacheContract, unique_key
+
+from simple_mutex import DiskCache, InMemoryCache, SimpleCacheConditionError
+
+# How soon after a release a notified waiter must be running again. A poll would take the
+# whole wait timeout (5 s below); a notification takes microseconds. 50 ms leaves room for
+# a loaded 2-core machine while still telling the two apart by two orders of magnitude.
+WAKE_BOUND = 0.05
+LONG_WAIT = 5.0
+
+
+class TestInMemoryCacheContract(CacheContract):
+    """InMemoryCache passes the shared contract."""
+
+    @pytest.fixture
+    def cache(self) -> InMemoryCache:
+        return InMemoryCache()
+
+
+class TestDiskCacheContract(CacheContract):
+    """DiskCache passes the shared contract."""
+
+    @pytest.fixture
+    def cache(self, tmp_path: Path) -> DiskCache:
+        return DiskCache(tmp_path / "locks")
+
+
+def test_disk_cache_entries_are_shared_between_instances_on_one_directory(tmp_path: Path):
+    """Two DiskCaches on one directory (as two processes) share entries and fences."""
+    a = DiskCache(tmp_path / "locks")
+    b = DiskCache(tmp_path / "locks")
+    key = unique_key()
+    entry = a.put_if_absent(key, "v1", ttl=30)
+    assert b.get(key) == entry
+    with pytest.raises(SimpleCacheConditionError):
+        b.put_if_absent(key, "v2", ttl=30)
+    b.compare_and_delete(key, version=entry.version)
+    assert a.get(key) is None
+    assert b.put_if_absent(key, "v3", ttl=30).fence > entry.fence
+
+
+def release_later(cache: InMemoryCache, key: str, version: str, after: float) -> list[float]:
+    """Free ``key`` from another thread after ``after`` seconds; the list gets the time."""
+    released: list[float] = []
+
+    def go() -> None:
+        time.sleep(after)
+        released.append(time.monotonic())
+        cache.compare_and_delete(key, version=version)
+
+    threading.Thread(target=go, daemon=True).start()
+    return released
+
+
+def test_memory_wait_wakes_within_milliseconds_of_a_release_by_another_thread():
+    """wait() is woken by the release itself (a notification), not by a poll or timeout."""
+    cache = InMemoryCache()
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v1", ttl=60)
+    released = release_later(cache, key, entry.version, after=0.05)
+    cache.wait([key], LONG_WAIT)
+    woke = time.monotonic()
+    assert released, "wait() returned before the release: it did not wait at all"
+    assert woke - released[0] < WAKE_BOUND
+
+
+def test_memory_wait_on_a_semaphore_wakes_when_any_slot_frees():
+    """A waiter on several slots is woken by the release of any one of them."""
+    cache = InMemoryCache()
+    base = unique_key()
+    keys = [base, base + "#1", base + "#2"]
+    entries = [cache.put_if_absent(k, "v", ttl=60) for k in keys]
+    released = release_later(cache, keys[2], entries[2].version, after=0.05)
+    cache.wait(keys, LONG_WAIT)
+    woke = time.monotonic()
+    assert released
+    assert woke - released[0] < WAKE_BOUND
+
+
+def test_memory_wait_returns_at_once_when_a_key_is_already_free():
+    """No lost wake-up: a release that happened before wait() was entered still counts."""
+    cache = InMemoryCache()
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v1", ttl=60)
+    cache.compare_and_delete(key, version=entry.version)  # released before we wait
+    start = time.monotonic()
+    cache.wait([key], LONG_WAIT)
+    assert time.monotonic() - start < WAKE_BOUND
+    held = unique_key()
+    cache.put_if_absent(held, "v1", ttl=60)
+    start = time.monotonic()
+    cache.wait([held, key], LONG_WAIT)  # one of the keys is free
+    assert time.monotonic() - start < WAKE_BOUND
+
+
+def test_memory_wait_returns_when_the_entry_expires():
+    """Expiry frees a key without any release: wait() must not sleep past it."""
+    cache = InMemoryCache()
+    key = unique_key()
+    cache.put_if_absent(key, "v1", ttl=0.1)
+    start = time.monotonic()
+    cache.wait([key], LONG_WAIT)
+    assert time.monotonic() - start < 0.1 + WAKE_BOUND + 0.1
+
+
+def test_memory_wait_async_is_woken_by_a_release_from_another_thread():
+    """wait_async parks on the event loop and wakes as soon as a thread releases."""
+    cache = InMemoryCache()
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v1", ttl=60)
+
+    async def main() -> tuple[list[float], float]:
+        released = release_later(cache, key, entry.version, after=0.05)
+        await cache.wait_async([key], LONG_WAIT)
+        return released, time.monotonic()
+
+    released, woke = asyncio.run(main())
+    assert released, "wait_async returned before the release"
+    assert woke - released[0] < WAKE_BOUND
+
+
+def test_memory_wait_async_does_not_block_the_event_loop():
+    """While one coroutine waits on a key, other coroutines keep running."""
+    cache = InMemoryCache()
+    key = unique_key()
+    cache.put_if_absent(key, "v1", ttl=60)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    async def main() -> None:
+        await asyncio.gather(cache.wait_async([key], 0.3), ticker())
+
+    asyncio.run(main())
+    assert ticks == 10
+
+
+def test_memory_wait_async_returns_at_once_when_a_key_is_free():
+    """wait_async on a free key returns without waiting (no lost wake-up)."""
+    cache = InMemoryCache()
+
+    async def main() -> float:
+        start = time.monotonic()
+        await cache.wait_async([unique_key()], LONG_WAIT)
+        return time.monotonic() - start
+
+    assert asyncio.run(main()) < WAKE_BOUND
+
+
+def test_memory_fence_survives_dropping_freed_keys():
+    """InMemoryCache drops freed keys, yet a key's next grant still has a larger fence."""
+    cache = InMemoryCache()
+    key = unique_key()
+    first = cache.put_if_absent(key, "v1", ttl=60)
+    cache.compare_and_delete(key, version=first.version)
+    assert cache.get(key) is None
+    for i in range(50):  # other keys' traffic in between must not reset anything
+        other = unique_key()
+        entry = cache.put_if_absent(other, f"o{i}", ttl=60)
+        cache.compare_and_delete(other, version=entry.version)
+    assert cache.put_if_absent(key, "v2", ttl=60).fence > first.fence
+
+
+class SettableClock:
+    """A wall clock that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_expiry_follows_the_caches_own_clock(kind: str, tmp_path: Path):
+    """Expiry follows the cache's clock: live until it passes expires_at, then gone."""
+    clock = SettableClock()
+    cache = InMemoryCache(clock=clock) if kind == "memory" else DiskCache(tmp_path, clock=clock)
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v1", ttl=10)
+    assert entry.expires_at == clock.now + 10
+    clock.now += 9.999
+    assert cache.get(key) == entry
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "v2", ttl=10)
+    renewed = cache.compare_and_set(key, "v1", ttl=10, version=entry.version)
+    clock.now += 9.999  # past the first expiry, inside the renewed one
+    assert cache.get(key) == renewed
+    clock.now += 0.002
+    assert cache.get(key) is None
+    with pytest.raises(SimpleCacheConditionError):
+        cache.compare_and_delete(key, version=renewed.version)
+    taken = cache.put_if_absent(key, "v2", ttl=10)
+    assert taken.fence > entry.fence

@@ -1,0 +1,353 @@
+"""with_simple_mutex on plain functions: keys from templates (defaults applied) or
+callables, both decorator forms, metadata, busy keys, and exclusion between threads."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from simple_mutex import (
+    ConstraintError,
+    Mutex,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+    with_simple_mutex,
+)
+
+
+def held_keys(mutex: Mutex, candidates: list[str]) -> list[str]:
+    return [k for k in candidates if mutex.locked(k)]
+
+
+def test_template_key_is_filled_from_bound_arguments_with_defaults(memory_cache):
+    """f(1), f(phone=1) and f(1, 'eu') all lock 'phone.1.eu'; f(1, 'us') locks another."""
+    probe = Mutex(memory_cache)
+    candidates = ["phone.1.eu", "phone.1.us", "phone.{phone}.{region}", "phone.1.{region}"]
+    seen: list[list[str]] = []
+
+    @with_simple_mutex(key="phone.{phone}.{region}", cache=memory_cache, timeout=0)
+    def call(phone, region="eu"):
+        seen.append(held_keys(probe, candidates))
+        return phone
+
+    assert call(1) == 1
+    call(phone=1)
+    call(1, "eu")
+    call(region="eu", phone=1)
+    call(1, region="us")
+    assert seen == [["phone.1.eu"]] * 4 + [["phone.1.us"]]
+    assert held_keys(probe, candidates) == []  # all released
+
+
+def test_positional_and_keyword_calls_exclude_each_other(memory_cache):
+    """While f(1) runs, f(phone=1) from another thread finds the same key busy."""
+    inside = threading.Event()
+    leave = threading.Event()
+
+    @with_simple_mutex(key="phone.{phone}", cache=memory_cache, timeout=0)
+    def call(phone, note="x"):
+        inside.set()
+        assert leave.wait(5)
+
+    worker = threading.Thread(target=call, args=(1,), daemon=True)
+    worker.start()
+    try:
+        assert inside.wait(5)
+        with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
+            call(phone=1, note="y")
+        assert info.value.key == "phone.1"
+    finally:
+        leave.set()
+        worker.join(5)
+    call(phone=1)  # free again
+
+
+def test_template_may_reach_into_attributes(memory_cache):
+    """'{order.id}' formats an attribute of the argument."""
+
+    @dataclass
+    class Order:
+        id: int
+
+    probe = Mutex(memory_cache)
+    seen = []
+
+    @with_simple_mutex(key="order.{order.id}", cache=memory_cache)
+    def ship(order):
+        seen.append(probe.locked("order.17"))
+
+    ship(Order(17))
+    assert seen == [True]
+
+
+def test_callable_key_receives_the_call_arguments(memory_cache):
+    """A callable key gets the same arguments as the function and names the lock."""
+    probe = Mutex(memory_cache)
+    calls = []
+    seen = []
+
+    def key_of(a, b=2, **extra):
+        calls.append((a, b, extra))
+        return f"sum.{a + b}"
+
+    @with_simple_mutex(key=key_of, cache=memory_cache)
+    def add(a, b=2, **extra):
+        seen.append(probe.locked(f"sum.{a + b}"))
+        return a + b
+
+    assert add(1, b=5, c=3) == 6
+    assert calls == [(1, 5, {"c": 3})]
+    assert seen == [True]
+
+
+def test_callable_key_returning_a_non_string_is_refused(memory_cache):
+    """A key function returning a non-str raises ConstraintError before the body runs."""
+    ran = []
+
+    @with_simple_mutex(key=lambda n: n, cache=memory_cache)
+    def work(n):
+        ran.append(n)
+
+    with pytest.raises(ConstraintError, match="non-empty str"):
+        work(5)
+    assert ran == []
+
+
+def test_template_naming_a_missing_argument_fails_at_decoration(memory_cache):
+    """A template field the function does not take is a ConstraintError at decoration."""
+    with pytest.raises(ConstraintError, match="phone"):
+
+        @with_simple_mutex(key="phone.{phone}", cache=memory_cache)
+        def call(number):
+            pass  # pragma: no cover
+
+
+def test_template_with_var_keyword_is_filled_from_kwargs(memory_cache):
+    """With **kwargs, a template field may come from any keyword argument."""
+    probe = Mutex(memory_cache)
+    seen = []
+
+    @with_simple_mutex(key="job.{name}.{n}", cache=memory_cache)
+    def run(n=0, **kwargs):
+        seen.append(probe.locked(f"job.{kwargs['name']}.{n}"))
+
+    run(name="sync")
+    run(n=3, name="sync")
+    assert seen == [True, True]
+    with pytest.raises(ConstraintError, match="name"):
+        run(n=1)  # no 'name' given: the key cannot be built
+
+
+def test_arguments_that_do_not_fit_raise_constraint_error(memory_cache):
+    """Calling with arguments the signature rejects fails before locking anything."""
+
+    @with_simple_mutex(key="x.{a}", cache=memory_cache)
+    def f(a):
+        pass  # pragma: no cover
+
+    with pytest.raises(ConstraintError, match="do not fit"):
+        f(1, 2)
+
+
+def test_direct_form_and_factory_form_both_guard(memory_cache):
+    """with_simple_mutex(fn, ...) and @with_simple_mutex(...) both lock the key."""
+    probe = Mutex(memory_cache)
+    seen = []
+
+    def body():
+        seen.append(probe.locked("direct"))
+
+    direct = with_simple_mutex(body, key="direct", cache=memory_cache)
+    direct()
+
+    @with_simple_mutex(key="direct", cache=memory_cache)
+    def factory():
+        seen.append(probe.locked("direct"))
+
+    factory()
+    assert seen == [True, True]
+
+
+def test_wraps_keeps_function_metadata(memory_cache):
+    """The wrapper keeps name, qualname, doc, module and __wrapped__."""
+
+    def original(a: int, b: str = "x") -> str:
+        """Original docstring."""
+        return b * a
+
+    wrapped = with_simple_mutex(original, key="m.{a}", cache=memory_cache)
+    assert wrapped.__name__ == "original"
+    assert wrapped.__qualname__ == original.__qualname__
+    assert wrapped.__doc__ == "Original docstring."
+    assert wrapped.__module__ == original.__module__
+    assert wrapped.__wrapped__ is original  # type: ignore[attr-defined]
+    assert wrapped(2, "ab") == "abab"
+
+
+def test_timeout_zero_on_a_busy_key_raises_acquire_timeout(memory_cache):
+    """A call with timeout=0 while another holder has the key raises at once."""
+    ran = []
+
+    @with_simple_mutex(key="busy.{n}", cache=memory_cache, timeout=0)
+    def work(n):
+        ran.append(n)
+
+    holder = Mutex(memory_cache).acquire("busy.1")
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
+        work(1)
+    assert time.monotonic() - start < 0.5
+    assert info.value.key == "busy.1"
+    assert ran == []
+    work(2)  # another key is free
+    holder.release()
+    work(1)
+    assert ran == [2, 1]
+
+
+def test_body_exception_propagates_and_releases(memory_cache):
+    """An exception from the function comes out unchanged and the key is freed."""
+
+    @with_simple_mutex(key="err", cache=memory_cache)
+    def fail():
+        raise LookupError("nope")
+
+    with pytest.raises(LookupError, match="nope"):
+        fail()
+    assert not Mutex(memory_cache).locked("err")
+
+
+def test_lease_lapse_interrupts_the_function(memory_cache):
+    """A function running past its lease is interrupted with SimpleMutexLeaseExpiredError."""
+
+    @with_simple_mutex(key="slow", cache=memory_cache, lease=0.2)
+    def slow():
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            pass
+
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError) as info:
+        slow()
+    assert time.monotonic() - start < 1.5
+    assert info.value.key == "slow"
+
+
+def test_renew_true_lets_the_function_outlive_its_lease(memory_cache):
+    """renew=True keeps a 0.2 s lease alive through a 0.6 s call."""
+
+    @with_simple_mutex(key="long", cache=memory_cache, lease=0.2, renew=True)
+    def long_call():
+        time.sleep(0.6)
+        return "done"
+
+    assert long_call() == "done"
+
+
+def test_threads_incrementing_a_counter_end_exact_with_zero_overlaps(memory_cache):
+    """Read-modify-write under the decorator from many threads: exact count, no overlap."""
+    state = {"count": 0}
+    intervals: list[tuple[float, float]] = []
+
+    @with_simple_mutex(key="counter", cache=memory_cache, interval=0.01, timeout=5)
+    def increment():
+        start = time.perf_counter()
+        value = state["count"]
+        time.sleep(0.0005)  # invite a race if the lock did not hold
+        state["count"] = value + 1
+        intervals.append((start, time.perf_counter()))
+
+    def worker():
+        for _ in range(25):
+            increment()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert state["count"] == 100
+    intervals.sort()
+    overlaps = [(a, b) for a, b in itertools.pairwise(intervals) if b[0] < a[1]]
+    assert overlaps == []
+
+
+def test_decorating_a_non_callable_is_refused(memory_cache):
+    """The factory form applied to a non-function raises ConstraintError."""
+    decorate = with_simple_mutex(key="k", cache=memory_cache)
+    with pytest.raises(ConstraintError, match="wraps a function"):
+        decorate(42)  # type: ignore[type-var]
+
+
+def test_decorated_method_keys_from_self_attributes(memory_cache):
+    """On a method, a template can use self's attributes; instances lock separately."""
+    probe = Mutex(memory_cache)
+    seen = []
+
+    class Account:
+        def __init__(self, number):
+            self.number = number
+
+        @with_simple_mutex(key="acct.{self.number}", cache=memory_cache)
+        def settle(self):
+            seen.append(held_keys(probe, ["acct.1", "acct.2"]))
+
+    Account(1).settle()
+    Account(2).settle()
+    assert seen == [["acct.1"], ["acct.2"]]
+
+
+def test_partial_objects_can_be_wrapped(memory_cache):
+    """Callables without __name__ quirks (functools.partial) still get guarded."""
+    probe = Mutex(memory_cache)
+    seen = []
+
+    def body(a, b):
+        seen.append(probe.locked(f"p.{a}"))
+        return a + b
+
+    guarded = with_simple_mutex(functools.partial(body, b=1), key="p.{a}", cache=memory_cache)
+    assert guarded(4) == 5
+    assert seen == [True]
+
+
+def guard_generator(cache, kind: str) -> list[bool]:
+    """Decorate a (sync or async) generator that reports whether its lock is held while
+    its body runs, and run it to the end."""
+    probe = Mutex(cache)
+    if kind == "sync":
+
+        @with_simple_mutex(key="gen", cache=cache, timeout=0)
+        def gen():
+            yield probe.locked("gen")
+
+        return list(gen())
+
+    @with_simple_mutex(key="gen", cache=cache, timeout=0)
+    async def agen():
+        yield probe.locked("gen")
+
+    async def consume():
+        return [x async for x in agen()]
+
+    return asyncio.run(consume())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_generator_bodies_never_run_unprotected(memory_cache, kind):
+    """A decorated generator is refused, or its body runs under the lock; never unlocked."""
+    refusal: ConstraintError | None = None
+    try:
+        seen = guard_generator(memory_cache, kind)
+    except ConstraintError as exc:
+        refusal = exc
+    if refusal is not None:
+        assert "generator" in str(refusal)
+    else:
+        assert seen == [True], "the generator body ran without the lock"

@@ -1,0 +1,505 @@
+"""Unit tests of the lock engine: acquire flows driven on a fake clock, no real sleeps.
+
+A flow yields cache operations; the fake driver below answers them from a script and
+advances the fake clock by each ``Wait`` (and, when asked, by a fixed cost per write), so
+deadlines, jitter and slot order are checked exactly and instantly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from simple_mutex import (
+    InMemoryCache,
+    MalfunctionError,
+    SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+)
+from simple_mutex.contract import Entry
+from simple_mutex.engine import (
+    CompareAndDelete,
+    CompareAndSet,
+    Get,
+    Grant,
+    PutIfAbsent,
+    Wait,
+    acquire_flow,
+    execute,
+    poll_pause,
+    run,
+    run_async,
+)
+
+VALUE = '{"token":"ours"}'
+OTHER = '{"token":"theirs"}'
+
+
+class FakeClock:
+    """A monotonic clock that only moves when told to."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def entry_for(op: PutIfAbsent, fence: int = 7) -> Entry:
+    return Entry(op.value, f"v{fence}", fence, 1e9)
+
+
+class Driver:
+    """Runs a flow to its end. ``answer(op)`` returns the op's result or raises the error
+    the cache would raise; Wait ops advance the clock by their seconds and are recorded
+    with the time remaining when they were issued."""
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        answer: Callable[[Any], Any],
+        *,
+        write_cost: float = 0.0,
+        max_ops: int = 100_000,
+    ) -> None:
+        self.clock = clock
+        self.answer = answer
+        self.write_cost = write_cost
+        self.max_ops = max_ops
+        self.ops: list[Any] = []
+        self.issued_at: list[float] = []
+
+    def drive(self, flow: Any) -> Grant:
+        op = next(flow)
+        while True:
+            assert len(self.ops) < self.max_ops, "flow never finished"
+            self.ops.append(op)
+            self.issued_at.append(self.clock.t)
+            if type(op) is Wait:
+                assert op.seconds > 0, f"non-positive wait {op}"
+                self.clock.t += op.seconds
+                result, error = None, None
+            else:
+                self.clock.t += self.write_cost
+                try:
+                    result, error = self.answer(op), None
+                except (SimpleCacheConditionError, MalfunctionError) as exc:
+                    result, error = None, exc
+            try:
+                op = flow.throw(error) if error is not None else flow.send(result)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+
+    def waits(self) -> list[Wait]:
+        return [op for op in self.ops if type(op) is Wait]
+
+    def puts(self) -> list[PutIfAbsent]:
+        return [op for op in self.ops if type(op) is PutIfAbsent]
+
+
+def flow(
+    clock: FakeClock,
+    *,
+    slot_keys: Sequence[str] = ("mutex.k",),
+    timeout: float | None = 10.0,
+    interval: float = 1.0,
+    lease: float = 30.0,
+    seed: int = 1,
+) -> Any:
+    return acquire_flow(
+        key="k",
+        slot_keys=list(slot_keys),
+        value=VALUE,
+        lease=lease,
+        timeout=timeout,
+        interval=interval,
+        now=clock,
+        rng=random.Random(seed),
+    )
+
+
+def busy(op: Any) -> Any:
+    if type(op) is PutIfAbsent:
+        raise SimpleCacheConditionError("held")
+    raise AssertionError(f"unexpected op {op!r}")
+
+
+# -- grant -----------------------------------------------------------------------------
+
+
+def test_free_key_is_granted_on_the_first_put():
+    """A free key costs exactly one put-if-absent carrying our value and the lease."""
+    clock = FakeClock()
+    driver = Driver(clock, entry_for)
+    grant = driver.drive(flow(clock, lease=12.5))
+    assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 12.5)]
+    assert type(driver.ops[0]) is PutIfAbsent
+    assert grant.slot == 0
+    assert grant.entry == Entry(VALUE, "v7", 7, 1e9)
+
+
+def test_grant_started_is_taken_before_the_winning_put():
+    """Grant.started is the clock just before the winning write, not after it returned."""
+    clock = FakeClock()
+    answers = iter([SimpleCacheConditionError("held"), None])
+
+    def answer(op: Any) -> Any:
+        error = next(answers)
+        if error is not None:
+            raise error
+        return entry_for(op)
+
+    driver = Driver(clock, answer, write_cost=0.25)
+    grant = driver.drive(flow(clock))
+    winning = max(i for i, op in enumerate(driver.ops) if type(op) is PutIfAbsent)
+    assert grant.started == driver.issued_at[winning]
+    assert grant.started < clock.t  # the write itself took time after it
+    assert grant.started > 1000.0  # and it is not the start of the whole flow
+
+
+def test_grant_started_precedes_the_put_even_when_resolved_by_read_back():
+    """After an ambiguous put resolved by a read-back, started is still before the put."""
+    clock = FakeClock()
+
+    def answer(op: Any) -> Any:
+        if type(op) is PutIfAbsent:
+            raise MalfunctionError("timed out")
+        return Entry(VALUE, "v3", 3, 1e9)
+
+    driver = Driver(clock, answer, write_cost=0.5)
+    grant = driver.drive(flow(clock))
+    assert grant.started == 1000.0
+    assert clock.t == 1001.0  # the put and the get each cost 0.5
+
+
+# -- timeout ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("timeout", "interval", "seed"),
+    [(10.0, 1.0, 1), (2.5, 1.0, 2), (0.3, 1.0, 3), (7.0, 0.7, 4), (1.0, 0.001, 5)],
+)
+def test_busy_key_times_out_exactly_at_the_deadline(timeout, interval, seed):
+    """Waits never overrun the time left, sum to the timeout, and a last try ends it."""
+    clock = FakeClock()
+    driver = Driver(clock, busy)
+    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
+        driver.drive(flow(clock, timeout=timeout, interval=interval, seed=seed))
+    deadline = 1000.0 + timeout
+    for op, at in zip(driver.ops, driver.issued_at, strict=True):
+        if type(op) is Wait:
+            assert op.seconds <= deadline - at + 1e-9
+    assert sum(w.seconds for w in driver.waits()) == pytest.approx(timeout, abs=1e-9)
+    assert clock.t == pytest.approx(deadline, abs=1e-9)
+    assert type(driver.ops[-1]) is PutIfAbsent  # one last try once the deadline arrived
+    assert info.value.key == "k"
+    assert "timeout" in str(info.value)
+
+
+def test_timeout_zero_tries_once_without_waiting():
+    """timeout=0 makes one put and raises, never yielding a Wait."""
+    clock = FakeClock()
+    driver = Driver(clock, busy)
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        driver.drive(flow(clock, timeout=0))
+    assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 30.0)]
+    assert clock.t == 1000.0
+
+
+def test_timeout_zero_on_a_semaphore_tries_every_slot_once():
+    """timeout=0 on N slots makes exactly N puts, one per slot, and no Wait."""
+    clock = FakeClock()
+    slots = [f"s#{i}" for i in range(5)]
+    driver = Driver(clock, busy)
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        driver.drive(flow(clock, slot_keys=slots, timeout=0))
+    assert driver.waits() == []
+    assert sorted(op.key for op in driver.puts()) == sorted(slots)
+
+
+def test_timeout_none_keeps_waiting_until_the_key_frees():
+    """timeout=None never gives up: it waits through hundreds of polls, then wins."""
+    clock = FakeClock()
+    tries = 0
+
+    def answer(op: Any) -> Any:
+        nonlocal tries
+        tries += 1
+        if tries < 500:
+            raise SimpleCacheConditionError("held")
+        return entry_for(op)
+
+    driver = Driver(clock, answer)
+    grant = driver.drive(flow(clock, timeout=None, interval=1.0))
+    assert grant.slot == 0
+    assert len(driver.waits()) == 499
+    assert clock.t - 1000.0 > 200  # far past any default-looking bound
+
+
+def test_wait_names_every_slot_key():
+    """A Wait lists all slot keys, so a release of any permit can wake the waiter."""
+    clock = FakeClock()
+    slots = ["a", "a#1", "a#2"]
+    driver = Driver(clock, busy)
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        driver.drive(flow(clock, slot_keys=slots, timeout=3.0))
+    assert driver.waits()
+    assert all(w.keys == tuple(slots) for w in driver.waits())
+
+
+# -- jitter ----------------------------------------------------------------------------
+
+
+def test_poll_pause_stays_within_half_and_one_and_a_half_intervals():
+    """Jittered pauses lie in [0.5, 1.5] x interval and actually spread over that range."""
+    rng = random.Random(42)
+    pauses = [poll_pause(2.0, rng) for _ in range(5000)]
+    assert all(1.0 <= p <= 3.0 for p in pauses)
+    assert min(pauses) < 1.1
+    assert max(pauses) > 2.9
+
+
+def test_waits_in_a_flow_are_jittered_within_bounds():
+    """Without a deadline, every Wait is 0.5x..1.5x interval and they are not all equal."""
+    clock = FakeClock()
+    tries = 0
+
+    def answer(op: Any) -> Any:
+        nonlocal tries
+        tries += 1
+        if tries <= 200:
+            raise SimpleCacheConditionError("held")
+        return entry_for(op)
+
+    driver = Driver(clock, answer)
+    driver.drive(flow(clock, timeout=None, interval=0.4, seed=9))
+    seconds = [w.seconds for w in driver.waits()]
+    assert len(seconds) == 200
+    assert all(0.2 <= s <= 0.6 for s in seconds)
+    assert len(set(seconds)) > 150
+
+
+def test_waiters_with_different_seeds_do_not_stay_in_step():
+    """Two waiters started together poll at different times (the point of jitter)."""
+    waits = []
+    for seed in (1, 2):
+        clock = FakeClock()
+        driver = Driver(clock, busy)
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            driver.drive(flow(clock, timeout=20.0, seed=seed))
+        waits.append([w.seconds for w in driver.waits()[:5]])
+    assert waits[0] != waits[1]
+
+
+# -- semaphore slots -------------------------------------------------------------------
+
+
+def rounds_of_puts(ops: list[Any]) -> list[list[str]]:
+    """Split the op log into the puts made between consecutive Waits."""
+    rounds: list[list[str]] = [[]]
+    for op in ops:
+        if type(op) is Wait:
+            rounds.append([])
+        else:
+            rounds[-1].append(op.key)
+    return [r for r in rounds if r]
+
+
+def test_semaphore_tries_every_slot_once_per_round_in_cyclic_order():
+    """Between two Waits each slot is tried exactly once, walking cyclically from a start."""
+    clock = FakeClock()
+    slots = [f"s#{i}" for i in range(4)]
+    driver = Driver(clock, busy)
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        driver.drive(flow(clock, slot_keys=slots, timeout=30.0, seed=3))
+    rounds = rounds_of_puts(driver.ops)
+    assert len(rounds) > 10
+    for keys in rounds:
+        assert sorted(keys) == sorted(slots)
+        first = slots.index(keys[0])
+        assert keys == [slots[(first + i) % 4] for i in range(4)]
+
+
+def test_semaphore_start_slot_is_random():
+    """The first slot tried varies across attempts, covering every slot."""
+    clock = FakeClock()
+    slots = [f"s#{i}" for i in range(4)]
+    driver = Driver(clock, busy)
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        driver.drive(flow(clock, slot_keys=slots, timeout=200.0, seed=11))
+    starts = [keys[0] for keys in rounds_of_puts(driver.ops)]
+    assert set(starts) == set(slots)
+
+
+def test_semaphore_grants_the_first_free_slot_it_reaches():
+    """With some slots busy, the grant names the free slot and its entry."""
+    clock = FakeClock()
+    slots = ["s", "s#1", "s#2"]
+
+    def answer(op: Any) -> Any:
+        if op.key != "s#2":
+            raise SimpleCacheConditionError("held")
+        return entry_for(op, fence=40)
+
+    for seed in range(6):
+        driver = Driver(clock, answer)
+        grant = driver.drive(flow(clock, slot_keys=slots, seed=seed))
+        assert grant.slot == 2
+        assert grant.entry.fence == 40
+        assert driver.waits() == []
+
+
+# -- ambiguous writes ------------------------------------------------------------------
+
+
+def test_ambiguous_put_whose_read_back_shows_our_value_is_granted():
+    """A MalfunctionError on put followed by a Get showing our value counts as granted."""
+    clock = FakeClock()
+    ours = Entry(VALUE, "v5", 5, 1e9)
+
+    def answer(op: Any) -> Any:
+        if type(op) is PutIfAbsent:
+            raise MalfunctionError("reply lost")
+        assert type(op) is Get
+        return ours
+
+    driver = Driver(clock, answer)
+    grant = driver.drive(flow(clock))
+    assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 30.0), Get("mutex.k")]
+    assert type(driver.ops[1]) is Get
+    assert grant.entry == ours
+    assert grant.slot == 0
+
+
+@pytest.mark.parametrize("seen", [Entry(OTHER, "v9", 9, 1e9), None])
+def test_ambiguous_put_whose_read_back_shows_another_value_reraises(seen):
+    """A Get showing someone else's value (or nothing) re-raises the original fault."""
+    clock = FakeClock()
+    fault = MalfunctionError("reply lost")
+
+    def answer(op: Any) -> Any:
+        if type(op) is PutIfAbsent:
+            raise fault
+        return seen
+
+    driver = Driver(clock, answer)
+    with pytest.raises(MalfunctionError) as info:
+        driver.drive(flow(clock))
+    assert info.value is fault
+    assert [type(op) for op in driver.ops] == [PutIfAbsent, Get]
+
+
+def test_ambiguous_put_on_a_semaphore_reads_back_the_same_slot():
+    """The read-back targets the slot whose put failed ambiguously."""
+    clock = FakeClock()
+    slots = ["s", "s#1", "s#2"]
+
+    def answer(op: Any) -> Any:
+        if type(op) is PutIfAbsent:
+            raise MalfunctionError("reply lost")
+        return Entry(VALUE, "v1", 1, 1e9)
+
+    driver = Driver(clock, answer)
+    grant = driver.drive(flow(clock, slot_keys=slots, seed=5))
+    put, get = driver.ops
+    assert get == Get(put.key)
+    assert slots[grant.slot] == put.key
+
+
+# -- the blocking and asyncio drivers against a real cache -----------------------------
+
+
+def real_flow(keys: Sequence[str], *, timeout: float | None, value: str = VALUE) -> Any:
+    return acquire_flow(
+        key="k",
+        slot_keys=list(keys),
+        value=value,
+        lease=30.0,
+        timeout=timeout,
+        interval=0.05,
+        now=FakeClock(),
+        rng=random.Random(0),
+    )
+
+
+def test_run_grants_on_a_free_in_memory_key_and_times_out_on_a_held_one():
+    """run() writes the record into the cache; a second run with timeout=0 is refused."""
+    cache = InMemoryCache()
+    grant = run(cache, real_flow(["mutex.k"], timeout=0))
+    assert cache.get("mutex.k") == grant.entry
+    assert grant.entry.value == VALUE
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        run(cache, real_flow(["mutex.k"], timeout=0, value=OTHER))
+    assert cache.get("mutex.k") == grant.entry
+
+
+def test_run_executes_waits_and_retries_after_a_release():
+    """run() passes Wait ops to the cache and tries again; a release during the wait wins."""
+
+    class ReleasingCache(InMemoryCache):
+        def __init__(self) -> None:
+            super().__init__()
+            self.waits: list[tuple[tuple[str, ...], float]] = []
+            self.blocker = self.put_if_absent("mutex.k", OTHER, ttl=60)
+
+        def wait(self, keys: Sequence[str], timeout: float) -> None:
+            self.waits.append((tuple(keys), timeout))
+            self.compare_and_delete("mutex.k", version=self.blocker.version)
+
+    cache = ReleasingCache()
+    grant = run(cache, real_flow(["mutex.k"], timeout=None))
+    assert len(cache.waits) == 1
+    assert cache.waits[0][0] == ("mutex.k",)
+    assert grant.entry.value == VALUE
+    assert grant.entry.fence > cache.blocker.fence
+
+
+def test_run_async_grants_on_an_in_memory_key():
+    """The asyncio driver runs the same flow to the same grant."""
+    cache = InMemoryCache()
+    grant = asyncio.run(run_async(cache, real_flow(["mutex.k"], timeout=0)))
+    assert cache.get("mutex.k") == grant.entry
+
+
+class BrokenCache(InMemoryCache):
+    """A cache whose driver leaks raw OSErrors (a backend that forgot to map them)."""
+
+    name = "brokencache"
+
+    def get(self, key: str) -> Entry | None:
+        raise OSError("disk on fire")
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        raise OSError("connection reset")
+
+
+def test_execute_maps_a_stray_driver_error_to_malfunction_naming_cache_and_operation():
+    """An OSError from a cache's get becomes a MalfunctionError naming cache and op."""
+    with pytest.raises(MalfunctionError) as info:
+        execute(BrokenCache(), Get("mutex.k"))
+    message = str(info.value)
+    assert "brokencache" in message
+    assert "Get" in message
+    assert "mutex.k" in message
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_execute_passes_condition_errors_through_unwrapped():
+    """A cache's own SimpleCacheConditionError is not turned into a malfunction."""
+    cache = InMemoryCache()
+    with pytest.raises(SimpleCacheConditionError):
+        execute(cache, CompareAndDelete("absent", "v1"))
+    with pytest.raises(SimpleCacheConditionError):
+        execute(cache, CompareAndSet("absent", VALUE, 1.0, "v1"))
+
+
+def test_run_against_a_broken_cache_raises_malfunction_not_oserror():
+    """A put that leaks OSError, then a read-back that does too, ends in MalfunctionError."""
+    with pytest.raises(MalfunctionError) as info:
+        run(BrokenCache(), real_flow(["mutex.k"], timeout=None))
+    assert "brokencache" in str(info.value)
+    assert not isinstance(info.value, OSError)

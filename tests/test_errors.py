@@ -1,0 +1,153 @@
+"""The error tree: hierarchy, ``.key`` carried verbatim, and pickling (Celery and RQ
+serialize exceptions), including the per-lease interrupt raised inside a block."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+
+import simple_mutex
+from simple_mutex import (
+    ConstraintError,
+    InMemoryCache,
+    MalfunctionError,
+    Mutex,
+    SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexError,
+    SimpleMutexLeaseExpiredError,
+)
+from simple_mutex.interrupt import LeaseInterrupt
+
+ERRORS = [
+    SimpleMutexError,
+    ConstraintError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+]
+WEIRD_KEY = "order/ü {42}*#%"
+
+
+@pytest.mark.parametrize("cls", ERRORS)
+@pytest.mark.parametrize("key", [WEIRD_KEY, None])
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_every_error_pickles_round_trip(cls, key, protocol):
+    """Each error class survives pickling with its type, message and key."""
+    error = cls("something broke; do this instead", key=key)
+    copy = pickle.loads(pickle.dumps(error, protocol=protocol))
+    assert type(copy) is cls
+    assert str(copy) == "something broke; do this instead"
+    assert copy.message == error.message
+    assert copy.key == key
+
+
+@pytest.mark.parametrize("cls", ERRORS)
+def test_every_error_is_exported_and_rooted(cls):
+    """Every error is importable from simple_mutex and derives from SimpleMutexError."""
+    assert getattr(simple_mutex, cls.__name__) is cls
+    assert issubclass(cls, SimpleMutexError)
+    assert issubclass(cls, Exception)
+
+
+def test_hierarchy_matches_the_design():
+    """Timeout and lease loss are ConstraintErrors (timeout also TimeoutError); faults not."""
+    assert issubclass(SimpleMutexAcquireTimeoutError, ConstraintError)
+    assert issubclass(SimpleMutexAcquireTimeoutError, TimeoutError)
+    assert issubclass(SimpleMutexLeaseExpiredError, ConstraintError)
+    assert not issubclass(SimpleMutexLeaseExpiredError, TimeoutError)
+    assert issubclass(ConstraintError, ValueError)
+    assert not issubclass(MalfunctionError, ConstraintError)
+    assert not issubclass(SimpleCacheConditionError, ConstraintError)
+    assert not issubclass(SimpleCacheConditionError, MalfunctionError)
+
+
+def test_key_defaults_to_none():
+    """An error about an option (no key involved) has key None."""
+    assert ConstraintError("bad option").key is None
+
+
+def capture_interrupt() -> BaseException:
+    """Let a 0.2 s lease lapse inside a busy loop and return what was raised in it."""
+    mutex = Mutex(InMemoryCache(), lease=0.2)
+    caught: list[BaseException] = []
+
+    def spin_and_record() -> None:
+        try:
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                pass
+        except BaseException as exc:
+            caught.append(exc)
+            raise
+
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(WEIRD_KEY):
+        spin_and_record()
+    assert caught, "the busy loop was never interrupted"
+    return caught[0]
+
+
+def test_interrupt_inside_a_block_is_a_lease_expired_error_that_pickles_to_one():
+    """The in-block interrupt is a LeaseExpired error with the key and pickles to one."""
+    interrupt = capture_interrupt()
+    assert isinstance(interrupt, SimpleMutexLeaseExpiredError)
+    assert isinstance(interrupt, LeaseInterrupt)
+    assert interrupt.key == WEIRD_KEY
+    assert WEIRD_KEY in str(interrupt)
+    copy = pickle.loads(pickle.dumps(interrupt))
+    assert type(copy) is SimpleMutexLeaseExpiredError
+    assert copy.key == WEIRD_KEY
+    assert str(copy) == str(interrupt)
+
+
+def test_errors_from_the_api_carry_the_users_key_verbatim(memory_cache):
+    """A timeout on a key with unsafe characters reports the key as given, not encoded."""
+    mutex = Mutex(memory_cache)
+    mutex.acquire(WEIRD_KEY)
+    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
+        mutex.acquire(WEIRD_KEY, timeout=0)
+    assert info.value.key == WEIRD_KEY
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert copy.key == WEIRD_KEY
+    assert isinstance(copy, TimeoutError)
+
+
+def test_malfunction_names_cache_and_operation_and_carries_the_key():
+    """A backend fault is a MalfunctionError naming cache and operation, with the key."""
+
+    class Down(InMemoryCache):
+        name = "downcache"
+
+        def get(self, key):
+            raise ConnectionError("refused")
+
+    mutex = Mutex(Down())
+    with pytest.raises(MalfunctionError) as info:
+        mutex.holder(WEIRD_KEY)
+    assert info.value.key == WEIRD_KEY
+    assert "downcache" in str(info.value)
+    assert "Get" in str(info.value)
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is MalfunctionError
+    assert copy.key == WEIRD_KEY
+
+
+def test_a_corrupt_record_is_a_malfunction_not_a_crash(memory_cache):
+    """A non-record value under the lock prefix makes holder() raise MalfunctionError."""
+    memory_cache.put_if_absent("mutex.k", "not json", ttl=30)
+    with pytest.raises(MalfunctionError, match="not a lock record") as info:
+        Mutex(memory_cache).holder("k")
+    assert info.value.key == "k"
+
+
+def test_condition_errors_never_escape_a_mutex(memory_cache, key):
+    """A lost race (the cache's condition error) surfaces as a timeout, never raw."""
+    mutex = Mutex(memory_cache)
+    mutex.acquire(key)
+    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
+        mutex.acquire(key, timeout=0)
+    assert not isinstance(info.value, SimpleCacheConditionError)
+    assert mutex.try_acquire(key) is None

@@ -1,0 +1,462 @@
+"""Lease: release, renew, lapse, and the context manager that interrupts work whose lease
+was lost. Real leases of 0.1-0.3 s; every busy loop is bounded by a 5 s monotonic guard so
+a broken interrupt fails the test (it takes too long) instead of hanging it."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from simple_mutex import (
+    InMemoryCache,
+    Lease,
+    MalfunctionError,
+    Mutex,
+    SimpleCacheConditionError,
+    SimpleMutexLeaseExpiredError,
+)
+
+GUARD = 5.0
+# An interrupted loop ends soon after the lease; a broken interrupt runs to GUARD.
+PROMPT = 1.5
+
+
+def spin(guard: float = GUARD) -> float:
+    """A pure-Python busy loop that never calls into the library; returns its duration."""
+    start = time.monotonic()
+    end = start + guard
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    return time.monotonic() - start
+
+
+def delete_behind_its_back(cache: InMemoryCache, cache_key: str) -> None:
+    """Free the record as an operator (or a bug) would, racing a possible renewal."""
+    for _ in range(10):
+        entry = cache.get(cache_key)
+        assert entry is not None
+        try:
+            cache.compare_and_delete(cache_key, version=entry.version)
+            return
+        except SimpleCacheConditionError:
+            continue  # renewed between our get and delete: read again
+    raise AssertionError("could not delete the record")
+
+
+def delete_then_spin(cache: InMemoryCache, cache_key: str) -> None:
+    delete_behind_its_back(cache, cache_key)
+    spin()
+
+
+def renew_then_spin(lease: Lease, length: float) -> None:
+    lease.renew(lease=length)
+    spin()
+
+
+# -- release ---------------------------------------------------------------------------
+
+
+def test_release_returns_true_then_false(any_cache, key):
+    """The first release of a live lease frees it (True); a second one is False."""
+    mutex = Mutex(any_cache)
+    lease = mutex.acquire(key)
+    assert lease.release() is True
+    assert mutex.locked(key) is False
+    assert lease.release() is False
+
+
+def test_release_after_lapse_returns_false(any_cache, key):
+    """A lease released after it lapsed reports False (the work ran unprotected)."""
+    mutex = Mutex(any_cache, lease=0.1)
+    lease = mutex.acquire(key)
+    time.sleep(0.15)
+    assert lease.lost is True
+    assert lease.release() is False
+    assert mutex.locked(key) is False
+
+
+def test_release_after_local_lapse_frees_a_record_still_ours():
+    """A late release returns False but frees a record the cache still shows as ours."""
+    frozen = InMemoryCache(clock=lambda: 1_000_000.0)  # the cache never sees time pass
+    mutex = Mutex(frozen, lease=0.1)
+    lease = mutex.acquire("k")
+    time.sleep(0.15)
+    assert mutex.locked("k") is True
+    assert lease.release() is False
+    assert mutex.locked("k") is False
+
+
+def test_interrupted_block_frees_a_record_the_cache_still_holds():
+    """A block interrupted by a lapse frees our record even if the cache says it lives."""
+    frozen = InMemoryCache(clock=lambda: 1_000_000.0)  # the cache's clock lags ours
+    mutex = Mutex(frozen, lease=0.2)
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire("k"):
+        spin()
+    assert not mutex.locked("k"), "the lapsed holder left its record behind"
+
+
+def test_release_never_removes_another_holders_record(any_cache, key):
+    """A stale lease's release leaves the new holder's record, fence and all."""
+    mutex = Mutex(any_cache, lease=0.1)
+    stale = mutex.acquire(key)
+    time.sleep(0.15)
+    fresh = mutex.acquire(key, timeout=0)
+    assert stale.release() is False
+    assert stale.release() is False
+    holder = mutex.holder(key)
+    assert holder is not None
+    assert holder.fence == fresh.fence
+    assert fresh.release() is True
+
+
+def test_lease_exposes_key_token_fence_and_expiry(memory_cache, key):
+    """A Lease has the user's key verbatim, a token, a positive fence and an aware expiry."""
+    mutex = Mutex(memory_cache, lease=30)
+    lease = mutex.acquire(key)
+    assert lease.key == key
+    assert isinstance(lease.token, str)
+    assert isinstance(lease.fence, int)
+    assert lease.fence >= 1
+    assert lease.length == 30
+    assert lease.lost is False
+    expected = datetime.now(timezone.utc) + timedelta(seconds=30)
+    assert abs(lease.expires_at - expected) < timedelta(seconds=1)
+    assert lease.expires_at.utcoffset() == timedelta(0)
+
+
+# -- renew -----------------------------------------------------------------------------
+
+
+def test_renew_extends_the_lease_past_its_first_expiry(any_cache, key):
+    """renew() restarts the lease: it is still held after its original length."""
+    mutex = Mutex(any_cache, lease=0.3)
+    lease = mutex.acquire(key)
+    first_expiry = lease.expires_at
+    time.sleep(0.2)
+    lease.renew()
+    assert lease.expires_at > first_expiry
+    time.sleep(0.2)  # 0.4 s after acquire: past the first lease
+    assert lease.lost is False
+    assert mutex.locked(key) is True
+    assert mutex.holder(key).fence == lease.fence  # type: ignore[union-attr]
+    assert lease.release() is True
+
+
+def test_renew_with_a_length_sets_a_new_lease_length(any_cache, key):
+    """renew(lease=...) changes the length: expires_at and the cache record move to it."""
+    mutex = Mutex(any_cache, lease=0.3)
+    lease = mutex.acquire(key)
+    lease.renew(lease={"seconds": 5})
+    assert lease.length == 5
+    expected = datetime.now(timezone.utc) + timedelta(seconds=5)
+    assert abs(lease.expires_at - expected) < timedelta(seconds=0.5)
+    holder = mutex.holder(key)
+    assert holder is not None
+    assert abs(holder.expires_at - expected) < timedelta(seconds=0.5)
+    time.sleep(0.35)
+    assert lease.lost is False
+    assert mutex.locked(key)
+    lease.renew(timedelta(seconds=0.1))
+    assert lease.length == pytest.approx(0.1)
+    time.sleep(0.15)
+    assert lease.lost is True
+    assert not mutex.locked(key)
+
+
+def test_renew_after_lapse_raises_lease_expired(any_cache, key):
+    """renew() on a lapsed lease raises SimpleMutexLeaseExpiredError and marks it lost."""
+    mutex = Mutex(any_cache, lease=0.1)
+    lease = mutex.acquire(key)
+    time.sleep(0.15)
+    with pytest.raises(SimpleMutexLeaseExpiredError) as info:
+        lease.renew()
+    assert info.value.key == key
+    assert lease.lost is True
+
+
+def test_renew_after_takeover_raises_and_leaves_the_new_holder(memory_cache, key):
+    """Renewing a taken-over lease raises and leaves the new holder's record alone."""
+    mutex = Mutex(memory_cache, lease=0.1)
+    stale = mutex.acquire(key)
+    time.sleep(0.15)
+    fresh = mutex.acquire(key, timeout=0)
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        stale.renew(lease=60)
+    assert mutex.holder(key).fence == fresh.fence  # type: ignore[union-attr]
+
+
+def test_renew_after_the_record_was_deleted_raises(memory_cache, key):
+    """A live-looking lease whose record vanished fails to renew (the cache is the truth)."""
+    mutex = Mutex(memory_cache, lease=30)
+    lease = mutex.acquire(key)
+    delete_behind_its_back(memory_cache, "mutex." + key)
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        lease.renew()
+    assert lease.lost is True
+
+
+def test_renew_after_release_raises(memory_cache, key):
+    """A released lease cannot be renewed back to life."""
+    mutex = Mutex(memory_cache)
+    lease = mutex.acquire(key)
+    lease.release()
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        lease.renew()
+    assert mutex.locked(key) is False
+
+
+def test_background_renewal_keeps_a_lease_alive_without_a_block(memory_cache, key):
+    """acquire(renew=True) keeps a 0.2 s lease held for 0.6 s with no help from the caller."""
+    mutex = Mutex(memory_cache, lease=0.2)
+    lease = mutex.acquire(key, renew=True)
+    time.sleep(0.6)
+    assert lease.lost is False
+    assert mutex.holder(key).fence == lease.fence  # type: ignore[union-attr]
+    assert lease.release() is True
+    assert not mutex.locked(key)
+
+
+# -- the context manager ---------------------------------------------------------------
+
+
+def test_context_manager_releases_on_exit(any_cache, key):
+    """Leaving the block frees the lock."""
+    mutex = Mutex(any_cache)
+    with mutex.acquire(key) as lease:
+        assert mutex.locked(key)
+        assert lease.key == key
+    assert not mutex.locked(key)
+    assert lease.release() is False  # already released by the block
+
+
+def test_body_exception_propagates_unchanged_and_the_lock_is_released(any_cache, key):
+    """An error in the block comes out as itself (same object) and the lock is freed."""
+    mutex = Mutex(any_cache)
+    boom = KeyError("boom")
+    with pytest.raises(KeyError) as info, mutex.acquire(key):
+        raise boom
+    assert info.value is boom
+    assert not mutex.locked(key)
+
+
+def test_lapse_interrupts_a_pure_python_busy_loop(memory_cache, key):
+    """A lapse interrupts a pure-Python loop; the block raises LeaseExpired with the key."""
+    mutex = Mutex(memory_cache, lease=0.2)
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError) as info, mutex.acquire(key):
+        spin()
+    elapsed = time.monotonic() - start
+    assert elapsed < PROMPT, f"the loop ran {elapsed:.2f} s: it was not interrupted"
+    assert elapsed >= 0.19
+    assert info.value.key == key
+    assert "renew=True" in str(info.value)
+    assert not mutex.locked(key)
+
+
+def test_lapse_inside_a_blocking_call_raises_on_exit(memory_cache, key):
+    """A lapse during a C call (time.sleep) cannot cut it short, but never passes silently."""
+    mutex = Mutex(memory_cache, lease=0.1)
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key):
+        time.sleep(0.25)
+
+
+def test_lapse_is_reported_even_if_the_block_swallows_the_interrupt(memory_cache, key):
+    """Code that catches Exception broadly still gets the error when the block exits."""
+    mutex = Mutex(memory_cache, lease=0.2)
+    swallowed = []
+
+    def careless_work() -> None:
+        try:
+            spin()
+        except Exception as exc:
+            swallowed.append(exc)
+
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key):
+        careless_work()
+    assert len(swallowed) == 1
+    assert isinstance(swallowed[0], SimpleMutexLeaseExpiredError)
+
+
+def test_lapse_after_the_block_has_no_effect(memory_cache, key):
+    """A block that finishes in time is not interrupted later: no stray exception lands."""
+    mutex = Mutex(memory_cache, lease=0.15)
+    with mutex.acquire(key):
+        pass
+    time.sleep(0.25)  # past where the lease would have lapsed; an interrupt would hit here
+    assert spin(0.05) >= 0.05
+
+
+def test_entering_a_lapsed_lease_raises_before_the_work_begins(memory_cache, key):
+    """A lease that lapsed before ``with`` is refused at the door."""
+    mutex = Mutex(memory_cache, lease=0.1)
+    lease = mutex.acquire(key)
+    time.sleep(0.15)
+    ran = []
+    with pytest.raises(SimpleMutexLeaseExpiredError), lease:
+        ran.append(1)
+    assert ran == []
+
+
+def test_entering_a_released_lease_raises(memory_cache, key):
+    """A released lease cannot guard a block."""
+    mutex = Mutex(memory_cache)
+    lease = mutex.acquire(key)
+    lease.release()
+    ran = []
+    with pytest.raises(SimpleMutexLeaseExpiredError), lease:
+        ran.append(1)
+    assert ran == []
+
+
+def test_renew_true_keeps_a_short_lease_alive_across_a_long_block(any_cache, key):
+    """renew=True holds a 0.3 s lease through a 1 s block; the lock is ours throughout."""
+    mutex = Mutex(any_cache, lease=0.3)
+    with mutex.acquire(key, renew=True) as lease:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            holder = mutex.holder(key)
+            assert holder is not None
+            assert holder.fence == lease.fence
+        assert lease.lost is False
+    assert not mutex.locked(key)
+
+
+def test_failed_renewal_interrupts_the_block(memory_cache, key):
+    """With renew=True, a renewal that finds the record deleted interrupts the block."""
+    mutex = Mutex(memory_cache, lease=0.3)
+    start = time.monotonic()
+    with (
+        pytest.raises(SimpleMutexLeaseExpiredError) as info,
+        mutex.acquire(key, renew=True) as lease,
+    ):
+        delete_then_spin(memory_cache, "mutex." + key)
+    elapsed = time.monotonic() - start
+    assert elapsed < PROMPT, f"the loop ran {elapsed:.2f} s: it was not interrupted"
+    assert info.value.key == key
+    assert lease.lost is True
+
+
+def test_nested_leases_inner_lapse_interrupts_only_the_inner_block(memory_cache):
+    """The inner key's lapse surfaces as its own error; the outer lease stays held."""
+    outer_mutex = Mutex(memory_cache, lease=10)
+    inner_mutex = Mutex(memory_cache, lease=0.2)
+    with outer_mutex.acquire("outer") as outer:
+        start = time.monotonic()
+        with pytest.raises(SimpleMutexLeaseExpiredError) as info, inner_mutex.acquire("inner"):
+            spin()
+        assert time.monotonic() - start < PROMPT
+        assert info.value.key == "inner"
+        assert outer.lost is False
+        assert outer_mutex.holder("outer").fence == outer.fence  # type: ignore[union-attr]
+        assert spin(0.05) >= 0.05  # no second interrupt lands in the outer block
+    assert not outer_mutex.locked("outer")
+    assert not inner_mutex.locked("inner")
+
+
+def test_nested_leases_outer_lapse_inside_the_inner_block(memory_cache):
+    """The outer lease lapsing inside the inner block frees both and names the outer key."""
+    outer_mutex = Mutex(memory_cache, lease=0.2)
+    inner_mutex = Mutex(memory_cache, lease=10)
+    start = time.monotonic()
+    with (
+        pytest.raises(SimpleMutexLeaseExpiredError) as info,
+        outer_mutex.acquire("outer"),
+        inner_mutex.acquire("inner"),
+    ):
+        spin()
+    assert time.monotonic() - start < PROMPT
+    assert info.value.key == "outer"
+    assert not inner_mutex.locked("inner")
+    assert not outer_mutex.locked("outer")
+
+
+def test_release_failure_after_success_is_reported_as_malfunction(key):
+    """A cache fault releasing after a clean block raises MalfunctionError with the key."""
+
+    class FlakyDelete(InMemoryCache):
+        name = "flaky"
+        fail = False
+
+        def compare_and_delete(self, key: str, *, version: str) -> None:
+            if self.fail:
+                raise OSError("network down")
+            super().compare_and_delete(key, version=version)
+
+    cache = FlakyDelete()
+    mutex = Mutex(cache)
+    with pytest.raises(MalfunctionError) as info, mutex.acquire(key):
+        cache.fail = True
+    assert info.value.key == key
+    assert "flaky" in str(info.value)
+
+
+def test_release_failure_after_a_body_error_keeps_the_body_error(key):
+    """If the body failed and the release fails too, the body's error is the one raised."""
+
+    class FlakyDelete(InMemoryCache):
+        def compare_and_delete(self, key: str, *, version: str) -> None:
+            raise OSError("network down")
+
+    mutex = Mutex(FlakyDelete())
+    with pytest.raises(ZeroDivisionError), mutex.acquire(key):
+        1 / 0  # noqa: B018
+
+
+def test_renew_to_a_shorter_length_inside_a_block_moves_the_interrupt(memory_cache, key):
+    """renew(lease=shorter) in a block moves the interrupt to the new, earlier deadline."""
+    mutex = Mutex(memory_cache, lease=3)
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key) as lease:
+        renew_then_spin(lease, 0.2)
+    elapsed = time.monotonic() - start
+    assert elapsed < PROMPT, f"interrupted after {elapsed:.2f} s, not at the new 0.2 s"
+
+
+def test_renew_to_a_shorter_length_keeps_background_renewal_in_step(memory_cache, key):
+    """With renew=True, a shortened lease is renewed on the new schedule and stays held."""
+    mutex = Mutex(memory_cache, lease=3)
+    lease = mutex.acquire(key, renew=True)
+    lease.renew(lease=0.3)
+    time.sleep(1.2)
+    assert lease.lost is False, "the keeper kept the old schedule and let the lease lapse"
+    assert mutex.holder(key).fence == lease.fence  # type: ignore[union-attr]
+    assert lease.release() is True
+
+
+def test_background_renewal_retries_after_a_transient_cache_fault(key):
+    """A renewal that hits a backend fault is retried soon; the lease survives."""
+
+    class FlakyRenew(InMemoryCache):
+        failures = 1
+
+        def compare_and_set(self, key: str, value: str, *, ttl: float, version: str):
+            if self.failures:
+                self.failures -= 1
+                raise OSError("blip")
+            return super().compare_and_set(key, value, ttl=ttl, version=version)
+
+    cache = FlakyRenew()
+    mutex = Mutex(cache, lease=0.3)
+    with mutex.acquire(key, renew=True) as lease:
+        time.sleep(0.8)
+        assert cache.failures == 0  # the fault did happen
+        assert lease.lost is False
+    assert not mutex.locked(key)
+
+
+def test_background_renewal_failing_until_the_deadline_interrupts_the_block(key):
+    """A cache down for every renewal lets the lease lapse and interrupts the block."""
+
+    class Down(InMemoryCache):
+        def compare_and_set(self, key: str, value: str, *, ttl: float, version: str):
+            raise OSError("down")
+
+    mutex = Mutex(Down(), lease=0.3)
+    start = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key, renew=True):
+        spin()
+    assert 0.29 <= time.monotonic() - start < PROMPT
