@@ -1,0 +1,175 @@
+# shellcheck shell=bash
+# Shared set-up for scripts/demo.sh and scripts/test.sh. Source it; do not run it.
+#
+# Everything here works on a fresh machine: it finds a Python >= 3.10, creates a virtual
+# environment (reused when present) and installs this repository into it, editable.
+#
+# Environment knobs:
+#   VENV=/path        where the virtual environment lives (default: <repo>/.venv)
+#   PYTHON=python3.x  the interpreter to build it from (default: first python3 >= 3.10)
+#   SIMPLE_MUTEX_REINSTALL=1   reinstall even if pyproject.toml has not changed
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO_ROOT/.venv}"
+
+say() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Run a command as root: directly, through sudo, or not at all.
+as_root() {
+    if [[ "$(id -u)" == 0 ]]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        return 1
+    fi
+}
+
+# apt-get install, refreshing the package lists once if the package is unknown.
+apt_install() {
+    command -v apt-get >/dev/null 2>&1 || return 1
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get install -y -q "$@" || {
+        as_root apt-get update -q && as_root apt-get install -y -q "$@"
+    }
+}
+
+python_ok() {  # is "$1" a runnable Python >= 3.10?
+    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1
+}
+
+find_python() {
+    local candidate
+    for candidate in ${PYTHON:-} python3 python3.13 python3.12 python3.11 python3.10; do
+        if command -v "$candidate" >/dev/null 2>&1 && python_ok "$candidate"; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# Create $VENV if needed and install the repository into it with the given extras
+# (comma-separated, e.g. "test"). Reinstalls only when pyproject.toml or the extras change.
+setup_venv() {
+    local extras="$1" python stamp want
+    if ! python_ok "$VENV/bin/python"; then
+        python="$(find_python)" || die "no Python >= 3.10 found; install one or set PYTHON=/path/to/python3"
+        say "creating virtual environment $VENV with $python"
+        rm -rf "$VENV"
+        if ! "$python" -m venv "$VENV"; then
+            # Debian and Ubuntu ship venv's pip bootstrap as a separate package.
+            rm -rf "$VENV"
+            local minor
+            minor="$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+            say "python -m venv failed; installing python$minor-venv"
+            apt_install "python$minor-venv" || apt_install python3-venv \
+                || die "cannot create a virtual environment: install the venv module for $python"
+            "$python" -m venv "$VENV" || die "cannot create a virtual environment at $VENV"
+        fi
+    fi
+    stamp="$VENV/.simple-mutex-install"
+    want="$(cd "$REPO_ROOT" && "$VENV/bin/python" - "$extras" <<'PY'
+import hashlib, os, sys
+digest = hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest()
+print(f"{os.getcwd()} [{sys.argv[1]}] {digest}")
+PY
+)"
+    if [[ "${SIMPLE_MUTEX_REINSTALL:-0}" == 1 || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+        say "installing simple-mutex[$extras] (editable) into $VENV"
+        (cd "$REPO_ROOT" && "$VENV/bin/python" -m pip install --quiet -e ".[$extras]") \
+            || die "pip install failed"
+        printf '%s\n' "$want" >"$stamp"
+    fi
+}
+
+# -- services ------------------------------------------------------------------------
+# Backend tiers test against real servers on loopback. test.sh starts the ones named in
+# SIMPLE_MUTEX_SERVICES (e.g. "redis" or "redis,postgres") when they do not answer.
+
+# ensure_service NAME CHECK_CMD START_CMD
+#   Run CHECK_CMD (a shell command string); if it fails, run START_CMD and wait up to
+#   SERVICE_WAIT seconds (default 20) for CHECK_CMD to succeed.
+ensure_service() {
+    local name="$1" check="$2" start="$3" waited=0 limit="${SERVICE_WAIT:-20}"
+    if eval "$check" >/dev/null 2>&1; then
+        say "$name is answering"
+        return 0
+    fi
+    say "$name is not answering; starting it"
+    eval "$start" || die "could not start $name"
+    until eval "$check" >/dev/null 2>&1; do
+        ((waited++ < limit * 10)) || die "$name did not answer within ${limit} s of starting"
+        sleep 0.1
+    done
+    say "$name is up"
+}
+
+# Host and port of a URL, as "host port" (defaults: 127.0.0.1 and $2).
+url_host_port() {
+    "$VENV/bin/python" - "$1" "$2" <<'PY'
+import sys
+from urllib.parse import urlsplit
+url = urlsplit(sys.argv[1])
+print(url.hostname or "127.0.0.1", url.port or int(sys.argv[2]))
+PY
+}
+
+redis_ping() {  # PING the server at REDIS_URL; succeeds on +PONG
+    if command -v redis-cli >/dev/null 2>&1; then
+        [[ "$(redis-cli -u "$REDIS_URL" ping 2>/dev/null)" == PONG ]]
+    else
+        "$VENV/bin/python" - "$REDIS_URL" <<'PY'
+import socket, sys
+from urllib.parse import unquote, urlsplit
+
+def command(*args: str) -> bytes:
+    return (f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)).encode()
+
+url = urlsplit(sys.argv[1])
+with socket.create_connection((url.hostname or "127.0.0.1", url.port or 6379), 2) as s:
+    if url.password:
+        user = [unquote(url.username)] if url.username else []
+        s.sendall(command("AUTH", *user, unquote(url.password)))
+        s.recv(64)
+    s.sendall(command("PING"))
+    sys.exit(0 if s.recv(64).startswith(b"+PONG") else 1)
+PY
+    fi
+}
+
+redis_start() {
+    local host port dir log
+    read -r host port < <(url_host_port "$REDIS_URL" 6379)
+    case "$host" in
+        127.0.0.1 | localhost | ::1) ;;
+        *) die "REDIS_URL points at $host: start that Redis yourself (only loopback ones are started here)" ;;
+    esac
+    if ! command -v redis-server >/dev/null 2>&1; then
+        say "redis-server is missing; installing it with apt-get"
+        apt_install redis-server || die "cannot install redis-server (no apt-get or no root); install it by hand"
+    fi
+    dir="${REDIS_DIR:-/var/lib/redis}"
+    log="${REDIS_LOG:-/var/log/redis/ci.log}"
+    if ! mkdir -p "$dir" "$(dirname "$log")" 2>/dev/null || [[ ! -w "$dir" || ! -w "$(dirname "$log")" ]]; then
+        dir="${TMPDIR:-/tmp}/simple-mutex-redis"   # not root: keep it in a scratch directory
+        log="$dir/ci.log"
+        mkdir -p "$dir"
+    fi
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port "$port" --save "" \
+        --appendonly no --dir "$dir" --logfile "$log"
+}
+
+ensure_redis() {
+    export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+    ensure_service "redis ($REDIS_URL)" redis_ping redis_start
+}
+
+# Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
+ensure_services() {
+    local wanted=",${SIMPLE_MUTEX_SERVICES:-},"
+    wanted="${wanted// /,}"
+    if [[ "$wanted" == *,redis,* ]]; then ensure_redis; fi
+    # Later tiers: add  if [[ "$wanted" == *,postgres,* ]]; then ensure_postgres; fi
+}

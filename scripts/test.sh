@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run the whole test suite on a fresh machine: creates a virtual environment (.venv in the
+# repository, or $VENV), installs simple-mutex with its test extras, starts the services
+# named in SIMPLE_MUTEX_SERVICES (e.g. "redis") if they do not answer, then runs pytest.
+# Extra arguments go to pytest:  scripts/test.sh -k disk -x
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$REPO_ROOT"
+
+setup_venv "test,dev"
+
+# -- services: start what the enabled backend tiers test against -----------------------
+ensure_services
+
+# Lint first: it takes seconds and a style or type error fails the run like a test would.
+# SIMPLE_MUTEX_LINT=0 skips it (for a quick local pytest pass).
+if [[ "${SIMPLE_MUTEX_LINT:-1}" == 1 ]]; then
+    say "ruff check"
+    "$VENV/bin/ruff" check .
+    say "mypy --strict simple_mutex"
+    "$VENV/bin/mypy" --strict simple_mutex
+fi
+
+say "pytest $*"
+exec "$VENV/bin/python" -m pytest "$@"
