@@ -25,11 +25,12 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from types import TracebackType
 
-from .contract import ConditionalCache
+from .contract import ConditionalCache, Entry
 from .durations import positive_seconds
 from .engine import (
     CompareAndDelete,
     CompareAndSet,
+    Get,
     Grant,
     execute,
     renew_after,
@@ -131,8 +132,8 @@ class Lease:
         with self._lock:
             if self._released:
                 return False
-            self._released = True
             if self._record_gone:
+                self._released = True
                 return False
             # A lapsed lease still frees its record if the cache kept it (the cache's clock
             # may run behind ours): compare-and-delete cannot touch another holder's.
@@ -140,14 +141,20 @@ class Lease:
             try:
                 execute(self._cache, CompareAndDelete(self._cache_key, self._version))
             except SimpleCacheConditionError:
+                self._released = True
                 self._record_gone = True
                 self._lost_reason = self._lost_reason or "taken over before release"
                 return False
             except MalfunctionError as exc:
                 if not in_time:
+                    self._released = True
                     return False  # best effort: the lease was over anyway, and lapses alone
+                # Not released: the record may still be ours, so a retry must reach it. Stop
+                # renewing, though: we meant to let go, and if nobody retries, it lapses.
+                self._renew = False
                 exc.key = self.key
                 raise
+            self._released = True
         log.debug("released %r (fence %d)", self.key, self.fence)
         return in_time
 
@@ -175,9 +182,13 @@ class Lease:
                 CompareAndSet(self._cache_key, self._value, length, self._version),
             )
         except SimpleCacheConditionError:
-            self._record_gone = True
-            self._mark_lost("its record was gone or held by another owner at renewal")
-            raise self._expired_error() from None
+            # A driver's retry of a renewal that landed (its reply lost) misses its own
+            # new version: read back; our value carries our token, so equality proves it.
+            entry = self._read_back()
+            if entry is None:
+                self._record_gone = True
+                self._mark_lost("its record was gone or held by another owner at renewal")
+                raise self._expired_error() from None
         except MalfunctionError as exc:
             exc.key = self.key
             raise
@@ -187,6 +198,15 @@ class Lease:
             self._schedule(self._renew_at)
         elif self._armed_thread is not None or self._on_lost:
             self._schedule(self._deadline)
+
+    def _read_back(self) -> Entry | None:
+        try:
+            entry: Entry | None = execute(self._cache, Get(self._cache_key))
+        except MalfunctionError:
+            return None
+        if entry is None or entry.value != self._value or entry.fence != self.fence:
+            return None
+        return entry
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss and interrupt the protected block (caller holds ``_lock``)."""

@@ -460,3 +460,55 @@ def test_background_renewal_failing_until_the_deadline_interrupts_the_block(key)
     with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key, renew=True):
         spin()
     assert 0.29 <= time.monotonic() - start < PROMPT
+
+
+class _FlakyDelete(InMemoryCache):
+    """Fails the first compare-and-delete as a reset connection would."""
+
+    fail = True
+
+    def compare_and_delete(self, key, *, version):
+        if self.fail:
+            self.fail = False
+            raise MalfunctionError("connection reset")
+        return super().compare_and_delete(key, version=version)
+
+
+def test_a_release_that_hit_a_fault_can_be_retried():
+    """A MalfunctionError on release leaves the lease releasable: the retry frees it."""
+    mutex = Mutex(_FlakyDelete(), lease=60)
+    lease = mutex.acquire("k")
+    with pytest.raises(MalfunctionError):
+        lease.release()
+    assert mutex.locked("k")
+    assert lease.release() is True
+    assert not mutex.locked("k")
+
+
+def test_a_failed_release_stops_renewal_so_the_lock_lapses():
+    """If nobody retries a failed release, renewal stops and the lease runs out."""
+    mutex = Mutex(_FlakyDelete(), lease=0.3)
+    lease = mutex.acquire("k", renew=True)
+    with pytest.raises(MalfunctionError):
+        lease.release()
+    deadline = time.monotonic() + 5
+    while mutex.locked("k") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not mutex.locked("k"), "the keeper kept renewing a lease its holder let go"
+
+
+class _RetriedRenewal(InMemoryCache):
+    """A renewal that lands, loses its reply, and is retried by the driver."""
+
+    def compare_and_set(self, key, value, *, ttl, version):
+        super().compare_and_set(key, value, ttl=ttl, version=version)
+        return super().compare_and_set(key, value, ttl=ttl, version=version)
+
+
+def test_a_retried_renewal_that_landed_is_not_reported_lost():
+    """The retry misses its own new version; reading back our token shows we still hold it."""
+    mutex = Mutex(_RetriedRenewal(), lease=60)
+    lease = mutex.acquire("k")
+    lease.renew()
+    assert not lease.lost
+    assert lease.release() is True
