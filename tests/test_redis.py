@@ -1,0 +1,838 @@
+"""RedisCache against real redis-server processes.
+
+* the shared contract, and the Redis specifics (scripts, hash tags, signal list, errors),
+  against the server at REDIS_URL (default redis://127.0.0.1:6379/0). Every key this
+  module writes starts with one random prefix, deleted at the end; nothing is flushed.
+  If that server does not answer, the tests fail: they never skip.
+* servers this module starts and stops itself (``redis-server`` on PATH), for what
+  cannot be done to a shared server: a shutdown and restart mid-test, a frozen server,
+  a Sentinel, a three-node Cluster.
+
+Child processes are forked (the target functions live here) and create their own
+clients; times are ``time.monotonic()``, one clock (CLOCK_MONOTONIC) for every process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from contract import CacheContract, unique_key
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from simple_mutex import (
+    ConstraintError,
+    MalfunctionError,
+    Mutex,
+    Semaphore,
+    SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+)
+from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+PREFIX = f"t{uuid.uuid4().hex[:8]}:"  # every key of this run starts with it
+FORK = multiprocessing.get_context("fork")
+# A notified waiter is running again within about two round trips; a poll would take its
+# whole interval (5 s here). 1 s tells the two apart even on a loaded 2-core machine.
+POLL_INTERVAL = 5.0
+WAKE_BOUND = 1.0
+
+
+def new_client(url: str = REDIS_URL, **options: Any) -> redis.Redis:
+    return redis.Redis.from_url(url, **options)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[redis.Redis]:
+    """A client of the shared server; fails (never skips) when it does not answer."""
+    probe = new_client(socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        pytest.fail(
+            f"no Redis answers at {REDIS_URL} ({exc!r}); start one (redis-server, or "
+            "apt-get install -y redis-server) or point REDIS_URL at one"
+        )
+    probe.close()
+    conn = new_client(socket_timeout=5, socket_connect_timeout=2)
+    yield conn
+    for key in conn.scan_iter(match=PREFIX + "*", count=1000):
+        conn.delete(key)
+    conn.close()
+
+
+@pytest.fixture
+def cache(client: redis.Redis) -> RedisCache:
+    return RedisCache(client, prefix=PREFIX)
+
+
+@pytest.fixture
+def mutex(cache: RedisCache) -> Mutex:
+    return Mutex(cache, lease=30, interval=POLL_INTERVAL)
+
+
+def our_keys(client: redis.Redis, pattern: str = "*") -> set[str]:
+    return {k.decode() for k in client.scan_iter(match=PREFIX + pattern, count=1000)}
+
+
+class TestRedisCacheContract(CacheContract):
+    """RedisCache passes the shared contract against the real server."""
+
+    @pytest.fixture
+    def cache(self, client: redis.Redis) -> RedisCache:
+        return RedisCache(client, prefix=PREFIX)
+
+
+class TestRedisCacheContractDecodedResponses(CacheContract):
+    """...and with a client that decodes replies to str (decode_responses=True)."""
+
+    @pytest.fixture
+    def cache(self, client: redis.Redis) -> Iterator[RedisCache]:
+        conn = new_client(decode_responses=True)
+        yield RedisCache(conn, prefix=PREFIX)
+        conn.close()
+
+
+# -- layout: keys, hash tags, what is left behind ---------------------------------------
+
+
+def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: redis.Redis):
+    """Entry, semaphore slots, fence counter and signal list of one lock key hash to one
+    Cluster slot, so every script (and a BLPOP over all slots) runs on Redis Cluster."""
+    key = unique_key()
+    entries = {name: cache.put_if_absent(name, "v", ttl=30) for name in (key, f"{key}#1")}
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "other", ttl=30)  # marks a waiter...
+    cache.compare_and_delete(key, version=entries[key].version)  # ...so this signals
+    stem = f"{PREFIX}{{{key}}}"
+    names = our_keys(client, f"{{{key}}}*")
+    assert names == {stem + "#1", stem + ":meta", stem + ":signal"}
+    assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1
+
+
+def test_uncontended_cycles_leave_only_the_fence_counter(mutex: Mutex, client: redis.Redis):
+    """After acquire/release with nobody waiting, the one key left is the fence counter
+    (no signal list is created, nothing is written for waiters)."""
+    key = unique_key()
+    for _ in range(3):
+        mutex.acquire(key).release()
+    assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{mutex.{key}}}:meta"}
+    assert client.hgetall(f"{PREFIX}{{mutex.{key}}}:meta") == {b"f": b"3"}
+
+
+def test_signal_list_vanishes_after_a_contended_release(cache: RedisCache, client: redis.Redis):
+    """A release that found a waiter leaves a one-token list that expires in about 1 s."""
+    key = unique_key()
+    entry = cache.put_if_absent(key, "a", ttl=30)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "b", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+    signal_key = f"{PREFIX}{{{key}}}:signal"
+    assert client.lrange(signal_key, 0, -1) == [b"1"]
+    assert 0 < client.pttl(signal_key) <= 1000
+    time.sleep(1.1)
+    assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{{key}}}:meta"}
+
+
+def test_a_retried_put_returns_our_entry_without_taking_a_new_fence(cache: RedisCache):
+    """The idempotent put that makes redis-py's automatic retries safe: the same value
+    again (a lost reply) gets the same entry back, even after a renewal."""
+    key = unique_key()
+    first = cache.put_if_absent(key, "ours", ttl=30)
+    assert cache.put_if_absent(key, "ours", ttl=30) == first
+    renewed = cache.compare_and_set(key, "ours", ttl=60, version=first.version)
+    assert cache.put_if_absent(key, "ours", ttl=30) == renewed
+    cache.compare_and_delete(key, version=renewed.version)
+    assert cache.put_if_absent(key, "ours", ttl=30).fence == first.fence + 1
+
+
+def test_expiry_is_the_servers(cache: RedisCache, client: redis.Redis):
+    """The entry carries the server's PX expiry: Redis itself drops it at the ttl."""
+    key = unique_key()
+    cache.put_if_absent(key, "v", ttl=20)
+    assert 19_000 < client.pttl(f"{PREFIX}{{{key}}}") <= 20_000
+
+
+def test_scripts_are_reloaded_after_the_server_forgets_them(client: redis.Redis):
+    """NOSCRIPT (a restarted or failed-over server) loads the script and carries on."""
+    conn = new_client()
+    cache = RedisCache(conn, prefix=PREFIX)
+    cache._shas = {script: "0" * 40 for script in cache._shas}  # as if never loaded
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+    assert cache.get(key) is None
+    conn.close()
+
+
+def test_instrumented_and_single_connection_clients_keep_their_own_path(client):
+    """The lean command path is for plain pooled clients only: a client whose
+    execute_command is overridden (tracing) sees every lock command; a single-connection
+    client keeps its lock around its one connection."""
+    seen: list[str] = []
+
+    class Traced(redis.Redis):
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            seen.append(args[0])
+            return super().execute_command(*args, **options)
+
+    for conn in (Traced.from_url(REDIS_URL), new_client(single_connection_client=True)):
+        cache = RedisCache(conn, prefix=PREFIX)
+        assert cache._execute == conn.execute_command
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v", ttl=30)
+        assert cache.get(key) == entry
+        cache.compare_and_delete(key, version=entry.version)
+        conn.close()
+    assert seen == ["EVALSHA", "GET", "EVALSHA"]
+    assert RedisCache(client)._execute != client.execute_command  # the lean path
+
+
+def test_an_interrupt_mid_command_never_shifts_replies(client: redis.Redis):
+    """The cache's own connection: an exception between sending a command and reading
+    its reply (a lease interrupt, Ctrl-C) must not leave that reply to be read as the
+    next command's (a stale "held" would read as "granted")."""
+    cache = RedisCache(new_client(), prefix=PREFIX)
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    conn = cache._execute._held[0]  # type: ignore[attr-defined]
+    read = conn.read_response
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        conn.read_response = read
+        raise KeyboardInterrupt  # the GET was sent; its reply is on the wire
+
+    conn.read_response = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        cache.get(key)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "other", ttl=30)
+    assert cache.get(key) == entry
+    cache.client.close()
+
+
+def _use_inherited_cache(cache: RedisCache, key: str) -> None:
+    entry = cache.put_if_absent(key, "child", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+
+
+def test_a_forked_child_never_shares_the_parents_connection(client: redis.Redis):
+    """A cache inherited through fork() talks on a connection of its own in the child;
+    the parent's stays in step."""
+    cache = RedisCache(new_client(), prefix=PREFIX)
+    key = unique_key()
+    cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
+    children = [
+        FORK.Process(target=_use_inherited_cache, args=(cache, f"{key}.{n}")) for n in range(3)
+    ]
+    for child in children:
+        child.start()
+    for _ in range(50):
+        entry = cache.put_if_absent(key, "parent", ttl=30)
+        assert cache.get(key) == entry
+        cache.compare_and_delete(key, version=entry.version)
+    for child in children:
+        child.join(10)
+    assert [child.exitcode for child in children] == [0, 0, 0]
+    cache.client.close()
+
+
+def test_a_malformed_entry_is_a_malfunction(cache: RedisCache, client: redis.Redis):
+    """Something else writing under the prefix is reported, not misread as a lock."""
+    key = unique_key()
+    client.set(f"{PREFIX}{{{key}}}", "not a lock entry")
+    with pytest.raises(MalfunctionError, match="malformed"):
+        cache.get(key)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "v", ttl=30)
+
+
+def test_wrong_type_at_the_key_is_a_malfunction_naming_the_operation(
+    cache: RedisCache, client: redis.Redis
+):
+    """A driver error becomes MalfunctionError naming redis, the operation and the key."""
+    key = unique_key()
+    client.hset(f"{PREFIX}{{{key}}}", "a", "b")
+    with pytest.raises(MalfunctionError) as info:
+        cache.put_if_absent(key, "v", ttl=30)
+    assert "redis" in str(info.value)
+    assert "put_if_absent" in str(info.value)
+    assert key in str(info.value)
+    assert not isinstance(info.value, redis.RedisError)
+
+
+# -- construction and URLs --------------------------------------------------------------
+
+
+def test_constructor_rejects_an_asyncio_client_and_a_bad_prefix(client: redis.Redis):
+    """Only sync clients work (the engine calls the cache synchronously), and the prefix
+    cannot carry a hash-tag brace."""
+    import redis.asyncio
+
+    with pytest.raises(ConstraintError, match="sync redis-py client"):
+        RedisCache(redis.asyncio.Redis())
+    with pytest.raises(ConstraintError, match="prefix"):
+        RedisCache(client, prefix="{app}")
+
+
+def test_from_url_builds_a_working_cache():
+    """redis:// goes through redis.Redis.from_url, options included."""
+    cache = from_url(REDIS_URL + ("&" if "?" in REDIS_URL else "?") + "socket_timeout=3")
+    assert cache.client.get_connection_kwargs()["socket_timeout"] == 3
+    key = unique_key()
+    cache = RedisCache(cache.client, prefix=PREFIX)
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+
+
+def test_from_url_rejects_unknown_schemes_and_bad_urls_without_echoing_secrets():
+    """Bad URLs raise ConstraintError; the password never appears in the message."""
+    with pytest.raises(ConstraintError, match="unknown Redis URL scheme"):
+        from_url("http://localhost")
+    for url in (
+        "redis+sentinel://:s3cret@h1:26379",  # no service name
+        "redis+sentinel://:s3cret@h1:26379/m/0?bogus=1",
+        "redis+sentinel://:s3cret@h1:x/m",
+    ):
+        with pytest.raises(ConstraintError) as info:
+            from_url(url)
+        assert "s3cret" not in str(info.value)
+
+
+def test_sentinel_url_is_parsed_into_sentinels_service_db_and_options():
+    """redis+sentinel://[user:pass@]h1:p1,h2,[::1]:p3/service/db?socket_timeout=..."""
+    sentinels, service, options, sentinel_options = parse_sentinel_url(
+        "redis+sentinel://app:p%40ss@h1:26380,h2,[::1]:26381/cache/3"
+        "?socket_timeout=2&sentinel_password=sp"
+    )
+    assert sentinels == [("h1", 26380), ("h2", 26379), ("::1", 26381)]
+    assert service == "cache"
+    assert options == {"db": 3, "socket_timeout": 2.0, "username": "app", "password": "p@ss"}
+    assert sentinel_options == {"socket_timeout": 2.0, "password": "sp"}
+
+
+def test_importing_simple_mutex_does_not_import_redis():
+    """The driver is imported only by the Redis backend itself."""
+    code = "import sys, simple_mutex, simple_mutex.caches; sys.exit('redis' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# -- waiting: hand-off by notification ---------------------------------------------------
+
+
+def test_release_wakes_a_waiter_within_a_round_trip_not_the_poll(mutex: Mutex):
+    """A waiter blocked in acquire (poll interval 5 s) holds the lock well under 1 s after
+    the release: the release script's signal woke it, not its poll."""
+    key = unique_key()
+    lease = mutex.acquire(key)
+    got: list[float] = []
+    waiter = threading.Thread(target=lambda: got.append(_acquire_at(mutex, key)))
+    waiter.start()
+    time.sleep(0.3)  # the waiter tried, failed and is blocked in BLPOP
+    released = time.monotonic()
+    lease.release()
+    waiter.join(POLL_INTERVAL * 2)
+    assert got, "waiter never acquired"
+    assert got[0] - released < WAKE_BOUND
+
+
+def _acquire_at(mutex: Mutex, key: str) -> float:
+    lease = mutex.acquire(key, timeout=POLL_INTERVAL * 2)
+    at = time.monotonic()
+    lease.release()
+    return at
+
+
+def test_one_release_wakes_exactly_one_waiter(cache: RedisCache):
+    """No thundering herd: three waiters blocked on a key, one release, one wakes."""
+    key = unique_key()
+    entry = cache.put_if_absent(key, "holder", ttl=30)
+    woke: list[float] = []
+
+    def waiter(n: int) -> None:
+        with pytest.raises(SimpleCacheConditionError):
+            cache.put_if_absent(key, f"w{n}", ttl=30)
+        cache.wait([key], 1.5)
+        woke.append(time.monotonic())
+
+    threads = [threading.Thread(target=waiter, args=(n,)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    released = time.monotonic()
+    cache.compare_and_delete(key, version=entry.version)
+    time.sleep(0.3)
+    assert len(woke) == 1
+    assert woke[0] - released < 0.2
+    for thread in threads:
+        thread.join(3)
+    assert len(woke) == 3  # the others came back at their own timeout
+
+
+def test_a_release_before_the_waiter_blocks_is_not_lost(cache: RedisCache):
+    """The lost wake-up race: the release lands between the waiter's failed put and its
+    BLPOP. The token waits in the list, so wait() returns at once."""
+    key = unique_key()
+    entry = cache.put_if_absent(key, "holder", ttl=30)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "waiter", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+    start = time.monotonic()
+    cache.wait([key], 1.5)
+    assert time.monotonic() - start < 0.2
+
+
+def test_wait_stays_inside_a_short_socket_timeout():
+    """A BLPOP longer than the client's socket timeout would look like a dead server:
+    wait() blocks at most 80 % of it and returns early instead of raising."""
+    conn = new_client(socket_timeout=0.3)
+    cache = RedisCache(conn, prefix=PREFIX)
+    key = unique_key()
+    cache.put_if_absent(key, "holder", ttl=30)
+    start = time.monotonic()
+    cache.wait([key], 2.0)
+    assert 0.2 <= time.monotonic() - start < 0.3
+    conn.close()
+
+
+def test_semaphore_works_unchanged_on_redis(cache: RedisCache):
+    """Three permits: three holders on distinct slots, a fourth times out, a release lets
+    a blocked fourth in at once; fences grow across the key's permits."""
+    key = unique_key()
+    semaphore = Semaphore(cache, permits=3, lease=30, interval=POLL_INTERVAL)
+    leases = [semaphore.acquire(key, timeout=0) for _ in range(3)]
+    assert sorted(lease.slot for lease in leases) == [0, 1, 2]
+    assert len({lease.fence for lease in leases}) == 3
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        semaphore.acquire(key, timeout=0.2)
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append((semaphore.acquire(key, timeout=4), time.monotonic()))
+    )
+    waiter.start()
+    time.sleep(0.3)
+    released = time.monotonic()
+    leases[1].release()
+    waiter.join(5)
+    fourth, at = got[0]
+    assert at - released < WAKE_BOUND
+    assert fourth.slot == leases[1].slot
+    assert fourth.fence > max(lease.fence for lease in leases)
+    for lease in [*leases[::2], fourth]:
+        assert lease.release()
+
+
+def test_a_stale_holders_release_and_renew_are_refused(cache: RedisCache):
+    """A holder whose lease lapsed (paused past it) cannot free or extend the new
+    holder's lock; the new holder's fence is larger."""
+    key = unique_key()
+    short = Mutex(cache, lease=0.3, interval=0.05)
+    stale = short.acquire(key)
+    time.sleep(0.45)
+    fresh = Mutex(cache, lease=30).acquire(key, timeout=1)
+    assert fresh.fence > stale.fence
+    assert stale.release() is False
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        stale.renew()
+    holder = short.holder(key)
+    assert holder is not None
+    assert holder.fence == fresh.fence
+    assert fresh.release() is True
+    assert short.holder(key) is None
+
+
+def test_renew_extends_the_servers_expiry(cache: RedisCache, client: redis.Redis):
+    """renew() restarts the entry's PX expiry on the server, keeping the fence."""
+    key = unique_key()
+    mutex = Mutex(cache, lease=2)
+    lease = mutex.acquire(key)
+    time.sleep(0.3)
+    lease.renew(20)
+    assert client.pttl(f"{PREFIX}{{mutex.{key}}}") > 19_000
+    assert mutex.holder(key).fence == lease.fence  # type: ignore[union-attr]
+    assert lease.release()
+
+
+# -- processes (slow) -------------------------------------------------------------------
+
+
+def _contend(url: str, key: str, iterations: int, counter: str, log: str) -> None:
+    """Child: read-modify-write a counter under the lock, logging each hold."""
+    conn = new_client(url)
+    mutex = Mutex(RedisCache(conn, prefix=PREFIX), lease=30, interval=POLL_INTERVAL)
+    for _ in range(iterations):
+        with mutex.acquire(key, timeout=30) as lease:
+            start = time.monotonic()
+            value = int(conn.get(counter) or 0)
+            time.sleep(0.001)
+            conn.set(counter, value + 1)
+            end = time.monotonic()
+        conn.rpush(log, json.dumps([os.getpid(), start, end, lease.fence]))
+
+
+@pytest.mark.slow
+def test_processes_exclude_each_other(client: redis.Redis):
+    """Six processes x 25 read-modify-write increments: exact count, no two holds overlap,
+    fences strictly increase in the order the holds happened."""
+    key, counter, log = unique_key(), f"{PREFIX}counter", f"{PREFIX}log"
+    procs = [
+        FORK.Process(target=_contend, args=(REDIS_URL, key, 25, counter, log), daemon=True)
+        for _ in range(6)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0] * 6
+    assert int(client.get(counter)) == 150  # type: ignore[arg-type]
+    holds = sorted(json.loads(row) for row in client.lrange(log, 0, -1))
+    holds.sort(key=lambda row: row[1])
+    assert len(holds) == 150
+    for before, after in itertools.pairwise(holds):
+        assert before[2] <= after[1], f"overlapping holds: {before} and {after}"
+        assert before[3] < after[3]
+    assert len({row[0] for row in holds}) == 6
+
+
+def _hold_forever(url: str, key: str, lease: float, report: str) -> None:
+    conn = new_client(url)
+    held = Mutex(RedisCache(conn, prefix=PREFIX), lease=lease).acquire(key)
+    conn.rpush(report, json.dumps([held.fence, time.monotonic()]))
+    time.sleep(3600)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_holders_lock_is_taken_over_after_its_lease(mutex: Mutex, client):
+    """The holder dies without releasing: nobody gets in before its lease ends; the next
+    holder gets in soon after, with a larger fence."""
+    key, report, lease = unique_key(), f"{PREFIX}report", 1.0
+    proc = FORK.Process(target=_hold_forever, args=(REDIS_URL, key, lease, report))
+    proc.start()
+    try:
+        reply = client.blpop([report], timeout=10)
+        assert reply is not None, "holder never reported"
+        fence, granted = json.loads(reply[1])
+        assert mutex.holder(key).pid == proc.pid  # type: ignore[union-attr]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+    taker = Mutex(mutex.cache, lease=30, interval=0.05)
+    taken = taker.acquire(key, timeout=5)
+    at = time.monotonic()
+    assert at >= granted + lease - 0.05
+    assert at < granted + lease + 0.5
+    assert taken.fence > fence
+    assert taken.release()
+
+
+# -- servers of our own: restart, freeze, sentinel, cluster ------------------------------
+
+
+class Server:
+    """A redis-server this module runs: started, stopped, frozen, killed."""
+
+    def __init__(self, port: int, workdir: Path, *extra: str, config: Path | None = None):
+        self.port = port
+        self.workdir = workdir
+        self.extra = extra
+        self.config = config  # a Sentinel runs from a (writable) config file
+        self.pidfile = workdir / f"redis-{port}.pid"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
+        if self.config is not None:
+            head = [binary, str(self.config), "--sentinel"]
+        else:
+            head = [binary, "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        subprocess.run(
+            [*head, "--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "yes",
+             "--pidfile", str(self.pidfile), "--logfile", str(self.workdir / f"{self.port}.log"),
+             *self.extra],
+            check=True,
+        )  # fmt: skip
+        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                probe.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        probe.close()
+
+    @property
+    def pid(self) -> int:
+        return int(self.pidfile.read_text())
+
+    def shutdown(self) -> None:
+        pid = self.pid
+        conn = redis.Redis(port=self.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+        with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
+            conn.shutdown(nosave=True)
+        _wait_gone(pid)
+
+    def kill(self) -> None:
+        try:
+            pid = self.pid
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+
+
+def _wait_gone(pid: int) -> None:
+    """Until the process is gone or a zombie (a daemon's parent is init, which may be
+    slow to reap it here)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state == "Z":
+            return
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[Server]]:
+    """Servers a test starts; every one is killed at teardown, whatever happened."""
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.kill()
+
+
+def own_server(servers: list[Server], tmp_path: Path, port: int, *extra: str) -> Server:
+    server = Server(port, tmp_path, *extra)
+    servers.append(server)
+    server.start()
+    return server
+
+
+def fragile_client(port: int, socket_timeout: float = 0.5) -> redis.Redis:
+    """A client that gives up fast: a 0.5 s socket timeout and a single retry."""
+    return redis.Redis(
+        port=port,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+@pytest.mark.slow
+def test_server_shutdown_and_restart(servers: list[Server], tmp_path: Path):
+    """Redis goes away mid-test: every operation raises MalfunctionError (never a redis
+    error), a waiter and a timed acquire end by their deadline plus one socket timeout,
+    and locks work again once the server is back (scripts reloaded)."""
+    server = own_server(servers, tmp_path, 6391)
+    socket_timeout = 0.5
+    cache = RedisCache(fragile_client(6391, socket_timeout))
+    mutex = Mutex(cache, lease=30, interval=POLL_INTERVAL)
+    held = mutex.acquire("busy")
+    outcome: list[Any] = []
+
+    def waiter() -> None:
+        start = time.monotonic()
+        try:
+            mutex.acquire("busy", timeout=1)
+        except Exception as exc:  # the type is what the test checks
+            outcome.append((exc, time.monotonic() - start))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)  # blocked in BLPOP
+    server.shutdown()
+    thread.join(1 + socket_timeout + 1)
+    assert not thread.is_alive(), "waiter hung after the server went away"
+    error, took = outcome[0]
+    assert isinstance(error, MalfunctionError), repr(error)
+    assert error.key == "busy"
+    assert took <= 1 + socket_timeout + 0.2
+
+    for call, operation in [
+        (lambda: cache.get("k"), "get"),
+        (lambda: cache.put_if_absent("k", "v", ttl=1), "put_if_absent"),
+        (lambda: cache.compare_and_set("k", "v", ttl=1, version="1.1"), "compare_and_set"),
+        (lambda: cache.compare_and_delete("k", version="1.1"), "compare_and_delete"),
+        (lambda: cache.wait(["k"], 0.1), "wait"),
+    ]:
+        with pytest.raises(MalfunctionError) as info:
+            call()
+        assert not isinstance(info.value, redis.RedisError)
+        assert f"redis cache failed during {operation} on 'k'" in str(info.value)
+
+    start = time.monotonic()
+    with pytest.raises(MalfunctionError):
+        mutex.acquire("other", timeout=1)
+    assert time.monotonic() - start <= 1 + socket_timeout
+    with pytest.raises(MalfunctionError):
+        held.release()
+
+    server.start()  # empty: no data, no scripts
+    lease = mutex.acquire("busy", timeout=1)
+    assert lease.fence == 1  # fences are only as durable as the server's data
+    assert lease.release()
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_a_frozen_server_does_not_hang_acquire(servers: list[Server], tmp_path: Path):
+    """SIGSTOP: the server accepts nothing and answers nothing. A timed acquire still
+    raises MalfunctionError within its socket timeouts (one try, one retry, then the
+    engine's read-back) instead of hanging."""
+    server = own_server(servers, tmp_path, 6392)
+    mutex = Mutex(RedisCache(fragile_client(6392, 0.3)), lease=30)
+    mutex.acquire("warm", timeout=0).release()
+    os.kill(server.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(MalfunctionError):
+            mutex.acquire("k", timeout=0.5)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert time.monotonic() - start < 0.5 + 4 * 0.3 + 0.5
+
+
+@pytest.mark.slow
+def test_sentinel_url_finds_the_master(servers: list[Server], tmp_path: Path):
+    """redis+sentinel:// asks a real Sentinel for the master, and locks work through it."""
+    own_server(servers, tmp_path, 6393)
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text("sentinel monitor simple 127.0.0.1 6393 1\n")
+    sentinel = Server(26393, tmp_path, config=conf)
+    servers.append(sentinel)
+    sentinel.start()
+    probe = redis.Redis(port=26393, socket_timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not probe.sentinel_get_master_addr_by_name("simple"):
+        assert time.monotonic() < deadline, "sentinel does not know the master"
+        time.sleep(0.05)
+    cache = from_url("redis+sentinel://127.0.0.1:26393/simple/0?socket_timeout=2")
+    mutex = Mutex(cache, lease=30)
+    lease = mutex.acquire("via-sentinel", timeout=1)
+    assert redis.Redis(port=6393).exists("{mutex.via-sentinel}") == 1
+    assert lease.release()
+
+
+@pytest.mark.slow
+def test_cluster_mutex_semaphore_and_hand_off(servers: list[Server], tmp_path: Path):
+    """A three-master Redis Cluster: scripts and BLPOP run (hash tags keep each lock's
+    keys in one slot), a semaphore spans its slots, a waiter wakes on release."""
+    ports = [7391, 7392, 7393]
+    for port in ports:
+        node_dir = tmp_path / str(port)
+        node_dir.mkdir()
+        own_server(servers, node_dir, port, "--cluster-enabled", "yes",
+                   "--cluster-config-file", str(node_dir / "nodes.conf"))  # fmt: skip
+    subprocess.run(
+        ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+         "--cluster-replicas", "0", "--cluster-yes"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    deadline = time.monotonic() + 15
+    while any(redis.Redis(port=p).cluster("info")["cluster_state"] != "ok" for p in ports):
+        assert time.monotonic() < deadline, "cluster did not become ok"
+        time.sleep(0.1)
+    cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0], socket_timeout=5)
+    cache = RedisCache(cluster)
+    mutex = Mutex(cache, lease=30, interval=POLL_INTERVAL)
+    keys = [f"order.{n}" for n in range(20)]
+    nodes = {cluster.get_node_from_key(f"{{mutex.{k}}}").port for k in keys}
+    assert len(nodes) > 1  # the locks really are spread over several masters
+    for key in keys:
+        mutex.acquire(key, timeout=0).release()
+
+    semaphore = Semaphore(cache, permits=2, lease=30, interval=POLL_INTERVAL)
+    leases = [semaphore.acquire("pool", timeout=0) for _ in range(2)]
+    got: list[float] = []
+    waiter = threading.Thread(target=lambda: got.append(_semaphore_acquire_at(semaphore, "pool")))
+    waiter.start()
+    time.sleep(0.3)
+    released = time.monotonic()
+    leases[0].release()
+    waiter.join(POLL_INTERVAL * 2)
+    assert got, "waiter never acquired"
+    assert got[0] - released < WAKE_BOUND
+    leases[1].release()
+    cluster.close()
+
+
+def _semaphore_acquire_at(semaphore: Semaphore, key: str) -> float:
+    lease = semaphore.acquire(key, timeout=POLL_INTERVAL * 2)
+    at = time.monotonic()
+    lease.release()
+    return at
+
+
+def _loop_on_one_key(url: str, key: str, rounds: int, ready: str, order: str) -> None:
+    """Child: hold, let the parent's waiter block, release and at once ask again."""
+    conn = new_client(url)
+    mutex = Mutex(RedisCache(conn, prefix=PREFIX), lease=30, interval=POLL_INTERVAL)
+    for _ in range(rounds):
+        lease = mutex.acquire(key, timeout=5)
+        conn.rpush(ready, "holding")
+        time.sleep(0.2)
+        lease.release()
+        with mutex.acquire(key, timeout=5):
+            conn.rpush(order, "worker")
+
+
+@pytest.mark.slow
+def test_a_releaser_that_woke_a_waiter_lets_it_go_first(mutex: Mutex, client: redis.Redis):
+    """Hand-off, not barging: a worker (another process) that releases a key someone
+    waits for and asks for it again at once gets it only after the woken waiter; else a
+    worker looping on one key starves the others (bench/README-redis.md, fairness)."""
+    key, ready, order, rounds = unique_key(), f"{PREFIX}ready", f"{PREFIX}order", 4
+    args = (REDIS_URL, key, rounds, ready, order)
+    proc = FORK.Process(target=_loop_on_one_key, args=args)
+    proc.start()
+    try:
+        for _ in range(rounds):
+            assert client.blpop([ready], timeout=5) is not None
+            with mutex.acquire(key, timeout=5):  # blocks until the worker's release
+                client.rpush(order, "waiter")
+                time.sleep(0.05)
+    finally:
+        proc.join(10)
+        proc.kill()
+    assert proc.exitcode == 0
+    turns = client.lrange(order, 0, -1)
+    assert sorted(turns) == sorted([b"waiter", b"worker"] * rounds)
+    # Without the courtesy the worker wins every round here; one late wake-up on a
+    # loaded machine is tolerated.
+    assert turns[0::2].count(b"waiter") >= rounds - 1, turns
+
+
+class TestRedisCacheContractOnFakeRedis(CacheContract):
+    """The same scripts on fakeredis (Lua through lupa): a quick check that they use
+    nothing beyond portable Redis commands. The real server above is the proof."""
+
+    @pytest.fixture
+    def cache(self) -> RedisCache:
+        import fakeredis
+
+        return RedisCache(fakeredis.FakeRedis(), prefix=PREFIX)
