@@ -168,7 +168,8 @@ ensure_redis() {
 
 # Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
 ensure_services() {
-    local wanted=",${SIMPLE_MUTEX_SERVICES:-},"
+    # Every tier's tests run by default; SIMPLE_MUTEX_SERVICES="" starts none.
+    local wanted=",${SIMPLE_MUTEX_SERVICES-redis},"
     wanted="${wanted// /,}"
     if [[ "$wanted" == *,redis,* ]]; then ensure_redis; fi
     # Later tiers: add  if [[ "$wanted" == *,postgres,* ]]; then ensure_postgres; fi

@@ -5,6 +5,7 @@ cache          scope         extra
 =============  ============  =========================================
 InMemoryCache  one process   none
 DiskCache      one machine   none
+RedisCache     every machine ``simple-mutex[redis]``
 =============  ============  =========================================
 
 Backends with a driver are imported only when named here, so ``import simple_mutex``
@@ -13,9 +14,23 @@ needs nothing beyond the standard library.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .adapt import as_cache
 from .disk import DiskCache
 from .memory import InMemoryCache
 from .url import cache_from_url
 
-__all__ = ["DiskCache", "InMemoryCache", "as_cache", "cache_from_url"]
+if TYPE_CHECKING:
+    from .redis import RedisCache
+
+__all__ = ["DiskCache", "InMemoryCache", "RedisCache", "as_cache", "cache_from_url"]
+
+
+def __getattr__(name: str) -> object:
+    # Imported on first use, so `import simple_mutex` never needs a driver.
+    if name == "RedisCache":
+        from .redis import RedisCache
+
+        return RedisCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

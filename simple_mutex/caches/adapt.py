@@ -19,6 +19,12 @@ def as_cache(cache: object) -> ConditionalCache:
             f"cache must be a cache instance, not the class {cache.__name__}; "
             f"write {cache.__name__}(...)"
         )
+    if type(cache).__module__.split(".")[0] == "redis" and callable(
+        getattr(cache, "execute_command", None)
+    ):
+        from .redis import RedisCache  # a raw redis-py client: wrap it (asyncio ones refused)
+
+        return RedisCache(cache)
     if all(callable(getattr(cache, name, None)) for name in _CACHE_METHODS) and isinstance(
         getattr(cache, "name", None), str
     ):

@@ -10,7 +10,7 @@ from simple_mutex.errors import ConstraintError
 from .disk import DiskCache
 from .memory import InMemoryCache
 
-_SCHEMES = "memory://, file:///path"
+_SCHEMES = "memory://, file:///path, redis://, rediss://, redis+sentinel://"
 
 
 def cache_from_url(url: str) -> ConditionalCache:
@@ -35,5 +35,10 @@ def cache_from_url(url: str) -> ConditionalCache:
                 f"file URL {url!r} needs an absolute path; write file:///absolute/path"
             )
         return DiskCache(unquote(parts.path))
+    if scheme in ("redis", "rediss", "redis+sentinel"):
+        # Raises ConstraintError naming simple-mutex[redis] when redis-py is missing.
+        from .redis import from_url
+
+        return from_url(url)
     # Only the scheme is echoed: the rest of a URL may hold a password.
     raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {_SCHEMES}")
