@@ -30,7 +30,9 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
 
 ``compare_and_delete(key, version=...)``
     Free the live entry whose version is ``version`` (keeping the fence counter). Raise
-    ``SimpleCacheConditionError`` if it is absent, expired or has another version.
+    ``SimpleCacheConditionError`` if it is absent, expired or has another version. Return
+    True if the release woke a waiter (a cache that cannot tell returns None): the engine
+    then lets that waiter go first instead of barging back in.
 
 ``wait(keys, timeout)``
     Block for at most ``timeout`` seconds, returning early when any of ``keys`` may have
@@ -74,6 +76,6 @@ class ConditionalCache(Protocol):
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry: ...
 
-    def compare_and_delete(self, key: str, *, version: str) -> None: ...
+    def compare_and_delete(self, key: str, *, version: str) -> bool | None: ...
 
     def wait(self, keys: Sequence[str], timeout: float) -> None: ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
@@ -61,8 +62,8 @@ class CompareAndDelete(NamedTuple):
     key: str
     version: str
 
-    def apply(self, cache: ConditionalCache) -> None:
-        cache.compare_and_delete(self.key, version=self.version)
+    def apply(self, cache: ConditionalCache) -> bool:
+        return bool(cache.compare_and_delete(self.key, version=self.version))
 
 
 class Wait(NamedTuple):
@@ -73,7 +74,22 @@ class Wait(NamedTuple):
         cache.wait(self.keys, self.seconds)
 
 
-Op = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait
+class Pause(NamedTuple):
+    """Sleep without asking the cache anything (the hand-off courtesy below)."""
+
+    seconds: float
+
+    def apply(self, cache: ConditionalCache) -> None:
+        time.sleep(self.seconds)
+
+
+Op = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait | Pause
+
+HANDOFF_COURTESY = 0.005
+"""How long a holder that just woke a waiter by releasing a key holds back from taking
+that key again. The releaser is already running while the woken waiter still has to be
+scheduled, so without it a worker looping on one key wins nearly every race and starves
+the others (measured on Redis: fairness 0.52-0.79 of the mean without, 1.00 with)."""
 
 
 class Grant(NamedTuple):
@@ -97,9 +113,13 @@ def acquire_flow(
     interval: float,
     now: Callable[[], float],
     rng: random.Random,
+    courtesy: float = 0.0,
 ) -> Flow:
     deadline = None if timeout is None else now() + timeout
     count = len(slot_keys)
+    if courtesy > 0 and timeout != 0:
+        # We just handed this key to a waiter we woke: let it go first.
+        yield Pause(courtesy if timeout is None else min(courtesy, timeout))
     while True:
         # A random first slot spreads semaphore holders instead of piling on slot 0.
         first = rng.randrange(count) if count > 1 else 0
@@ -198,6 +218,9 @@ async def run_async(cache: ConditionalCache, flow: Flow) -> Grant:
 
 
 async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
+    if isinstance(op, Pause):
+        await asyncio.sleep(op.seconds)
+        return Outcome()
     if isinstance(op, Wait):
         wait_async = getattr(cache, "wait_async", None)
         if wait_async is not None:  # the cache can wake an event loop itself

@@ -28,6 +28,7 @@ from types import TracebackType
 from .contract import ConditionalCache, Entry
 from .durations import positive_seconds
 from .engine import (
+    HANDOFF_COURTESY,
     CompareAndDelete,
     CompareAndSet,
     Get,
@@ -68,6 +69,7 @@ class Lease:
         grant: Grant,
         length: float,
         renew: bool,
+        handoffs: dict[str, float] | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -78,6 +80,7 @@ class Lease:
         self._value = value
         self._version = grant.entry.version
         self._renew = renew
+        self._handoffs = handoffs
         self._lock = threading.Lock()
         self._released = False
         self._lost_reason: str | None = None
@@ -139,7 +142,7 @@ class Lease:
             # may run behind ours): compare-and-delete cannot touch another holder's.
             in_time = self._lost_reason is None and time.monotonic() < self._deadline
             try:
-                execute(self._cache, CompareAndDelete(self._cache_key, self._version))
+                woke = execute(self._cache, CompareAndDelete(self._cache_key, self._version))
             except SimpleCacheConditionError:
                 self._released = True
                 self._record_gone = True
@@ -155,6 +158,10 @@ class Lease:
                 exc.key = self.key
                 raise
             self._released = True
+            if woke and self._handoffs is not None:
+                if len(self._handoffs) > 1024:  # marks of keys never taken again
+                    self._handoffs.clear()
+                self._handoffs[self._cache_key] = time.monotonic() + HANDOFF_COURTESY
         log.debug("released %r (fence %d)", self.key, self.fence)
         return in_time
 

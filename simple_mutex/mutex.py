@@ -57,6 +57,8 @@ class _LockSpace:
         self.interval = positive_seconds(interval, "interval")
         self.prefix = check_prefix(prefix)
         self.label = label
+        # cache key -> monotonic time until which we let the waiter we woke go first
+        self._handoffs: dict[str, float] = {}
 
     def _slot_keys(self, key: str) -> list[str]:
         base = self.prefix + encode_key(check_key(key))
@@ -112,6 +114,9 @@ class _LockSpace:
         slot_keys = self._slot_keys(key)
         token = new_token()
         value = encode_record(token, self.label if label is None else label, time.time())
+        courtesy = 0.0
+        if self._handoffs:
+            courtesy = max(self._handoffs.pop(k, 0.0) for k in slot_keys) - time.monotonic()
         flow = acquire_flow(
             key=key,
             slot_keys=slot_keys,
@@ -121,6 +126,7 @@ class _LockSpace:
             interval=pause,
             now=time.monotonic,
             rng=_rng,
+            courtesy=courtesy,
         )
         return _Attempt(self, key, slot_keys, token, value, renew, flow)
 
@@ -180,6 +186,7 @@ class _Attempt(NamedTuple):
             grant=grant,
             length=self.space.lease,
             renew=self.renew,
+            handoffs=self.space._handoffs,
         )
 
 

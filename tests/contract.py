@@ -280,10 +280,11 @@ class CacheContract:
     # -- compare_and_delete -------------------------------------------------------------
 
     def test_compare_and_delete_frees_the_key(self, cache: ConditionalCache) -> None:
-        """Deleting with the current version frees the key: get reads None."""
+        """Deleting with the current version frees the key: get reads None, and with nobody
+        waiting the delete reports no waiter woken (None or False)."""
         key = unique_key()
         entry = cache.put_if_absent(key, "v1", ttl=30)
-        assert cache.compare_and_delete(key, version=entry.version) is None
+        assert not cache.compare_and_delete(key, version=entry.version)
         assert cache.get(key) is None
 
     def test_compare_and_delete_twice_misses_the_second_time(self, cache: ConditionalCache) -> None:

@@ -26,6 +26,7 @@ from simple_mutex.engine import (
     CompareAndSet,
     Get,
     Grant,
+    Pause,
     PutIfAbsent,
     Wait,
     acquire_flow,
@@ -79,7 +80,7 @@ class Driver:
             assert len(self.ops) < self.max_ops, "flow never finished"
             self.ops.append(op)
             self.issued_at.append(self.clock.t)
-            if type(op) is Wait:
+            if type(op) in (Wait, Pause):
                 assert op.seconds > 0, f"non-positive wait {op}"
                 self.clock.t += op.seconds
                 result, error = None, None
@@ -109,8 +110,10 @@ def flow(
     interval: float = 1.0,
     lease: float = 30.0,
     seed: int = 1,
+    courtesy: float = 0.0,
 ) -> Any:
     return acquire_flow(
+        courtesy=courtesy,
         key="k",
         slot_keys=list(slot_keys),
         value=VALUE,
@@ -503,3 +506,60 @@ def test_run_against_a_broken_cache_raises_malfunction_not_oserror():
         run(BrokenCache(), real_flow(["mutex.k"], timeout=None))
     assert "brokencache" in str(info.value)
     assert not isinstance(info.value, OSError)
+
+
+def grant_first(op: Any) -> Any:
+    if type(op) is PutIfAbsent:
+        return entry_for(op)
+    raise AssertionError(f"unexpected op {op!r}")
+
+
+def test_courtesy_pauses_before_the_first_put():
+    """A holder that just woke a waiter pauses before asking again, so the waiter wins."""
+    clock = FakeClock()
+    driver = Driver(clock, grant_first)
+    driver.drive(flow(clock, courtesy=0.004))
+    assert [type(op) for op in driver.ops] == [Pause, PutIfAbsent]
+    assert driver.ops[0].seconds == pytest.approx(0.004)
+
+
+def test_courtesy_never_outlasts_the_timeout_and_try_once_skips_it():
+    """The pause is capped by the wait timeout, and timeout=0 (try once) never pauses."""
+    clock = FakeClock()
+    capped = Driver(clock, grant_first)
+    capped.drive(flow(clock, courtesy=0.004, timeout=0.001))
+    assert capped.ops[0] == Pause(0.001)
+    once = Driver(clock, grant_first)
+    once.drive(flow(clock, courtesy=0.004, timeout=0))
+    assert [type(op) for op in once.ops] == [PutIfAbsent]
+
+
+class _WakingCache(InMemoryCache):
+    """Says every release woke a waiter, as Redis does when one was blocked."""
+
+    def compare_and_delete(self, key, *, version):
+        super().compare_and_delete(key, version=version)
+        return True
+
+
+def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypatch):
+    """After a release that woke someone, the same Mutex's next acquire of that key
+    pauses first; a release that woke nobody leaves the next acquire immediate."""
+    from simple_mutex import Mutex, engine
+
+    pauses: list[float] = []
+    real_apply = engine.Pause.apply
+    monkeypatch.setattr(
+        engine.Pause,
+        "apply",
+        lambda self, cache: (pauses.append(self.seconds), real_apply(self, cache)),
+    )
+    woken = Mutex(_WakingCache(), lease=30)
+    woken.acquire("k").release()
+    woken.acquire("k").release()
+    assert len(pauses) == 1
+    assert 0 < pauses[0] <= engine.HANDOFF_COURTESY
+    quiet = Mutex(InMemoryCache(), lease=30)
+    quiet.acquire("k").release()
+    quiet.acquire("k").release()
+    assert len(pauses) == 1

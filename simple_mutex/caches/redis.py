@@ -30,10 +30,8 @@ held; a release that sees a live mark pushes one token, which the longest-blocke
 so a release between a waiter's failed put and its ``BLPOP`` is not lost. Uncontended
 releases push nothing, so they write nothing extra to replicas or the AOF. A ``BLPOP``
 lasts at most ``_MAX_BLOCK_S`` (and ends inside the client's socket timeout), so the mark,
-renewed by each failed put, outlives every block it covers. A releaser that woke someone
-lets it go first: its own put on that key within ``_COURTESY_S`` waits the rest of it
-out, since the woken waiter still has to be scheduled and the releaser, already running,
-would otherwise win nearly every time (a worker looping on one key starved the others).
+renewed by each failed put, outlives every block it covers. ``compare_and_delete`` says
+when it woke someone, so the engine lets that waiter go first (engine.HANDOFF_COURTESY).
 
 Connections. With a plain pooled ``redis.Redis`` the cache keeps one connection of the
 client's pool for its scripts and ``GET`` (``_OwnConnection``): checking one out and back
@@ -74,7 +72,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 _MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 _WAITER_MARK_MS = 3000  # > _MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
 _SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
-_COURTESY_S = 0.005  # a releaser that woke a waiter lets it go first (see put_if_absent)
 _NOW_MS = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)"
 
 # KEYS[1] entry, KEYS[2] meta
@@ -152,7 +149,6 @@ class RedisCache:
         self.client = client
         self.prefix = check_prefix(prefix)
         self._execute = _pooled_executor(client) or execute
-        self._woke: dict[str, float] = {}  # stem -> end of the courtesy to a woken waiter
         # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
         self._shas = {
             s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
@@ -206,11 +202,6 @@ class RedisCache:
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry_key, stem = self._keys(key)
-        if self._woke:
-            # We just released this key to a waiter we woke: let it go first (see above).
-            until = self._woke.pop(stem, 0.0)
-            if until > time.monotonic():
-                time.sleep(until - time.monotonic())
         ms, expires = _ttl(ttl)
         reply = self._script(
             _PUT, "put_if_absent", key, 2, entry_key, stem + ":meta", f"{expires} {value}", ms
@@ -233,7 +224,7 @@ class RedisCache:
         fence = version.partition(".")[0]
         return Entry(value, f"{fence}.{n}", int(fence), expires / 1000)
 
-    def compare_and_delete(self, key: str, *, version: str) -> None:
+    def compare_and_delete(self, key: str, *, version: str) -> bool:
         entry_key, stem = self._keys(key)
         freed = self._script(
             _DELETE, "compare_and_delete", key,
@@ -241,10 +232,7 @@ class RedisCache:
         )  # fmt: skip
         if not freed:
             raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
-        if freed == 2:
-            if len(self._woke) > 1024:  # stale marks of keys never taken again
-                self._woke.clear()
-            self._woke[stem] = time.monotonic() + _COURTESY_S
+        return bool(freed == 2)  # a waiter was signalled
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         block = min(timeout, self._max_block)
