@@ -12,7 +12,7 @@ from .durations import Duration, timeout_seconds
 from .errors import ConstraintError
 from .keys import check_key, check_template, render_template
 from .lease import Lease
-from .mutex import DEFAULT_INTERVAL, DEFAULT_LEASE, Mutex
+from .mutex import DEFAULT_INTERVAL, DEFAULT_LEASE, Mutex, check_renew
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -106,8 +106,7 @@ def with_simple_mutex(
     ``async def`` functions. Without ``logic`` it returns a decorator."""
     wait = timeout_seconds(timeout)
     mutex = Mutex(cache, lease=lease, interval=interval, label=label)
-    if not isinstance(renew, bool):
-        raise ConstraintError(f"renew must be True or False, got {renew!r}")
+    check_renew(renew)
 
     def decorate(fn: F) -> F:
         if not callable(fn):

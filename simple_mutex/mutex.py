@@ -49,8 +49,7 @@ class _LockSpace:
             raise ConstraintError(
                 f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
             )
-        if label is not None and not isinstance(label, str):
-            raise ConstraintError(f"label must be a str or None, got {label!r}")
+        check_label(label)
         self.cache = as_cache(cache)
         self.permits = permits
         self.lease = positive_seconds(lease, "lease")
@@ -107,10 +106,8 @@ class _LockSpace:
     ) -> _Attempt:
         wait = timeout_seconds(timeout)
         pause = self.interval if interval is None else positive_seconds(interval, "interval")
-        if not isinstance(renew, bool):
-            raise ConstraintError(f"renew must be True or False, got {renew!r}")
-        if label is not None and not isinstance(label, str):
-            raise ConstraintError(f"label must be a str or None, got {label!r}")
+        check_renew(renew)
+        check_label(label)
         slot_keys = self._slot_keys(key)
         token = new_token()
         value = encode_record(token, self.label if label is None else label, time.time())
@@ -188,6 +185,16 @@ class _Attempt(NamedTuple):
             renew=self.renew,
             handoffs=self.space._handoffs,
         )
+
+
+def check_label(label: object) -> None:
+    if label is not None and not isinstance(label, str):
+        raise ConstraintError(f"label must be a str or None, got {label!r}")
+
+
+def check_renew(renew: object) -> None:
+    if not isinstance(renew, bool):
+        raise ConstraintError(f"renew must be True or False, got {renew!r}")
 
 
 class Mutex(_LockSpace):
