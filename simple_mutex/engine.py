@@ -15,9 +15,11 @@ The acquire flow, for the permit slots of one key (a mutex has one slot)::
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .contract import ConditionalCache, Entry
@@ -225,9 +227,11 @@ async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
         wait_async = getattr(cache, "wait_async", None)
         if wait_async is not None:  # the cache can wake an event loop itself
             await wait_async(op.keys, op.seconds)
-        else:
-            await asyncio.sleep(op.seconds)
-        return Outcome()
+            return Outcome()
+        # A blocking wait (Redis BLPOP, a sleep) in a pool of its own, so that waiters
+        # never fill the loop's default executor that the other operations run in.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_wait_pool(), attempt, cache, op)
     call = asyncio.ensure_future(asyncio.to_thread(attempt, cache, op))
     try:
         return await asyncio.shield(call)
@@ -239,3 +243,21 @@ async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
             free = CompareAndDelete(op.key, outcome.result.version)
             await asyncio.to_thread(attempt, cache, free)
         raise
+
+
+_waits: ThreadPoolExecutor | None = None
+
+
+def _wait_pool() -> ThreadPoolExecutor:
+    global _waits
+    if _waits is None:
+        _waits = ThreadPoolExecutor(max_workers=64, thread_name_prefix="simple-mutex-wait")
+    return _waits
+
+
+def _forget_wait_pool() -> None:
+    global _waits
+    _waits = None  # its threads stayed in the parent
+
+
+os.register_at_fork(after_in_child=_forget_wait_pool)

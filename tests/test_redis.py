@@ -836,3 +836,29 @@ class TestRedisCacheContractOnFakeRedis(CacheContract):
         import fakeredis
 
         return RedisCache(fakeredis.FakeRedis(), prefix=PREFIX)
+
+
+def test_an_async_waiter_is_woken_by_the_release_not_the_poll(cache: RedisCache):
+    """acquire_async on Redis blocks on the signal list (in the wait pool), so it takes
+    the lock within a round trip or so of the release, not after the 5 s poll."""
+    import asyncio
+
+    slow_poll = Mutex(cache, lease=30, interval=5)
+    key = unique_key()
+
+    async def scenario() -> float:
+        held = await slow_poll.acquire_async(key)
+
+        async def waiter() -> float:
+            lease = await slow_poll.acquire_async(key, timeout=10)
+            got = time.monotonic()
+            await asyncio.to_thread(lease.release)
+            return got
+
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0.3)  # the waiter is blocked by now
+        released_at = time.monotonic()
+        await asyncio.to_thread(held.release)
+        return await asyncio.wait_for(task, 10) - released_at
+
+    assert asyncio.run(scenario()) < 1.0
