@@ -166,11 +166,43 @@ ensure_redis() {
     ensure_service "redis ($REDIS_URL)" redis_ping redis_start
 }
 
+postgres_ping() {  # is the server at POSTGRES_URL accepting connections?
+    pg_isready -q -t 2 -d "$POSTGRES_URL"
+}
+
+postgres_start() {
+    local host port version
+    read -r host port < <(url_host_port "$POSTGRES_URL" 5432)
+    case "$host" in
+        127.0.0.1 | localhost | ::1) ;;
+        *) die "POSTGRES_URL points at $host: start that PostgreSQL yourself (only a loopback one is started here)" ;;
+    esac
+    version="$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1)"
+    if [[ -z "$version" ]]; then
+        # A fresh machine: install a cluster for loopback tests (trust auth, database test).
+        say "PostgreSQL is missing; installing it with apt-get"
+        apt_install postgresql || die "could not install PostgreSQL"
+        version="$(ls /etc/postgresql | sort -V | tail -n 1)"
+        local hba="/etc/postgresql/$version/main/pg_hba.conf"
+        as_root sed -i -E 's/^(host\s+all\s+all\s+(127\.0\.0\.1\/32|::1\/128)\s+)\S+/\1trust/' "$hba"
+        as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+        as_root pg_ctlcluster --skip-systemctl-redirect "$version" main reload
+        as_root su postgres -c "createdb test" 2>/dev/null || true
+        return 0
+    fi
+    as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start
+}
+
+ensure_postgres() {
+    export POSTGRES_URL="${POSTGRES_URL:-postgresql://postgres@127.0.0.1:5432/test}"
+    ensure_service "postgres ($POSTGRES_URL)" postgres_ping postgres_start
+}
+
 # Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
 ensure_services() {
     # Every tier's tests run by default; SIMPLE_MUTEX_SERVICES="" starts none.
-    local wanted=",${SIMPLE_MUTEX_SERVICES-redis},"
+    local wanted=",${SIMPLE_MUTEX_SERVICES-redis,postgres},"
     wanted="${wanted// /,}"
     if [[ "$wanted" == *,redis,* ]]; then ensure_redis; fi
-    # Later tiers: add  if [[ "$wanted" == *,postgres,* ]]; then ensure_postgres; fi
+    if [[ "$wanted" == *,postgres,* ]]; then ensure_postgres; fi
 }

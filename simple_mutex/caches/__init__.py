@@ -6,6 +6,7 @@ cache          scope         extra
 InMemoryCache  one process   none
 DiskCache      one machine   none
 RedisCache     every machine ``simple-mutex[redis]``
+PostgresCache  every machine ``simple-mutex[postgres]``
 =============  ============  =========================================
 
 Backends with a driver are imported only when named here, so ``import simple_mutex``
@@ -22,9 +23,17 @@ from .memory import InMemoryCache
 from .url import cache_from_url
 
 if TYPE_CHECKING:
+    from .postgres import PostgresCache
     from .redis import RedisCache
 
-__all__ = ["DiskCache", "InMemoryCache", "RedisCache", "as_cache", "cache_from_url"]
+__all__ = [
+    "DiskCache",
+    "InMemoryCache",
+    "PostgresCache",
+    "RedisCache",
+    "as_cache",
+    "cache_from_url",
+]
 
 
 def __getattr__(name: str) -> object:
@@ -33,4 +42,8 @@ def __getattr__(name: str) -> object:
         from .redis import RedisCache
 
         return RedisCache
+    if name == "PostgresCache":
+        from .postgres import PostgresCache
+
+        return PostgresCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

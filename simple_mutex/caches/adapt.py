@@ -25,6 +25,10 @@ def as_cache(cache: object) -> ConditionalCache:
         from .redis import RedisCache  # a raw redis-py client: wrap it (asyncio ones refused)
 
         return RedisCache(cache)
+    if type(cache).__module__.split(".")[0] in ("psycopg", "psycopg_pool"):
+        from .postgres import PostgresCache  # an autocommit Connection or a ConnectionPool
+
+        return PostgresCache(cache)
     if all(callable(getattr(cache, name, None)) for name in _CACHE_METHODS) and isinstance(
         getattr(cache, "name", None), str
     ):

@@ -10,7 +10,7 @@ from simple_mutex.errors import ConstraintError
 from .disk import DiskCache
 from .memory import InMemoryCache
 
-_SCHEMES = "memory://, file:///path, redis://, rediss://, redis+sentinel://"
+_SCHEMES = "memory://, file:///path, redis://, rediss://, redis+sentinel://, postgresql://"
 
 
 def cache_from_url(url: str) -> ConditionalCache:
@@ -40,5 +40,10 @@ def cache_from_url(url: str) -> ConditionalCache:
         from .redis import from_url
 
         return from_url(url)
+    if scheme in ("postgresql", "postgres"):
+        # Raises ConstraintError naming simple-mutex[postgres] when psycopg is missing.
+        from .postgres import from_url as postgres_from_url
+
+        return postgres_from_url(url)
     # Only the scheme is echoed: the rest of a URL may hold a password.
     raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {_SCHEMES}")

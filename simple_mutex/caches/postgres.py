@@ -1,0 +1,398 @@
+"""PostgresCache: every machine that reaches one PostgreSQL (psycopg 3).
+
+One table holds every lock; each operation is one SQL statement, so compare and act are
+atomic on the server, and the server's clock (``clock_timestamp()``) decides expiry. The
+table is created on first use; in a database where the lock role may not create tables,
+run this once (``simple_mutex_locks`` is the default ``table``)::
+
+    CREATE TABLE simple_mutex_locks (
+        key text PRIMARY KEY,
+        value text,                     -- NULL once freed: the row stays for its fence
+        version text NOT NULL,          -- random per write: the compare-and-set condition
+        fence bigint NOT NULL,          -- +1 on every grant, never restarted
+        expires_at timestamptz NOT NULL -- judged by the server's clock
+    );
+    GRANT SELECT, INSERT, UPDATE ON simple_mutex_locks TO lock_role;
+
+Fences live in the row itself: a release only sets ``value`` to NULL, so the next grant
+of the key counts on from the freed row. One row stays per key ever locked (a few dozen
+bytes); ``DELETE FROM simple_mutex_locks WHERE value IS NULL AND expires_at < now() -
+interval '1 day'`` drops retired keys, at the price of restarting their fences. Each
+semaphore slot (``key#N``) is its own row, so its fences count per slot (as DiskCache's).
+Fences and held locks are as durable as the server's commits: keep
+``synchronous_commit`` on for the lock role, or a crash could forget a granted lock and
+grant it twice.
+
+Waking waiters: a release sends ``pg_notify`` on the key's own channel (a digest of
+table and key) in the same statement, delivered when it commits. A waiter, on a listening
+connection of its own (one per cache, opened on the first wait), runs ``LISTEN`` on its
+keys' channels, then checks whether one is free already (a release just before the
+LISTEN would otherwise be missed), blocks until a notification or its timeout, and runs
+``UNLISTEN *``: a session that listens while nobody reads it would hold back the
+server's notification queue for everyone. One thread of a process listens at a time;
+another thread waiting on the same cache sleeps out its (jittered) poll. Expiries notify
+nobody: a lock taken over after a crash is found by the poll.
+
+Connections. From a conninfo string or URL the cache opens one autocommit connection per
+process (a lock guards it; a forked child opens its own), with a connect timeout, TCP
+keepalives, ``tcp_user_timeout`` and a ``statement_timeout`` (each only where the conninfo
+sets none), so no call hangs on a dead server or a cut network; a broken connection is
+replaced on the next call. (A server process frozen on the same host, whose kernel still
+acknowledges every packet, is not detected.) A psycopg ``Connection`` you pass must be in
+autocommit mode: it is used as it is until it breaks or the process forks, then replaced
+by one opened from its own parameters. A ``psycopg_pool.ConnectionPool`` lends one
+connection per operation. Every psycopg error becomes ``MalfunctionError`` naming
+postgres, the operation and the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from simple_mutex import forksafe
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+
+try:
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ConstraintError(
+        "PostgresCache needs psycopg 3: pip install 'simple-mutex[postgres]'"
+    ) from exc
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+# Set only where the conninfo says nothing: a dead server or a cut network must end a
+# call in seconds (keepalives and tcp_user_timeout), not after the kernel's ~15 minutes.
+_CONNECT_DEFAULTS = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "10000",
+}
+_STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {t} (
+    key text PRIMARY KEY,
+    value text,
+    version text NOT NULL,
+    fence bigint NOT NULL,
+    expires_at timestamptz NOT NULL
+)
+"""
+_EPOCH = "extract(epoch FROM expires_at)::float8"
+_EXPIRY = "clock_timestamp() + make_interval(secs => %(ttl)s)"
+_LIVE = "value IS NOT NULL AND expires_at > clock_timestamp()"
+
+# Insert, or take over a freed or expired row (fence + 1). When the row is live the
+# INSERT returns nothing and the second SELECT reads it (from the statement's snapshot),
+# so the caller can tell our own earlier write (same value: a lost reply) from another
+# holder in the same round trip.
+_PUT = f"""
+WITH put AS (
+    INSERT INTO {{t}} AS e (key, value, version, fence, expires_at)
+    VALUES (%(key)s, %(value)s, %(version)s, 1, {_EXPIRY})
+    ON CONFLICT (key) DO UPDATE
+        SET value = excluded.value, version = excluded.version, fence = e.fence + 1,
+            expires_at = excluded.expires_at
+        WHERE e.value IS NULL OR e.expires_at <= clock_timestamp()
+    RETURNING value, version, fence, {_EPOCH}
+)
+SELECT * FROM put
+UNION ALL
+SELECT value, version, fence, {_EPOCH} FROM {{t}}
+WHERE key = %(key)s AND {_LIVE} AND NOT EXISTS (SELECT FROM put)
+"""
+_GET = f"SELECT value, version, fence, {_EPOCH} FROM {{t}} WHERE key = %(key)s AND {_LIVE}"
+_CAS = f"""
+UPDATE {{t}} SET value = %(value)s, version = %(new)s, expires_at = {_EXPIRY}
+WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
+RETURNING fence, {_EPOCH}
+"""
+# Free the row (the fence stays in it) and wake listeners: the notification is sent when
+# the statement commits, so a woken waiter finds the key free.
+_DELETE = f"""
+WITH freed AS (
+    UPDATE {{t}} SET value = NULL
+    WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
+    RETURNING key
+)
+SELECT pg_notify(%(channel)s, '') FROM freed
+"""
+_LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
+
+
+class PostgresCache:
+    """A ConditionalCache in one PostgreSQL table.
+
+    ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
+    ``psycopg.Connection``, or a ``psycopg_pool.ConnectionPool``."""
+
+    name = "postgres"
+
+    def __init__(self, conninfo: Any, *, table: str = "simple_mutex_locks") -> None:
+        if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
+            raise ConstraintError(
+                f"PostgresCache table must be a plain identifier (letters, digits, _; at "
+                f"most 63), got {table!r}; create it in a schema on the role's search_path"
+            )
+        self.table = table
+        self._pool: Any = None
+        self._conn: psycopg.Connection[Any] | None = None
+        if isinstance(conninfo, str):
+            self._conninfo = _with_defaults(conninfo)
+        elif isinstance(conninfo, psycopg.Connection):
+            if not conninfo.autocommit:
+                raise ConstraintError(
+                    "PostgresCache needs an autocommit connection (psycopg.connect(..., "
+                    "autocommit=True)): a lock written inside your transaction would stay "
+                    "invisible until you commit; or pass a conninfo string or a pool"
+                )
+            self._conn = conninfo
+            self._conninfo = _with_defaults(
+                make_conninfo(conninfo.info.dsn, password=conninfo.info.password or None)
+            )
+        elif _is_pool(conninfo):
+            self._pool = conninfo
+            known = {d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()}
+            options = {k: v for k, v in (conninfo.kwargs or {}).items() if k in known}
+            self._conninfo = _with_defaults(make_conninfo(conninfo.conninfo, **options))
+        else:
+            raise ConstraintError(
+                f"PostgresCache needs a conninfo string or URL, a psycopg Connection or a "
+                f"psycopg_pool ConnectionPool, got {type(conninfo).__name__}"
+            )
+        quoted = sql.Identifier(table).as_string(None)
+        self._sql = {
+            name: text.format(t=quoted)
+            for name, text in (
+                ("schema", _SCHEMA), ("put", _PUT), ("get", _GET), ("cas", _CAS),
+                ("delete", _DELETE), ("live", _LIVE_COUNT),
+            )
+        }  # fmt: skip
+        self._ready = False  # the table is known to exist
+        self._guard = threading.Lock()
+        self._listen_guard = threading.Lock()
+        self._listener: psycopg.Connection[Any] | None = None
+        forksafe.register(self)
+
+    def __repr__(self) -> str:
+        return f"PostgresCache(table={self.table!r})"
+
+    # -- connections -------------------------------------------------------------------
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork(self) -> None:
+        # The parent's sockets are not ours: drop them unclosed (psycopg never sends a
+        # Terminate from a process that did not open the connection) and open our own.
+        self._conn = None
+        self._listener = None
+        self._listen_guard = threading.Lock()  # a waiting thread did not come along
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(self._conninfo, autocommit=True)
+        if "statement_timeout" not in str(conninfo_to_dict(self._conninfo).get("options", "")):
+            conn.execute(f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}")
+        return conn
+
+    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
+        # Look before creating: a role without CREATE gets "permission denied" from
+        # CREATE TABLE IF NOT EXISTS even when the table is there.
+        name = sql.Identifier(self.table).as_string(None)
+        if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,):
+            # Sessions creating it at the same instant collide in the catalog (a unique
+            # violation on pg_type, or "type ... already exists"): the loser uses the
+            # winner's table. A savepoint keeps a pooled connection's transaction usable.
+            errors = psycopg.errors
+            lost_race = (errors.UniqueViolation, errors.DuplicateObject, errors.DuplicateTable)
+            with contextlib.suppress(*lost_race), conn.transaction():
+                conn.execute(self._sql["schema"])
+        self._ready = True
+
+    @contextmanager
+    def _connection(self, operation: str, key: str) -> Iterator[psycopg.Connection[Any]]:
+        if self._pool is not None:
+            try:
+                with self._pool.connection() as conn:
+                    if not self._ready:
+                        self._create_table(conn)
+                    yield conn
+            except psycopg.Error as exc:
+                raise _fault(operation, key, exc) from exc
+            return
+        with self._guard:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = self._connect()
+                if not self._ready:
+                    self._create_table(self._conn)
+                yield self._conn
+            except psycopg.Error as exc:
+                self._drop(exc)
+                raise _fault(operation, key, exc) from exc
+            except BaseException:
+                # An interrupt mid-statement may leave a reply unread: never reuse it.
+                self._drop(None)
+                raise
+
+    def _drop(self, error: psycopg.Error | None) -> None:
+        """Forget the connection after a fault, so the next call opens a fresh one; an
+        error the server answered (a statement timeout) leaves it usable."""
+        conn = self._conn
+        if conn is None:
+            return
+        if (
+            isinstance(error, psycopg.errors.DatabaseError)
+            and error.sqlstate is not None
+            and not error.sqlstate.startswith("08")  # connection exceptions
+            and not conn.broken
+        ):
+            return
+        self._conn = None
+        with contextlib.suppress(Exception):  # it is broken already
+            conn.close()
+
+    # -- the contract ------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        with self._connection("get", key) as conn:
+            row = conn.execute(self._sql["get"], {"key": key}).fetchone()
+        return None if row is None else Entry(row[0], row[1], row[2], row[3])
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        params = {"key": key, "value": value, "version": _new_version(), "ttl": ttl}
+        with self._connection("put_if_absent", key) as conn:
+            row = conn.execute(self._sql["put"], params).fetchone()
+        # Ours when just written (our version) or our own earlier write (same value).
+        if row is None or (row[1] != params["version"] and row[0] != value):
+            raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
+        return Entry(row[0], row[1], row[2], row[3])
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        new = _new_version()
+        params = {"key": key, "value": value, "new": new, "version": version, "ttl": ttl}
+        with self._connection("compare_and_set", key) as conn:
+            row = conn.execute(self._sql["cas"], params).fetchone()
+        if row is None:
+            raise SimpleCacheConditionError(
+                f"postgres: {key!r} is not at version {version}", key=key
+            )
+        return Entry(value, new, row[0], row[1])
+
+    def compare_and_delete(self, key: str, *, version: str) -> None:
+        params = {"key": key, "version": version, "channel": self._channel(key)}
+        with self._connection("compare_and_delete", key) as conn:
+            freed = conn.execute(self._sql["delete"], params).fetchone()
+        if freed is None:
+            raise SimpleCacheConditionError(
+                f"postgres: {key!r} is not at version {version}", key=key
+            )
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if timeout < 0.001 or not keys:
+            time.sleep(max(timeout, 0.0))
+            return
+        if not self._listen_guard.acquire(timeout=timeout):
+            return  # another thread of ours listens; we waited out our timeout for it
+        try:
+            self._listen_once(keys, deadline)
+        except psycopg.Error as exc:
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.close()
+            raise _fault("wait", keys[0], exc) from exc
+        finally:
+            self._listen_guard.release()
+
+    def _listen_once(self, keys: Sequence[str], deadline: float) -> None:
+        if self._listener is None or self._listener.closed:
+            self._listener = self._connect()
+        conn = self._listener
+        channels = {self._channel(key) for key in keys}
+        # LISTEN commits before the check reads, so a release is either seen as a free
+        # key by the check or delivered to us: none falls between the two.
+        conn.execute("".join(f'LISTEN "{channel}";' for channel in channels))
+        try:
+            live = conn.execute(self._sql["live"], {"keys": list(set(keys))}).fetchone()
+            if live is None or live[0] < len(set(keys)):
+                return  # a key is free already
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                for note in conn.notifies(timeout=remaining):
+                    if note.channel in channels:
+                        return
+        finally:
+            if not conn.broken:
+                # Listen only while waiting: an idle listening session that reads nothing
+                # would hold back the server's notification queue for every database user.
+                conn.execute("UNLISTEN *")
+
+    def _channel(self, key: str) -> str:
+        # Channel names are identifiers of at most 63 bytes: a digest of table and key.
+        digest = hashlib.blake2b(f"{self.table}\0{key}".encode(), digest_size=16)
+        return "sm_" + digest.hexdigest()
+
+
+def _new_version() -> str:
+    return secrets.token_hex(8)
+
+
+def _is_pool(obj: object) -> bool:
+    try:
+        from psycopg_pool import ConnectionPool
+    except ImportError:
+        return False
+    return isinstance(obj, ConnectionPool)
+
+
+def _with_defaults(conninfo: str) -> str:
+    try:
+        given = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        # Only the kind of problem is echoed: a conninfo may hold a password.
+        raise ConstraintError(
+            "bad PostgreSQL conninfo or URL (expected postgresql://user@host/db or "
+            "'host=... dbname=...')"
+        ) from None
+    extra = {name: value for name, value in _CONNECT_DEFAULTS.items() if name not in given}
+    return make_conninfo(conninfo, **extra)
+
+
+def _fault(operation: str, key: str, exc: Exception) -> MalfunctionError:
+    message = str(exc).strip() or type(exc).__name__
+    return MalfunctionError(
+        f"postgres cache failed during {operation} on {key!r}: {message}", key=key
+    )
+
+
+def from_url(url: str) -> PostgresCache:
+    """A PostgresCache from ``postgresql://`` or ``postgres://`` URL; libpq's own query
+    options pass through, and ``?table=name`` picks the table."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("postgresql", "postgres"):
+        raise ConstraintError(
+            f"unknown PostgreSQL URL scheme {parts.scheme!r}; use postgresql:// or postgres://"
+        )
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    tables = [value for name, value in query if name == "table"]
+    rest = urlencode([(name, value) for name, value in query if name != "table"])
+    return PostgresCache(
+        urlunsplit(parts._replace(query=rest)),
+        **({"table": tables[-1]} if tables else {}),
+    )
