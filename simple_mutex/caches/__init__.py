@@ -7,6 +7,7 @@ InMemoryCache  one process   none
 DiskCache      one machine   none
 RedisCache     every machine ``simple-mutex[redis]``
 PostgresCache  every machine ``simple-mutex[postgres]``
+MongoCache     every machine ``simple-mutex[mongo]``
 =============  ============  =========================================
 
 Backends with a driver are imported only when named here, so ``import simple_mutex``
@@ -23,12 +24,14 @@ from .memory import InMemoryCache
 from .url import cache_from_url
 
 if TYPE_CHECKING:
+    from .mongo import MongoCache
     from .postgres import PostgresCache
     from .redis import RedisCache
 
 __all__ = [
     "DiskCache",
     "InMemoryCache",
+    "MongoCache",
     "PostgresCache",
     "RedisCache",
     "as_cache",
@@ -46,4 +49,8 @@ def __getattr__(name: str) -> object:
         from .postgres import PostgresCache
 
         return PostgresCache
+    if name == "MongoCache":
+        from .mongo import MongoCache
+
+        return MongoCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,14 @@ def as_cache(cache: object) -> ConditionalCache:
         from .postgres import PostgresCache  # an autocommit Connection or a ConnectionPool
 
         return PostgresCache(cache)
+    if type(cache).__module__.split(".")[0] in ("pymongo", "mongomock") and type(
+        cache
+    ).__name__ in ("MongoClient", "Database", "Collection"):
+        # By class name: pymongo's Database and Collection answer any attribute (with a
+        # sub-collection), so duck typing would take them for a cache.
+        from .mongo import MongoCache
+
+        return MongoCache(cache)
     if all(callable(getattr(cache, name, None)) for name in _CACHE_METHODS) and isinstance(
         getattr(cache, "name", None), str
     ):

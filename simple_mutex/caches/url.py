@@ -10,7 +10,10 @@ from simple_mutex.errors import ConstraintError
 from .disk import DiskCache
 from .memory import InMemoryCache
 
-_SCHEMES = "memory://, file:///path, redis://, rediss://, redis+sentinel://, postgresql://"
+_SCHEMES = (
+    "memory://, file:///path, redis://, rediss://, redis+sentinel://, postgresql://, "
+    "mongodb://, mongodb+srv://"
+)
 
 
 def cache_from_url(url: str) -> ConditionalCache:
@@ -45,5 +48,10 @@ def cache_from_url(url: str) -> ConditionalCache:
         from .postgres import from_url as postgres_from_url
 
         return postgres_from_url(url)
+    if scheme in ("mongodb", "mongodb+srv"):
+        # Raises ConstraintError naming simple-mutex[mongo] when pymongo is missing.
+        from .mongo import from_url as mongo_from_url
+
+        return mongo_from_url(url)
     # Only the scheme is echoed: the rest of a URL may hold a password.
     raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {_SCHEMES}")

@@ -1,0 +1,497 @@
+"""MongoCache over the MongoDB wire protocol, and on mongomock.
+
+* The server: ``MONGODB_URL`` when set (a real ``mongod``); otherwise a ``secantusd-py``
+  (the PyPI package ``secantusdb``, a MongoDB wire-protocol server, test-only) that this
+  module starts on a free loopback port with a scratch directory and stops at the end.
+  If neither answers, the tests FAIL: a proof is never skipped. Every test of this
+  module writes into one database named for this run, dropped at the end.
+* Against that server: the shared contract with the server's clock (the default) and
+  with the client's, the statements' specifics, errors, and in processes (slow):
+  exclusion with an exact read-modify-write count and no overlapping holds, and a
+  SIGKILLed holder taken over after its lease with a larger fence.
+* mongomock (no server) for the fast contract run of ``clock="client"``.
+
+Children are forked and open their own clients; times are ``time.monotonic()``, one clock
+for every process on the machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mongomock
+import pymongo
+import pytest
+from contract import CacheContract, unique_key
+
+from simple_mutex import ConstraintError, MalfunctionError, Mutex, SimpleCacheConditionError
+from simple_mutex.caches import mongo
+from simple_mutex.caches.mongo import MongoCache, from_url
+
+DB = f"smx_test_{uuid.uuid4().hex[:8]}"
+FORK = multiprocessing.get_context("fork")
+POLL = 0.01  # MongoCache has no wake-up: waiters poll
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str, timeout_ms: int = 500) -> Exception | None:
+    probe: pymongo.MongoClient[Any] = pymongo.MongoClient(
+        url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
+    )
+    try:
+        probe.admin.command("ping")
+        return None
+    except pymongo.errors.PyMongoError as exc:
+        return exc
+    finally:
+        probe.close()
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """MONGODB_URL, or a secantusd-py of our own; fails (never skips) if none answers."""
+    url = os.environ.get("MONGODB_URL")
+    if url:
+        error = _answers(url, 3000)
+        if error is not None:
+            pytest.fail(f"MONGODB_URL={url} does not answer ({error!r})")
+        yield url
+        return
+    binary = shutil.which("secantusd-py") or str(Path(sys.executable).parent / "secantusd-py")
+    if not os.path.exists(binary):
+        pytest.fail("secantusd-py not found: pip install secantusdb (test-only) or set MONGODB_URL")
+    workdir = tmp_path_factory.mktemp("secantus")
+    port = _free_port()
+    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - open for the server's life
+    proc = subprocess.Popen(
+        [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path",
+         str(workdir / "data")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"mongodb://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 15
+        while (error := _answers(url, 300)) is not None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"secantusd-py did not start on port {port} ({error!r}): "
+                    f"{(workdir / 'server.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> Iterator[pymongo.MongoClient[Any]]:
+    conn: pymongo.MongoClient[Any] = pymongo.MongoClient(
+        server_url, serverSelectionTimeoutMS=5000, socketTimeoutMS=10_000
+    )
+    yield conn
+    conn.drop_database(DB)
+    conn.close()
+
+
+@pytest.fixture
+def cache(client: pymongo.MongoClient[Any]) -> MongoCache:
+    return MongoCache(client, database=DB)
+
+
+# -- the contract -----------------------------------------------------------------------
+
+
+class TestMongoContractServerClock(CacheContract):
+    """The contract over the wire, expiry judged by the server's $$NOW (the default)."""
+
+    expiry_slack = 0.15
+
+    @pytest.fixture
+    def cache(self, client: pymongo.MongoClient[Any]) -> MongoCache:
+        return MongoCache(client, database=DB)
+
+
+class TestMongoContractClientClock(CacheContract):
+    """...and with clock="client" (servers without $$NOW in filters)."""
+
+    expiry_slack = 0.15
+
+    @pytest.fixture
+    def cache(self, client: pymongo.MongoClient[Any]) -> MongoCache:
+        return MongoCache(client, database=DB, collection="locks_client", clock="client")
+
+
+class TestMongomockContract(CacheContract):
+    """The client-clock statements on mongomock (fast, no server)."""
+
+    @pytest.fixture
+    def cache(self) -> MongoCache:
+        return MongoCache(mongomock.MongoClient(), clock="client")
+
+
+# -- statements, clocks, fences ------------------------------------------------------------
+
+
+def test_a_freed_key_keeps_its_document_and_fence(cache: MongoCache, client):
+    """Release sets value to null and keeps the fence; the next grant counts on."""
+    key = unique_key()
+    first = cache.put_if_absent(key, "v1", ttl=30)
+    cache.compare_and_delete(key, version=first.version)
+    doc = client[DB]["locks"].find_one({"_id": key})
+    assert doc["value"] is None
+    assert doc["fence"] == first.fence
+    assert cache.put_if_absent(key, "v2", ttl=30).fence == first.fence + 1
+
+
+def test_fences_start_from_the_server_clock_so_a_collected_key_counts_on(
+    cache: MongoCache, client
+):
+    """A new document's fence is the server's time in µs: after the TTL monitor deletes a
+    long-dead document, the key's next fence is still larger than every earlier one."""
+    key = unique_key()
+    first = cache.put_if_absent(key, "v1", ttl=30)
+    assert abs(first.fence / 1e6 - time.time()) < 5
+    cache.compare_and_delete(key, version=first.version)
+    client[DB]["locks"].delete_one({"_id": key})  # what garbage collection does
+    assert cache.put_if_absent(key, "v2", ttl=30).fence > first.fence
+
+
+def test_expiry_is_judged_by_the_servers_clock(client, monkeypatch: pytest.MonkeyPatch):
+    """With clock="server" the local clock is never read: a local clock an hour fast
+    neither expires a live entry nor shifts its expiry; with clock="client" it does."""
+    server = MongoCache(client, database=DB)
+    local = MongoCache(client, database=DB, clock="client")
+    key = unique_key()
+    entry = server.put_if_absent(key, "v1", ttl=30)
+    monkeypatch.setattr(mongo, "_now_ms", lambda: int((time.time() + 3600) * 1000))
+    assert server.get(key) == entry
+    with pytest.raises(SimpleCacheConditionError):
+        server.put_if_absent(key, "v2", ttl=30)
+    again = server.compare_and_set(key, "v1", ttl=30, version=entry.version)
+    assert abs(again.expires_at - (time.time() + 30)) < 2
+    assert local.get(key) is None  # the fast local clock thinks it expired
+    assert local.put_if_absent(key, "v3", ttl=30).fence == entry.fence + 1
+
+
+def test_a_value_that_looks_like_an_expression_is_stored_verbatim(cache: MongoCache):
+    """Pipeline updates would read "$field" as a field path: values go in as $literal."""
+    key = unique_key()
+    for value in ("$fence", "$$NOW", '{"$set": 1}'):
+        entry = cache.put_if_absent(key, value, ttl=30)
+        assert cache.get(key) == entry
+        assert entry.value == value
+        renewed = cache.compare_and_set(key, value, ttl=30, version=entry.version)
+        assert renewed.value == value
+        cache.compare_and_delete(key, version=renewed.version)
+
+
+def test_racing_puts_on_a_new_key_have_exactly_one_winner(server_url: str):
+    """Eight threads with their own clients race put_if_absent on fresh keys: the unique
+    _id lets exactly one in (the others get DuplicateKeyError, reported as held)."""
+    caches = [MongoCache(pymongo.MongoClient(server_url), database=DB) for _ in range(8)]
+    caches[0].ready()
+    for _ in range(5):
+        key = unique_key()
+        barrier = threading.Barrier(len(caches))
+        wins: list[int] = []
+
+        def race(
+            n: int, key: str = key, barrier: threading.Barrier = barrier, wins: list[int] = wins
+        ) -> None:
+            barrier.wait(10)
+            try:
+                caches[n].put_if_absent(key, f"v{n}", ttl=30)
+                wins.append(n)
+            except SimpleCacheConditionError:
+                pass
+
+        threads = [threading.Thread(target=race, args=(n,)) for n in range(len(caches))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert len(wins) == 1
+    for each in caches:
+        each._given.database.client.close()
+
+
+def test_writes_use_a_majority_write_concern_with_a_timeout(client):
+    """w="majority" by default (a w:1 write can be rolled back on fail-over)."""
+    assert MongoCache(client, database=DB)._collection().write_concern.document == {
+        "w": "majority",
+        "wtimeout": 10_000,
+    }
+    assert MongoCache(client, write_concern=1)._collection().write_concern.document["w"] == 1
+    own = client[DB].get_collection("x")
+    assert MongoCache(own, write_concern=None)._collection() is own
+
+
+def test_ready_creates_the_ttl_index_as_garbage_collection_only(client):
+    """ready() (also run on first use) creates the TTL index on expires_at."""
+    cache = MongoCache(client, database=DB, collection="gc", gc_after=3600)
+    cache.ready()
+    index = client[DB]["gc"].index_information()["simple_mutex_gc"]
+    assert index["key"] == [("expires_at", 1)]
+    assert index["expireAfterSeconds"] == 3600
+    lazy = MongoCache(client, database=DB, collection="gc_lazy")
+    lazy.get(unique_key())
+    assert "simple_mutex_gc" in client[DB]["gc_lazy"].index_information()
+    MongoCache(client, database=DB, collection="no_gc", gc_after=None).get(unique_key())
+    assert "simple_mutex_gc" not in client[DB]["no_gc"].index_information()
+
+
+def test_ready_reports_a_conflicting_index_early(client):
+    """An index on expires_at with other options is a malfunction named at ready()."""
+    client[DB]["clash"].create_index("expires_at", name="simple_mutex_gc", expireAfterSeconds=5)
+    cache = MongoCache(client, database=DB, collection="clash", gc_after=3600)
+    with pytest.raises(MalfunctionError, match="TTL index"):
+        cache.ready()
+
+
+def test_a_server_without_now_is_refused_naming_the_client_clock():
+    """mongomock cannot evaluate $$NOW: the default clock is refused, with the fix."""
+    cache = MongoCache(mongomock.MongoClient())
+    with pytest.raises(ConstraintError, match="clock='client'"):
+        cache.ready()
+    with pytest.raises(ConstraintError, match="clock='client'"):
+        cache.put_if_absent(unique_key(), "v", ttl=30)
+
+
+def test_a_malformed_document_is_a_malfunction(cache: MongoCache, client):
+    """Something else writing into the collection is reported, not misread as a lock."""
+    key = unique_key()
+    from datetime import datetime, timedelta, timezone
+
+    client[DB]["locks"].insert_one(
+        {"_id": key, "value": 12, "expires_at": datetime.now(timezone.utc) + timedelta(hours=1)}
+    )
+    with pytest.raises(MalfunctionError, match="malformed"):
+        cache.get(key)
+
+
+def test_an_unreachable_server_is_a_malfunction_naming_mongo_operation_and_key():
+    """Driver errors become MalfunctionError, quickly (server selection timeout)."""
+    port = _free_port()
+    dead: pymongo.MongoClient[Any] = pymongo.MongoClient(
+        f"mongodb://127.0.0.1:{port}/", serverSelectionTimeoutMS=300, connectTimeoutMS=300
+    )
+    cache = MongoCache(dead, gc_after=None, clock="client")
+    key = unique_key()
+    start = time.monotonic()
+    with pytest.raises(MalfunctionError) as info:
+        cache.put_if_absent(key, "v", ttl=30)
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert "mongo" in message
+    assert "put_if_absent" in message
+    assert key in message
+    assert not isinstance(info.value, pymongo.errors.PyMongoError)
+    with pytest.raises(MalfunctionError, match="TTL index"):
+        MongoCache(dead).ready()
+    dead.close()
+
+
+def test_mutex_over_mongo(client):
+    """Mutex works unchanged over MongoCache: grant, busy, holder, release, fences."""
+    mutex = Mutex(MongoCache(client, database=DB), lease=30, interval=POLL)
+    key = unique_key()
+    first = mutex.acquire(key, timeout=5)
+    assert mutex.try_acquire(key) is None
+    holder = mutex.holder(key)
+    assert holder is not None
+    assert holder.pid == os.getpid()
+    assert holder.fence == first.fence
+    assert first.release()
+    second = mutex.acquire(key, timeout=5)
+    assert second.fence > first.fence
+    assert second.release()
+    assert not mutex.locked(key)
+
+
+# -- construction and URLs --------------------------------------------------------------
+
+
+def test_constructor_takes_a_client_a_database_or_a_collection(client):
+    """A client gets database/collection; a Database gets the collection; a Collection
+    is used as it is; anything else is refused."""
+    assert MongoCache(client, database=DB, collection="c1").collection_name == "c1"
+    by_db = MongoCache(client[DB], collection="c2")
+    assert (by_db.database, by_db.collection_name) == (DB, "c2")
+    by_coll = MongoCache(client[DB]["c3"], database="ignored", collection="ignored")
+    assert (by_coll.database, by_coll.collection_name) == (DB, "c3")
+    for bad in ("mongodb://x", object(), None):
+        with pytest.raises(ConstraintError, match="MongoClient"):
+            MongoCache(bad)
+    with pytest.raises(ConstraintError, match="clock"):
+        MongoCache(client, clock="atomic")
+    with pytest.raises(ConstraintError, match="gc_after"):
+        MongoCache(client, gc_after=-1)
+
+
+def test_from_url_builds_a_working_cache_with_timeouts(server_url: str):
+    """mongodb:// goes to MongoClient; database from the path, collection and clock from
+    the query; timeouts are set unless the URL sets them."""
+    base = server_url.split("?")[0].rstrip("/")
+    cache = from_url(f"{base}/{DB}?collection=from_url&clock=client&socketTimeoutMS=7000")
+    assert (cache.database, cache.collection_name, cache.clock) == (DB, "from_url", "client")
+    options = cache._client.options
+    assert options.pool_options.socket_timeout == 7
+    assert options.server_selection_timeout == 5
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    assert cache.get(key) == entry
+    cache.close()
+    default = from_url(base)
+    assert (default.database, default.collection_name, default.clock) == (
+        "simple_mutex", "locks", "server"
+    )  # fmt: skip
+    default.close()
+
+
+def test_from_url_rejects_other_schemes_and_bad_urls_without_echoing_secrets():
+    with pytest.raises(ConstraintError, match="mongodb://"):
+        from_url("redis://localhost")
+    with pytest.raises(ConstraintError) as info:
+        from_url("mongodb://user:s3cret@[bad/")
+    assert "s3cret" not in str(info.value)
+
+
+def test_importing_simple_mutex_does_not_import_pymongo():
+    """The driver is imported only by the Mongo backend itself."""
+    code = "import sys, simple_mutex, simple_mutex.caches; sys.exit('pymongo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _use_inherited(cache: MongoCache, key: str) -> None:
+    entry = cache.put_if_absent(key, "child", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+    assert cache._client is not None  # its own client, not the parent's
+    cache.close()
+
+
+def test_a_forked_child_opens_its_own_client(server_url: str):
+    """A cache inherited through fork() talks on a client of the child's own; the
+    parent's keeps working."""
+    parent_client: pymongo.MongoClient[Any] = pymongo.MongoClient(server_url)
+    cache = MongoCache(parent_client, database=DB)
+    key = unique_key()
+    cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
+    children = [FORK.Process(target=_use_inherited, args=(cache, f"{key}.{n}")) for n in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(20)
+    assert [child.exitcode for child in children] == [0, 0]
+    entry = cache.put_if_absent(key, "parent", ttl=30)
+    assert cache.get(key) == entry
+    assert cache._client is None  # the parent still uses the client it was given
+    parent_client.close()
+
+
+# -- processes (slow) -------------------------------------------------------------------
+
+
+def _contend(url: str, key: str, iterations: int, log: str) -> None:
+    """Child: read-modify-write a counter document under the lock, logging each hold."""
+    conn: pymongo.MongoClient[Any] = pymongo.MongoClient(url)
+    mutex = Mutex(MongoCache(conn, database=DB), lease=30, interval=POLL)
+    counters = conn[DB]["counters"]
+    lines = []
+    for _ in range(iterations):
+        with mutex.acquire(key, timeout=60) as lease:
+            start = time.monotonic()
+            doc = counters.find_one({"_id": key})
+            time.sleep(0.002)
+            counters.replace_one({"_id": key}, {"n": (doc or {"n": 0})["n"] + 1}, upsert=True)
+            end = time.monotonic()
+        lines.append(json.dumps([os.getpid(), start, end, lease.fence]) + "\n")
+        time.sleep(POLL)  # as real work does between sections: lets pollers in
+    Path(log).write_text("".join(lines))
+    conn.close()
+
+
+@pytest.mark.slow
+def test_processes_exclude_each_other(server_url: str, client, tmp_path: Path):
+    """Four processes x 20 read-modify-write increments: exact count, no two holds
+    overlap, fences strictly increase in the order the holds happened."""
+    key, procs_n, iterations = unique_key(), 4, 20
+    logs = [str(tmp_path / f"log{n}") for n in range(procs_n)]
+    procs = [
+        FORK.Process(target=_contend, args=(server_url, key, iterations, log), daemon=True)
+        for log in logs
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(90)
+    assert [proc.exitcode for proc in procs] == [0] * procs_n
+    assert client[DB]["counters"].find_one({"_id": key})["n"] == procs_n * iterations
+    holds = [json.loads(line) for log in logs for line in Path(log).read_text().splitlines()]
+    holds.sort(key=lambda row: row[1])
+    assert len(holds) == procs_n * iterations
+    for before, after in itertools.pairwise(holds):
+        assert before[2] <= after[1], f"overlapping holds: {before} and {after}"
+        assert before[3] < after[3]
+    assert len({row[0] for row in holds}) == procs_n
+
+
+def _hold_forever(url: str, key: str, lease: float, report: str) -> None:
+    conn: pymongo.MongoClient[Any] = pymongo.MongoClient(url)
+    held = Mutex(MongoCache(conn, database=DB), lease=lease).acquire(key, timeout=10)
+    tmp = report + ".tmp"
+    Path(tmp).write_text(json.dumps([held.fence, time.monotonic()]))
+    os.replace(tmp, report)
+    time.sleep(3600)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_holders_lock_is_taken_over_after_its_lease(client, server_url, tmp_path):
+    """The holder dies without releasing: nobody gets in before its lease ends (judged by
+    the server's clock); the next holder gets in soon after, with a larger fence."""
+    key, lease, report = unique_key(), 1.0, str(tmp_path / "report")
+    cache = MongoCache(client, database=DB)
+    cache.ready()
+    proc = FORK.Process(target=_hold_forever, args=(server_url, key, lease, report))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 15
+        while not os.path.exists(report):
+            assert time.monotonic() < deadline, "holder never reported"
+            time.sleep(0.01)
+        fence, granted = json.loads(Path(report).read_text())
+        assert Mutex(cache).holder(key).pid == proc.pid  # type: ignore[union-attr]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+    taker = Mutex(cache, lease=30, interval=0.05)
+    taken = taker.acquire(key, timeout=5)
+    at = time.monotonic()
+    assert at >= granted + lease - 0.05
+    assert at < granted + lease + 0.6
+    assert taken.fence > fence
+    assert taken.release()
