@@ -8,6 +8,7 @@ DiskCache      one machine   none
 RedisCache     every machine ``simple-mutex[redis]``
 PostgresCache  every machine ``simple-mutex[postgres]``
 MongoCache     every machine ``simple-mutex[mongo]``
+S3Cache        every machine ``simple-mutex[s3]``
 =============  ============  =========================================
 
 Backends with a driver are imported only when named here, so ``import simple_mutex``
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from .mongo import MongoCache
     from .postgres import PostgresCache
     from .redis import RedisCache
+    from .s3 import S3Cache
 
 __all__ = [
     "DiskCache",
@@ -34,6 +36,7 @@ __all__ = [
     "MongoCache",
     "PostgresCache",
     "RedisCache",
+    "S3Cache",
     "as_cache",
     "cache_from_url",
 ]
@@ -53,4 +56,8 @@ def __getattr__(name: str) -> object:
         from .mongo import MongoCache
 
         return MongoCache
+    if name == "S3Cache":
+        from .s3 import S3Cache
+
+        return S3Cache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

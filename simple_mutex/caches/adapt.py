@@ -37,6 +37,10 @@ def as_cache(cache: object) -> ConditionalCache:
         from .mongo import MongoCache
 
         return MongoCache(cache)
+    if type(cache).__module__.split(".")[0] == "botocore":
+        raise ConstraintError(
+            "a boto3 S3 client needs a bucket: pass S3Cache(client, 'bucket', 'prefix/')"
+        )
     if all(callable(getattr(cache, name, None)) for name in _CACHE_METHODS) and isinstance(
         getattr(cache, "name", None), str
     ):

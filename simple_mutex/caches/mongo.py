@@ -408,9 +408,7 @@ def _collection_of(obj: Any, database: str, collection: str) -> Any:
     if not isinstance(database, str) or not database:
         raise ConstraintError(f"MongoCache database must be a non-empty str, got {database!r}")
     if not isinstance(collection, str) or not collection:
-        raise ConstraintError(
-            f"MongoCache collection must be a non-empty str, got {collection!r}"
-        )
+        raise ConstraintError(f"MongoCache collection must be a non-empty str, got {collection!r}")
     kinds = _driver_classes()
     given: Any = obj
     if isinstance(obj, kinds["collection"]):
@@ -420,8 +418,7 @@ def _collection_of(obj: Any, database: str, collection: str) -> Any:
     if isinstance(obj, kinds["client"]):
         return given[database][collection]
     raise ConstraintError(
-        f"MongoCache needs a pymongo MongoClient, Database or Collection, got "
-        f"{type(obj).__name__}"
+        f"MongoCache needs a pymongo MongoClient, Database or Collection, got {type(obj).__name__}"
     )
 
 

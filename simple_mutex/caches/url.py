@@ -12,7 +12,7 @@ from .memory import InMemoryCache
 
 _SCHEMES = (
     "memory://, file:///path, redis://, rediss://, redis+sentinel://, postgresql://, "
-    "mongodb://, mongodb+srv://"
+    "mongodb://, mongodb+srv://, s3://bucket/prefix"
 )
 
 
@@ -53,5 +53,10 @@ def cache_from_url(url: str) -> ConditionalCache:
         from .mongo import from_url as mongo_from_url
 
         return mongo_from_url(url)
+    if scheme == "s3":
+        # Raises ConstraintError naming simple-mutex[s3] when boto3 is missing.
+        from .s3 import from_url as s3_from_url
+
+        return s3_from_url(url)
     # Only the scheme is echoed: the rest of a URL may hold a password.
     raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {_SCHEMES}")

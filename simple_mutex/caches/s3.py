@@ -1,0 +1,545 @@
+"""S3Cache: every machine that reaches one S3 bucket (AWS S3, or a compatible server with
+conditional writes: SeaweedFS, ...). boto3, extra ``simple-mutex[s3]``.
+
+S3 offers only two conditions, ``If-None-Match: *`` (create) and ``If-Match: <etag>``
+(replace exactly this object), and the server compares and acts atomically. Every step
+of the contract is built from them:
+
+* one object per cache key, ``prefix + key``, whose body is the JSON record
+  ``{"value", "fence", "expires_at", "nonce"}``. ``nonce`` is random per write: an ETag
+  is a hash of the body, so without it two writes of the same record (a renewal in the
+  same millisecond; a new holder writing the same value, fence and expiry after the
+  object was deleted) would share an ETag, and a stale version would still match (ABA).
+* version = ``"<fence>:<expires_at>:<etag>"``. The ETag is the condition; fence and expiry
+  ride along so a renewal or a release costs one request (no read first). They are true
+  for that object: the ETag matches only the exact body that carried them.
+* put_if_absent = ``PUT If-None-Match: *``. On 412 the object is read: freed (value
+  null) or expired → taken over with ``PUT If-Match: <its etag>`` carrying fence + 1;
+  holding our exact value → returned (our own earlier write whose reply was lost);
+  otherwise ``SimpleCacheConditionError``.
+* compare_and_set = ``PUT If-Match``; compare_and_delete = ``PUT If-Match`` of a freed
+  tombstone (value null, fence kept). Not a DELETE: a deleted object takes its fence with
+  it and the next grant would restart at 1 (a fence must only grow). A separate fence
+  object would double the requests of every grant and need its own race handling; the
+  tombstone costs the same single request as a delete, needs only the 2024 ``If-Match``
+  PUT (conditional DELETE on general-purpose AWS buckets came in Sep 2025), and, as
+  nothing is ever deleted, 409 ``ConditionalRequestConflict`` (a delete racing a
+  conditional write) only appears if someone else deletes lock objects. One small object
+  stays per key ever locked; deleting freed ones (an operator's clean-up) is safe for
+  exclusion but restarts their fences.
+* a 412, or a 404 on ``If-Match`` (AWS and moto: the object is gone; SeaweedFS answers
+  412), is a lost race; 409 is retried a few times. After any failed conditional write
+  the object is read back: if it carries the nonce we just sent, the write was ours
+  (botocore retries timed-out requests, and the retry of a PUT that landed gets 412).
+* takeover hints: after writing a tombstone, or reading a freed or expired object, the
+  cache remembers that object's ETag and fence (a few thousand keys at most). The next
+  put_if_absent on that key first tries ``PUT If-Match`` with them, so a key locked
+  again and again costs one request per acquire rather than three. A hint is only ever
+  a guess: ``If-Match`` proves the object is still exactly the one seen.
+
+Servers. Conditions must be honoured, not merely accepted: rclone's ``serve s3`` ignores
+them silently. ``verify()`` proves a server right in three requests (a start-up check),
+and a botocore too old to send ``If-Match`` on PutObject is refused at construction.
+Tested against SeaweedFS (``weed mini``: atomic under racing processes) and moto's
+server (AWS's error codes; it proves nothing about races).
+
+Clocks. S3 has no expiry of its own (lifecycle rules count days), so ``expires_at`` is
+the writer's wall clock plus the ttl, and a reader judges it by its own wall clock.
+**Assumption: the clocks of all machines sharing a bucket agree to within a small skew,
+far below the lease** (NTP keeps them within milliseconds). A taker whose clock runs
+ahead by ``d`` may take over a live lease ``d`` early; ``clock_skew=d`` makes takers wait
+``d`` longer past every expiry (a crashed holder's lock is then free ``d`` later). The
+holder's own deadline comes from its monotonic clock and ends before ``expires_at``.
+
+Waiting: S3 has no notification (event delivery takes seconds), so ``wait`` sleeps and the
+engine's jittered poll is the whole strategy.
+
+Fork: a forked child (Celery prefork, RQ work horses) drops its inherited copies of the
+client's pooled connections and opens its own; sharing them, parent and child read each
+other's replies.
+
+Errors: every botocore error becomes ``MalfunctionError`` naming s3, the operation and
+the key. Clients built here (``from_url``) have connect/read timeouts of 5/10 s and three
+attempts in botocore's standard retry mode; for a client you pass, set those yourself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from simple_mutex import forksafe
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+
+try:
+    # No stubs ship with boto3: Any at this boundary (and no complaint if stubs appear).
+    import boto3  # type: ignore[import-untyped, unused-ignore]
+    from botocore.config import Config  # type: ignore[import-untyped, unused-ignore]
+    from botocore.exceptions import (  # type: ignore[import-untyped, unused-ignore]
+        BotoCoreError,
+        ClientError,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ConstraintError("S3Cache needs boto3: pip install 'simple-mutex[s3]'") from exc
+
+# Bucket names as S3 allows them (lowercase, digits, dots, hyphens; 3-63 characters).
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+# A prefix is "/"-separated segments of safe characters, e.g. "locks/" or "app/locks.":
+# no empty, "." or ".." segment, so no key name can step outside it.
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._:\-]+")
+_MAX_PREFIX = 256
+_ATTEMPTS = 5  # conditional writes per put_if_absent before calling the key contended
+_CONFLICT_RETRIES = 3  # 409 ConditionalRequestConflict: retried, briefly
+_MAX_HINTS = 4096
+_CONTENT_TYPE = "application/json"
+
+
+class _Object(NamedTuple):
+    """A lock object as read or written."""
+
+    etag: str
+    value: str | None
+    fence: int
+    expires_at: float
+    nonce: str
+
+
+class _Hint(NamedTuple):
+    etag: str
+    fence: int
+
+
+class _Miss(Exception):
+    """A conditional write that did not happen: ``gone`` if the object was missing."""
+
+    def __init__(self, gone: bool) -> None:
+        super().__init__()
+        self.gone = gone
+
+
+class S3Cache:
+    """A ConditionalCache over a boto3 S3 client. Lock objects are ``prefix + key`` in
+    ``bucket``; see the module docstring for the layout and the clock assumption."""
+
+    name = "s3"
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        prefix: str = "",
+        *,
+        clock_skew: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not callable(getattr(client, "put_object", None)) or not callable(
+            getattr(client, "get_object", None)
+        ):
+            raise ConstraintError(
+                f"S3Cache needs a boto3 S3 client (boto3.client('s3')), got {type(client).__name__}"
+            )
+        if not isinstance(bucket, str) or not _BUCKET_RE.fullmatch(bucket):
+            raise ConstraintError(
+                f"S3Cache needs a bucket name (3-63 characters from a-z 0-9 . -), got {bucket!r}"
+            )
+        _check_model(client)
+        self.client = client
+        self.bucket = bucket
+        self.prefix = check_s3_prefix(prefix)
+        if (
+            isinstance(clock_skew, bool)
+            or not isinstance(clock_skew, (int, float))
+            or not 0 <= clock_skew < math.inf
+        ):
+            raise ConstraintError(f"clock_skew must be seconds >= 0, got {clock_skew!r}")
+        self.clock_skew = float(clock_skew)
+        self._clock = clock
+        self._hints: OrderedDict[str, _Hint] = OrderedDict()
+        self._guard = threading.Lock()
+        forksafe.register(self)
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork(self) -> None:
+        # The child inherits the client's pooled keep-alive connections: used by parent
+        # and child at once, one process reads the other's replies (measured: wrong
+        # values and bogus errors). Drop the child's copies; it opens its own. Closing a
+        # copied descriptor sends nothing (the parent still holds the socket open), and
+        # a TLS socket's close() sends no close_notify.
+        _drop_connections(self.client)
+
+    def __repr__(self) -> str:
+        return f"S3Cache(bucket={self.bucket!r}, prefix={self.prefix!r})"
+
+    # -- the contract ---------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        obj = self._read("get", key)
+        if obj is None or not self._live(obj, taker=False):
+            return None
+        return _entry(obj)
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        now = self._clock()
+        expires_at = _expiry(now, ttl)
+        hint = self._take_hint(key)
+        current: _Object | None = None
+        create = hint is None
+        for _ in range(_ATTEMPTS):
+            if create:
+                nonce = _nonce()
+                try:
+                    etag = self._write("put_if_absent", key, value, 1, expires_at, nonce, None)
+                    return _entry(_Object(etag, value, 1, expires_at, nonce))
+                except _Miss:
+                    pass
+                current = self._read("put_if_absent", key)
+                if current is None:
+                    continue  # deleted meanwhile: create again
+                if current.nonce == nonce:  # a retried request: our first attempt landed
+                    return _entry(current)
+            elif current is None:
+                # First try the hint: the freed or expired object we saw last.
+                assert hint is not None
+                current = _Object(hint.etag, None, hint.fence, 0.0, "")
+            if self._live(current, taker=True, now=now):
+                if current.value == value:
+                    return _entry(current)  # our own earlier write whose reply was lost
+                raise SimpleCacheConditionError(f"s3: {key!r} is held")
+            nonce = _nonce()
+            fence = current.fence + 1
+            try:
+                etag = self._write(
+                    "put_if_absent", key, value, fence, expires_at, nonce, current.etag
+                )
+                return _entry(_Object(etag, value, fence, expires_at, nonce))
+            except _Miss as miss:
+                create = miss.gone
+            current = self._read("put_if_absent", key)
+            if current is None:
+                create = True
+            elif current.nonce == nonce:
+                return _entry(current)
+            else:
+                create = False
+        raise SimpleCacheConditionError(f"s3: {key!r} is contended; every write lost a race")
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        fence, old_expiry, etag = _parse_version(key, version)
+        now = self._clock()
+        if now >= old_expiry:
+            raise SimpleCacheConditionError(f"s3: {key!r} at version {version} has expired")
+        expires_at = _expiry(now, ttl)
+        nonce = _nonce()
+        try:
+            new_etag = self._write("compare_and_set", key, value, fence, expires_at, nonce, etag)
+        except _Miss:
+            new_etag = self._ours("compare_and_set", key, nonce, version)
+        return _entry(_Object(new_etag, value, fence, expires_at, nonce))
+
+    def compare_and_delete(self, key: str, *, version: str) -> None:
+        fence, expires_at, etag = _parse_version(key, version)
+        now = self._clock()
+        if now >= expires_at:
+            raise SimpleCacheConditionError(f"s3: {key!r} at version {version} has expired")
+        nonce = _nonce()
+        try:
+            new_etag = self._write("compare_and_delete", key, None, fence, now, nonce, etag)
+        except _Miss:
+            new_etag = self._ours("compare_and_delete", key, nonce, version)
+        self._put_hint(key, _Hint(new_etag, fence))
+        # S3 cannot tell whether anyone waits: None lets the engine re-acquire at once.
+
+    def verify(self) -> None:
+        """Prove that the server honours conditional writes, or raise ``MalfunctionError``.
+
+        A server that ignores ``If-None-Match`` / ``If-Match`` (rclone's ``serve s3``
+        does, silently) would grant every lock to everyone. Call this once at start-up,
+        as a health check: three PUTs on a probe object ``<prefix>simple-mutex.probe.*``,
+        then a plain DELETE of it (skipped quietly where the role may not delete)."""
+        key = f"simple-mutex.probe.{_nonce()}"
+        try:
+            etag = self._write("verify", key, None, 0, 0.0, _nonce(), None)
+        except _Miss:
+            raise MalfunctionError(
+                f"s3 cache (s3://{self.bucket}/{self.prefix}): a PUT If-None-Match on a "
+                "fresh probe object failed"
+            ) from None
+        try:
+            ignored = []
+            for condition in (None, "0" * 32 if etag != "0" * 32 else "1" * 32):
+                try:
+                    self._write("verify", key, None, 0, 0.0, _nonce(), condition)
+                    ignored.append("If-None-Match" if condition is None else "If-Match")
+                except _Miss:
+                    pass
+        finally:
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self.client.delete_object(Bucket=self.bucket, Key=self._name(key))
+        if ignored:
+            raise MalfunctionError(
+                f"the S3 server behind s3://{self.bucket}/{self.prefix} ignores "
+                f"{' and '.join(ignored)}: it cannot hold locks (it would grant every "
+                "lock to everyone); use AWS S3 or a server with conditional writes"
+            )
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        # No notification exists on S3: the engine's jittered poll does the work.
+        time.sleep(max(timeout, 0.0))
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        if "/" in key or key in (".", ".."):
+            raise ConstraintError(f"s3: cache key {key!r} must not contain '/' or be a dot")
+        return self.prefix + key
+
+    def _live(self, obj: _Object, *, taker: bool, now: float | None = None) -> bool:
+        if obj.value is None:
+            return False
+        when = self._clock() if now is None else now
+        return when < obj.expires_at + (self.clock_skew if taker else 0.0)
+
+    def _read(self, operation: str, key: str) -> _Object | None:
+        name = self._name(key)
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=name)
+            body = reply["Body"].read()
+            etag = _strip(reply["ETag"])
+        except ClientError as exc:
+            if _code(exc) == "NoSuchKey":
+                self._drop_hint(key)
+                return None
+            raise self._fault(operation, key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._fault(operation, key, exc) from exc
+        try:
+            record = json.loads(body)
+            value, fence = record["value"], record["fence"]
+            expires_at, nonce = float(record["expires_at"]), record["nonce"]
+            if not (value is None or isinstance(value, str)) or type(fence) is not int:
+                raise TypeError("bad field types")
+            obj = _Object(etag, value, fence, expires_at, str(nonce))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise MalfunctionError(
+                f"s3 cache holds a malformed object s3://{self.bucket}/{name} (key {key!r}): "
+                f"{exc!r}; is another program writing under this prefix?"
+            ) from None
+        if not self._live(obj, taker=True):
+            self._put_hint(key, _Hint(etag, fence))
+        return obj
+
+    def _write(
+        self,
+        operation: str,
+        key: str,
+        value: str | None,
+        fence: int,
+        expires_at: float,
+        nonce: str,
+        if_match: str | None,
+    ) -> str:
+        """One conditional PUT; its new ETag, or ``_Miss`` when the condition failed."""
+        name = self._name(key)
+        body = json.dumps(
+            {"value": value, "fence": fence, "expires_at": expires_at, "nonce": nonce},
+            separators=(",", ":"),
+        ).encode()
+        condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
+        for attempt in range(_CONFLICT_RETRIES + 1):
+            try:
+                reply = self.client.put_object(
+                    Bucket=self.bucket, Key=name, Body=body, ContentType=_CONTENT_TYPE,
+                    **condition,
+                )  # fmt: skip
+                return _strip(reply["ETag"])
+            except ClientError as exc:
+                code = _code(exc)
+                if code == "PreconditionFailed":
+                    raise _Miss(gone=False) from None
+                if code == "NoSuchKey" and if_match is not None:
+                    raise _Miss(gone=True) from None
+                if code == "ConditionalRequestConflict" and attempt < _CONFLICT_RETRIES:
+                    time.sleep(0.01 * (attempt + 1))
+                    continue
+                raise self._fault(operation, key, exc) from exc
+            except BotoCoreError as exc:
+                raise self._fault(operation, key, exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _ours(self, operation: str, key: str, nonce: str, version: str) -> str:
+        """After a failed If-Match PUT: was it ours all the same (a retried request whose
+        first attempt landed)? Its ETag if so; else the miss is raised."""
+        current = self._read(operation, key)
+        if current is None or current.nonce != nonce:
+            raise SimpleCacheConditionError(f"s3: {key!r} is not at version {version}")
+        return current.etag
+
+    def _fault(self, operation: str, key: str, exc: Exception) -> MalfunctionError:
+        return MalfunctionError(
+            f"s3 cache (s3://{self.bucket}/{self.prefix}) failed during {operation} on "
+            f"{key!r}: {exc!r}"
+        )
+
+    # -- takeover hints -------------------------------------------------------------------
+
+    def _put_hint(self, key: str, hint: _Hint) -> None:
+        with self._guard:
+            self._hints[key] = hint
+            self._hints.move_to_end(key)
+            while len(self._hints) > _MAX_HINTS:
+                self._hints.popitem(last=False)
+
+    def _take_hint(self, key: str) -> _Hint | None:
+        with self._guard:
+            return self._hints.pop(key, None)
+
+    def _drop_hint(self, key: str) -> None:
+        with self._guard:
+            self._hints.pop(key, None)
+
+
+def _check_model(client: Any) -> None:
+    """Fail early when botocore is too old to send ``If-Match`` on PutObject (its model
+    gained it in late 2024); silently dropped, the condition would make every write blind."""
+    try:
+        members = client.meta.service_model.operation_model("PutObject").input_shape.members
+    except Exception:  # not a botocore client (a wrapper): trust it
+        return
+    missing = {"IfNoneMatch", "IfMatch"} - set(members)
+    if missing:
+        raise ConstraintError(
+            f"this botocore cannot send {' and '.join(sorted(missing))} on PutObject; "
+            "upgrade: pip install -U 'simple-mutex[s3]' boto3"
+        )
+
+
+def _drop_connections(client: Any) -> None:
+    """Empty a botocore client's connection pools (in a forked child). A client that is
+    not a plain botocore one (a wrapper) is left alone."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    close = getattr(session, "close", None)
+    if callable(close):
+        close()
+
+
+def check_s3_prefix(prefix: object) -> str:
+    """A prefix of "/"-separated safe segments ("locks/", "app/locks."), or ""."""
+    if not isinstance(prefix, str) or len(prefix) > _MAX_PREFIX:
+        raise ConstraintError(
+            f"S3Cache prefix must be a str of at most {_MAX_PREFIX} characters, got {prefix!r}"
+        )
+    segments = prefix.split("/")
+    if segments[-1] == "":
+        segments.pop()  # a trailing "/" is the usual folder style
+    if prefix and (
+        not segments or any(not _SEGMENT_RE.fullmatch(s) or s in (".", "..") for s in segments)
+    ):
+        raise ConstraintError(
+            f"S3Cache prefix must be '/'-separated segments of A-Z a-z 0-9 . _ : - (no "
+            f"empty, '.' or '..' segment, no leading '/'), like 'locks/', got {prefix!r}"
+        )
+    return prefix
+
+
+def _entry(obj: _Object) -> Entry:
+    assert obj.value is not None
+    return Entry(obj.value, _version(obj), obj.fence, obj.expires_at)
+
+
+def _version(obj: _Object) -> str:
+    return f"{obj.fence}:{obj.expires_at!r}:{obj.etag}"
+
+
+def _parse_version(key: str, version: str) -> tuple[int, float, str]:
+    try:
+        fence, expires_at, etag = version.split(":", 2)
+        return int(fence), float(expires_at), etag
+    except (ValueError, AttributeError):
+        raise SimpleCacheConditionError(f"s3: {key!r} is not at version {version!r}") from None
+
+
+def _expiry(now: float, ttl: float) -> float:
+    # Milliseconds, rounded up: the record never lapses before the holder's own deadline.
+    return math.ceil((now + ttl) * 1000) / 1000
+
+
+def _nonce() -> str:
+    return secrets.token_hex(8)
+
+
+def _strip(etag: str) -> str:
+    return etag.strip('"')
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def client_config(**overrides: Any) -> Any:
+    """The botocore ``Config`` for clients this module builds: bounded waits, few retries."""
+    settings: dict[str, Any] = {
+        "connect_timeout": 5,
+        "read_timeout": 10,
+        "retries": {"max_attempts": 3, "mode": "standard"},
+    }
+    settings.update(overrides)
+    return Config(**settings)
+
+
+_URL_OPTIONS = ("endpoint_url", "region", "addressing_style", "clock_skew")
+
+
+def from_url(url: str) -> S3Cache:
+    """An S3Cache from ``s3://bucket[/prefix][?endpoint_url=...&region=...]``.
+
+    Credentials, region and endpoint come from the environment and boto3's usual sources
+    (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3``, instance roles...);
+    ``endpoint_url`` (an S3-compatible server), ``region``, ``addressing_style``
+    (``path`` or ``virtual``) and ``clock_skew`` (seconds) may be given in the query.
+    The prefix is everything after the bucket, kept verbatim: ``s3://b/locks/`` puts
+    objects in the folder ``locks/``, while ``s3://b/locks`` names them ``locks<key>``."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "s3":
+        raise ConstraintError(f"unknown S3 URL scheme {parts.scheme!r}; use s3://bucket/prefix")
+    if parts.username or parts.password:
+        raise ConstraintError(
+            "an s3:// URL must not carry credentials; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or a profile / role) instead"
+        )
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in _URL_OPTIONS:
+            raise ConstraintError(
+                f"unknown s3:// URL option {name!r}; known: {', '.join(_URL_OPTIONS)}"
+            )
+        options[name] = value
+    bucket = parts.netloc  # verbatim: hostname would lowercase it silently
+    prefix = unquote(parts.path.removeprefix("/"))
+    config_overrides: dict[str, Any] = {}
+    if "addressing_style" in options:
+        if options["addressing_style"] not in ("path", "virtual", "auto"):
+            raise ConstraintError("addressing_style must be path, virtual or auto")
+        config_overrides["s3"] = {"addressing_style": options["addressing_style"]}
+    try:
+        skew = float(options.get("clock_skew", "0"))
+    except ValueError:
+        raise ConstraintError("clock_skew in an s3:// URL must be seconds") from None
+    client = boto3.client(
+        "s3",
+        endpoint_url=options.get("endpoint_url") or None,
+        region_name=options.get("region") or None,
+        config=client_config(**config_overrides),
+    )
+    return S3Cache(client, bucket, prefix, clock_skew=skew)

