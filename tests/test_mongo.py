@@ -168,9 +168,7 @@ def test_a_freed_key_keeps_its_document_and_fence(cache: MongoCache, client):
     assert cache.put_if_absent(key, "v2", ttl=30).fence == first.fence + 1
 
 
-def test_fences_start_from_the_server_clock_so_a_collected_key_counts_on(
-    cache: MongoCache, client
-):
+def test_fences_start_from_the_server_clock_so_a_collected_key_counts_on(cache: MongoCache, client):
     """A new document's fence is the server's time in µs: after the TTL monitor deletes a
     long-dead document, the key's next fence is still larger than every earlier one."""
     key = unique_key()
