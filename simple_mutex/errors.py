@@ -23,8 +23,9 @@ from typing import Any
 class SimpleMutexError(Exception):
     """The root of every error this library raises."""
 
-    def __init__(self, message: str, *, key: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, key: str | None = None) -> None:
+        # Both in args: Celery's JSON result backend rebuilds an error as cls(*args).
+        super().__init__(message, key)
         self.message = message
         self.key = key
 

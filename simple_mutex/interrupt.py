@@ -38,8 +38,11 @@ class LeaseInterrupt(SimpleMutexLeaseExpiredError):
     lost_key: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Raised by CPython as cls(): take the message and key from the class.
-        super().__init__(self.lost_message, key=self.lost_key)
+        # Raised by CPython as cls(): take the message and key from the class. Rebuilt
+        # from serialized args (Celery's JSON results), keep the ones given.
+        message = str(args[0]) if args else self.lost_message
+        key = args[1] if len(args) > 1 else self.lost_key
+        super().__init__(message, key=key)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The per-lease class cannot be found by pickle: travel as the public error.
