@@ -198,11 +198,37 @@ ensure_postgres() {
     ensure_service "postgres ($POSTGRES_URL)" postgres_ping postgres_start
 }
 
+rabbitmq_ping() {  # does an AMQP broker answer the protocol header at AMQP_URL?
+    "$VENV/bin/python" - "$AMQP_URL" <<'PY'
+import socket, sys
+from urllib.parse import urlsplit
+url = urlsplit(sys.argv[1])
+with socket.create_connection((url.hostname or "127.0.0.1", url.port or 5672), 2) as s:
+    s.settimeout(5)
+    s.sendall(b"AMQP\x00\x00\x09\x01")
+    sys.exit(0 if s.recv(1) == b"\x01" else 1)  # a method frame: Connection.Start
+PY
+}
+
+rabbitmq_start() {
+    command -v rabbitmq-server >/dev/null 2>&1 || {
+        say "rabbitmq-server is missing; installing it with apt-get"
+        apt_install rabbitmq-server || die "could not install RabbitMQ"
+    }
+    as_root rabbitmq-server -detached
+}
+
+ensure_rabbitmq() {  # the Celery tests run their prefork workers on RabbitMQ too
+    export AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672//}"
+    SERVICE_WAIT="${SERVICE_WAIT:-60}" ensure_service "rabbitmq ($AMQP_URL)" rabbitmq_ping rabbitmq_start
+}
+
 # Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
 ensure_services() {
     # Every tier's tests run by default; SIMPLE_MUTEX_SERVICES="" starts none.
-    local wanted=",${SIMPLE_MUTEX_SERVICES-redis,postgres},"
+    local wanted=",${SIMPLE_MUTEX_SERVICES-redis,postgres,rabbitmq},"
     wanted="${wanted// /,}"
     if [[ "$wanted" == *,redis,* ]]; then ensure_redis; fi
     if [[ "$wanted" == *,postgres,* ]]; then ensure_postgres; fi
+    if [[ "$wanted" == *,rabbitmq,* ]]; then ensure_rabbitmq; fi
 }

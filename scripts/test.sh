@@ -21,8 +21,8 @@ ensure_services
 if [[ "${SIMPLE_MUTEX_LINT:-1}" == 1 ]]; then
     say "ruff check"
     "$VENV/bin/ruff" check .
-    say "mypy --strict simple_mutex"
-    "$VENV/bin/mypy" --strict simple_mutex
+    say "mypy --strict simple_mutex celery_mutex"
+    "$VENV/bin/mypy" --strict simple_mutex celery_mutex
 fi
 
 say "pytest $*"

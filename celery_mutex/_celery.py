@@ -1,0 +1,28 @@
+"""The typed boundary to Celery, which ships no type hints: every Celery name this
+package uses is imported here once (hence the ignores), and is ``Any`` beyond it."""
+
+from __future__ import annotations
+
+from billiard.exceptions import WorkerLostError  # type: ignore[import-untyped]
+from celery import Task, current_task  # type: ignore[import-untyped]
+from celery.exceptions import Retry, TimeLimitExceeded  # type: ignore[import-untyped]
+from celery.signals import (  # type: ignore[import-untyped]
+    task_failure,
+    task_postrun,
+    task_revoked,
+)
+from celery.utils import uuid  # type: ignore[import-untyped]
+from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
+
+__all__ = [
+    "Retry",
+    "Signal",
+    "Task",
+    "TimeLimitExceeded",
+    "WorkerLostError",
+    "current_task",
+    "task_failure",
+    "task_postrun",
+    "task_revoked",
+    "uuid",
+]

@@ -1,0 +1,241 @@
+"""The ``mutex={...}`` options of a task: checked when the task class is made, merged
+with the app's ``mutex_*`` settings when the task first runs in a process.
+
+Keys come from the task's bound signature with defaults applied, so ``charge(7)`` and
+``charge(order_id=7)`` lock the same key. An omitted key is the task name plus every
+bound argument in a stable encoding (UUID, datetime, Decimal, Enum, dicts in any order).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import enum
+import inspect
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from simple_mutex import ConstraintError
+from simple_mutex.decorator import key_function
+from simple_mutex.durations import positive_seconds, timeout_seconds
+
+ON_BUSY = ("skip", "retry", "wait", "raise")
+OPTIONS = frozenset(
+    {
+        "key",
+        "on_busy",
+        "timeout",
+        "retry",
+        "lease",
+        "renew",
+        "permits",
+        "cache",
+        "prefix",
+        "enqueue",
+        "enqueue_ttl",
+    }
+)
+RETRY_FIELDS = frozenset({"countdown", "backoff", "jitter", "cap", "max"})
+
+DEFAULTS: dict[str, Any] = {
+    "on_busy": "retry",
+    "timeout": None,  # wait: forever; skip/retry/raise: one try
+    "lease": 60.0,  # short, renewed: a killed worker's lock frees within a minute
+    "renew": True,
+    "permits": 1,
+    "prefix": "mutex.",
+    "enqueue": None,  # off; "return" or "raise" de-duplicates at apply_async
+    "enqueue_ttl": 3600.0,  # how long a queued call blocks duplicates at most
+    "retry": {"countdown": 1.0, "backoff": 2.0, "jitter": True, "cap": 60.0, "max": None},
+}
+
+KeyOf = Callable[[str, tuple[Any, ...], Mapping[str, Any]], str]
+"""(task name, args, kwargs) -> lock key."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    countdown: float
+    backoff: float
+    jitter: bool
+    cap: float
+    max: int | None
+
+    def delay(self, busy_retries: int, unit: float) -> float:
+        """Seconds before busy retry number ``busy_retries + 1``; ``unit`` in [0, 1)."""
+        base = min(self.cap, self.countdown * self.backoff ** min(busy_retries, 64))
+        return base * (0.5 + unit) if self.jitter else base
+
+
+def check_options(task_name: str, options: object) -> dict[str, Any]:
+    """Validate the per-task dict (unknown names and bad values fail at definition)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConstraintError(f"{task_name}: mutex= must be a dict of options, got {options!r}")
+    unknown = sorted(set(options) - OPTIONS)
+    if unknown:
+        raise ConstraintError(
+            f"{task_name}: unknown mutex option(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(OPTIONS))}"
+        )
+    checked = dict(options)
+    for name, value in checked.items():
+        if name != "cache":  # a URL or a cache instance: checked when first built
+            check_value(task_name, name, value)
+    return checked
+
+
+def check_value(task_name: str, name: str, value: Any) -> Any:
+    where = f"{task_name}: mutex option {name!r}"
+    if name == "on_busy":
+        if value not in ON_BUSY:
+            raise ConstraintError(f"{where} must be one of {', '.join(ON_BUSY)}, got {value!r}")
+    elif name == "timeout":
+        timeout_seconds(value, "timeout")
+    elif name == "lease":
+        positive_seconds(value, "lease")
+    elif name == "renew":
+        if not isinstance(value, bool):
+            raise ConstraintError(f"{where} must be True or False, got {value!r}")
+    elif name == "permits":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConstraintError(f"{where} must be an int >= 1, got {value!r}")
+    elif name == "retry":
+        retry_policy(task_name, value)
+    elif name == "enqueue":
+        if value not in (None, "return", "raise"):
+            raise ConstraintError(f"{where} must be None, 'return' or 'raise', got {value!r}")
+    elif name == "enqueue_ttl":
+        positive_seconds(value, "enqueue_ttl")
+    elif name == "prefix" and not isinstance(value, str):
+        raise ConstraintError(f"{where} must be a str, got {value!r}")
+    return value
+
+
+def retry_policy(task_name: str, value: object) -> RetryPolicy:
+    if not isinstance(value, Mapping):
+        raise ConstraintError(f"{task_name}: mutex option 'retry' must be a dict, got {value!r}")
+    unknown = sorted(set(value) - RETRY_FIELDS)
+    if unknown:
+        raise ConstraintError(
+            f"{task_name}: unknown retry field(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(RETRY_FIELDS))}"
+        )
+    merged = {**DEFAULTS["retry"], **value}
+    countdown = positive_seconds(merged["countdown"], "retry countdown")
+    cap = positive_seconds(merged["cap"], "retry cap")
+    backoff = merged["backoff"]
+    if isinstance(backoff, bool) or not isinstance(backoff, int | float) or backoff < 1:
+        raise ConstraintError(f"{task_name}: retry backoff must be a number >= 1, got {backoff!r}")
+    if not isinstance(merged["jitter"], bool):
+        raise ConstraintError(f"{task_name}: retry jitter must be True or False")
+    limit = merged["max"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ConstraintError(f"{task_name}: retry max must be None or an int >= 0")
+    return RetryPolicy(countdown, float(backoff), merged["jitter"], cap, limit)
+
+
+# -- keys ------------------------------------------------------------------------------
+
+
+def user_signature(run: Callable[..., Any], bound: bool) -> inspect.Signature:
+    """The task's own arguments: ``self`` dropped for ``bind=True`` tasks."""
+    signature = inspect.signature(run)
+    params = list(signature.parameters.values())
+    return signature.replace(parameters=params[1:]) if bound else signature
+
+
+def make_key_of(task_name: str, run: Callable[..., Any], bound: bool, key: object) -> KeyOf:
+    """The key function of a task; a template naming a missing argument fails here."""
+    signature = user_signature(run, bound)
+
+    def logic(*args: Any, **kwargs: Any) -> Any: ...
+
+    logic.__signature__ = signature  # type: ignore[attr-defined]
+    logic.__qualname__ = task_name
+
+    if key is None:
+        return lambda name, args, kwargs: (
+            name + ":" + stable_encoding(_bound_arguments(signature, name, args, kwargs))
+        )
+    if isinstance(key, list | tuple):
+        names = list(key)
+        known = set(signature.parameters)
+        bad = [n for n in names if not isinstance(n, str) or n not in known]
+        if bad or not names:
+            raise ConstraintError(
+                f"{task_name}: key argument names {bad or names!r} are not arguments of the "
+                f"task; its arguments are: {', '.join(sorted(known)) or '(none)'}"
+            )
+
+        def from_names(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+            arguments = _bound_arguments(signature, name, args, kwargs)
+            return name + ":" + stable_encoding({n: arguments[n] for n in names})
+
+        return from_names
+    if isinstance(key, str) or callable(key):
+        fn = key_function(logic, key)
+        return lambda name, args, kwargs: fn(*args, **kwargs)
+    raise ConstraintError(
+        f"{task_name}: mutex key must be a template like 'order.{{order_id}}', a callable, "
+        f"a list of argument names, or omitted; got {key!r}"
+    )
+
+
+def _bound_arguments(
+    signature: inspect.Signature, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ConstraintError(f"arguments do not fit {task_name}: {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def stable_encoding(value: Any) -> str:
+    """A canonical text of argument values: equal values, equal text, on any process."""
+    return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"))
+
+
+def _canonical(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return repr(value)  # exact, and 1.0 stays apart from 1
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{type(value).__qualname__}.{value.name}"}
+    if isinstance(value, uuid.UUID):
+        return str(value)  # kombu's JSON may deliver a UUID as a str: keep them equal
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc)
+        return {"datetime": value.isoformat()}
+    if isinstance(value, dt.date | dt.time | dt.timedelta):
+        return {type(value).__name__: str(value)}
+    if isinstance(value, decimal.Decimal):
+        return {"decimal": str(value.normalize())}
+    if isinstance(value, Mapping):
+        return {"dict": sorted(([_key_text(k), _canonical(v)] for k, v in value.items()))}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return {"set": sorted(stable_encoding(v) for v in value)}
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    pk = getattr(value, "pk", None)  # a Django model, say: its type and primary key
+    if pk is not None:
+        model = f"{type(value).__module__}.{type(value).__qualname__}"
+        return {"model": model, "pk": _canonical(pk)}
+    raise ConstraintError(
+        f"cannot build a stable lock key from a {type(value).__qualname__}; pass key= as a "
+        "template or a callable that picks what identifies the work"
+    )
+
+
+def _key_text(key: Any) -> str:
+    return key if isinstance(key, str) else stable_encoding(key)

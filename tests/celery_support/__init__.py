@@ -1,0 +1,3 @@
+"""Support code for the Celery suites (apps and tasks shared with worker subprocesses)."""
+
+from __future__ import annotations

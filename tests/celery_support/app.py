@@ -1,0 +1,57 @@
+"""The app real ``celery worker -P prefork`` subprocesses run in the Celery suites.
+
+Configured from the environment so each test run gets its own queue, lock prefix and
+record keys: ``CM_BROKER``, ``CM_BACKEND``, ``CM_CACHE``, ``CM_PREFIX``, ``CM_QUEUE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+
+# isort: split
+from celery_mutex import MutexTask
+
+PREFIX = os.environ.get("CM_PREFIX", "cmtest.")
+app = Celery("celery_support.app", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("CM_BROKER", "redis://127.0.0.1:6379/11"),
+    result_backend=os.environ.get("CM_BACKEND", "redis://127.0.0.1:6379/11"),
+    task_default_queue=os.environ.get("CM_QUEUE", "cmtest"),
+    mutex_cache=os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11"),
+    mutex_prefix=PREFIX,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+)
+_record = redis.Redis.from_url(os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11"))
+
+FAST_RETRY = {"countdown": 0.05, "backoff": 1.3, "cap": 0.3}
+
+
+@app.task(base=MutexTask, mutex={"key": "k.{key_no}", "on_busy": "retry", "retry": FAST_RETRY})
+def contend(key_no: int, n: int) -> int:
+    """Holds k.<key_no> for ~50 ms and records the interval it ran in."""
+    start = time.time()
+    time.sleep(0.05)
+    end = time.time()
+    row = {"key": key_no, "n": n, "start": start, "end": end, "pid": os.getpid()}
+    _record.rpush(PREFIX + "runs", json.dumps(row))
+    return n
+
+
+@app.task(base=MutexTask, mutex={"key": "kill.{order_id}", "on_busy": "raise"})
+def sleeper(order_id: int) -> None:
+    """Publishes its pid, then sleeps until killed."""
+    _record.set(f"{PREFIX}pid.{order_id}", os.getpid(), ex=120)
+    time.sleep(60)
+
+
+@app.task(base=MutexTask, mutex={"key": "slow.{order_id}", "on_busy": "raise"}, time_limit=1.5)
+def overrun(order_id: int) -> None:
+    """Runs past its hard time limit: the pool kills the child."""
+    _record.set(f"{PREFIX}pid.slow.{order_id}", os.getpid(), ex=120)
+    time.sleep(60)

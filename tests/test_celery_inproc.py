@@ -1,0 +1,290 @@
+"""MutexTask semantics against a real Redis (broker, backend and lock cache), with an
+in-process Celery worker (``celery.contrib.testing.worker.start_worker``, thread pool).
+
+Redis must run at 127.0.0.1:6379: a missing server fails these tests, it never skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery.contrib.testing.worker import start_worker
+from celery_support import inproc
+from celery_support.inproc import PREFIX, REDIS_URL, RUNS, app
+
+# isort: split
+from celery_mutex import AlreadyQueuedError, is_skipped, signals
+from celery_mutex._owned import OwnedLocks
+from simple_mutex import (
+    ConstraintError,
+    Mutex,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+    cache_from_url,
+)
+
+GET = 10  # seconds any single result may take
+
+
+@pytest.fixture(scope="module")
+def mutex_worker() -> Iterator[None]:
+    """One in-process worker (8 threads) for the module; Redis must be up."""
+    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    with start_worker(
+        app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=10
+    ):
+        yield
+
+
+@pytest.fixture(scope="module")
+def mutex_locks() -> Mutex:
+    """A Mutex on the same cache and prefix the tasks use: the test holds keys with it."""
+    return Mutex(cache_from_url(REDIS_URL), prefix=PREFIX, lease=30)
+
+
+@pytest.fixture
+def order_id() -> int:
+    """An order id no other test uses."""
+    return int(time.monotonic_ns() % 10**9)
+
+
+def _hold_for(locks: Mutex, key: str, seconds: float) -> threading.Thread:
+    lease = locks.acquire(key)
+    timer = threading.Timer(seconds, lease.release)
+    timer.start()
+    return timer
+
+
+def test_skip_does_not_run_the_body_and_is_ready_at_once(mutex_worker, mutex_locks, order_id):
+    """A busy skip returns a marker at once (get() does not hang), distinct from a success."""
+    with mutex_locks.acquire(f"order.{order_id}"):
+        started = time.monotonic()
+        result = inproc.skip_task.delay(order_id).get(timeout=GET)
+        assert time.monotonic() - started < 3
+    assert is_skipped(result)
+    assert result["key"] == f"order.{order_id}"
+    assert ("skip_task", order_id) not in RUNS
+    assert inproc.skip_task.delay(order_id).get(timeout=GET) == "ran"  # free again: runs
+    assert not is_skipped("ran")
+
+
+def test_positional_and_keyword_calls_share_one_lock(mutex_worker, mutex_locks, order_id):
+    """charge(7) and charge(order_id=7) lock the same key, defaults applied."""
+    task = inproc.skip_task
+    assert task.mutex_key(order_id) == task.mutex_key(order_id=order_id, amount=0)
+    with mutex_locks.acquire(f"order.{order_id}"):
+        assert is_skipped(task.delay(order_id).get(timeout=GET))
+        assert is_skipped(task.delay(order_id=order_id).get(timeout=GET))
+        assert is_skipped(task.apply_async(args=(order_id, 5)).get(timeout=GET))
+
+
+def test_raise_fails_the_task_with_acquire_timeout(mutex_worker, mutex_locks, order_id):
+    """on_busy='raise': FAILURE with SimpleMutexAcquireTimeoutError; the body did not run."""
+    with mutex_locks.acquire(f"order.{order_id}"):
+        result = inproc.raise_task.delay(order_id)
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            result.get(timeout=GET)
+    assert result.state == "FAILURE"
+    assert ("raise_task", order_id) not in RUNS
+
+
+def test_busy_retry_does_not_use_up_max_retries(mutex_worker, mutex_locks, order_id):
+    """on_busy='retry' re-queues until free; with max_retries=0 it still completes, and
+    the body sees retries == 0 while the busy-retry count went up."""
+    timer = _hold_for(mutex_locks, f"order.{order_id}", 0.6)
+    try:
+        out = inproc.retry_task.delay(order_id).get(timeout=GET)
+    finally:
+        timer.join()
+    assert out["retries"] == 0
+    assert out["busy_retries"] >= 2
+    assert RUNS.count(("retry_task", order_id)) == 1
+
+
+def test_wait_blocks_until_free_and_times_out(mutex_worker, mutex_locks, order_id):
+    """on_busy='wait' runs once the holder lets go; with a short timeout it fails."""
+    timer = _hold_for(mutex_locks, f"order.{order_id}", 0.5)
+    started = time.monotonic()
+    assert inproc.wait_task.delay(order_id).get(timeout=GET) == "ran"
+    assert time.monotonic() - started >= 0.4
+    timer.join()
+    with mutex_locks.acquire(f"order.{order_id}"), pytest.raises(SimpleMutexAcquireTimeoutError):
+        inproc.wait_short.delay(order_id).get(timeout=GET)
+
+
+def test_lost_lease_interrupts_the_body_and_fails_the_task(mutex_worker, mutex_locks, order_id):
+    """A fixed 0.4 s lease on a 3 s body: interrupted, FAILURE with the lease error."""
+    started = time.monotonic()
+    result = inproc.lose_lease.delay(order_id)
+    with pytest.raises(SimpleMutexLeaseExpiredError) as caught:
+        result.get(timeout=GET)
+    assert time.monotonic() - started < 2.5  # interrupted, not run to the end
+    assert type(caught.value) is SimpleMutexLeaseExpiredError
+    # Celery's JSON result encoding keeps only the message (see the report), not .key
+    assert f"'order.{order_id}'" in str(caught.value)
+    assert ("lose_lease", order_id) not in RUNS
+    assert not mutex_locks.locked(f"order.{order_id}")
+
+
+def test_renewal_keeps_a_long_task_lease(mutex_worker, mutex_locks, order_id):
+    """renew=True: a body 2.5x longer than its lease succeeds and keeps the lock."""
+    result = inproc.long_renewed.delay(order_id)
+    time.sleep(1.0)
+    assert mutex_locks.locked(f"order.{order_id}")
+    assert result.get(timeout=GET) == "ran"
+    assert not mutex_locks.locked(f"order.{order_id}")
+
+
+def test_running_task_reads_its_lease(mutex_worker, mutex_locks, order_id):
+    """current_lease() gives the key and a fence that grows on every grant."""
+    first = inproc.lease_info.delay(order_id).get(timeout=GET)
+    second = inproc.lease_info.delay(order_id).get(timeout=GET)
+    assert first["key"] == f"order.{order_id}"
+    assert second["fence"] > first["fence"] >= 1
+
+
+@pytest.mark.parametrize("task_name", ["fail_task", "ignore_task", "self_retry"])
+def test_lock_is_freed_on_every_ending(mutex_worker, mutex_locks, order_id, task_name, caplog):
+    """Failure, Ignore and a task's own retry all leave the key free afterwards; the retry
+    (same task id) takes over the lock its first attempt still holds, and nothing fails."""
+    caplog.set_level(logging.DEBUG, logger="celery_mutex")
+    task = getattr(inproc, task_name)
+    result = task.delay(order_id)
+    if task_name == "fail_task":
+        with pytest.raises(KeyError):
+            result.get(timeout=GET)
+    elif task_name == "self_retry":
+        assert result.get(timeout=GET) == 1  # the retry (same task id) ran, not skipped
+        deadline = time.monotonic() + 3  # the first attempt unwinds after the retry ran
+        while "passed on to its retry" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "passed on to its retry" in caplog.text
+        time.sleep(0.2)
+        assert result.state == "SUCCESS"  # the first attempt's end did not overwrite it
+    else:
+        deadline = time.monotonic() + GET
+        while mutex_locks.locked(f"order.{order_id}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert not mutex_locks.locked(f"order.{order_id}")
+    assert mutex_locks.try_acquire(f"order.{order_id}") is not None
+
+
+def test_retry_of_same_task_id_reenters_but_redelivery_does_not(mutex_worker, order_id):
+    """A record left by attempt 0 of task X: X's retry (retries=1) takes it over; another
+    task, or a copy of attempt 0 (an acks_late redelivery), finds it busy."""
+    locks = OwnedLocks(cache_from_url(REDIS_URL), permits=1, lease=30, prefix=PREFIX)
+    x, z = f"x-{order_id}", f"z-{order_id}"
+    old = locks.acquire(f"order.{order_id}", owner=x, attempt=0, timeout=0, renew=False, label="")
+    other = locks.acquire(
+        f"order.{order_id + 1}", owner=z, attempt=0, timeout=0, renew=False, label=""
+    )
+    try:
+        stranger = inproc.raise_task.apply_async((order_id,), task_id=f"{x}-other")
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            stranger.get(timeout=GET)
+        redelivered = inproc.raise_task.apply_async((order_id + 1,), task_id=z, retries=0)
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            redelivered.get(timeout=GET)
+        retried = inproc.raise_task.apply_async((order_id,), task_id=x, retries=1)
+        assert retried.get(timeout=GET) == "ran"
+        assert old.release() is False  # taken over by the retry: the old one frees nothing
+        assert not locks.space.locked(f"order.{order_id}")  # and the retry released it
+    finally:
+        other.release()
+
+
+def test_semaphore_caps_concurrency_at_permits(mutex_worker):
+    """permits=3 on 8 threads: never more than 3 bodies at once, and 3 are reached."""
+    results = [inproc.sem_task.delay(n) for n in range(9)]
+    assert sorted(r.get(timeout=GET) for r in results) == list(range(9))
+    assert inproc.CONCURRENCY["max"] == 3
+
+
+def test_signals_report_acquire_busy_release(mutex_worker, mutex_locks, order_id):
+    """mutex_acquired / mutex_busy / mutex_released fire with the key."""
+    seen: list[tuple[str, Any]] = []
+
+    def on(name: str) -> Any:
+        def receiver(sender: Any = None, **kw: Any) -> None:
+            if kw.get("key") == f"order.{order_id}":
+                seen.append((name, kw.get("policy") or kw.get("by")))
+
+        return receiver
+
+    receivers = {name: on(name) for name in ("acquired", "busy", "released")}
+    for name, receiver in receivers.items():
+        getattr(signals, f"mutex_{name}").connect(receiver, weak=False)
+    try:
+        inproc.skip_task.delay(order_id).get(timeout=GET)
+        with mutex_locks.acquire(f"order.{order_id}"):
+            inproc.skip_task.delay(order_id).get(timeout=GET)
+    finally:
+        for name, receiver in receivers.items():
+            getattr(signals, f"mutex_{name}").disconnect(receiver)
+    assert seen == [("acquired", None), ("released", "task"), ("busy", "skip")]
+
+
+def test_missing_cache_fails_clearly_not_on_the_broker(mutex_worker, order_id):
+    """No cache configured: the task fails with a ConstraintError naming the setting."""
+    with pytest.raises(ConstraintError, match="mutex_cache"):
+        inproc.no_cache_task.delay(order_id).get(timeout=GET)
+
+
+def test_enqueue_return_gives_the_queued_calls_result(mutex_worker, order_id):
+    """enqueue='return': an equal call while the first is queued or running returns the
+    first call's AsyncResult (positional or keyword); once it ended, a new call is sent."""
+    first = inproc.queued_once.delay(order_id)
+    duplicate = inproc.queued_once.delay(order_id=order_id)
+    assert duplicate.id == first.id
+    assert first.get(timeout=GET) == "ran"
+    deadline = time.monotonic() + 3  # the marker is cleared just after the result is stored
+    while (again := inproc.queued_once.delay(order_id)).id == first.id:
+        assert time.monotonic() < deadline, "the ended call still blocks new ones"
+        time.sleep(0.05)
+    assert again.get(timeout=GET) == "ran"
+
+
+def test_enqueue_raise_names_the_queued_task(mutex_worker, order_id):
+    """enqueue='raise': the duplicate call raises AlreadyQueuedError carrying the first id."""
+    first = inproc.queued_raise.delay(order_id)
+    with pytest.raises(AlreadyQueuedError) as caught:
+        inproc.queued_raise.delay(order_id)
+    assert caught.value.task_id == first.id
+    assert pickle.loads(pickle.dumps(caught.value)).task_id == first.id
+    assert first.get(timeout=GET) == "ran"
+
+
+def test_send_task_cannot_bypass_the_run_time_lock(mutex_worker, order_id):
+    """send_task skips apply_async (and enqueue de-duplication), but the worker still
+    takes the lock: a copy sent while the first runs fails busy (on_busy='raise')."""
+    first = inproc.queued_once.delay(order_id)
+    time.sleep(0.2)  # the first is running now
+    bypass = app.send_task(inproc.queued_once.name, args=(order_id,))
+    assert bypass.id != first.id
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        bypass.get(timeout=GET)
+    assert first.get(timeout=GET) == "ran"
+
+
+def test_enqueue_keeps_a_busy_retrying_call_and_its_retries_get_through(
+    mutex_worker, mutex_locks, order_id
+):
+    """A call re-queued because its key is busy is still 'queued': duplicates return it,
+    and its own re-publishes are not swallowed as duplicates (celery-singleton#20)."""
+    timer = _hold_for(mutex_locks, f"order.{order_id}", 0.6)
+    try:
+        first = inproc.queued_retry.delay(order_id)
+        time.sleep(0.3)  # it has been busy-retried by now
+        assert inproc.queued_retry.delay(order_id).id == first.id
+        assert first.get(timeout=GET) == "ran"
+    finally:
+        timer.join()
+    assert RUNS.count(("queued_retry", order_id)) == 1
