@@ -28,11 +28,9 @@ import os
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +39,7 @@ from typing import Any
 import pymongo
 from pymongo import ReturnDocument
 from pymongo.write_concern import WriteConcern
+from rounds import interleaved_rounds, print_ratio_table
 
 from simple_mutex import InMemoryCache, Mutex
 from simple_mutex.caches.mongo import MongoCache
@@ -135,28 +134,12 @@ def cycle_functions(client: pymongo.MongoClient[Any]) -> dict[str, Callable[[], 
 
 
 def bench_cycle(client: pymongo.MongoClient[Any], cycles: int, repeats: int) -> None:
-    functions = cycle_functions(client)
-    rounds: dict[str, list[float]] = {name: [] for name in functions}
-    for function in functions.values():  # warm up: connections open, documents exist
-        for _ in range(20):
-            function()
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = time.perf_counter()
-            for _ in range(cycles):
-                function()
-            rounds[name].append((time.perf_counter() - start) / cycles * 1e6)
-    floor_rounds = rounds["floor: bare pymongo, same 2 stmts"]
-    floor, floor_min = statistics.median(floor_rounds), min(floor_rounds)
-    print(f"\nuncontended acquire+release cycle, µs ({repeats} interleaved rounds of {cycles})")
-    print(f"| {'lock':34s} | median | x floor | fastest round | x floor |")
-    print(f"|{'-' * 36}|--------|---------|---------------|---------|")
-    for name, values in rounds.items():
-        median, best = statistics.median(values), min(values)
-        print(
-            f"| {name:34s} | {median:6.0f} | {median / floor:7.2f} | {best:13.0f} | "
-            f"{best / floor_min:7.2f} |"
-        )
+    rounds = interleaved_rounds(cycle_functions(client), cycles=cycles, repeats=repeats, warmup=20)
+    print_ratio_table(
+        f"uncontended acquire+release cycle, µs ({repeats} interleaved rounds of {cycles})",
+        rounds,
+        floor="floor: bare pymongo, same 2 stmts",
+    )
 
 
 def main() -> None:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from rounds import interleaved_rounds, print_ratio_table
 
 from simple_mutex import Mutex
 from simple_mutex.caches import postgres
@@ -97,30 +96,16 @@ def main() -> None:
         "PostgresCache ops": cache_ops(),
         "Mutex(PostgresCache)": mutex_cycle(),
     }
-    rounds: dict[str, list[float]] = {name: [] for name in contenders}
     try:
-        for cycle in contenders.values():  # warm up: connect, prepare statements
-            for _ in range(50):
-                cycle()
-        for _ in range(args.repeats):
-            for name, cycle in contenders.items():
-                start = time.perf_counter()
-                for _ in range(args.cycles):
-                    cycle()
-                rounds[name].append((time.perf_counter() - start) / args.cycles * 1e6)
+        rounds = interleaved_rounds(contenders, cycles=args.cycles, repeats=args.repeats, warmup=50)
     finally:
         with psycopg.connect(URL, autocommit=True) as conn:
             conn.execute(f'DROP TABLE IF EXISTS "{TABLE}"')
-    floor = rounds["floor (same 2 statements, bare psycopg)"]
-    floor_median, floor_best = statistics.median(floor), min(floor)
-    print(f"acquire + release, uncontended; {args.repeats} rounds x {args.cycles} cycles")
-    print(f"{'':42} {'median µs':>10} {'ratio':>6} {'best µs':>9} {'ratio':>6}")
-    for name, times in rounds.items():
-        median, best = statistics.median(times), min(times)
-        print(
-            f"{name:42} {median:10.1f} {median / floor_median:6.2f} "
-            f"{best:9.1f} {best / floor_best:6.2f}"
-        )
+    print_ratio_table(
+        f"acquire + release, uncontended; {args.repeats} rounds x {args.cycles} cycles",
+        rounds,
+        floor="floor (same 2 statements, bare psycopg)",
+    )
 
 
 if __name__ == "__main__":

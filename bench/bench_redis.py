@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from rounds import interleaved_rounds, print_ratio_table
 
 from simple_mutex import InMemoryCache, Mutex
 from simple_mutex.caches.redis import RedisCache
@@ -166,28 +167,12 @@ def cycle_functions() -> dict[str, Callable[[], None]]:
 
 
 def bench_cycle(cycles: int, repeats: int) -> None:
-    functions = cycle_functions()
-    rounds: dict[str, list[float]] = {name: [] for name in functions}
-    for function in functions.values():  # warm up: scripts loaded, connections open
-        for _ in range(200):
-            function()
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = time.perf_counter()
-            for _ in range(cycles):
-                function()
-            rounds[name].append((time.perf_counter() - start) / cycles * 1e6)
-    floor_rounds = rounds["floor: SET NX PX + EVALSHA"]
-    floor, floor_min = statistics.median(floor_rounds), min(floor_rounds)
-    print(f"\nuncontended acquire+release cycle, µs ({repeats} interleaved rounds of {cycles})")
-    print(f"| {'lock':32s} | median | x floor | fastest round | x floor |")
-    print(f"|{'-' * 34}|--------|---------|---------------|---------|")
-    for name, values in rounds.items():
-        mean, best = statistics.median(values), min(values)
-        print(
-            f"| {name:32s} | {mean:6.1f} | {mean / floor:7.2f} | {best:13.1f} | "
-            f"{best / floor_min:7.2f} |"
-        )
+    rounds = interleaved_rounds(cycle_functions(), cycles=cycles, repeats=repeats, warmup=200)
+    print_ratio_table(
+        f"uncontended acquire+release cycle, µs ({repeats} interleaved rounds of {cycles})",
+        rounds,
+        floor="floor: SET NX PX + EVALSHA",
+    )
 
 
 # -- hand-off ---------------------------------------------------------------------------

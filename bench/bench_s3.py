@@ -30,7 +30,6 @@ import os
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from rounds import interleaved_rounds, print_ratio_table
 
 from simple_mutex import Mutex
 from simple_mutex.caches.s3 import S3Cache, client_config
@@ -172,27 +172,13 @@ def main() -> None:
             "S3Cache ops": cache_ops(client),
             "Mutex(S3Cache)": mutex_cycle(client),
         }
-        rounds: dict[str, list[float]] = {name: [] for name in contenders}
-        for cycle in contenders.values():  # warm up: connections, hints
-            for _ in range(20):
-                cycle()
-        for _ in range(args.repeats):
-            for name, cycle in contenders.items():
-                start = time.perf_counter()
-                for _ in range(args.cycles):
-                    cycle()
-                rounds[name].append((time.perf_counter() - start) / args.cycles * 1e6)
-    floor = rounds["floor (PUT If-None-Match + DELETE If-Match)"]
-    floor_median, floor_best = statistics.median(floor), min(floor)
-    print(f"acquire + release, uncontended, SeaweedFS on loopback; {args.repeats} rounds x "
-          f"{args.cycles} cycles")  # fmt: skip
-    print(f"{'':46} {'median µs':>10} {'ratio':>6} {'best µs':>9} {'ratio':>6}")
-    for name, times in rounds.items():
-        median, best = statistics.median(times), min(times)
-        print(
-            f"{name:46} {median:10.1f} {median / floor_median:6.2f} "
-            f"{best:9.1f} {best / floor_best:6.2f}"
-        )
+        rounds = interleaved_rounds(contenders, cycles=args.cycles, repeats=args.repeats, warmup=20)
+    print_ratio_table(
+        f"acquire + release, uncontended, SeaweedFS on loopback; {args.repeats} rounds x "
+        f"{args.cycles} cycles",
+        rounds,
+        floor="floor (PUT If-None-Match + DELETE If-Match)",
+    )
 
 
 if __name__ == "__main__":

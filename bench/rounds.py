@@ -1,0 +1,45 @@
+"""The timing loop and ratio table every tier's benchmark shares.
+
+Contenders run in interleaved rounds (A B C, A B C, ...) so a burst of load on this
+shared machine hits all of them alike; the table gives each one's median and fastest
+round against the floor's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+
+def interleaved_rounds(
+    contenders: Mapping[str, Callable[[], object]], *, cycles: int, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Microseconds per call of each contender, one value per round."""
+    rounds: dict[str, list[float]] = {name: [] for name in contenders}
+    for cycle in contenders.values():  # warm up: connections open, scripts loaded
+        for _ in range(warmup):
+            cycle()
+    for _ in range(repeats):
+        for name, cycle in contenders.items():
+            start = time.perf_counter()
+            for _ in range(cycles):
+                cycle()
+            rounds[name].append((time.perf_counter() - start) / cycles * 1e6)
+    return rounds
+
+
+def print_ratio_table(title: str, rounds: Mapping[str, list[float]], floor: str) -> None:
+    """A markdown table: median and fastest round of each contender, and their ratios to
+    the floor's median and fastest round."""
+    floor_median, floor_best = statistics.median(rounds[floor]), min(rounds[floor])
+    width = max(len(name) for name in rounds)
+    print(f"\n{title}")
+    print(f"| {'lock':{width}} | median µs | x floor | fastest µs | x floor |")
+    print(f"|{'-' * (width + 2)}|-----------|---------|------------|---------|")
+    for name, values in rounds.items():
+        median, best = statistics.median(values), min(values)
+        print(
+            f"| {name:{width}} | {median:9.1f} | {median / floor_median:7.2f} "
+            f"| {best:10.1f} | {best / floor_best:7.2f} |"
+        )
