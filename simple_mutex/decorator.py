@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
 from .durations import Duration, timeout_seconds
-from .errors import ConstraintError
+from .errors import ConstraintError, MalfunctionError
 from .keys import check_key, check_template, render_template
 from .lease import Lease
 from .mutex import DEFAULT_INTERVAL, DEFAULT_LEASE, Mutex, check_renew
+
+log = logging.getLogger("simple_mutex")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -120,7 +123,7 @@ def with_simple_mutex(
                 "or use `with mutex.acquire(key):` inside the generator"
             )
         key_of = key_function(fn, key)
-        if inspect.iscoroutinefunction(fn):
+        if _is_coroutine_function(fn):
 
             @functools.wraps(fn)
             async def guarded_async(*args: Any, **kwargs: Any) -> Any:
@@ -134,11 +137,23 @@ def with_simple_mutex(
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             with mutex.acquire(key_of(*args, **kwargs), timeout=wait, renew=renew):
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    # Its body would run after the lock is freed: refuse, loudly.
+                    getattr(result, "close", lambda: None)()
+                    raise ConstraintError(
+                        f"{fn!r} returned an awaitable but is not an `async def` function; "
+                        "with_simple_mutex cannot tell: decorate the `async def` itself"
+                    )
+                return result
 
         return guarded  # type: ignore[return-value]
 
     return decorate if logic is None else decorate(logic)
+
+
+def _is_coroutine_function(fn: Callable[..., Any]) -> bool:
+    return any(inspect.iscoroutinefunction(f) for f in (fn, inspect.unwrap(fn), type(fn).__call__))
 
 
 async def run_guarded_async(lease: Lease, work: Callable[[], Awaitable[Any]]) -> Any:
@@ -157,13 +172,26 @@ async def run_guarded_async(lease: Lease, work: Callable[[], Awaitable[Any]]) ->
         lease.on_lost(on_lost)
         await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        released = await asyncio.to_thread(lease.release)
+        # Shielded: a second cancel while the work unwinds must not skip the release
+        # (the finishing task runs on and frees the lock).
+        try:
+            released = await asyncio.shield(_finish(task, lease))
+        except MalfunctionError as fault:
+            if not (task.cancelled() or task.exception() is not None):
+                raise
+            # As in Lease.__exit__: the work's own error (or cancellation) is the one to report.
+            log.warning("could not release %r after the work failed: %s", lease.key, fault)
+            released = True
     if lost.done() or not released:
         raise lease._expired_error() from (task.exception() if not task.cancelled() else None)
     return task.result()
+
+
+async def _finish(task: asyncio.Future[Any], lease: Lease) -> bool:
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return await asyncio.to_thread(lease.release)
 
 
 def _settle(future: asyncio.Future[None]) -> None:

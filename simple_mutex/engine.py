@@ -231,18 +231,37 @@ async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
         # A blocking wait (Redis BLPOP, a sleep) in a pool of its own, so that waiters
         # never fill the loop's default executor that the other operations run in.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_wait_pool(), attempt, cache, op)
+        waiting = loop.run_in_executor(_wait_pool(), attempt, cache, op)
+        try:
+            # Queued behind other waiters, a wait would start late and overrun the
+            # deadline: give up on it after its own length (a queued one is dropped).
+            return await asyncio.wait_for(waiting, op.seconds)
+        except asyncio.TimeoutError:
+            return Outcome()
     call = asyncio.ensure_future(asyncio.to_thread(attempt, cache, op))
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
         # The thread runs on regardless. If it wins the lock after we were cancelled,
-        # nobody would hold the lease: free it before passing the cancellation on.
-        outcome = await call
-        if isinstance(op, PutIfAbsent) and outcome.error is None:
-            free = CompareAndDelete(op.key, outcome.result.version)
-            await asyncio.to_thread(attempt, cache, free)
+        # nobody would hold the lease: free it before passing the cancellation on. Done
+        # in a task of its own, so that a second cancel cannot skip it.
+        if isinstance(op, PutIfAbsent):
+            cleanup = asyncio.ensure_future(_free_if_granted(cache, op, call))
+            _cleanups.add(cleanup)
+            cleanup.add_done_callback(_cleanups.discard)
+            await asyncio.shield(cleanup)
         raise
+
+
+_cleanups: set[asyncio.Future[None]] = set()
+
+
+async def _free_if_granted(
+    cache: ConditionalCache, op: PutIfAbsent, call: asyncio.Future[Outcome]
+) -> None:
+    outcome = await call
+    if outcome.error is None:
+        await asyncio.to_thread(attempt, cache, CompareAndDelete(op.key, outcome.result.version))
 
 
 _waits: ThreadPoolExecutor | None = None

@@ -18,6 +18,8 @@ import logging
 import os
 import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 log = logging.getLogger("simple_mutex")
@@ -34,9 +36,12 @@ class Keeper:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # entered directly on the hot path (watch)
         self._cond = threading.Condition(self._lock)
-        self._heap: list[tuple[float, int, Watched]] = []
+        self._heap: list[tuple[float, int, weakref.ref[Watched]]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        # Ticks may do I/O (a renewal): run them off the scheduling thread, so a stalled
+        # backend delays only its own leases, not every lapse check in the process.
+        self._ticks = ThreadPoolExecutor(max_workers=8, thread_name_prefix="simple-mutex-tick")
 
     def watch(self, item: Watched, when: float) -> None:
         with self._lock:
@@ -45,7 +50,7 @@ class Keeper:
             if len(self._heap) > 1024 and len(self._heap) % 1024 == 0:
                 self._compact()
             wake = not self._heap or when < self._heap[0][0]
-            heapq.heappush(self._heap, (when, next(self._seq), item))
+            heapq.heappush(self._heap, (when, next(self._seq), weakref.ref(item)))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="simple-mutex-keeper", daemon=True
@@ -58,7 +63,9 @@ class Keeper:
         live = [
             e
             for e in self._heap
-            if not getattr(e[2], "_done", False) and getattr(e[2], "_next_check", e[0]) == e[0]
+            if (item := e[2]()) is not None
+            and not getattr(item, "_done", False)
+            and getattr(item, "_next_check", e[0]) == e[0]
         ]
         heapq.heapify(live)
         self._heap = live
@@ -69,16 +76,23 @@ class Keeper:
                 while True:
                     now = time.monotonic()
                     if self._heap and self._heap[0][0] <= now:
-                        when, _, item = heapq.heappop(self._heap)
+                        when, _, ref = heapq.heappop(self._heap)
                         break
                     self._cond.wait(None if not self._heap else self._heap[0][0] - now)
-            try:
-                again = item._keeper_tick(time.monotonic(), when)
-            except Exception:  # the keeper must outlive any one lease's bug
-                log.exception("simple-mutex keeper: unexpected error while checking a lease")
+            item = ref()
+            if item is None:
+                # Dropped without release: stop renewing; the lock lapses within a lease.
                 continue
-            if again is not None:
-                self.watch(item, again)
+            self._ticks.submit(self._tick, item, when)
+
+    def _tick(self, item: Watched, when: float) -> None:
+        try:
+            again = item._keeper_tick(time.monotonic(), when)
+        except Exception:  # the keeper must outlive any one lease's bug
+            log.exception("simple-mutex keeper: unexpected error while checking a lease")
+            return
+        if again is not None:
+            self.watch(item, again)
 
 
 _keeper: Keeper | None = None

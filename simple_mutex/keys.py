@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ConstraintError
 
 MAX_KEY_CHARS = 200
-_HEAD_CHARS = 120
+_HEAD_CHARS = MAX_KEY_CHARS - 64  # 1 + 64 + this > MAX_KEY_CHARS: never equal to an unhashed key
 _SAFE = frozenset(string.ascii_letters + string.digits + "._-~:")
 _SAFE_RE = re.compile(r"[A-Za-z0-9._~:-]*")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{0,64}")

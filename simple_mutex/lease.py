@@ -18,7 +18,11 @@ at the wrong moment: only a downstream check of ``fence`` closes that gap.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,14 +42,18 @@ from .engine import (
     retry_renew_after,
 )
 from .errors import (
+    ConstraintError,
     MalfunctionError,
     SimpleCacheConditionError,
+    SimpleMutexError,
     SimpleMutexLeaseExpiredError,
 )
 from .interrupt import LeaseInterrupt, cancel_pending, interrupt_class, raise_in_thread
 from .keeper import keeper
 
 log = logging.getLogger("simple_mutex")
+
+_SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 
 
 class Lease:
@@ -142,7 +150,22 @@ class Lease:
             # may run behind ours): compare-and-delete cannot touch another holder's.
             in_time = self._lost_reason is None and time.monotonic() < self._deadline
             try:
-                woke = execute(self._cache, CompareAndDelete(self._cache_key, self._version))
+                try:
+                    woke = execute(self._cache, CompareAndDelete(self._cache_key, self._version))
+                except SimpleCacheConditionError:
+                    # A renewal whose reply was lost may have landed: our record then has
+                    # a version we never saw. Our value proves it is ours.
+                    entry = self._read_back()
+                    if entry is None:
+                        raise
+                    woke = execute(self._cache, CompareAndDelete(self._cache_key, entry.version))
+            except (KeyboardInterrupt, LeaseInterrupt):
+                # Landed before or after our delete was sent: make sure it was, or the lock
+                # outlives us by a whole lease. (A repeat misses harmlessly.)
+                with contextlib.suppress(SimpleMutexError):
+                    execute(self._cache, CompareAndDelete(self._cache_key, self._version))
+                self._released = True
+                raise
             except SimpleCacheConditionError:
                 self._released = True
                 self._record_gone = True
@@ -151,6 +174,7 @@ class Lease:
             except MalfunctionError as exc:
                 if not in_time:
                     self._released = True
+                    self._lost_reason = self._lost_reason or "it lapsed before release"
                     return False  # best effort: the lease was over anyway, and lapses alone
                 # Not released: the record may still be ours, so a retry must reach it. Stop
                 # renewing, though: we meant to let go, and if nobody retries, it lapses.
@@ -158,6 +182,8 @@ class Lease:
                 exc.key = self.key
                 raise
             self._released = True
+            if not in_time:
+                self._lost_reason = self._lost_reason or "it lapsed before release"
             if woke and self._handoffs is not None:
                 if len(self._handoffs) > 1024:  # marks of keys never taken again
                     self._handoffs.clear()
@@ -291,14 +317,27 @@ class Lease:
     # -- context manager ----------------------------------------------------------------
 
     def __enter__(self) -> Lease:
-        with self._lock:
-            if not self._done and time.monotonic() >= self._deadline:
-                self._mark_lost(f"it lapsed after {self._length:g} s, before the work began")
-            if self._lost_reason is None and not self._released:
-                self._armed_thread = threading.get_ident()
-                if not self._renew:
-                    self._schedule(self._deadline)
-                return self
+        # A `with` inside a coroutine or generator can be suspended: the thread would then
+        # be interrupted while running someone else's code (another task, the event loop).
+        if sys._getframe(1).f_code.co_flags & _SUSPENDABLE:
+            raise ConstraintError(
+                f"`with lease:` on {self.key!r} inside a coroutine or generator cannot be "
+                "interrupted safely; use `async with lease:` (or with_simple_mutex)"
+            )
+        try:
+            with self._lock:
+                if not self._done and time.monotonic() >= self._deadline:
+                    self._mark_lost(f"it lapsed after {self._length:g} s, before the work began")
+                if self._lost_reason is None and not self._released:
+                    self._armed_thread = threading.get_ident()
+                    if not self._renew:
+                        self._schedule(self._deadline)
+                    return self
+        except (KeyboardInterrupt, LeaseInterrupt):
+            # No __exit__ follows a failed __enter__: end the lease here.
+            self._disarm()
+            self.release()
+            raise
         if self._released:
             raise SimpleMutexLeaseExpiredError(
                 f"lease on {self.key!r} was already released", key=self.key
@@ -311,7 +350,11 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        foreign = self._disarm()
+        try:
+            foreign = self._disarm()
+        except BaseException:
+            self.release()  # an interrupt (Ctrl-C) before disarming: still let go
+            raise
         try:
             released = self.release()
         except MalfunctionError as fault:
@@ -328,6 +371,39 @@ class Lease:
             raise foreign
         if released or self._is_ours(exc):
             return
+        raise self._expired_error() from exc
+
+    async def __aenter__(self) -> Lease:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._cancelled_by_loss = False
+
+        def cancel() -> None:
+            self._cancelled_by_loss = True
+            task.cancel()
+
+        def on_lost() -> None:
+            loop.call_soon_threadsafe(cancel)
+
+        self.on_lost(on_lost)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Shielded: a second cancel must not skip the release.
+        released = await asyncio.shield(asyncio.to_thread(self.release))
+        if released:
+            return
+        if getattr(self, "_cancelled_by_loss", False):
+            task = asyncio.current_task()
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+            if uncancel is not None:
+                uncancel()
         raise self._expired_error() from exc
 
     def _is_ours(self, exc: BaseException | None) -> bool:

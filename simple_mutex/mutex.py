@@ -12,8 +12,13 @@ from typing import NamedTuple, TypeVar
 from .caches.adapt import as_cache
 from .contract import Entry
 from .durations import Duration, positive_seconds, timeout_seconds
-from .engine import Flow, Get, Grant, acquire_flow, execute, run, run_async
-from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
+from .engine import CompareAndDelete, Flow, Get, Grant, acquire_flow, execute, run, run_async
+from .errors import (
+    ConstraintError,
+    MalfunctionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexError,
+)
 from .keys import check_key, check_prefix, encode_key, slot_key
 from .lease import Lease
 from .records import Holder, encode_record, holder_of, new_token
@@ -76,7 +81,14 @@ class _LockSpace:
         tries once; when the wait runs out it raises SimpleMutexAcquireTimeoutError.
         ``renew=True`` keeps the lease alive from a background thread while it is held."""
         attempt = self._attempt(key, timeout, interval, renew, label)
-        return attempt.lease(self._guard(key, lambda: run(self.cache, attempt.flow)))
+        try:
+            return attempt.lease(self._guard(key, lambda: run(self.cache, attempt.flow)))
+        except BaseException as exc:
+            # An outer lease's interrupt or a KeyboardInterrupt can land just after our
+            # write succeeded: free what we may have written, or it stays held for a lease.
+            if not isinstance(exc, (SimpleMutexAcquireTimeoutError, MalfunctionError)):
+                attempt.abandon()
+            raise
 
     async def acquire_async(
         self,
@@ -172,6 +184,16 @@ class _Attempt(NamedTuple):
     value: str
     renew: bool
     flow: Flow
+
+    def abandon(self) -> None:
+        """Best effort: free any slot that holds our record."""
+        for cache_key in self.slot_keys:
+            try:
+                entry = execute(self.space.cache, Get(cache_key))
+                if entry is not None and entry.value == self.value:
+                    execute(self.space.cache, CompareAndDelete(cache_key, entry.version))
+            except SimpleMutexError:
+                pass
 
     def lease(self, grant: Grant) -> Lease:
         return Lease(

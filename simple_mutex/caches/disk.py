@@ -14,6 +14,7 @@ Not for network file systems: SQLite's locking is unreliable on NFS.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import sqlite3
@@ -162,6 +163,10 @@ class DiskCache:
         # SQLite has no change notification across processes: the engine's jittered poll
         # is the whole strategy here.
         time.sleep(timeout)
+
+    async def wait_async(self, keys: Sequence[str], timeout: float) -> None:
+        # Never a thread per waiter: an async poll is just a sleep on the loop.
+        await asyncio.sleep(timeout)
 
 
 def _new_version() -> str:
