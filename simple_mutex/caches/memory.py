@@ -22,11 +22,20 @@ from simple_mutex.errors import SimpleCacheConditionError
 
 _SWEEP_EVERY = 4096
 
+# Expiry must not follow the wall clock (an NTP step or a resumed VM would end leases
+# early, while their holders' monotonic deadlines still run): a monotonic clock, anchored
+# once to Unix time so that expires_at still reads as a date in holder().
+_ANCHOR = time.time() - time.monotonic()
+
+
+def steady_time() -> float:
+    return _ANCHOR + time.monotonic()
+
 
 class InMemoryCache:
     name = "memory"
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, clock: Callable[[], float] = steady_time) -> None:
         self._clock = clock
         # Enter the lock itself on hot paths: a Condition's own __enter__ is Python code.
         self._guard = threading.Lock()
