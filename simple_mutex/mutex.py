@@ -12,16 +12,27 @@ from typing import NamedTuple, TypeVar
 from .caches.adapt import as_cache
 from .contract import Entry
 from .durations import Duration, positive_seconds, timeout_seconds
-from .engine import CompareAndDelete, Flow, Get, Grant, acquire_flow, execute, run, run_async
+from .engine import (
+    CompareAndDelete,
+    CompareAndSet,
+    Flow,
+    Get,
+    Grant,
+    acquire_flow,
+    execute,
+    run,
+    run_async,
+)
 from .errors import (
     ConstraintError,
     MalfunctionError,
+    SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
     SimpleMutexError,
 )
 from .keys import check_key, check_prefix, encode_key, slot_key
 from .lease import Lease
-from .records import Holder, encode_record, holder_of, new_token
+from .records import Holder, check_token, encode_record, holder_of, new_token, record_token
 
 DEFAULT_LEASE = 30 * 60.0
 DEFAULT_INTERVAL = 1.0
@@ -76,11 +87,14 @@ class _LockSpace:
         interval: Duration | None = None,
         renew: bool = False,
         label: str | None = None,
+        token: str | None = None,
     ) -> Lease:
         """Wait for the lock and return its Lease. ``timeout=None`` waits forever, ``0``
         tries once; when the wait runs out it raises SimpleMutexAcquireTimeoutError.
-        ``renew=True`` keeps the lease alive from a background thread while it is held."""
-        attempt = self._attempt(key, timeout, interval, renew, label)
+        ``renew=True`` keeps the lease alive from a background thread while it is held.
+        ``token`` is for integrations that need an owner another process can recognize
+        (a task id); by default it is 128 random bits."""
+        attempt = self._attempt(key, timeout, interval, renew, label, token)
         try:
             return attempt.lease(self._guard(key, lambda: run(self.cache, attempt.flow)))
         except BaseException as exc:
@@ -100,7 +114,7 @@ class _LockSpace:
         label: str | None = None,
     ) -> Lease:
         """``acquire`` for asyncio: waiting does not block the event loop."""
-        attempt = self._attempt(key, timeout, interval, renew, label)
+        attempt = self._attempt(key, timeout, interval, renew, label, None)
         try:
             grant = await run_async(self.cache, attempt.flow)
         except MalfunctionError as exc:
@@ -115,13 +129,14 @@ class _LockSpace:
         interval: Duration | None,
         renew: bool,
         label: str | None,
+        token: str | None,
     ) -> _Attempt:
         wait = timeout_seconds(timeout)
         pause = self.interval if interval is None else positive_seconds(interval, "interval")
         check_renew(renew)
         check_label(label)
         slot_keys = self._slot_keys(key)
-        token = new_token()
+        token = new_token() if token is None else check_token(token)
         value = encode_record(token, self.label if label is None else label, time.time())
         courtesy = 0.0
         if self._handoffs:
@@ -139,6 +154,55 @@ class _LockSpace:
         )
         return _Attempt(self, key, slot_keys, token, value, renew, flow)
 
+    def take_over(
+        self,
+        key: str,
+        *,
+        token: str,
+        owns: Callable[[str], bool],
+        renew: bool = False,
+        label: str | None = None,
+    ) -> Lease | None:
+        """Take over a permit of ``key`` whose holder's token ``owns`` accepts (an earlier
+        attempt of the same owner, e.g. a retried task), by compare-and-set: the new lease
+        carries ``token`` and the fence stays. None when no such permit is held."""
+        attempt = self._attempt(key, None, None, renew, label, token)
+        for slot, cache_key in enumerate(attempt.slot_keys):
+            entry = self._read(key, cache_key)
+            if entry is None or not owns(record_token(entry, self.cache.name, key)):
+                continue
+            started = time.monotonic()
+            change = CompareAndSet(cache_key, attempt.value, self.lease, entry.version)
+            try:
+                new = self._guard(key, functools.partial(execute, self.cache, change))
+            except SimpleCacheConditionError:
+                continue  # freed or changed meanwhile
+            return attempt.lease(Grant(slot, new, started))
+        return None
+
+    def release_where(self, key: str, owns: Callable[[str], bool]) -> bool:
+        """Free every permit of ``key`` whose holder's token ``owns`` accepts, from any
+        process (a worker's parent freeing a killed child's lock). Compare-and-delete on
+        the version read: a record that changed in between is left alone."""
+        freed = False
+        for cache_key in self._slot_keys(key):
+            entry = self._read(key, cache_key)
+            if entry is None or not owns(record_token(entry, self.cache.name, key)):
+                continue
+            delete = CompareAndDelete(cache_key, entry.version)
+            try:
+                self._guard(key, functools.partial(execute, self.cache, delete))
+            except SimpleCacheConditionError:
+                continue
+            freed = True
+        return freed
+
+    def _read(self, key: str, cache_key: str) -> Entry | None:
+        entry: Entry | None = self._guard(
+            key, functools.partial(execute, self.cache, Get(cache_key))
+        )
+        return entry
+
     def try_acquire(self, key: str, *, renew: bool = False) -> Lease | None:
         """One attempt: the Lease, or None if the lock is busy."""
         try:
@@ -150,8 +214,7 @@ class _LockSpace:
         """Who holds the key's permits now (never their tokens)."""
         found = []
         for slot, cache_key in enumerate(self._slot_keys(key)):
-            read = functools.partial(execute, self.cache, Get(cache_key))
-            entry: Entry | None = self._guard(key, read)
+            entry = self._read(key, cache_key)
             if entry is not None:
                 found.append(holder_of(entry, self.cache.name, key, slot))
         return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import secrets
 import socket
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .contract import Entry
-from .errors import MalfunctionError
+from .errors import ConstraintError, MalfunctionError
 
 _HOST_JSON = json.dumps(socket.gethostname())
 
@@ -24,6 +25,20 @@ _HOST_JSON = json.dumps(socket.gethostname())
 def new_token() -> str:
     """An unguessable owner token: 128 bits from ``secrets``, as hex."""
     return secrets.token_hex(16)
+
+
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def check_token(token: object) -> str:
+    """A caller-chosen token: it goes verbatim into the JSON record, so only plain
+    characters. Making it unique (a task id) is the caller's part."""
+    if not isinstance(token, str) or not _TOKEN_RE.fullmatch(token):
+        raise ConstraintError(
+            "token must be 1 to 128 characters from A-Z a-z 0-9 _ . : -, "
+            f"got {type(token).__name__} of length {len(token) if isinstance(token, str) else 0}"
+        )
+    return token
 
 
 def encode_record(token: str, label: str | None, acquired_at: float) -> str:

@@ -461,3 +461,40 @@ def test_failed_write_on_a_held_key_is_a_malfunction_not_a_grant(key):
     assert info.value.key == key
     assert "failing" in str(info.value)
     assert mutex.holder(key).fence == held.fence  # type: ignore[union-attr]
+
+
+def test_a_chosen_token_marks_the_lease_and_is_checked():
+    """acquire(token=...) carries the caller's owner token; a token that could break the
+    JSON record is refused without being echoed."""
+    mutex = Mutex(InMemoryCache(), lease=30)
+    lease = mutex.acquire("k", token="task-1.0")
+    assert lease.token == "task-1.0"
+    lease.release()
+    with pytest.raises(ConstraintError) as refused:
+        mutex.acquire("k", token='x"}, "pid": 1, "y": "')
+    assert '"pid"' not in str(refused.value)
+
+
+def test_take_over_replaces_only_a_record_its_owner_test_accepts():
+    """take_over swaps an accepted holder's record for ours (same fence); the old lease
+    can no longer release; a holder the test rejects is left alone."""
+    mutex = Mutex(InMemoryCache(), lease=30)
+    first = mutex.acquire("k", token="task-1.0")
+    assert mutex.take_over("k", token="task-2.0", owns=lambda t: t.startswith("task-2")) is None
+    second = mutex.take_over("k", token="task-1.1", owns=lambda t: t == "task-1.0")
+    assert second is not None
+    assert second.fence == first.fence
+    assert first.release() is False
+    assert mutex.locked("k")
+    assert second.release() is True
+
+
+def test_release_where_frees_only_accepted_holders():
+    """release_where frees the permits whose token the test accepts, from any lease-less
+    caller (a worker's parent), and leaves the others."""
+    semaphore = Semaphore(InMemoryCache(), permits=2, lease=30)
+    semaphore.acquire("k", token="dead-child.0")
+    alive = semaphore.acquire("k", token="live-child.0")
+    assert semaphore.release_where("k", lambda t: t.startswith("dead-child")) is True
+    assert [h.slot for h in semaphore.holders("k")] == [alive.slot]
+    assert semaphore.release_where("k", lambda t: t.startswith("dead-child")) is False
