@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the demo on a fresh machine: creates a virtual environment (.venv in the repository,
 # or $VENV), installs simple-mutex, then runs examples/demo.py (extra arguments go to it)
-# and examples/celery_demo.py.
+# then examples/celery_demo.py and examples/rq_demo.py (which starts a Redis if none answers).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -12,4 +12,8 @@ setup_venv demo
 # Neither needs a server; the Celery part uses Redis when REDIS_URL is set.
 "$VENV/bin/python" examples/demo.py "$@"
 echo
-exec "$VENV/bin/python" examples/celery_demo.py
+"$VENV/bin/python" examples/celery_demo.py
+echo
+# Part 3: RQ workers; it needs a Redis (REDIS_URL, default redis://127.0.0.1:6379/0).
+ensure_redis
+exec "$VENV/bin/python" examples/rq_demo.py

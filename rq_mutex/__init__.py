@@ -1,0 +1,33 @@
+"""RQ integration of simple-mutex: jobs that never overlap per key.
+
+::
+
+    from rq_mutex import mutex_job
+
+    @mutex_job(key="order.{order_id}", on_busy="retry", lease=60)
+    def charge(order_id, amount=0): ...
+
+    queue.enqueue(charge, 42)
+
+The lock is taken when the job starts (owner label = the job id), kept alive by renewal
+while the body runs, and released when the job returns, fails or is interrupted; a killed
+work horse's lock frees when its lease lapses. The default cache is Redis on the job's own
+connection, so a plain RQ setup configures nothing.
+
+Several ``rq cron`` processes enqueue each tick once after one line in the cron config:
+``from rq_mutex import once_per_tick; once_per_tick()`` (see ``rq_mutex.cron``).
+"""
+
+from __future__ import annotations
+
+from .cron import first_run_of_tick, once_per_tick
+from .job import SKIPPED, current_lease, is_skipped, mutex_job
+
+__all__ = [
+    "SKIPPED",
+    "current_lease",
+    "first_run_of_tick",
+    "is_skipped",
+    "mutex_job",
+    "once_per_tick",
+]

@@ -1,0 +1,162 @@
+"""Job functions for ``tests/test_rq.py``, importable by worker processes.
+
+Every job records what it saw in Redis (db 12) under ``rqt:<run>:...`` so the test process
+can check it: intervals as ``time.monotonic()`` (one clock for every process on Linux),
+the pid that ran, the fence of its lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from rq import get_current_job
+from rq.decorators import job
+
+import rq_support  # noqa: F401  (puts rq_mutex on sys.path)
+from rq_mutex import current_lease, mutex_job
+
+REDIS_URL = "redis://127.0.0.1:6379/12"
+_connection = redis.Redis.from_url(REDIS_URL)
+
+
+def _redis() -> redis.Redis:
+    current = get_current_job()
+    return current.connection if current is not None else _connection
+
+
+def _record(run: str, what: str, **fields: Any) -> None:
+    lease = current_lease()
+    fields.update(
+        pid=os.getpid(),
+        key=lease.key if lease else None,
+        fence=lease.fence if lease else None,
+    )
+    _redis().rpush(f"rqt:{run}:{what}", json.dumps(fields))
+
+
+def _section(run: str, name: str, hold: float, **fields: Any) -> None:
+    """A critical section: counts holders inside it, to catch an overlap directly too."""
+    conn = _redis()
+    inside = conn.incr(f"rqt:{run}:inside:{name}")
+    start = time.monotonic()
+    time.sleep(hold)
+    end = time.monotonic()
+    conn.decr(f"rqt:{run}:inside:{name}")
+    _record(run, "log", name=name, start=start, end=end, inside=inside, **fields)
+
+
+FAST_RETRY = {"countdown": 1, "backoff": 1, "jitter": False}
+
+
+@mutex_job(key="ser.{run}.{entity}", on_busy="retry", retry=FAST_RETRY, lease=10)
+def serialized(run: str, entity: str, item: int, hold: float = 0.1) -> int:
+    _section(run, entity, hold, item=item)
+    return item
+
+
+@mutex_job(key="ser.{run}.{entity}", on_busy="retry", retry={"max": 0})
+def serialized_no_retry(run: str, entity: str, item: int) -> int:
+    _section(run, entity, 0.0, item=item)
+    return item
+
+
+@mutex_job(key="skip.{run}", on_busy="skip")
+def skipper(run: str, hold: float = 0.0) -> str:
+    _section(run, "skip", hold)
+    return "ran"
+
+
+@mutex_job(key="raise.{run}", on_busy="raise")
+def raiser(run: str) -> str:
+    _record(run, "log")
+    return "ran"
+
+
+@mutex_job(key="wait.{run}", on_busy="wait", timeout=5)
+def waiter(run: str) -> str:
+    _record(run, "log")
+    return "ran"
+
+
+@mutex_job(key="retry.{run}", on_busy="retry", retry=FAST_RETRY)
+def retrier(run: str) -> str:
+    _record(run, "log")
+    return "ran"
+
+
+@mutex_job(key="lose.{run}", lease=1, renew=True)
+def lose_lease(run: str) -> str:
+    """Delete our own lock record from Redis, then busy-loop: the next renewal finds it
+    gone, and the body must be interrupted long before the loop ends."""
+    conn = _redis()
+    for name in conn.scan_iter(match=f"*lose.{run}*"):
+        if not name.endswith(b":meta"):
+            conn.delete(name)
+    _record(run, "log", stage="deleted")
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        sum(range(1000))  # Python bytecode: where the interrupt lands
+    _record(run, "log", stage="finished")  # must never be reached
+    return "ran"
+
+
+@mutex_job(key="hold.{run}", lease=2, renew=True)
+def hold_forever(run: str) -> str:
+    """Report our pid and fence, then hold the lock (renewed) until killed."""
+    _record(run, "held")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "held"
+
+
+@mutex_job(key="kw.{run}.{a}.{b}", on_busy="skip")
+def keyed(run: str, a: int, b: int = 2) -> int:
+    _record(run, "log", a=a, b=b)
+    return a + b
+
+
+@mutex_job(key="fixed.{run}", lease=5, renew=False)
+def fixed_lease(run: str) -> str:
+    _record(run, "log")
+    return "ran"
+
+
+@job("rqt-stacked", connection=_connection)
+@mutex_job(key="st1.{run}", on_busy="skip")
+def stacked_job_outer(run: str) -> str:
+    _record(run, "log", which="job-outer")
+    return "ran"
+
+
+@mutex_job(key="st2.{run}", on_busy="skip")
+@job("rqt-stacked", connection=_connection)
+def stacked_mutex_outer(run: str) -> str:
+    _record(run, "log", which="mutex-outer")
+    return "ran"
+
+
+@mutex_job(key="tick.{run}", on_busy="skip")
+def ticked(run: str) -> str:
+    """The cron job: records which tick it ran for."""
+    current = get_current_job()
+    _record(run, "ticks", tick=current.meta.get("rq_mutex_tick") if current else None)
+    return "ran"
+
+
+@mutex_job(key="sleep.{run}")
+def sleeper(run: str, seconds: float) -> str:
+    _record(run, "log", stage="started")
+    time.sleep(seconds)
+    _record(run, "log", stage="finished")
+    return "slept"
+
+
+@mutex_job(key="sem.{run}", on_busy="skip", permits=2)
+def two_at_a_time(run: str) -> str:
+    _record(run, "log")
+    return "ran"

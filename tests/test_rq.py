@@ -1,0 +1,514 @@
+"""``rq_mutex.mutex_job`` against a real Redis (127.0.0.1:6379, db 12).
+
+In-process ``SimpleWorker`` and forking ``Worker`` in burst mode for single behaviours;
+real ``rq worker --with-scheduler`` subprocesses for busy retries under contention and for
+a work horse killed with SIGKILL. A missing Redis fails these tests; it never skips them.
+Every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import rq_support
+from rq import Queue, Retry, SimpleWorker, Worker
+from rq.command import send_stop_job_command
+from rq.job import Job, JobStatus
+from rq.registry import ScheduledJobRegistry
+from rq_support import jobs
+
+# isort: split
+from rq_mutex import current_lease, is_skipped, mutex_job
+from rq_mutex.job import NO_SCHEDULER_FLAG
+from simple_mutex import ConstraintError, Lease, Mutex, Semaphore
+from simple_mutex.caches import RedisCache
+
+ROOT = rq_support.ROOT
+WORKER_ENV = {
+    **os.environ,
+    # An outer PYTHONPATH (e.g. another rq version installed with --target) stays first.
+    "PYTHONPATH": os.pathsep.join(
+        p for p in [os.environ.get("PYTHONPATH"), str(ROOT), str(ROOT / "tests")] if p
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def conn() -> redis.Redis:
+    """The Redis every test uses; a missing server is an error, not a skip."""
+    client = redis.Redis.from_url(jobs.REDIS_URL, socket_connect_timeout=2)
+    client.ping()
+    return client
+
+
+@pytest.fixture
+def run() -> str:
+    """An id no other test uses: part of every lock key and record name."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def queue(conn: redis.Redis, run: str) -> Queue:
+    return Queue(f"rqt-{run}", connection=conn)
+
+
+@pytest.fixture
+def locks(conn: redis.Redis) -> Mutex:
+    """The test's own view of the locks the jobs take (same cache, same prefix)."""
+    return Mutex(RedisCache(conn), lease=30)
+
+
+def records(conn: redis.Redis, run: str, what: str = "log") -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in conn.lrange(f"rqt:{run}:{what}", 0, -1)]
+
+
+def burst(queue: Queue, worker_class: type[Worker] = SimpleWorker, **kwargs: Any) -> None:
+    worker_class([queue], connection=queue.connection).work(burst=True, **kwargs)
+
+
+def exc_text(job: Job) -> str:
+    result = job.latest_result()
+    return (result.exc_string or "") if result is not None else ""
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def release_later(lease: Lease, delay: float) -> threading.Timer:
+    timer = threading.Timer(delay, lease.release)
+    timer.start()
+    return timer
+
+
+@pytest.fixture
+def rq_workers(queue: Queue) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start real ``rq worker`` processes on the test's queue; all stopped at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*options: str) -> subprocess.Popen[bytes]:
+        command = [str(Path(sys.executable).parent / "rq"), "worker", "-u", jobs.REDIS_URL]
+        proc = subprocess.Popen(
+            [*command, *options, queue.name],
+            env=WORKER_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # warm shutdown: frees the scheduler lock
+    for proc in started:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# -- contention: 20 jobs over 2 keys, busy -> rq.Retry -> scheduler -> run ---------------
+
+
+def test_retry_twenty_jobs_two_keys_never_overlap(conn, run, queue, rq_workers):
+    """Two real workers (a SimpleWorker and a forking Worker, both with the scheduler)
+    run 20 jobs over 2 keys with on_busy="retry": every job finishes with its own result,
+    the critical sections of a key never overlap, fences grow in run order, and busy jobs
+    were retried under their own id (contention really happened)."""
+    simple = rq_workers("--with-scheduler", "-w", "rq.worker.SimpleWorker")
+    rq_workers("--with-scheduler")
+    enqueued = []
+    for item in range(20):
+        entity = "a" if (item // 2) % 2 == 0 else "b"  # a a b b a a ...: neighbours clash
+        enqueued.append(queue.enqueue(jobs.serialized, run, entity, item, hold=0.2))
+
+    def all_ended() -> bool:
+        statuses = [j.get_status(refresh=True) for j in enqueued]
+        return all(s in (JobStatus.FINISHED, JobStatus.FAILED) for s in statuses)
+
+    wait_until(all_ended, 50, "20 jobs to end")
+    assert [j.get_status() for j in enqueued] == [JobStatus.FINISHED] * 20
+    assert [j.return_value() for j in enqueued] == list(range(20))
+    log = records(conn, run)
+    assert sorted(r["item"] for r in log) == list(range(20))  # each ran exactly once
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in log:
+        by_key[r["name"]].append(r)
+    assert set(by_key) == {"a", "b"}
+    overlaps = 0
+    for sections in by_key.values():
+        sections.sort(key=lambda r: r["start"])
+        assert all(r["inside"] == 1 for r in sections)
+        for before, after in itertools.pairwise(sections):
+            overlaps += after["start"] < before["end"]
+            assert after["fence"] > before["fence"]
+    assert overlaps == 0
+    for job in enqueued:
+        job.refresh()
+    retried = sum(j.number_of_retries or 0 for j in enqueued)
+    assert retried > 0, "no job was ever busy: the test did not exercise contention"
+    pids = {r["pid"] for r in log}
+    assert simple.pid in pids  # the SimpleWorker ran jobs in its own process
+    assert pids - {simple.pid}  # and the forking worker's horses ran others
+
+
+def test_busy_retry_in_burst_without_then_with_scheduler(conn, run, queue, locks):
+    """Busy with no scheduler anywhere: the job returns rq.Retry and waits SCHEDULED under
+    its own id, with a loud warning; a later burst with the scheduler runs it."""
+    conn.delete(NO_SCHEDULER_FLAG + queue.name)
+    held = locks.acquire(f"retry.{run}")
+    job = queue.enqueue(jobs.retrier, run)
+    with pytest.warns(RuntimeWarning, match="no worker on that queue runs the scheduler"):
+        burst(queue)
+    job.refresh()
+    assert job.get_status() == JobStatus.SCHEDULED
+    assert job.id in ScheduledJobRegistry(queue=queue).get_job_ids()
+    assert job.number_of_retries == 1
+    assert records(conn, run) == []
+    held.release()
+    # RQ schedules by the second: move the retry into the past instead of sleeping.
+    ScheduledJobRegistry(queue=queue).schedule(job, datetime.now(timezone.utc) - timedelta(1))
+    burst(queue, with_scheduler=True)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    assert job.return_value() == "ran"
+    assert [r["key"] for r in records(conn, run)] == [f"retry.{run}"]
+
+
+def test_retry_max_exhausted_fails_the_job(conn, run, queue, locks):
+    """retry max=0: a busy job fails at once with SimpleMutexAcquireTimeoutError."""
+
+    held = locks.acquire(f"ser.{run}.x")
+    try:
+        job = queue.enqueue(jobs.serialized_no_retry, run, "x", 1)
+        burst(queue)
+    finally:
+        held.release()
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    assert "after 0 busy retries" in exc_text(job)
+
+
+# -- skip, raise, wait ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("worker_class", [SimpleWorker, Worker], ids=["simple", "fork"])
+def test_skip_finishes_with_marker(conn, run, queue, locks, worker_class):
+    """A busy skip job finishes at once with the documented marker; a free one runs."""
+    held = locks.acquire(f"skip.{run}")
+    skipped = queue.enqueue(jobs.skipper, run)
+    burst(queue, worker_class)
+    held.release()
+    ran = queue.enqueue(jobs.skipper, run)
+    burst(queue, worker_class)
+    assert skipped.get_status(refresh=True) == JobStatus.FINISHED
+    assert is_skipped(skipped.return_value())
+    assert skipped.return_value() == {"rq_mutex": "skipped", "key": f"skip.{run}"}
+    assert ran.return_value() == "ran"
+    assert not is_skipped(ran.return_value())
+    assert len(records(conn, run)) == 1
+
+
+def test_raise_fails_the_job(conn, run, queue, locks):
+    held = locks.acquire(f"raise.{run}")
+    try:
+        job = queue.enqueue(jobs.raiser, run)
+        burst(queue)
+    finally:
+        held.release()
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    assert records(conn, run) == []
+
+
+def test_wait_blocks_until_free(conn, run, queue, locks):
+    held = locks.acquire(f"wait.{run}")
+    timer = release_later(held, 0.5)
+    job = queue.enqueue(jobs.waiter, run)
+    started = time.monotonic()
+    burst(queue)
+    timer.join()
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    assert time.monotonic() - started >= 0.45
+
+
+# -- holding: lease loss, fixed leases, current_lease ----------------------------------
+
+
+@pytest.mark.parametrize("worker_class", [SimpleWorker, Worker], ids=["simple", "fork"])
+def test_lease_lost_mid_job_fails_and_interrupts(conn, run, queue, worker_class):
+    """The job deletes its own lock record; the next renewal (a third of the 1 s lease)
+    finds it gone, interrupts the busy loop and fails the job."""
+    job = queue.enqueue(jobs.lose_lease, run)
+    started = time.monotonic()
+    burst(queue, worker_class)
+    assert time.monotonic() - started < 5  # the 8 s loop was cut short
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert "SimpleMutexLeaseExpiredError" in exc_text(job)
+    assert [r["stage"] for r in records(conn, run)] == ["deleted"]
+
+
+def test_fixed_lease_refuses_longer_job_timeout(conn, run, queue):
+    """renew=False, lease=5: job_timeout 10 (and the queue default 180) are refused before
+    the lock is taken; job_timeout 2 runs."""
+    too_long = queue.enqueue(jobs.fixed_lease, run, job_timeout=10)
+    default = queue.enqueue(jobs.fixed_lease, run)
+    fits = queue.enqueue(jobs.fixed_lease, run, job_timeout=2)
+    burst(queue)
+    for job in (too_long, default):
+        assert job.get_status(refresh=True) == JobStatus.FAILED
+        assert "ConstraintError" in exc_text(job)
+        assert "shorter job_timeout" in exc_text(job)
+    assert fits.get_status(refresh=True) == JobStatus.FINISHED
+    assert len(records(conn, run)) == 1
+
+
+def test_lease_is_readable_and_released(conn, run, queue, locks):
+    """Inside the job current_lease() gives key and fence; after it the lock is free and
+    the next grant has a larger fence. Outside a job there is no lease."""
+    first = queue.enqueue(jobs.keyed, run, 5)
+    burst(queue)
+    assert first.return_value() == 7
+    (seen,) = records(conn, run)
+    assert seen["key"] == f"kw.{run}.5.2"
+    assert seen["fence"] >= 1
+    assert not locks.locked(f"kw.{run}.5.2")
+    after = locks.acquire(f"kw.{run}.5.2", timeout=0)
+    assert after.fence > seen["fence"]
+    after.release()
+    assert current_lease() is None
+    assert jobs.keyed(run, 1) == 3  # a direct call is a plain call
+
+
+def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
+    held = locks.acquire(f"kw.{run}.1.2")
+    try:
+        calls = [
+            queue.enqueue(jobs.keyed, run, 1),
+            queue.enqueue(jobs.keyed, run, a=1),
+            queue.enqueue(jobs.keyed, run=run, a=1, b=2),
+            queue.enqueue(jobs.keyed, run, 1, 2),
+            queue.enqueue(jobs.keyed, run, 3),  # another key: runs
+        ]
+        burst(queue)
+    finally:
+        held.release()
+    results = [job.return_value() for job in calls]
+    assert all(is_skipped(r) and r["key"] == f"kw.{run}.1.2" for r in results[:4])
+    assert results[4] == 5
+    assert [r["key"] for r in records(conn, run)] == [f"kw.{run}.3.2"]
+
+
+def test_rq_job_timeout_fails_the_job_and_releases(conn, run, queue, locks):
+    """RQ's own timeout (SIGALRM, untouched by rq_mutex) ends the body; the lock is freed
+    when the job fails, not when its lease lapses."""
+    job = queue.enqueue(jobs.sleeper, run, 5, job_timeout=1)
+    started = time.monotonic()
+    burst(queue)
+    assert time.monotonic() - started < 4
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert "JobTimeoutException" in exc_text(job)
+    assert [r["stage"] for r in records(conn, run)] == ["started"]
+    assert not locks.locked(f"sleep.{run}")
+
+
+def test_permits_allow_that_many_runs_per_key(conn, run, queue):
+    """permits=2: one permit held elsewhere, the job runs; both held, it is skipped."""
+    permits = Semaphore(RedisCache(conn), permits=2, lease=30)
+    first = permits.acquire(f"sem.{run}")
+    one_free = queue.enqueue(jobs.two_at_a_time, run)
+    burst(queue)
+    second = permits.acquire(f"sem.{run}")
+    none_free = queue.enqueue(jobs.two_at_a_time, run)
+    burst(queue)
+    first.release()
+    second.release()
+    assert one_free.return_value() == "ran"
+    assert is_skipped(none_free.return_value())
+    assert len(records(conn, run)) == 1
+
+
+# -- synchronous queues ----------------------------------------------------------------
+
+
+def test_sync_queue_busy_retry_waits_instead_of_storing_retry(conn, run, locks):
+    """Queue(is_async=False) would store a returned Retry as the result: the job waits."""
+    sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
+    held = locks.acquire(f"retry.{run}")
+    timer = release_later(held, 0.5)
+    started = time.monotonic()
+    job = sync.enqueue(jobs.retrier, run)
+    timer.join()
+    assert time.monotonic() - started >= 0.45
+    assert job.get_status() == JobStatus.FINISHED
+    assert job.return_value() == "ran"
+    assert not isinstance(job.return_value(), Retry)
+
+
+def test_sync_queue_busy_raise_raises(conn, run, locks):
+    sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
+    held = locks.acquire(f"raise.{run}")
+    try:
+        job = sync.enqueue(jobs.raiser, run)
+    finally:
+        held.release()
+    assert job.get_status() == JobStatus.FAILED
+    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+
+
+# -- stacking with @rq.decorators.job --------------------------------------------------
+
+
+def test_stacks_with_rq_job_decorator_in_either_order(conn, run, locks):
+    """``.delay`` from @job enqueues; the worker imports the wrapper by name either way,
+    so the lock applies (a held key makes the run skip)."""
+    queue = Queue("rqt-stacked", connection=conn)
+    queue.empty()
+    held = [locks.acquire(f"st1.{run}"), locks.acquire(f"st2.{run}")]
+    busy = [jobs.stacked_job_outer.delay(run), jobs.stacked_mutex_outer.delay(run)]
+    burst(queue)
+    for lease in held:
+        lease.release()
+    free = [jobs.stacked_job_outer.delay(run), jobs.stacked_mutex_outer.delay(run)]
+    burst(queue)
+    assert all(is_skipped(job.return_value()) for job in busy)
+    assert [job.return_value() for job in free] == ["ran", "ran"]
+    assert sorted(r["which"] for r in records(conn, run)) == ["job-outer", "mutex-outer"]
+
+
+# -- a killed work horse ----------------------------------------------------------------
+
+
+def test_sigkilled_work_horse_frees_lock_within_lease(conn, run, queue, locks, rq_workers):
+    """A real ``rq worker``; its horse holds a renewed 2 s lease; SIGKILL the horse: the
+    lock is free again within the lease, and the next grant has a larger fence. Then the
+    same through ``send_stop_job_command``."""
+    worker = rq_workers()
+    job = queue.enqueue(jobs.hold_forever, run)
+    wait_until(lambda: bool(records(conn, run, "held")), 20, "the job to hold its lock")
+    (held,) = records(conn, run, "held")
+    assert held["pid"] != worker.pid  # the work horse, not the worker
+    time.sleep(1.0)  # past a renewal: the lock outlives the first third of its lease
+    assert locks.locked(f"hold.{run}")
+    os.kill(held["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: not locks.locked(f"hold.{run}"), 4, "the lock to be freed")
+    assert time.monotonic() - killed <= 2.2
+    taken = locks.acquire(f"hold.{run}", timeout=0)
+    assert taken.fence > held["fence"]
+    taken.release()
+    wait_until(lambda: job.get_status(refresh=True) == JobStatus.FAILED, 10, "job failed")
+
+    # A stop-job command kills the horse too: same outcome, the job ends STOPPED.
+    again = queue.enqueue(jobs.hold_forever, run)
+    wait_until(lambda: len(records(conn, run, "held")) == 2, 20, "the second job to hold")
+    send_stop_job_command(conn, again.id)
+    stopped = time.monotonic()
+    wait_until(lambda: not locks.locked(f"hold.{run}"), 4, "the lock to be freed")
+    assert time.monotonic() - stopped <= 2.2
+    wait_until(lambda: again.get_status(refresh=True) == JobStatus.STOPPED, 10, "stopped")
+
+
+# -- options are checked when decorating -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"key": "k.{missing}"}, "missing"),
+        ({"key": ""}, "key must be"),
+        ({"key": "k", "on_busy": "later"}, "on_busy"),
+        ({"key": "k", "retry": {"countdown": 1, "delay": 2}}, "unknown retry field"),
+        ({"key": "k", "retry": {"backoff": 0.5}}, "backoff"),
+        ({"key": "k", "retry": {"max": -1}}, "retry max"),
+        ({"key": "k", "lease": 0}, "lease"),
+        ({"key": "k", "timeout": -1}, "timeout"),
+        ({"key": "k", "renew": "yes"}, "renew"),
+        ({"key": "k", "permits": 0}, "permits"),
+        ({"key": "k", "cache": "not-a-url"}, "cache"),
+    ],
+)
+def test_bad_options_raise_when_decorating(options, match):
+    def work(order_id: int) -> None: ...
+
+    with pytest.raises(ConstraintError, match=match):
+        mutex_job(**options)(work)
+
+
+def test_async_job_functions_are_refused():
+    async def work(order_id: int) -> None: ...
+
+    with pytest.raises(ConstraintError, match="async"):
+        mutex_job(key="k.{order_id}")(work)
+
+
+# -- rq cron: once per tick ---------------------------------------------------------------
+
+
+def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
+    """Three guarded ``rq cron`` processes (one job every second) enqueue each tick once;
+    three unguarded ones, as a control, enqueue duplicates. A second copy of a tick that
+    reaches a worker anyway is dropped at run time."""
+    guarded = Queue(f"rqt-cron-g-{run}", connection=conn)
+    control = Queue(f"rqt-cron-c-{run}", connection=conn)
+    procs = []
+    config = str(ROOT / "tests" / "rq_support" / "cron_config.py")
+    for guard, queue in (("1", guarded), ("0", control)):
+        for _ in range(3):
+            env = {**WORKER_ENV, "RQT_GUARD": guard, "RQT_QUEUE": queue.name}
+            env["RQT_NAME"] = f"{run}-{guard}"
+            command = [str(Path(sys.executable).parent / "rq"), "cron", "-u", jobs.REDIS_URL]
+            procs.append(
+                subprocess.Popen(
+                    [*command, config],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+    try:
+        time.sleep(6)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    ticks = [job.meta.get("rq_mutex_tick") for job in guarded.get_jobs()]
+    assert len(ticks) >= 3
+    assert len(set(ticks)) == len(ticks)  # each tick once
+    assert all(isinstance(t, str) and t.startswith(f"{run}-1@") for t in ticks)
+    assert len(control) >= len(ticks) + 3  # the control enqueued duplicates
+
+    burst(guarded)
+    ran = records(conn, f"{run}-1", "ticks")
+    assert sorted(r["tick"] for r in ran) == sorted(ticks)
+    # A duplicate of a tick that already ran (as an unguarded producer would send it):
+    duplicate = guarded.enqueue(jobs.ticked, f"{run}-1", meta={"rq_mutex_tick": ticks[0]})
+    burst(guarded)
+    assert duplicate.return_value()["reason"] == "duplicate tick"
+    assert is_skipped(duplicate.return_value())
+    assert len(records(conn, f"{run}-1", "ticks")) == len(ticks)
