@@ -288,6 +288,14 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = self.request
         cfg = self._mutex_config()
+        if getattr(request, "mutex_beat_slot", None) is not None:  # stamped by beat.py
+            from .beat import drop_duplicate_tick
+
+            space = cfg.locks.space
+            dropped = drop_duplicate_tick(self, space.cache, space.prefix, task_id)
+            if dropped is not None:  # this tick already started: run nothing
+                request.mutex_skipped = dropped
+                return
         key = self.mutex_key(*args, **kwargs)
         request.mutex_key = key
         policy = cfg.on_busy

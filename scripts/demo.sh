@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the demo on a fresh machine: creates a virtual environment (.venv in the repository,
 # or $VENV), installs simple-mutex, then runs examples/demo.py (extra arguments go to it)
-# then examples/celery_demo.py and examples/rq_demo.py (which starts a Redis if none answers).
+# then examples/celery_demo.py, examples/beat_demo.py and examples/rq_demo.py (the last two
+# need a Redis: one is started if none answers).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -14,6 +15,10 @@ setup_venv demo
 echo
 "$VENV/bin/python" examples/celery_demo.py
 echo
-# Part 3: RQ workers; it needs a Redis (REDIS_URL, default redis://127.0.0.1:6379/0).
+# Parts 3 and 4 need a Redis (REDIS_URL, default redis://127.0.0.1:6379/0).
 ensure_redis
+# Part 3: two celery beat processes side by side, each tick run once.
+"$VENV/bin/python" examples/beat_demo.py
+echo
+# Part 4: RQ workers.
 exec "$VENV/bin/python" examples/rq_demo.py

@@ -1,0 +1,300 @@
+"""A beat guard: run several ``celery beat`` processes, and each periodic tick goes out once.
+
+::
+
+    app.conf.beat_scheduler = "celery_mutex.beat:MutexScheduler"
+    app.conf.mutex_cache = "redis://127.0.0.1:6379/0"      # or app.conf.mutex_beat_cache
+
+Every beat stays active. Before sending an entry, a beat computes the entry's **slot**, the
+same in every beat process whatever its start time, and claims ``"<entry name>@<slot>"``
+in the shared cache with one put-if-absent (``Mutex.try_acquire``). Only the winner sends;
+the claim is never released and lapses by itself after a few periods. The winner stamps
+``mutex_beat_slot: "<entry>@<slot>"`` into the message headers, so a ``MutexTask`` on the
+worker drops a second copy of a tick (a duplicate publish, a redelivery) and records why.
+
+Slots:
+
+* ``crontab``: the most recent due time at or before now, to the minute, in UTC
+  (``"2026-11-29T04:00Z"``); wall-clock aligned, so every beat computes the same one.
+* interval (``timedelta``, a number of seconds, ``schedule(run_every)``): the period that
+  contains now, counted from the Unix epoch: ``floor(now / period)``, written as the UTC
+  start of that period (``"2026-11-29T11:15:03Z"``). ``MutexScheduler`` also *fires*
+  interval entries on those boundaries (not ``last_run_at + period`` as Celery does), so
+  every beat sends at each boundary and none drifts over a slot edge.
+* ``solar`` and custom schedules: the UTC minute of the send (at most one send a minute).
+
+Clock skew between beat hosts. A beat computes slots from its own clock and fires at its
+own boundaries, so a skew never makes two beats claim different slots for one tick; it
+only delays the beats that are behind, whose claims then find the slot taken. This holds
+while the skew stays below the claim's lifetime (``max(3 periods, 10 s)``, at most 7
+days). The tick goes out at the boundary of the fastest clock, so keep skew well below the
+period (NTP keeps it in milliseconds) if runs must start on time.
+
+Other schedulers: ``MutexSchedulerMixin`` wraps ``Scheduler.apply_async`` only::
+
+    # django-celery-beat (from django_celery_beat.schedulers import DatabaseScheduler):
+    class GuardedDatabaseScheduler(MutexSchedulerMixin, DatabaseScheduler): ...
+    # redbeat (from redbeat import RedBeatScheduler):
+    class GuardedRedBeatScheduler(MutexSchedulerMixin, RedBeatScheduler): ...
+
+With them, interval entries fire when *their* scheduler says (``last_run_at + period``),
+so two beats out of phase can straddle a slot edge: each slot still goes out at most once,
+but one tick can then go out twice (as two slots) and a slot can stay empty. Crontab entries are
+exact with any scheduler. Entries whose task the beat did not import (Celery then calls
+``send_task``) are guarded the same way: the guard sits in ``apply_async``, before both.
+
+A slot goes out at most once. It goes out exactly once unless the winning beat dies (or
+its publish fails) in the instant between its claim and its publish: the others found the
+slot claimed, so that one tick is lost and the next one runs. If the cache cannot be
+reached, the beat does not send (it fails closed: ``SchedulingError``, which Celery logs
+as "Message Error"; the next slot is tried as usual); a beat that reaches it still sends.
+
+Settings (``app.conf``): ``mutex_beat_cache`` (URL or cache instance; default
+``mutex_cache``), ``mutex_prefix`` (default ``"mutex."``; claims live under
+``<prefix>beat.``), ``mutex_beat_run_ttl`` (worker side, see ``drop_duplicate_tick``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from simple_mutex import ConstraintError, Mutex, SimpleMutexAcquireTimeoutError, cache_from_url
+from simple_mutex.durations import positive_seconds
+
+from ._celery import Signal
+from ._owned import OwnedLocks, owner_of
+
+# isort: split
+from celery.beat import (  # type: ignore[import-untyped]
+    PersistentScheduler,
+    SchedulingError,
+    event_t,
+)
+from celery.schedules import crontab  # type: ignore[import-untyped]
+from celery.schedules import schedule as interval_schedule
+
+log = logging.getLogger("celery_mutex")
+
+mutex_beat_skipped = Signal(name="mutex_beat_skipped")
+"""Sent when a tick is not sent (``sender`` the scheduler, ``reason="claimed"``) or not
+run (``sender`` the task, ``reason`` "duplicate" or "redelivered"); also ``entry``: the
+entry name (beat side) or ``"<entry>@<slot>"`` (worker side). Count it for metrics."""
+
+HEADER = "mutex_beat_slot"
+"""The message header the winning beat stamps: ``"<entry name>@<slot>"``."""
+
+MIN_CLAIM = 10.0  # seconds a claim lives at least (the clock-skew tolerance floor)
+MAX_CLAIM = 7 * 24 * 3600.0
+RUN_TTL = 7200.0  # worker-side record of a started tick (mutex_beat_run_ttl)
+_WAKE_LATE = 0.015  # wake just past a boundary (Celery's tick wakes 10 ms early)
+_UTC = dt.timezone.utc
+_MINUTE = dt.timedelta(minutes=1)
+
+
+# -- slots --------------------------------------------------------------------------------
+
+
+def tick_slot(schedule: Any, now: float) -> tuple[str, float]:
+    """The slot a send at Unix time ``now`` belongs to, and how long its claim lives."""
+    if isinstance(schedule, interval_schedule):
+        period = schedule.run_every.total_seconds()
+        if period > 0:
+            start = math.floor(now / period) * period
+            return _iso(start), _claim_for(period)
+    if isinstance(schedule, crontab):
+        due = cron_slot(schedule, dt.datetime.fromtimestamp(now, _UTC))
+        if due is not None:
+            last, delta, _ = schedule.remaining_delta(due)
+            period = ((last + delta) - due).total_seconds()
+            return due.astimezone(_UTC).strftime("%Y-%m-%dT%H:%MZ"), _claim_for(period)
+    minute = math.floor(now / 60) * 60
+    return dt.datetime.fromtimestamp(minute, _UTC).strftime("%Y-%m-%dT%H:%MZ"), _claim_for(60)
+
+
+def cron_slot(schedule: Any, now: dt.datetime) -> dt.datetime | None:
+    """The most recent due time of a crontab at or before ``now`` (to the minute), in the
+    schedule's time zone; None if it has none in the last five years."""
+    minute = schedule.maybe_make_aware(now).replace(second=0, microsecond=0)
+
+    def next_after(t: dt.datetime) -> dt.datetime:  # first due minute strictly after t's
+        last, delta, _ = schedule.remaining_delta(t)
+        result: dt.datetime = last + delta
+        return result
+
+    back = _MINUTE
+    while back <= dt.timedelta(days=5 * 366):
+        due = next_after(minute - back)
+        if due <= minute:
+            while (following := next_after(due)) <= minute:
+                due = following
+            return due
+        back *= 2
+    return None
+
+
+def _is_interval(schedule: Any) -> bool:
+    return isinstance(schedule, interval_schedule)
+
+
+def _claim_for(period: float) -> float:
+    return min(MAX_CLAIM, max(MIN_CLAIM, 3 * period))
+
+
+def _iso(ts: float) -> str:
+    when = dt.datetime.fromtimestamp(ts, _UTC)
+    if when.microsecond:
+        return when.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# -- the scheduler guard ------------------------------------------------------------------
+
+
+class MutexSchedulerMixin:
+    """Adds the per-tick guard to a ``celery.beat.Scheduler`` subclass (put it first)."""
+
+    app: Any
+    _mutex_beat: tuple[int, Any, str] | None = None
+
+    def _mutex_beat_cache(self) -> tuple[Any, str]:
+        """The claim cache, built once per process (after a fork too)."""
+        held = self._mutex_beat
+        if held is not None and held[0] == os.getpid():
+            return held[1], held[2]
+        conf = self.app.conf
+        cache = conf.get("mutex_beat_cache") or conf.get("mutex_cache")
+        if cache is None:
+            raise ConstraintError(
+                "celery_mutex.beat: no cache for beat claims; set app.conf.mutex_cache or "
+                "app.conf.mutex_beat_cache (e.g. 'redis://host:6379/0'), shared by every beat"
+            )
+        if isinstance(cache, str):
+            cache = cache_from_url(cache)
+        prefix = (conf.get("mutex_prefix") or "mutex.") + "beat."
+        self._mutex_beat = (os.getpid(), cache, prefix)
+        return cache, prefix
+
+    def setup_schedule(self) -> None:
+        self._mutex_beat_cache()  # no cache configured: fail as beat starts, not at each tick
+        super().setup_schedule()  # type: ignore[misc]
+
+    def mutex_claim(self, entry: Any, now: float | None = None) -> str | None:
+        """Claim ``entry``'s current slot: ``"<entry>@<slot>"`` if this beat won, else None."""
+        cache, prefix = self._mutex_beat_cache()
+        slot, lease = tick_slot(entry.schedule, time.time() if now is None else now)
+        tick = f"{entry.name}@{slot}"
+        claim = Mutex(cache, lease=lease, prefix=prefix, label="beat")
+        return tick if claim.try_acquire(tick) is not None else None
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
+        if advance:  # as Celery does: move on first, so a failure cannot repeat the send
+            entry = self.reserve(entry)  # type: ignore[attr-defined]
+        try:
+            tick = self.mutex_claim(entry)
+        except Exception as exc:  # a cache fault: fail closed, nothing sent
+            raise SchedulingError(f"Couldn't claim scheduled task {entry.name}: {exc!r}") from exc
+        if tick is None:
+            log.info("beat: %s already sent by another beat for this slot", entry.name)
+            mutex_beat_skipped.send(sender=self, entry=entry.name, reason="claimed")
+            return None
+        options = dict(entry.options or {})
+        options["headers"] = {**(options.get("headers") or {}), HEADER: tick}
+        stamped = entry.__class__.__new__(entry.__class__)  # a copy: the stamp is per send
+        stamped.__dict__.update(entry.__dict__)
+        stamped.options = options
+        log.info("beat: %s claimed %s", entry.name, tick)
+        return super().apply_async(stamped, producer, advance=False, **kw)  # type: ignore[misc]
+
+
+class MutexScheduler(MutexSchedulerMixin, PersistentScheduler):  # type: ignore[misc]
+    """Celery's default ``PersistentScheduler`` with the per-tick guard, firing interval
+    entries on epoch-aligned boundaries so every beat sends in the same slot."""
+
+    def is_due(self, entry: Any) -> tuple[bool, float]:
+        schedule = entry.schedule
+        period = schedule.run_every.total_seconds() if _is_interval(schedule) else 0.0
+        if period <= 0:
+            result: tuple[bool, float] = super().is_due(entry)
+            return result
+        now = time.time()
+        last = schedule.maybe_make_aware(entry.last_run_at).timestamp()
+        due_at = (math.floor(last / period) + 1) * period
+        if now < due_at:
+            return False, due_at - now + _WAKE_LATE
+        return True, (math.floor(now / period) + 1) * period - now + _WAKE_LATE
+
+    def populate_heap(self, event_t: Any = event_t, heapify: Any = heapq.heapify) -> None:
+        # Celery's, but through self.is_due, so the first send is on a boundary too.
+        self._heap = []
+        for entry in self.schedule.values():
+            try:
+                is_due, delay = self.is_due(entry)
+            except Exception:
+                is_due, delay = self._is_due_failed(entry)
+            self._heap.append(event_t(self._when(entry, 0 if is_due else delay) or 0, 5, entry))
+        heapify(self._heap)
+
+
+# -- the worker side ----------------------------------------------------------------------
+
+
+def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dict[str, Any] | None:
+    """Called by ``MutexTask.before_start`` for a message stamped by a guarded beat.
+
+    Records ``"<entry>@<slot>"`` as started, owned by the task id, for
+    ``app.conf.mutex_beat_run_ttl`` seconds (default 7200; never released). A second
+    message of the same tick (another task id: a duplicate publish) or the same message
+    delivered again (same task id and attempt: a redelivery after a visibility timeout or
+    a worker crash with ``acks_late``) is dropped: the skip marker is returned, with
+    ``reason``. A retry of the tick itself (``Task.retry``, a busy retry) carries a higher
+    attempt and goes on. A tick whose worker died is thus not re-run while the record
+    lives; set ``mutex_beat_run_ttl`` below your broker's redelivery delay to re-run it.
+    """
+    request = task.request
+    tick = str(getattr(request, HEADER))
+    ttl = positive_seconds(
+        task._get_app().conf.get("mutex_beat_run_ttl") or RUN_TTL, "mutex_beat_run_ttl"
+    )
+    attempt = int(request.retries or 0) + int(getattr(request, "mutex_busy_retries", None) or 0)
+    runs = OwnedLocks(cache, permits=1, lease=ttl, prefix=prefix + "beat.run.")
+    try:
+        runs.acquire(
+            tick,
+            owner=owner_of(task_id),
+            attempt=attempt,
+            timeout=0,
+            renew=False,
+            label=f"{task.name}[{task_id}]",
+        )
+    except SimpleMutexAcquireTimeoutError:
+        holder = runs.holder_label(tick)
+        same = holder is not None and holder.endswith(f"[{task_id}]")
+        reason = "redelivered" if same else "duplicate"
+        log.warning(
+            "dropped %s[%s]: beat tick %s already started by %s (%s)",
+            task.name,
+            task_id,
+            tick,
+            holder,
+            reason,
+        )
+        mutex_beat_skipped.send(sender=task, entry=tick, reason=reason)
+        return {"celery_mutex": "skipped", "key": tick, "holder": holder, "reason": reason}
+    return None
+
+
+__all__ = [
+    "HEADER",
+    "MutexScheduler",
+    "MutexSchedulerMixin",
+    "cron_slot",
+    "drop_duplicate_tick",
+    "mutex_beat_skipped",
+    "tick_slot",
+]

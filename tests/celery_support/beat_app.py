@@ -1,0 +1,118 @@
+"""The app the beat suite's real ``celery beat`` and ``celery worker`` subprocesses run.
+
+Configured from the environment: ``CM_BROKER``, ``CM_CACHE`` (lock cache, result backend
+and records), ``CM_PREFIX``, ``CM_QUEUE``, ``CM_RUN`` (a run id, passed to every tick so
+runs of one test never mix with another's), ``CM_PERIOD`` (seconds), ``CM_SLOW`` ("1": add
+a job that outlives its period), ``CM_ROLE`` ("worker" registers ``remote``).
+
+Entries: ``fast`` (a plain task the beat imports: ``task.apply_async``), ``remote`` (a
+task only the worker registers: beat calls ``send_task``), ``slow``.
+Each run is recorded in Redis as JSON under ``<prefix>runs``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+# isort: split
+from celery_mutex import MutexTask, signals
+from celery_mutex.beat import mutex_beat_skipped
+
+PREFIX = os.environ.get("CM_PREFIX", "cmbeat.")
+CACHE = os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11")
+RUN = os.environ.get("CM_RUN", "run")
+PERIOD = dt.timedelta(seconds=float(os.environ.get("CM_PERIOD", "1")))
+
+app = Celery("celery_support.beat_app", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("CM_BROKER", CACHE),
+    result_backend=CACHE,
+    task_default_queue=os.environ.get("CM_QUEUE", "cmbeat"),
+    mutex_cache=CACHE,
+    mutex_prefix=PREFIX,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    beat_schedule={
+        "fast": {"task": "celery_support.beat_app.fast", "schedule": PERIOD, "args": (RUN,)},
+        "remote": {
+            "task": "celery_support.beat_app.remote",  # not registered in beat: send_task
+            "schedule": PERIOD,
+            "args": (RUN,),
+        },
+    },
+)
+if os.environ.get("CM_SLOW") == "1":
+    app.conf.beat_schedule["slow"] = {
+        "task": "celery_support.beat_app.slow",
+        "schedule": PERIOD,
+        "args": (RUN,),
+    }
+_record = redis.Redis.from_url(CACHE)
+
+
+def record(task: Any, run: str, entry: str, start: float) -> None:
+    row = {
+        "run": run,
+        "entry": entry,
+        "slot": getattr(task.request, "mutex_beat_slot", None),
+        "start": start,
+        "end": time.time(),
+        "pid": os.getpid(),
+        "id": task.request.id,
+    }
+    _record.rpush(PREFIX + "runs", json.dumps(row))
+
+
+@app.task(bind=True)
+def fast(self: Any, run: str) -> None:
+    record(self, run, "fast", time.time())
+
+
+@app.task(base=MutexTask, bind=True, mutex={"key": "slow.{run}", "on_busy": "skip"})
+def slow(self: Any, run: str) -> None:
+    """Outlives its 1 s period: the ticks that find it running are skipped."""
+    start = time.time()
+    time.sleep(2.5)
+    record(self, run, "slow", start)
+
+
+@app.task(base=MutexTask, bind=True, mutex={"key": "guarded.{n}", "on_busy": "retry"})
+def guarded(self: Any, run: str, n: int) -> int:
+    record(self, run, "guarded", time.time())
+    return n
+
+
+@app.task(base=MutexTask, bind=True, max_retries=3, mutex={"key": "again.{run}"})
+def retried(self: Any, run: str) -> int:
+    """Retries once: the retry carries the same beat slot and must not be dropped."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    record(self, run, "retried", time.time())
+    return int(self.request.retries)
+
+
+if os.environ.get("CM_ROLE") == "worker":
+
+    @app.task(bind=True, name="celery_support.beat_app.remote")
+    def remote(self: Any, run: str) -> None:
+        record(self, run, "remote", time.time())
+
+
+def _count_busy(sender: Any = None, key: str = "", policy: str = "", **_: Any) -> None:
+    _record.incr(f"{PREFIX}busy.{policy}.{key}")
+
+
+def _count_dropped(sender: Any = None, entry: str = "", reason: str = "", **_: Any) -> None:
+    if isinstance(sender, MutexTask):  # worker side; beat side is in the beat logs
+        _record.incr(f"{PREFIX}dropped.{reason}")
+
+
+signals.mutex_busy.connect(_count_busy, weak=False)
+mutex_beat_skipped.connect(_count_dropped, weak=False)

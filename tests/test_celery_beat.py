@@ -1,0 +1,428 @@
+"""The beat guard (celery_mutex.beat): slot functions with fake times, the scheduler guard
+in-process, and real ``celery beat`` + ``celery worker -P prefork`` subprocesses.
+
+Needs Redis at 127.0.0.1:6379 (broker, lock cache, results, records). A missing Redis
+fails the tests; it never skips them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import celery_support  # noqa: F401  (puts celery_mutex on sys.path)
+import pytest
+import redis
+from celery import Celery
+from celery.beat import ScheduleEntry, Scheduler
+from celery.schedules import crontab, schedule
+
+# isort: split
+import itertools
+
+from celery_mutex import is_skipped
+from celery_mutex.beat import (
+    HEADER,
+    MutexScheduler,
+    MutexSchedulerMixin,
+    cron_slot,
+    drop_duplicate_tick,
+    tick_slot,
+)
+from simple_mutex import ConstraintError, InMemoryCache, cache_from_url
+
+REDIS_URL = "redis://127.0.0.1:6379/11"
+ROOT = Path(__file__).resolve().parents[1]
+CELERY = str(Path(sys.executable).with_name("celery"))
+UTC = dt.timezone.utc
+
+
+def ts(*args: int) -> float:
+    return dt.datetime(*args, tzinfo=UTC).timestamp()
+
+
+# -- slots with fake times ----------------------------------------------------------------
+
+
+def test_interval_slots_are_epoch_aligned_whatever_the_start() -> None:
+    every = schedule(dt.timedelta(seconds=10))
+    base = ts(2026, 11, 29, 11, 15, 0)
+    assert tick_slot(every, base)[0] == "2026-11-29T11:15:00Z"
+    assert tick_slot(every, base + 9.99)[0] == "2026-11-29T11:15:00Z"
+    assert tick_slot(every, base + 10.0)[0] == "2026-11-29T11:15:10Z"
+    assert tick_slot(every, base + 10.0)[1] == 30.0  # claim: 3 periods
+    assert tick_slot(schedule(0.5), base + 0.7) == ("2026-11-29T11:15:00.500Z", 10.0)
+    assert tick_slot(schedule(3600), base)[0] == "2026-11-29T11:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("cron", "now", "due"),
+    [
+        (crontab(), (2026, 11, 29, 11, 15, 42), (2026, 11, 29, 11, 15)),
+        (crontab(minute="*/15"), (2026, 11, 29, 11, 15, 0), (2026, 11, 29, 11, 15)),
+        (crontab(minute="*/15"), (2026, 11, 29, 11, 29, 59), (2026, 11, 29, 11, 15)),
+        (crontab(minute="*/15"), (2026, 11, 29, 11, 14, 59), (2026, 11, 29, 11, 0)),
+        (crontab(minute=0, hour=4), (2026, 11, 29, 3, 59, 0), (2026, 11, 28, 4, 0)),
+        (crontab(minute=0, hour=4), (2026, 11, 29, 4, 0, 30), (2026, 11, 29, 4, 0)),
+        (crontab(0, 0, day_of_month=1), (2026, 11, 29, 4, 0, 30), (2026, 11, 1, 0, 0)),
+    ],
+)
+def test_cron_slot_is_the_last_due_time(cron: Any, now: tuple[int, ...], due: tuple[int, ...]):
+    cron.app = Celery(set_as_current=False)
+    now_dt = dt.datetime(*now, tzinfo=UTC)
+    assert cron_slot(cron, now_dt) == dt.datetime(*due, tzinfo=UTC)
+    slot, lease = tick_slot(cron, now_dt.timestamp())
+    assert slot == dt.datetime(*due, tzinfo=UTC).strftime("%Y-%m-%dT%H:%MZ")
+    assert lease >= 10.0
+
+
+def test_cron_slot_in_another_time_zone() -> None:
+    app = Celery(set_as_current=False)
+    app.conf.timezone = "Europe/Paris"  # 04:00 Paris = 03:00 UTC in November
+    cron = crontab(minute=0, hour=4, app=app)
+    assert tick_slot(cron, ts(2026, 11, 29, 3, 20))[0] == "2026-11-29T03:00Z"
+    assert tick_slot(cron, ts(2026, 11, 29, 2, 59))[0] == "2026-11-28T03:00Z"
+
+
+def test_mutex_scheduler_fires_interval_entries_on_boundaries(monkeypatch) -> None:
+    app = Celery(set_as_current=False)
+    sched = MutexScheduler.__new__(MutexScheduler)  # is_due needs no state
+    sched.app = app
+    entry = SimpleNamespace(
+        schedule=schedule(dt.timedelta(seconds=10), app=app),
+        last_run_at=dt.datetime.fromtimestamp(ts(2026, 11, 29, 11, 15, 3), UTC),
+    )
+    now = ts(2026, 11, 29, 11, 15, 7)
+    monkeypatch.setattr(time, "time", lambda: now)
+    due, wait = sched.is_due(entry)
+    assert not due
+    assert wait == pytest.approx(3.015)
+    now = ts(2026, 11, 29, 11, 15, 10) + 0.002
+    due, wait = sched.is_due(entry)
+    assert due
+    assert wait == pytest.approx(10.013)
+
+
+# -- the scheduler guard, in-process ------------------------------------------------------
+
+
+class _Recording(MutexSchedulerMixin, Scheduler):  # type: ignore[misc]
+    """A plain Scheduler with the guard; send_task records instead of publishing."""
+
+    def __init__(self, app: Celery, sent: list[tuple[str, dict[str, Any]]]) -> None:
+        super().__init__(app, lazy=True)
+        self.sent = sent
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        self.sent.append((name, options))
+        return SimpleNamespace(id="x")
+
+
+def test_two_guarded_schedulers_send_each_slot_once() -> None:
+    app = Celery(set_as_current=False)
+    app.conf.mutex_beat_cache = InMemoryCache()  # shared by both "beats" here
+    sent: list[tuple[str, dict[str, Any]]] = []
+    beats = [_Recording(app, sent), _Recording(app, sent)]
+    entry = ScheduleEntry(
+        name="report",
+        task="not.imported.report",  # unknown to this app: the send_task path
+        schedule=schedule(1.0),
+        options={"headers": {"mine": 1}},
+        app=app,
+    )
+    for beat in beats:
+        beat.apply_async(entry, producer=object(), advance=False)
+    assert len(sent) == 1
+    name, options = sent[0]
+    assert name == "not.imported.report"
+    assert options["headers"]["mine"] == 1
+    assert options["headers"][HEADER].startswith("report@")
+    assert entry.options == {"headers": {"mine": 1}}  # the entry itself is not stamped
+    assert not any(beat.mutex_claim(entry) for beat in beats)  # the slot stays claimed
+
+
+def test_crontab_entry_goes_out_once_per_due_minute(monkeypatch) -> None:
+    """Beats sending the same crontab tick at different instants (one 80 s late) claim
+    one slot: its due time. The next due time is a new slot. advance=True (Celery's
+    default for apply_async) still moves this beat's own schedule on."""
+    app = Celery(set_as_current=False)
+    app.conf.mutex_beat_cache = InMemoryCache()
+    sent: list[tuple[str, dict[str, Any]]] = []
+    beats = [_Recording(app, sent) for _ in range(3)]
+    entry = ScheduleEntry(
+        name="hourly", task="not.imported.hourly", schedule=crontab(minute=15), app=app
+    )
+    start = ts(2026, 11, 29, 11, 15, 0)
+    for beat, now in zip(beats, (start + 0.3, start + 0.9, start + 80), strict=True):
+        monkeypatch.setattr(time, "time", lambda now=now: now)
+        beat.apply_async(entry, producer=object(), advance=True)
+        assert beat.schedule["hourly"].total_run_count == 1
+    assert [opts["headers"][HEADER] for _, opts in sent] == ["hourly@2026-11-29T11:15Z"]
+    monkeypatch.setattr(time, "time", lambda: ts(2026, 11, 29, 12, 15, 1))
+    beats[2].apply_async(entry, producer=object(), advance=False)
+    assert [opts["headers"][HEADER] for _, opts in sent][1:] == ["hourly@2026-11-29T12:15Z"]
+
+
+def test_guard_without_a_cache_names_the_setting() -> None:
+    beat = _Recording(Celery(set_as_current=False), [])
+    entry = ScheduleEntry(name="e", task="t", schedule=schedule(1.0), app=beat.app)
+    with pytest.raises(Exception, match="mutex_cache"):
+        beat.apply_async(entry, producer=object(), advance=False)
+    with pytest.raises(ConstraintError, match="mutex_cache"):
+        beat.setup_schedule()  # what celery beat calls as it starts
+
+
+def test_worker_side_record_drops_copies_and_redeliveries_but_not_retries() -> None:
+    cache = cache_from_url(REDIS_URL)
+    prefix = f"cmbu{uuid.uuid4().hex[:8]}."
+    tick = "report@2026-11-29T11:15:00Z"
+
+    app = Celery(set_as_current=False)
+
+    def deliver(task_id: str, retries: int = 0, busy: int = 0) -> dict[str, Any] | None:
+        request = SimpleNamespace(retries=retries, mutex_busy_retries=busy, **{HEADER: tick})
+        task = SimpleNamespace(name="report", request=request, _get_app=lambda: app)
+        return drop_duplicate_tick(task, cache, prefix, task_id)
+
+    assert deliver("a") is None  # the first message of the tick runs
+    copy = deliver("b")  # a second publish of the same tick
+    assert copy is not None
+    assert is_skipped(copy)
+    assert copy["reason"] == "duplicate"
+    again = deliver("a")  # the same message again (visibility timeout, acks_late)
+    assert again is not None
+    assert is_skipped(again)
+    assert again["reason"] == "redelivered"
+    assert deliver("a", retries=1) is None  # its own Task.retry goes on
+    assert deliver("a", retries=1, busy=1) is None  # and its busy retry
+
+
+# -- real processes -----------------------------------------------------------------------
+
+
+class Cluster:
+    """One ``celery worker -P prefork -c 2`` and any number of ``celery beat`` processes,
+    on a queue and a lock prefix of their own; every process bounded and killed at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()  # fail, never skip
+        run = uuid.uuid4().hex[:10]
+        self.tmp = tmp
+        self.prefix = f"cmb{run}."
+        self.queue = f"cmb-{run}"
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+            "CM_BROKER": REDIS_URL,
+            "CM_CACHE": REDIS_URL,
+            "CM_PREFIX": self.prefix,
+            "CM_QUEUE": self.queue,
+        }
+        self.record = redis.Redis.from_url(REDIS_URL)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.beats: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        self.app = Celery("celery_support.beat_app", set_as_current=False)
+        self.app.conf.update(
+            broker_url=REDIS_URL, result_backend=REDIS_URL, task_default_queue=self.queue
+        )
+
+    def _start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+        log = self.tmp / f"{name}.log"
+        self.logs.append(log)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [CELERY, "-A", "celery_support.beat_app", *argv, "-l", "INFO"],
+                env={**self.env, **env},
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=out,  # a file, not a pipe: a full pipe would block the process
+            )
+        self.procs.append(proc)
+        return proc
+
+    def start_worker(self) -> None:
+        self._start(
+            "worker",
+            [
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                "2",
+                "-Q",
+                self.queue,
+                "-n",
+                f"{self.queue}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            CM_ROLE="worker",
+        )
+        deadline = time.monotonic() + 30
+        while b"ready." not in (self.tmp / "worker.log").read_bytes():
+            assert time.monotonic() < deadline, "worker not ready in 30 s"
+            time.sleep(0.1)
+
+    def start_beats(self, count: int, scheduler: str, run: str, slow: bool = False) -> None:
+        for i in range(count):
+            beat = f"beat-{run}-{i}"
+            self.beats.append(
+                self._start(
+                    beat,
+                    [
+                        "beat",
+                        "-S",
+                        scheduler,
+                        "-s",
+                        str(self.tmp / beat),
+                        "--pidfile",
+                        str(self.tmp / f"{beat}.pid"),
+                        "--max-interval",
+                        "1",
+                    ],
+                    CM_ROLE="beat",
+                    CM_RUN=run,
+                    CM_SLOW="1" if slow else "0",
+                )
+            )
+
+    def stop_beats(self) -> None:
+        for proc in self.beats:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.beats:
+            self._reap(proc)
+        self.beats = []
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            self._reap(proc)
+
+    def runs(self, run: str) -> list[dict[str, Any]]:
+        rows = [json.loads(r) for r in self.record.lrange(self.prefix + "runs", 0, -1)]
+        return [row for row in rows if row["run"] == run]
+
+    def log_text(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(Path(tmp))
+        try:
+            cluster.start_worker()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+def _per_slot(rows: list[dict[str, Any]], entry: str) -> Counter[str]:
+    return Counter(row["slot"] for row in rows if row["entry"] == entry)
+
+
+@pytest.mark.slow
+def test_three_guarded_beats_run_every_slot_exactly_once(cluster: Cluster) -> None:
+    """3 beats with MutexScheduler, 1 s entries (one sent by task.apply_async, one by
+    send_task), a 2-process prefork worker, 20 s; the beat that sent most ticks is
+    SIGKILLed halfway. Every slot of the window ran once, none twice, none missed; the
+    2.5 s job never overlaps itself and the ticks that found it running were skipped and
+    counted."""
+    run = "guarded-" + uuid.uuid4().hex[:6]
+    started = time.time()
+    cluster.start_beats(3, "celery_mutex.beat:MutexScheduler", run, slow=True)
+    time.sleep(10 - time.time() % 1 + 0.5)  # mid-period: no send in flight (see README)
+    claims = [cluster.log_text(f"beat-{run}-{i}").count(" claimed ") for i in range(3)]
+    busiest = claims.index(max(claims))
+    assert claims[busiest] > 0
+    killed = cluster.beats[busiest]
+    killed.kill()  # SIGKILL the beat that sent the most ticks so far
+    time.sleep(10)
+    stopped = time.time()
+    cluster.stop_beats()
+    time.sleep(3.5)  # the queue drains; a slow run in progress ends
+    assert killed.returncode == -signal.SIGKILL
+    rows = cluster.runs(run)
+    window = range(int(started) + 4, int(stopped) - 1)  # beats start within ~3 s
+    assert len(window) >= 15
+    for entry in ("fast", "remote"):
+        counts = _per_slot(rows, entry)
+        assert None not in counts  # every run carries its slot
+        assert [s for s, n in counts.items() if n > 1] == []  # no slot ran twice
+        expected = [f"{entry}@{tick_slot(schedule(1.0), s)[0]}" for s in window]
+        assert [s for s in expected if counts[s] != 1] == []  # every slot ran once
+        after_kill = [s for s in expected[-8:] if counts[s] == 1]
+        assert len(after_kill) == 8
+    winners = [i for i in range(3) if " claimed fast@" in cluster.log_text(f"beat-{run}-{i}")]
+    assert len(winners) >= 2  # active-active: the others carried on at once
+    slow = sorted((row["start"], row["end"]) for row in rows if row["entry"] == "slow")
+    assert len(slow) >= 4
+    assert all(b[0] >= a[1] for a, b in itertools.pairwise(slow))  # no overlap
+    skipped = int(cluster.record.get(f"{cluster.prefix}busy.skip.slow.{run}") or 0)
+    assert skipped >= len(slow)  # a 2.5 s job on a 1 s tick: most ticks are skipped
+
+
+@pytest.mark.slow
+def test_three_plain_beats_send_duplicates(cluster: Cluster) -> None:
+    """The same setup with Celery's own PersistentScheduler: every tick goes out about
+    three times (so the guarded test above can fail)."""
+    run = "plain-" + uuid.uuid4().hex[:6]
+    started = time.time()
+    cluster.start_beats(3, "celery.beat:PersistentScheduler", run)
+    time.sleep(9)
+    stopped = time.time()
+    cluster.stop_beats()
+    time.sleep(1.5)
+    rows = [
+        r
+        for r in cluster.runs(run)
+        if r["entry"] == "fast" and started + 4 <= r["start"] < stopped - 1
+    ]
+    seconds = stopped - 1 - (started + 4)
+    assert all(row["slot"] is None for row in rows)  # no guard, no stamp
+    assert len(rows) >= 2 * seconds  # about 3 runs per 1 s tick
+    per_second = Counter(int(row["start"]) for row in rows)
+    assert max(per_second.values()) >= 2
+
+
+@pytest.mark.slow
+def test_worker_drops_a_second_copy_of_a_tick_and_keeps_its_retries(cluster: Cluster) -> None:
+    run = "drop-" + uuid.uuid4().hex[:6]
+    tick = {HEADER: f"manual@{run}"}
+    first = cluster.app.send_task("celery_support.beat_app.guarded", (run, 1), headers=tick)
+    second = cluster.app.send_task("celery_support.beat_app.guarded", (run, 1), headers=tick)
+    results = [first.get(timeout=20), second.get(timeout=20)]
+    assert sorted(map(is_skipped, results)) == [False, True]
+    dropped = next(r for r in results if is_skipped(r))
+    assert dropped["reason"] == "duplicate"
+    assert dropped["key"] == f"manual@{run}"
+    assert len([r for r in cluster.runs(run) if r["entry"] == "guarded"]) == 1
+    assert int(cluster.record.get(f"{cluster.prefix}dropped.duplicate") or 0) >= 1
+    retried = cluster.app.send_task(
+        "celery_support.beat_app.retried", (run,), headers={HEADER: f"again@{run}"}
+    )
+    assert retried.get(timeout=20) == 1  # the retry carries the slot and still runs
