@@ -74,10 +74,18 @@ class _LockSpace:
         self.label = label
         # cache key -> monotonic time until which we let the waiter we woke go first
         self._handoffs: dict[str, float] = {}
+        self._encoded: dict[str, list[str]] = {}
 
     def _slot_keys(self, key: str) -> list[str]:
-        base = self.prefix + encode_key(check_key(key))
-        return [slot_key(base, slot) for slot in range(self.permits)]
+        # Hot keys recur (a worker locks the same few entities): remember their encoding.
+        found = self._encoded.get(key)
+        if found is None:
+            base = self.prefix + encode_key(check_key(key))
+            found = [slot_key(base, slot) for slot in range(self.permits)]
+            if len(self._encoded) >= 1024:
+                self._encoded.clear()
+            self._encoded[key] = found
+        return found
 
     def acquire(
         self,

@@ -20,9 +20,9 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from simple_mutex import forksafe
 from simple_mutex.contract import Entry
@@ -90,8 +90,7 @@ class DiskCache:
         self._guard = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         forksafe.register(self)
-        with self._connection("open"):
-            pass
+        self._one("open", "SELECT 1", ())
 
     def _before_fork(self) -> None:
         # SQLite must not see a connection carried across fork(), even one the child never
@@ -115,48 +114,52 @@ class DiskCache:
         conn.execute(_SCHEMA)
         return conn
 
-    @contextmanager
-    def _connection(self, operation: str) -> Iterator[sqlite3.Connection]:
+    def _run(self, operation: str, sql: str, params: tuple[object, ...]) -> sqlite3.Cursor:
+        """Run one statement (caller holds ``_guard``), faults named for the user."""
+        try:
+            if self._conn is None:
+                self._conn = self._connect()
+            return self._conn.execute(sql, params)
+        except sqlite3.Error as exc:
+            raise MalfunctionError(
+                f"disk cache at {str(self.path)!r} failed during {operation}: {exc}"
+            ) from exc
+
+    def _one(self, operation: str, sql: str, params: tuple[object, ...]) -> Any:
+        # A plain lock, not a contextmanager: this is the hot path of every operation.
         with self._guard:
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                yield self._conn
-            except sqlite3.Error as exc:
-                raise MalfunctionError(
-                    f"disk cache at {str(self.path)!r} failed during {operation}: {exc}"
-                ) from exc
+            return self._run(operation, sql, params).fetchone()
 
     def get(self, key: str) -> Entry | None:
-        with self._connection("get") as conn:
-            row = conn.execute(_GET, (key, self._clock())).fetchone()
+        row = self._one("get", _GET, (key, self._clock()))
         return None if row is None else Entry(row[0], row[1], row[2], row[3])
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
         version = _new_version()
-        with self._connection("put_if_absent") as conn:
-            row = conn.execute(_PUT, (key, value, version, now + ttl, now)).fetchone()
-            if row is None:
-                current = conn.execute(_GET, (key, now)).fetchone()
-                if current is not None and current[0] == value:
-                    return Entry(current[0], current[1], current[2], current[3])
-                raise SimpleCacheConditionError(f"disk: {key!r} is held")
-        return Entry(value, version, row[0], now + ttl)
+        row = self._one("put_if_absent", _PUT, (key, value, version, now + ttl, now))
+        if row is not None:
+            return Entry(value, version, row[0], now + ttl)
+        current = self._one("put_if_absent", _GET, (key, now))
+        if current is not None and current[0] == value:
+            return Entry(current[0], current[1], current[2], current[3])
+        raise SimpleCacheConditionError(f"disk: {key!r} is held")
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         now = self._clock()
         new_version = _new_version()
-        with self._connection("compare_and_set") as conn:
-            row = conn.execute(_CAS, (key, value, new_version, now + ttl, version, now)).fetchone()
+        row = self._one(
+            "compare_and_set", _CAS, (key, value, new_version, now + ttl, version, now)
+        )
         if row is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
         return Entry(value, new_version, row[0], now + ttl)
 
     def compare_and_delete(self, key: str, *, version: str) -> None:
-        with self._connection("compare_and_delete") as conn:
-            changed = conn.execute(_DELETE, (key, version, self._clock())).rowcount
-        if changed != 1:
+        with self._guard:
+            changed = self._run("compare_and_delete", _DELETE, (key, version, self._clock()))
+            count = changed.rowcount
+        if count != 1:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
