@@ -15,14 +15,13 @@ import inspect
 import json
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from simple_mutex import ConstraintError
+from simple_mutex.busy import RETRY_DEFAULTS, check_on_busy, retry_policy
 from simple_mutex.decorator import key_function
 from simple_mutex.durations import positive_seconds, timeout_seconds
 
-ON_BUSY = ("skip", "retry", "wait", "raise")
 OPTIONS = frozenset(
     {
         "key",
@@ -38,7 +37,6 @@ OPTIONS = frozenset(
         "enqueue_ttl",
     }
 )
-RETRY_FIELDS = frozenset({"countdown", "backoff", "jitter", "cap", "max"})
 
 DEFAULTS: dict[str, Any] = {
     "on_busy": "retry",
@@ -49,25 +47,11 @@ DEFAULTS: dict[str, Any] = {
     "prefix": "mutex.",
     "enqueue": None,  # off; "return" or "raise" de-duplicates at apply_async
     "enqueue_ttl": 3600.0,  # how long a queued call blocks duplicates at most
-    "retry": {"countdown": 1.0, "backoff": 2.0, "jitter": True, "cap": 60.0, "max": None},
+    "retry": RETRY_DEFAULTS,
 }
 
 KeyOf = Callable[[str, tuple[Any, ...], Mapping[str, Any]], str]
 """(task name, args, kwargs) -> lock key."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    countdown: float
-    backoff: float
-    jitter: bool
-    cap: float
-    max: int | None
-
-    def delay(self, busy_retries: int, unit: float) -> float:
-        """Seconds before busy retry number ``busy_retries + 1``; ``unit`` in [0, 1)."""
-        base = min(self.cap, self.countdown * self.backoff ** min(busy_retries, 64))
-        return base * (0.5 + unit) if self.jitter else base
 
 
 def check_options(task_name: str, options: object) -> dict[str, Any]:
@@ -92,8 +76,7 @@ def check_options(task_name: str, options: object) -> dict[str, Any]:
 def check_value(task_name: str, name: str, value: Any) -> Any:
     where = f"{task_name}: mutex option {name!r}"
     if name == "on_busy":
-        if value not in ON_BUSY:
-            raise ConstraintError(f"{where} must be one of {', '.join(ON_BUSY)}, got {value!r}")
+        check_on_busy(where, value)
     elif name == "timeout":
         timeout_seconds(value, "timeout")
     elif name == "lease":
@@ -114,29 +97,6 @@ def check_value(task_name: str, name: str, value: Any) -> Any:
     elif name == "prefix" and not isinstance(value, str):
         raise ConstraintError(f"{where} must be a str, got {value!r}")
     return value
-
-
-def retry_policy(task_name: str, value: object) -> RetryPolicy:
-    if not isinstance(value, Mapping):
-        raise ConstraintError(f"{task_name}: mutex option 'retry' must be a dict, got {value!r}")
-    unknown = sorted(set(value) - RETRY_FIELDS)
-    if unknown:
-        raise ConstraintError(
-            f"{task_name}: unknown retry field(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(RETRY_FIELDS))}"
-        )
-    merged = {**DEFAULTS["retry"], **value}
-    countdown = positive_seconds(merged["countdown"], "retry countdown")
-    cap = positive_seconds(merged["cap"], "retry cap")
-    backoff = merged["backoff"]
-    if isinstance(backoff, bool) or not isinstance(backoff, int | float) or backoff < 1:
-        raise ConstraintError(f"{task_name}: retry backoff must be a number >= 1, got {backoff!r}")
-    if not isinstance(merged["jitter"], bool):
-        raise ConstraintError(f"{task_name}: retry jitter must be True or False")
-    limit = merged["max"]
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ConstraintError(f"{task_name}: retry max must be None or an int >= 0")
-    return RetryPolicy(countdown, float(backoff), merged["jitter"], cap, limit)
 
 
 # -- keys ------------------------------------------------------------------------------

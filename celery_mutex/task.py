@@ -39,6 +39,7 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
+from simple_mutex.busy import RetryPolicy, retry_policy
 from simple_mutex.durations import timeout_seconds
 from simple_mutex.interrupt import LeaseInterrupt
 
@@ -60,11 +61,9 @@ from .options import (
     DEFAULTS,
     OPTIONS,
     KeyOf,
-    RetryPolicy,
     check_options,
     check_value,
     make_key_of,
-    retry_policy,
     user_signature,
 )
 

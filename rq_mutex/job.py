@@ -57,6 +57,7 @@ from .options import (
     check_on_busy,
     check_permits,
     retry_policy,
+    whole_seconds,
 )
 
 log = logging.getLogger("rq_mutex")
@@ -301,7 +302,7 @@ class _Run:
                 f"(retry max={limit})",
                 key=key,
             ) from busy
-        interval = self.policy.delay(count, _rng.random())
+        interval = whole_seconds(self.policy, count, _rng.random())
         _warn_if_no_scheduler(job)
         log.info("job %s: %r is busy, retrying in %d s", job.id, key, interval)
         return Retry(max=UNLIMITED_RETRIES if limit is None else limit, interval=interval)
