@@ -277,7 +277,9 @@ class Cluster:
             assert time.monotonic() < deadline, "worker not ready in 30 s"
             time.sleep(0.1)
 
-    def start_beats(self, count: int, scheduler: str, run: str, slow: bool = False) -> None:
+    def start_beats(
+        self, count: int, scheduler: str, run: str, slow: bool = False, cron: bool = False
+    ) -> None:
         for i in range(count):
             beat = f"beat-{run}-{i}"
             self.beats.append(
@@ -297,6 +299,7 @@ class Cluster:
                     CM_ROLE="beat",
                     CM_RUN=run,
                     CM_SLOW="1" if slow else "0",
+                    CM_CRON="1" if cron else "0",
                 )
             )
 
@@ -426,3 +429,19 @@ def test_worker_drops_a_second_copy_of_a_tick_and_keeps_its_retries(cluster: Clu
         "celery_support.beat_app.retried", (run,), headers={HEADER: f"again@{run}"}
     )
     assert retried.get(timeout=20) == 1  # the retry carries the slot and still runs
+
+
+@pytest.mark.slow
+def test_three_guarded_beats_run_a_crontab_tick_exactly_once(cluster: Cluster) -> None:
+    """3 real beats with MutexScheduler and a crontab() entry (every minute) across one
+    minute boundary: that minute's tick ran exactly once, stamped with its due minute."""
+    run = "cron-" + uuid.uuid4().hex[:6]
+    time.sleep((45 - time.time() % 60) % 60)  # start at second 45: the boundary comes soon
+    cluster.start_beats(3, "celery_mutex.beat:MutexScheduler", run, cron=True)
+    boundary = (int(time.time()) // 60 + 1) * 60
+    time.sleep(max(0.0, boundary + 8 - time.time()))
+    cluster.stop_beats()
+    time.sleep(1.5)
+    rows = [row for row in cluster.runs(run) if row["entry"] == "cron"]
+    due = dt.datetime.fromtimestamp(boundary, dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    assert [row["slot"] for row in rows] == [f"cron@{due}"], rows

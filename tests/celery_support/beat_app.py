@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.schedules import crontab
 
 # isort: split
 from celery_mutex import MutexTask, signals
@@ -48,6 +49,10 @@ app.conf.update(
         },
     },
 )
+if os.environ.get("CM_CRON") == "1":
+    app.conf.beat_schedule = {  # only a crontab entry: every minute, on the minute
+        "cron": {"task": "celery_support.beat_app.cron", "schedule": crontab(), "args": (RUN,)}
+    }
 if os.environ.get("CM_SLOW") == "1":
     app.conf.beat_schedule["slow"] = {
         "task": "celery_support.beat_app.slow",
@@ -73,6 +78,11 @@ def record(task: Any, run: str, entry: str, start: float) -> None:
 @app.task(bind=True)
 def fast(self: Any, run: str) -> None:
     record(self, run, "fast", time.time())
+
+
+@app.task(bind=True)
+def cron(self: Any, run: str) -> None:
+    record(self, run, "cron", time.time())
 
 
 @app.task(base=MutexTask, bind=True, mutex={"key": "slow.{run}", "on_busy": "skip"})
