@@ -148,9 +148,7 @@ class DiskCache:
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         now = self._clock()
         new_version = _new_version()
-        row = self._one(
-            "compare_and_set", _CAS, (key, value, new_version, now + ttl, version, now)
-        )
+        row = self._one("compare_and_set", _CAS, (key, value, new_version, now + ttl, version, now))
         if row is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
         return Entry(value, new_version, row[0], now + ttl)
