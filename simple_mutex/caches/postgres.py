@@ -203,6 +203,10 @@ class PostgresCache:
         self._conn = None
         self._listener = None
         self._listen_guard = threading.Lock()  # a waiting thread did not come along
+        # A pool's worker threads and connections stay in the parent: borrowing from it
+        # here would wait forever. The child uses one connection of its own, opened from
+        # the pool's parameters.
+        self._pool = None
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(self._conninfo, autocommit=True)
