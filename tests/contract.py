@@ -20,6 +20,7 @@ Knobs a subclass may override for a slow or remote backend:
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import uuid
 
@@ -27,6 +28,14 @@ import pytest
 
 from simple_mutex import ConditionalCache, SimpleCacheConditionError
 from simple_mutex.contract import Entry
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _use_inherited_cache(cache: ConditionalCache, key: str) -> None:
+    for _ in range(20):
+        entry = cache.put_if_absent(key, "child", ttl=30)
+        cache.compare_and_delete(key, version=entry.version)
 
 
 def unique_key(name: str = "k") -> str:
@@ -368,3 +377,24 @@ class CacheContract:
         start = time.monotonic()
         cache.wait([base, base + "#1", base + "#2"], 0.2)
         assert time.monotonic() - start <= 0.2 + self.wait_slack
+
+    def test_a_forked_child_uses_the_cache_on_its_own(self, cache: ConditionalCache) -> None:
+        """A cache inherited through fork() (Celery prefork, RQ work horses) works in the
+        child, and the parent's keeps answering in step: no shared connection, no lock
+        copied held."""
+        key = unique_key("fork")
+        cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
+        children = [
+            FORK.Process(target=_use_inherited_cache, args=(cache, f"{key}.{n}")) for n in range(3)
+        ]
+        for child in children:
+            child.start()
+        for _ in range(50):
+            entry = cache.put_if_absent(key, "parent", ttl=30)
+            assert cache.get(key) == entry
+            cache.compare_and_delete(key, version=entry.version)
+        for child in children:
+            child.join(10)
+            if child.exitcode is None:
+                child.kill()
+        assert [child.exitcode for child in children] == [0, 0, 0]

@@ -372,30 +372,6 @@ def test_semaphore_hand_off_wakes_a_waiter_on_any_slot(cache: PostgresCache):
     assert leases[0].release()
 
 
-def _use_inherited_cache(cache: PostgresCache, key: str) -> None:
-    for _ in range(20):
-        entry = cache.put_if_absent(key, "child", ttl=30)
-        cache.compare_and_delete(key, version=entry.version)
-
-
-def test_a_forked_child_opens_its_own_connection(cache: PostgresCache):
-    """A cache inherited through fork() reconnects in the child; the parent's stays in step."""
-    key = unique_key()
-    cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
-    children = [
-        FORK.Process(target=_use_inherited_cache, args=(cache, f"{key}.{n}")) for n in range(3)
-    ]
-    for child in children:
-        child.start()
-    for _ in range(50):
-        entry = cache.put_if_absent(key, "parent", ttl=30)
-        assert cache.get(key) == entry
-        cache.compare_and_delete(key, version=entry.version)
-    for child in children:
-        child.join(10)
-    assert [child.exitcode for child in children] == [0, 0, 0]
-
-
 # -- processes and the server going away (slow) ---------------------------------------------
 
 

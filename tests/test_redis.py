@@ -229,32 +229,6 @@ def test_an_interrupt_mid_command_never_shifts_replies(client: redis.Redis):
     cache.client.close()
 
 
-def _use_inherited_cache(cache: RedisCache, key: str) -> None:
-    entry = cache.put_if_absent(key, "child", ttl=30)
-    cache.compare_and_delete(key, version=entry.version)
-
-
-def test_a_forked_child_never_shares_the_parents_connection(client: redis.Redis):
-    """A cache inherited through fork() talks on a connection of its own in the child;
-    the parent's stays in step."""
-    cache = RedisCache(new_client(), prefix=PREFIX)
-    key = unique_key()
-    cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
-    children = [
-        FORK.Process(target=_use_inherited_cache, args=(cache, f"{key}.{n}")) for n in range(3)
-    ]
-    for child in children:
-        child.start()
-    for _ in range(50):
-        entry = cache.put_if_absent(key, "parent", ttl=30)
-        assert cache.get(key) == entry
-        cache.compare_and_delete(key, version=entry.version)
-    for child in children:
-        child.join(10)
-    assert [child.exitcode for child in children] == [0, 0, 0]
-    cache.client.close()
-
-
 def test_a_malformed_entry_is_a_malfunction(cache: RedisCache, client: redis.Redis):
     """Something else writing under the prefix is reported, not misread as a lock."""
     key = unique_key()
