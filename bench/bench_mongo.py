@@ -39,14 +39,12 @@ from typing import Any
 import pymongo
 from pymongo import ReturnDocument
 from pymongo.write_concern import WriteConcern
-from rounds import interleaved_rounds, print_ratio_table
+from rounds import RECORD, interleaved_rounds, our_contenders, print_ratio_table
 
-from simple_mutex import InMemoryCache, Mutex
 from simple_mutex.caches.mongo import MongoCache
 
 DB = "simple_mutex_bench"
 LEASE = 30.0
-RECORD = '{"v":1,"token":"%s","host":"bench","pid":1,"label":null,"acquired_at":1.5}'
 
 
 @contextmanager
@@ -110,26 +108,9 @@ def cycle_functions(client: pymongo.MongoClient[Any]) -> dict[str, Callable[[], 
 
     cache = MongoCache(client, database=DB)
     cache.ready()
-    ours = Mutex(cache, lease=LEASE, prefix="bench.sm.")
-    memory = Mutex(InMemoryCache(), lease=LEASE)
-
-    def backend_only() -> None:
-        entry = cache.put_if_absent("bench.ops", RECORD % secrets.token_hex(16), ttl=LEASE)
-        cache.compare_and_delete("bench.ops", version=entry.version)
-
-    def in_memory() -> None:
-        with memory.acquire("cycle"):
-            pass
-
-    def simple_mutex() -> None:
-        with ours.acquire("cycle"):
-            pass
-
     return {
         "floor: bare pymongo, same 2 stmts": floor,
-        "simple-mutex InMemoryCache": in_memory,
-        "MongoCache ops, no Mutex": backend_only,
-        "simple-mutex MongoCache": simple_mutex,
+        **our_contenders(cache, "MongoCache", lease=LEASE),
     }
 
 

@@ -40,9 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from rounds import interleaved_rounds, print_ratio_table
+from rounds import interleaved_rounds, our_contenders, print_ratio_table
 
-from simple_mutex import InMemoryCache, Mutex
+from simple_mutex import Mutex
 from simple_mutex.caches.redis import RedisCache
 
 URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -125,23 +125,6 @@ def cycle_functions() -> dict[str, Callable[[], None]]:
         execute("SET", "bench.floor", token, "NX", "PX", int(LEASE * 1000))
         execute("EVALSHA", sha, 1, "bench.floor", token)
 
-    memory = Mutex(InMemoryCache(), lease=LEASE)
-    cache = RedisCache(r)
-    ours = Mutex(cache, lease=LEASE, prefix="bench.sm.")
-    record = '{"v":1,"token":"%s","host":"bench","pid":1,"label":null,"acquired_at":1.5}'
-
-    def backend_only() -> None:
-        entry = cache.put_if_absent("bench.ops", record % secrets.token_hex(16), ttl=LEASE)
-        cache.compare_and_delete("bench.ops", version=entry.version)
-
-    def in_memory() -> None:
-        with memory.acquire("cycle"):
-            pass
-
-    def simple_mutex() -> None:
-        with ours.acquire("cycle"):
-            pass
-
     def redis_py() -> None:
         with r.lock("bench.rp.cycle", timeout=LEASE):
             pass
@@ -157,9 +140,7 @@ def cycle_functions() -> dict[str, Callable[[], None]]:
     return {
         "floor: SET NX PX + EVALSHA": floor,
         "floor, raw execute_command": floor_raw,
-        "simple-mutex InMemoryCache": in_memory,
-        "RedisCache ops, no Mutex": backend_only,
-        "simple-mutex RedisCache": simple_mutex,
+        **our_contenders(RedisCache(r), "RedisCache", lease=LEASE),
         "redis-py Lock": redis_py,
         "python-redis-lock": python_redis_lock,
         "pottery Redlock (1 master)": pottery,

@@ -7,9 +7,12 @@ round against the floor's.
 
 from __future__ import annotations
 
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Mapping
+
+from simple_mutex import ConditionalCache, InMemoryCache, Mutex
 
 
 def interleaved_rounds(
@@ -43,3 +46,34 @@ def print_ratio_table(title: str, rounds: Mapping[str, list[float]], floor: str)
             f"| {name:{width}} | {median:9.1f} | {median / floor_median:7.2f} "
             f"| {best:10.1f} | {best / floor_best:7.2f} |"
         )
+
+
+RECORD = '{"v":1,"token":"%s","host":"bench","pid":1,"label":null,"acquired_at":1.5}'
+"""A lock record of the usual size, for timing a backend's operations alone."""
+
+
+def our_contenders(
+    cache: ConditionalCache, label: str, *, lease: float
+) -> dict[str, Callable[[], object]]:
+    """The lines every tier's table shows besides its floor: the core with no I/O
+    (InMemoryCache), the backend's two operations alone, and the full Mutex cycle."""
+    memory = Mutex(InMemoryCache(), lease=lease)
+    ours = Mutex(cache, lease=lease, prefix="bench.sm.")
+
+    def in_memory() -> None:
+        with memory.acquire("cycle"):
+            pass
+
+    def backend_only() -> None:
+        entry = cache.put_if_absent("bench.ops", RECORD % secrets.token_hex(16), ttl=lease)
+        cache.compare_and_delete("bench.ops", version=entry.version)
+
+    def full_cycle() -> None:
+        with ours.acquire("cycle"):
+            pass
+
+    return {
+        "simple-mutex InMemoryCache": in_memory,
+        f"{label} ops, no Mutex": backend_only,
+        f"simple-mutex {label}": full_cycle,
+    }
