@@ -191,7 +191,7 @@ async def _finish(task: asyncio.Future[Any], lease: Lease) -> bool:
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    return await asyncio.to_thread(lease.release)
+    return await lease.release_async()
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -1,9 +1,14 @@
-"""One background thread per process that renews leases and notices lapsed ones.
+"""One background thread per process that keeps lease deadlines and starts renewals.
 
 Why one thread and not one per lease: a worker may hold hundreds of leases, and a thread
 each (python-redis-lock's design) costs memory and start-up time on every acquire. Why a
 thread and not the event loop: sync holders have no loop, and an async holder's loop may be
 blocked by the very work we must interrupt.
+
+On time, whatever the I/O does: the thread itself never waits on a cache. At a lease's
+deadline it marks the lease lost and interrupts the holder; renewals and on-lost callbacks
+run in a small pool beside it, so a stalled backend delays no deadline, its own lease's
+included.
 
 Threads do not survive ``fork()``: Celery's prefork pool and RQ's work horses fork after
 import. The child gets a fresh keeper (started lazily on first use); leases the parent
@@ -19,17 +24,22 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("simple_mutex")
 
 
 class Watched(Protocol):
-    def _keeper_tick(self, now: float, when: float) -> float | None:
-        """Do what is due; return the next monotonic time to be called, or None when done.
-        ``when`` is the time this call was scheduled for: an item rescheduled earlier since
-        has two entries, and answers None to the stale one."""
+    def _keeper_visit(self, now: float, when: float) -> float | None:
+        """Do what is due, without blocking; return the next visit (monotonic), or None.
+        ``when`` is the visit this call was booked for: one superseded by an earlier
+        booking answers None."""
+
+    def _keeper_booking(self) -> float | None:
+        """The visit booked now. Read without locking: heap entries for other times are
+        stale."""
 
 
 class Keeper:
@@ -39,9 +49,7 @@ class Keeper:
         self._heap: list[tuple[float, int, weakref.ref[Watched]]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
-        # Ticks may do I/O (a renewal): run them off the scheduling thread, so a stalled
-        # backend delays only its own leases, not every lapse check in the process.
-        self._ticks = ThreadPoolExecutor(max_workers=8, thread_name_prefix="simple-mutex-tick")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="simple-mutex-io")
 
     def watch(self, item: Watched, when: float) -> None:
         with self._lock:
@@ -59,13 +67,13 @@ class Keeper:
             elif wake:
                 self._cond.notify()
 
+    def submit(self, work: Callable[..., Any], *args: Any) -> None:
+        """Run ``work`` (a renewal, a callback: anything that may block) in the pool."""
+        self._pool.submit(_logged, work, *args)
+
     def _compact(self) -> None:
         live = [
-            e
-            for e in self._heap
-            if (item := e[2]()) is not None
-            and not getattr(item, "_done", False)
-            and getattr(item, "_next_check", e[0]) == e[0]
+            e for e in self._heap if (item := e[2]()) is not None and item._keeper_booking() == e[0]
         ]
         heapq.heapify(live)
         self._heap = live
@@ -81,18 +89,18 @@ class Keeper:
                     self._cond.wait(None if not self._heap else self._heap[0][0] - now)
             item = ref()
             if item is None:
-                # Dropped without release: stop renewing; the lock lapses within a lease.
-                continue
-            self._ticks.submit(self._tick, item, when)
+                continue  # dropped without release: not renewed, it lapses within a lease
+            again = _logged(item._keeper_visit, now, when)
+            if again is not None:
+                self.watch(item, again)
 
-    def _tick(self, item: Watched, when: float) -> None:
-        try:
-            again = item._keeper_tick(time.monotonic(), when)
-        except Exception:  # the keeper must outlive any one lease's bug
-            log.exception("simple-mutex keeper: unexpected error while checking a lease")
-            return
-        if again is not None:
-            self.watch(item, again)
+
+def _logged(work: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return work(*args)
+    except Exception:  # the keeper must outlive any one lease's bug
+        log.exception("simple-mutex keeper: unexpected error while looking after a lease")
+        return None
 
 
 _keeper: Keeper | None = None

@@ -14,12 +14,16 @@ Timeline of the race a local deadline guards against::
 The deadline runs from the instant *before* A sent its write, so it passes no later than
 the cache's own expiry (on equal clock rates). A may still act in the gap if it is paused
 at the wrong moment: only a downstream check of ``fence`` closes that gap.
+
+A lease keeps state, renewal scheduling and interruption. Its cache decisions are the
+engine's flows (``engine.release``, ``engine.renew``), run by the blocking or the asyncio
+driver, and no lock of the lease is held while a cache is called: the keeper's deadline
+check never waits behind I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import sys
@@ -29,23 +33,13 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from types import TracebackType
 
-from .contract import ConditionalCache, Entry
+from . import engine
+from .contract import ConditionalCache
 from .durations import positive_seconds
-from .engine import (
-    HANDOFF_COURTESY,
-    CompareAndDelete,
-    CompareAndSet,
-    Get,
-    Grant,
-    execute,
-    renew_after,
-    retry_renew_after,
-)
+from .engine import Flow, Grant, Handoffs, run, run_async
 from .errors import (
     ConstraintError,
     MalfunctionError,
-    SimpleCacheConditionError,
-    SimpleMutexError,
     SimpleMutexLeaseExpiredError,
 )
 from .interrupt import LeaseInterrupt, cancel_pending, interrupt_class, raise_in_thread
@@ -54,6 +48,16 @@ from .keeper import keeper
 log = logging.getLogger("simple_mutex")
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def renew_after(length: float) -> float:
+    """Renew at a third of the lease: two renewals can fail before the lease lapses."""
+    return length / 3.0
+
+
+def retry_renew_after(length: float) -> float:
+    """After a failed renewal (backend fault), try again soon but without hammering."""
+    return min(max(length / 10.0, 0.01), 1.0)
 
 
 class Lease:
@@ -66,6 +70,18 @@ class Lease:
     (0 for a mutex); ``expires_at`` the UTC time the lease lapses unless renewed.
     """
 
+    # State that most leases never change lives on the class: a lease is built on every
+    # acquire, and each attribute set in __init__ costs on that hot path.
+    _released = False
+    _lost_reason: str | None = None
+    _record_gone = False  # known freed or taken over: nothing left to release
+    _armed_thread: int | None = None
+    _interrupt_sent: type[LeaseInterrupt] | None = None
+    _cancelled_by_loss = False
+    _on_lost: tuple[Callable[[], None], ...] = ()
+    _booked: float | None = None  # the keeper's next visit
+    _renewing = False  # a background renewal is in flight
+
     def __init__(
         self,
         *,
@@ -77,7 +93,7 @@ class Lease:
         grant: Grant,
         length: float,
         renew: bool,
-        handoffs: dict[str, float] | None = None,
+        handoffs: Handoffs | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -89,17 +105,10 @@ class Lease:
         self._version = grant.entry.version
         self._renew = renew
         self._handoffs = handoffs
-        self._lock = threading.Lock()
-        self._released = False
-        self._lost_reason: str | None = None
-        self._record_gone = False  # known freed or taken over: nothing left to release
-        self._armed_thread: int | None = None
-        self._interrupt_sent: type[LeaseInterrupt] | None = None
-        self._on_lost: list[Callable[[], None]] = []
-        self._next_check: float | None = None
+        self._lock = threading.Lock()  # guards state only; never held across a cache call
         self._set_deadline(grant.started, length)
         if renew:
-            self._schedule(self._renew_at)
+            self._book(self._renew_at)
 
     # -- state --------------------------------------------------------------------------
 
@@ -134,128 +143,149 @@ class Lease:
         state = "released" if self._released else "lost" if self.lost else "held"
         return f"<Lease key={self.key!r} fence={self.fence} slot={self.slot} {state}>"
 
-    # -- ending and extending -----------------------------------------------------------
+    # -- release ------------------------------------------------------------------------
 
     def release(self) -> bool:
         """Free the lock if it is still ours. Returns False if the lease had lapsed (the
         record is then left alone or, if still ours in the cache, freed all the same).
         Never removes another holder's lock. Calling it again returns False."""
+        try:
+            return run(self._cache, self._release_flow())
+        except (KeyboardInterrupt, LeaseInterrupt):
+            # Landed before or after our delete was sent: make sure it was, or the lock
+            # outlives us by a whole lease.
+            run(self._cache, engine.abandon([self._cache_key], self._value))
+            self._released = True
+            raise
+
+    async def release_async(self) -> bool:
+        """``release`` for asyncio: the event loop is not blocked."""
+        return await run_async(self._cache, self._release_flow())
+
+    def _release_flow(self) -> Flow[bool]:
+        if self._released:
+            return False
+        if self._record_gone:
+            self._released = True
+            return False
+        # A lapsed lease still frees its record if the cache kept it (the cache's clock may
+        # run behind ours): compare-and-delete cannot touch another holder's.
+        in_time = self._lost_reason is None and time.monotonic() < self._deadline
+        try:
+            outcome = yield from engine.release(self._cache_key, self._value, self._version)
+        except MalfunctionError as exc:
+            if not in_time:
+                self._released = True
+                self._lost_reason = self._lost_reason or "it lapsed before release"
+                return False  # best effort: the lease was over anyway, and lapses alone
+            # Not released: the record may still be ours, so a retry must reach it. Stop
+            # renewing, though: we meant to let go, and if nobody retries, it lapses.
+            self._renew = False
+            exc.key = self.key
+            raise
         with self._lock:
-            if self._released:
-                return False
-            if self._record_gone:
-                self._released = True
-                return False
-            # A lapsed lease still frees its record if the cache kept it (the cache's clock
-            # may run behind ours): compare-and-delete cannot touch another holder's.
-            in_time = self._lost_reason is None and time.monotonic() < self._deadline
-            try:
-                try:
-                    woke = execute(self._cache, CompareAndDelete(self._cache_key, self._version))
-                except SimpleCacheConditionError:
-                    # A renewal whose reply was lost may have landed: our record then has
-                    # a version we never saw. Our value proves it is ours.
-                    entry = self._read_back()
-                    if entry is None:
-                        raise
-                    woke = execute(self._cache, CompareAndDelete(self._cache_key, entry.version))
-            except (KeyboardInterrupt, LeaseInterrupt):
-                # Landed before or after our delete was sent: make sure it was, or the lock
-                # outlives us by a whole lease. (A repeat misses harmlessly.)
-                with contextlib.suppress(SimpleMutexError):
-                    execute(self._cache, CompareAndDelete(self._cache_key, self._version))
-                self._released = True
-                raise
-            except SimpleCacheConditionError:
-                self._released = True
+            self._released = True
+            if not outcome.freed:
                 self._record_gone = True
                 self._lost_reason = self._lost_reason or "taken over before release"
                 return False
-            except MalfunctionError as exc:
-                if not in_time:
-                    self._released = True
-                    self._lost_reason = self._lost_reason or "it lapsed before release"
-                    return False  # best effort: the lease was over anyway, and lapses alone
-                # Not released: the record may still be ours, so a retry must reach it. Stop
-                # renewing, though: we meant to let go, and if nobody retries, it lapses.
-                self._renew = False
-                exc.key = self.key
-                raise
-            self._released = True
             if not in_time:
                 self._lost_reason = self._lost_reason or "it lapsed before release"
-            if woke and self._handoffs is not None:
-                if len(self._handoffs) > 1024:  # marks of keys never taken again
-                    self._handoffs.clear()
-                self._handoffs[self._cache_key] = time.monotonic() + HANDOFF_COURTESY
-        log.debug("released %r (fence %d)", self.key, self.fence)
+        if outcome.woke and self._handoffs is not None:
+            self._handoffs.woke(self._cache_key)
         return in_time
+
+    # -- renewal ------------------------------------------------------------------------
 
     def renew(self, lease: object = None) -> None:
         """Restart the lease from now (with a new length if given, like dmutex's
         ``extend(ttl)``). Raises ``SimpleMutexLeaseExpiredError`` if it was already lost."""
         length = self._length if lease is None else positive_seconds(lease, "lease")
-        with self._lock:
-            self._renew_locked(length)
-        self._fire()
+        try:
+            run(self._cache, self._renew_flow(length))
+        finally:
+            self._fire()
 
-    def _renew_locked(self, length: float) -> None:
-        if self._released:
-            raise SimpleMutexLeaseExpiredError(
-                f"lease on {self.key!r} was already released; acquire it again", key=self.key
-            )
-        if self._lost_reason is None and time.monotonic() >= self._deadline:
-            self._mark_lost(f"it lapsed after {self._length:g} s")
-        if self._lost_reason is not None:
-            raise self._expired_error()
+    async def renew_async(self, lease: object = None) -> None:
+        """``renew`` for asyncio: the event loop is not blocked."""
+        length = self._length if lease is None else positive_seconds(lease, "lease")
+        try:
+            await run_async(self._cache, self._renew_flow(length))
+        finally:
+            self._fire()
+
+    def _renew_flow(self, length: float) -> Flow[None]:
+        with self._lock:
+            if self._released:
+                raise self._ended_error()
+            if self._lost_reason is None and time.monotonic() >= self._deadline:
+                self._mark_lost(f"it lapsed after {self._length:g} s")
+            if self._lost_reason is not None:
+                raise self._ended_error()
+            version = self._version
         started = time.monotonic()
         try:
-            entry = execute(
-                self._cache,
-                CompareAndSet(self._cache_key, self._value, length, self._version),
-            )
-        except SimpleCacheConditionError:
-            # A driver's retry of a renewal that landed (its reply lost) misses its own
-            # new version: read back; our value carries our token, so equality proves it.
-            entry = self._read_back()
-            if entry is None:
-                self._record_gone = True
-                self._mark_lost("its record was gone or held by another owner at renewal")
-                raise self._expired_error() from None
+            entry = yield from engine.renew(self._cache_key, self._value, version, length)
         except MalfunctionError as exc:
             exc.key = self.key
             raise
-        self._version = entry.version
-        self._set_deadline(started, length)
-        if self._renew:
-            self._schedule(self._renew_at)
-        elif self._armed_thread is not None or self._on_lost:
-            self._schedule(self._deadline)
+        with self._lock:
+            if entry is None:
+                if not self._released:
+                    self._record_gone = True
+                    self._mark_lost("its record was gone or held by another owner at renewal")
+                raise self._ended_error()
+            if not self._done:
+                self._version = entry.version
+                self._set_deadline(started, length)
+                self._book_next()
+                return
+        # The renewal landed after this lease was released or declared lost: give back
+        # the record it extended, or the key stays held for a lease with nobody in it.
+        yield from engine.abandon([self._cache_key], self._value)
+        raise self._ended_error()
 
-    def _read_back(self) -> Entry | None:
+    def _renew_in_background(self) -> None:
+        failed = False
         try:
-            entry: Entry | None = execute(self._cache, Get(self._cache_key))
-        except MalfunctionError:
-            return None
-        if entry is None or entry.value != self._value or entry.fence != self.fence:
-            return None
-        return entry
+            self.renew()
+        except SimpleMutexLeaseExpiredError:
+            pass  # lost (marked, interrupted, called back) or released
+        except MalfunctionError as exc:
+            failed = True
+            log.warning("renewing lease on %r failed, will retry: %s", self.key, exc)
+        finally:
+            with self._lock:
+                self._renewing = False
+                if failed:
+                    # Counted from now, after the call: a stalled call is not retried at once.
+                    self._renew_at = time.monotonic() + retry_renew_after(self._length)
+                self._book_next()
+
+    # -- loss ---------------------------------------------------------------------------
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss and interrupt the protected block (caller holds ``_lock``)."""
         if self._lost_reason is not None:
             return
         self._lost_reason = reason
-        log.warning("lease on %r (fence %d) lost: %s", self.key, self.fence, reason)
         if self._armed_thread is not None:
             self._interrupt_sent = interrupt_class(self.key, self._message())
             raise_in_thread(self._armed_thread, self._interrupt_sent)
+        log.warning("lease on %r (fence %d) lost: %s", self.key, self.fence, reason)
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from a keeper thread) when the lease is found lost."""
+        with self._lock:
+            self._on_lost = (*self._on_lost, callback)
+            self._book_next()
+        self._fire()
 
     def _fire(self) -> None:
         """Run on-lost callbacks, outside ``_lock`` (they may call back into the lease)."""
         if self._lost_reason is None or not self._on_lost:
             return
-        callbacks, self._on_lost = self._on_lost, []
+        callbacks, self._on_lost = self._on_lost, ()
         for callback in callbacks:
             callback()
 
@@ -269,50 +299,59 @@ class Lease:
     def _expired_error(self) -> SimpleMutexLeaseExpiredError:
         return SimpleMutexLeaseExpiredError(self._message(), key=self.key)
 
-    # -- the keeper's side ------------------------------------------------------------
+    def _ended_error(self) -> SimpleMutexLeaseExpiredError:
+        if self._lost_reason is None:
+            return SimpleMutexLeaseExpiredError(
+                f"lease on {self.key!r} was already released; acquire it again", key=self.key
+            )
+        return self._expired_error()
 
-    def _schedule(self, when: float) -> None:
-        """Ask the keeper to look at this lease by ``when`` (caller holds ``_lock``, or the
-        lease is new). A later check than the one booked needs nothing: that one comes
-        first and books the next."""
-        if self._next_check is None or when < self._next_check:
-            self._next_check = when
-            keeper().watch(self, when)
+    # -- the keeper's side --------------------------------------------------------------
 
-    def _keeper_tick(self, now: float, when: float) -> float | None:
-        with self._lock:
-            if when != self._next_check:
-                return None  # superseded by an earlier booking
-            result = self._next_check = self._tick_locked(now)
-        self._fire()
-        return result
-
-    def _tick_locked(self, now: float) -> float | None:
+    def _next_visit(self) -> float | None:
+        """When the keeper must look next (caller holds ``_lock``): the renewal time, and
+        the deadline whenever someone must hear of a lapse."""
         if self._done:
             return None
-        if now >= self._deadline:
-            self._mark_lost(f"it lapsed after {self._length:g} s")
-            return None
-        if not self._renew:
+        if self._renew and not self._renewing:
+            return min(self._renew_at, self._deadline)
+        if self._renew or self._armed_thread is not None or self._on_lost:
             return self._deadline
-        if now < self._renew_at:
-            return self._renew_at
-        try:
-            self._renew_locked(self._length)
-        except SimpleMutexLeaseExpiredError:
-            return None
-        except MalfunctionError as exc:
-            log.warning("renewing lease on %r failed, will retry: %s", self.key, exc)
-            return min(now + retry_renew_after(self._length), self._deadline)
-        return self._renew_at
+        return None
 
-    def on_lost(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (from the keeper thread) when the lease is found lost."""
+    def _book_next(self) -> None:
+        when = self._next_visit()
+        if when is not None:
+            self._book(when)
+
+    def _book(self, when: float) -> None:
+        """Ask the keeper to visit by ``when`` (caller holds ``_lock``, or the lease is
+        new). A later visit than the one booked needs nothing: that one comes first and
+        books the next."""
+        if self._booked is None or when < self._booked:
+            self._booked = when
+            keeper().watch(self, when)
+
+    def _keeper_booking(self) -> float | None:
+        return self._booked
+
+    def _keeper_visit(self, now: float, when: float) -> float | None:
+        # Runs on the keeper's own thread: no I/O here, so deadlines are kept on time.
         with self._lock:
-            self._on_lost.append(callback)
-            if not self._renew:
-                self._schedule(self._deadline)
-        self._fire()
+            if when != self._booked:
+                return None  # superseded by an earlier booking
+            self._booked = None
+            if self._done:
+                return None
+            if now >= self._deadline:
+                self._mark_lost(f"it lapsed after {self._length:g} s")
+                keeper().submit(self._fire)
+                return None
+            if self._renew and not self._renewing and now >= self._renew_at:
+                self._renewing = True
+                keeper().submit(self._renew_in_background)
+            self._booked = self._next_visit()
+            return self._booked
 
     # -- context manager ----------------------------------------------------------------
 
@@ -328,21 +367,16 @@ class Lease:
             with self._lock:
                 if not self._done and time.monotonic() >= self._deadline:
                     self._mark_lost(f"it lapsed after {self._length:g} s, before the work began")
-                if self._lost_reason is None and not self._released:
+                if not self._done:
                     self._armed_thread = threading.get_ident()
-                    if not self._renew:
-                        self._schedule(self._deadline)
+                    self._book_next()
                     return self
         except (KeyboardInterrupt, LeaseInterrupt):
             # No __exit__ follows a failed __enter__: end the lease here.
             self._disarm()
             self.release()
             raise
-        if self._released:
-            raise SimpleMutexLeaseExpiredError(
-                f"lease on {self.key!r} was already released", key=self.key
-            )
-        raise self._expired_error()
+        raise self._ended_error()
 
     def __exit__(
         self,
@@ -377,7 +411,6 @@ class Lease:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        self._cancelled_by_loss = False
 
         def cancel() -> None:
             self._cancelled_by_loss = True
@@ -396,10 +429,10 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         # Shielded: a second cancel must not skip the release.
-        released = await asyncio.shield(asyncio.to_thread(self.release))
+        released = await asyncio.shield(self.release_async())
         if released:
             return
-        if getattr(self, "_cancelled_by_loss", False):
+        if self._cancelled_by_loss:
             task = asyncio.current_task()
             uncancel = getattr(task, "uncancel", None)  # Python 3.11+
             if uncancel is not None:

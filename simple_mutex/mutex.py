@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import time
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
+from . import engine
 from .caches.adapt import as_cache
 from .contract import Entry
 from .durations import Duration, positive_seconds, timeout_seconds
-from .engine import (
-    CompareAndDelete,
-    CompareAndSet,
-    Flow,
-    Get,
-    Grant,
-    acquire_flow,
-    execute,
-    run,
-    run_async,
-)
-from .errors import (
-    ConstraintError,
-    MalfunctionError,
-    SimpleCacheConditionError,
-    SimpleMutexAcquireTimeoutError,
-    SimpleMutexError,
-)
+from .engine import Flow, Grant, Handoffs, run, run_async
+from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
 from .keys import check_key, check_prefix, encode_key, slot_key
 from .lease import Lease
 from .records import Holder, check_token, encode_record, holder_of, new_token, record_token
@@ -45,7 +30,8 @@ os.register_at_fork(after_in_child=_rng.seed)  # forked workers must not jitter 
 
 
 class _LockSpace:
-    """Locks of ``permits`` slots per key, in one cache under one prefix."""
+    """Locks of ``permits`` slots per key, in one cache under one prefix. It checks
+    arguments and builds the engine's flows; the engine decides, a driver runs them."""
 
     def __init__(
         self,
@@ -72,8 +58,7 @@ class _LockSpace:
         self.interval = positive_seconds(interval, "interval")
         self.prefix = check_prefix(prefix)
         self.label = label
-        # cache key -> monotonic time until which we let the waiter we woke go first
-        self._handoffs: dict[str, float] = {}
+        self._handoffs = Handoffs()
         self._encoded: dict[str, list[str]] = {}
 
     def _slot_keys(self, key: str) -> list[str]:
@@ -102,14 +87,19 @@ class _LockSpace:
         ``renew=True`` keeps the lease alive from a background thread while it is held.
         ``token`` is for integrations that need an owner another process can recognize
         (a task id); by default it is 128 random bits."""
-        attempt = self._attempt(key, timeout, interval, renew, label, token)
+        claim = self._claim(key, renew, label, token)
+        flow = self._acquiring(claim, timeout, interval)
         try:
-            return attempt.lease(self._guard(key, lambda: run(self.cache, attempt.flow)))
-        except BaseException as exc:
+            return claim.lease(run(self.cache, flow))
+        except SimpleMutexAcquireTimeoutError:
+            raise
+        except MalfunctionError as exc:
+            exc.key = key  # the user's key, verbatim, for grepping logs
+            raise
+        except BaseException:
             # An outer lease's interrupt or a KeyboardInterrupt can land just after our
             # write succeeded: free what we may have written, or it stays held for a lease.
-            if not isinstance(exc, (SimpleMutexAcquireTimeoutError, MalfunctionError)):
-                attempt.abandon()
+            run(self.cache, engine.abandon(claim.slot_keys, claim.value))
             raise
 
     async def acquire_async(
@@ -122,45 +112,16 @@ class _LockSpace:
         label: str | None = None,
     ) -> Lease:
         """``acquire`` for asyncio: waiting does not block the event loop."""
-        attempt = self._attempt(key, timeout, interval, renew, label, None)
-        try:
-            grant = await run_async(self.cache, attempt.flow)
-        except MalfunctionError as exc:
-            exc.key = key
-            raise
-        return attempt.lease(grant)
+        claim = self._claim(key, renew, label, None)
+        flow = self._acquiring(claim, timeout, interval)
+        return claim.lease(await self._run_async(key, flow))
 
-    def _attempt(
-        self,
-        key: str,
-        timeout: Duration | None,
-        interval: Duration | None,
-        renew: bool,
-        label: str | None,
-        token: str | None,
-    ) -> _Attempt:
-        wait = timeout_seconds(timeout)
-        pause = self.interval if interval is None else positive_seconds(interval, "interval")
-        check_renew(renew)
-        check_label(label)
-        slot_keys = self._slot_keys(key)
-        token = new_token() if token is None else check_token(token)
-        value = encode_record(token, self.label if label is None else label, time.time())
-        courtesy = 0.0
-        if self._handoffs:
-            courtesy = max(self._handoffs.pop(k, 0.0) for k in slot_keys) - time.monotonic()
-        flow = acquire_flow(
-            key=key,
-            slot_keys=slot_keys,
-            value=value,
-            lease=self.lease,
-            timeout=wait,
-            interval=pause,
-            now=time.monotonic,
-            rng=_rng,
-            courtesy=courtesy,
-        )
-        return _Attempt(self, key, slot_keys, token, value, renew, flow)
+    def try_acquire(self, key: str, *, renew: bool = False) -> Lease | None:
+        """One attempt: the Lease, or None if the lock is busy."""
+        try:
+            return self.acquire(key, timeout=0, renew=renew)
+        except SimpleMutexAcquireTimeoutError:
+            return None
 
     def take_over(
         self,
@@ -174,58 +135,28 @@ class _LockSpace:
         """Take over a permit of ``key`` whose holder's token ``owns`` accepts (an earlier
         attempt of the same owner, e.g. a retried task), by compare-and-set: the new lease
         carries ``token`` and the fence stays. None when no such permit is held."""
-        attempt = self._attempt(key, None, None, renew, label, token)
-        for slot, cache_key in enumerate(attempt.slot_keys):
-            entry = self._read(key, cache_key)
-            if entry is None or not owns(record_token(entry, self.cache.name, key)):
-                continue
-            started = time.monotonic()
-            change = CompareAndSet(cache_key, attempt.value, self.lease, entry.version)
-            try:
-                new = self._guard(key, functools.partial(execute, self.cache, change))
-            except SimpleCacheConditionError:
-                continue  # freed or changed meanwhile
-            return attempt.lease(Grant(slot, new, started))
-        return None
+        claim = self._claim(key, renew, label, token)
+        flow = engine.take_over(
+            claim.slot_keys, claim.value, self.lease, self._owned(key, owns), time.monotonic
+        )
+        grant = self._run(key, flow)
+        return None if grant is None else claim.lease(grant)
 
     def release_where(self, key: str, owns: Callable[[str], bool]) -> bool:
         """Free every permit of ``key`` whose holder's token ``owns`` accepts, from any
-        process (a worker's parent freeing a killed child's lock). Compare-and-delete on
-        the version read: a record that changed in between is left alone."""
-        freed = False
-        for cache_key in self._slot_keys(key):
-            entry = self._read(key, cache_key)
-            if entry is None or not owns(record_token(entry, self.cache.name, key)):
-                continue
-            delete = CompareAndDelete(cache_key, entry.version)
-            try:
-                self._guard(key, functools.partial(execute, self.cache, delete))
-            except SimpleCacheConditionError:
-                continue
-            freed = True
-        return freed
-
-    def _read(self, key: str, cache_key: str) -> Entry | None:
-        entry: Entry | None = self._guard(
-            key, functools.partial(execute, self.cache, Get(cache_key))
-        )
-        return entry
-
-    def try_acquire(self, key: str, *, renew: bool = False) -> Lease | None:
-        """One attempt: the Lease, or None if the lock is busy."""
-        try:
-            return self.acquire(key, timeout=0, renew=renew)
-        except SimpleMutexAcquireTimeoutError:
-            return None
+        process (a worker's parent freeing a killed child's lock). A record that changed
+        in between is left alone."""
+        flow = engine.release_where(self._slot_keys(key), self._owned(key, owns))
+        return self._run(key, flow) > 0
 
     def holders(self, key: str) -> list[Holder]:
         """Who holds the key's permits now (never their tokens)."""
-        found = []
-        for slot, cache_key in enumerate(self._slot_keys(key)):
-            entry = self._read(key, cache_key)
-            if entry is not None:
-                found.append(holder_of(entry, self.cache.name, key, slot))
-        return found
+        entries = self._run(key, engine.read(self._slot_keys(key)))
+        return [
+            holder_of(entry, self.cache.name, key, slot)
+            for slot, entry in enumerate(entries)
+            if entry is not None
+        ]
 
     def holder(self, key: str) -> Holder | None:
         """A holder of the key, or None when it is free."""
@@ -236,17 +167,55 @@ class _LockSpace:
         """True if an acquire now would have to wait (every permit is taken)."""
         return len(self.holders(key)) >= self.permits
 
-    @staticmethod
-    def _guard(key: str, call: Callable[[], T]) -> T:
+    # -- building and running flows -------------------------------------------------------
+
+    def _claim(self, key: str, renew: bool, label: str | None, token: str | None) -> _Claim:
+        check_renew(renew)
+        check_label(label)
+        slot_keys = self._slot_keys(key)
+        token = new_token() if token is None else check_token(token)
+        value = encode_record(token, self.label if label is None else label, time.time())
+        return _Claim(self, key, slot_keys, token, value, renew)
+
+    def _acquiring(
+        self, claim: _Claim, timeout: Duration | None, interval: Duration | None
+    ) -> Flow[Grant]:
+        return engine.acquire(
+            key=claim.key,
+            slot_keys=claim.slot_keys,
+            value=claim.value,
+            lease=self.lease,
+            timeout=timeout_seconds(timeout),
+            interval=self.interval if interval is None else positive_seconds(interval, "interval"),
+            now=time.monotonic,
+            rng=_rng,
+            courtesy=self._handoffs.courtesy(claim.slot_keys),
+        )
+
+    def _owned(self, key: str, owns: Callable[[str], bool]) -> engine.Owns:
+        def owned(entry: Entry) -> bool:
+            return owns(record_token(entry, self.cache.name, key))
+
+        return owned
+
+    def _run(self, key: str, flow: Flow[T]) -> T:
         try:
-            return call()
+            return run(self.cache, flow)
         except MalfunctionError as exc:
-            exc.key = key  # the user's key, verbatim, for grepping logs
+            exc.key = key
+            raise
+
+    async def _run_async(self, key: str, flow: Flow[T]) -> T:
+        try:
+            return await run_async(self.cache, flow)
+        except MalfunctionError as exc:
+            exc.key = key
             raise
 
 
-class _Attempt(NamedTuple):
-    """One acquire in progress: its flow, and what the Lease needs once it is granted."""
+@dataclass(slots=True)
+class _Claim:
+    """What one acquire or take-over writes, and what its Lease needs once granted."""
 
     space: _LockSpace
     key: str
@@ -254,17 +223,6 @@ class _Attempt(NamedTuple):
     token: str
     value: str
     renew: bool
-    flow: Flow
-
-    def abandon(self) -> None:
-        """Best effort: free any slot that holds our record."""
-        for cache_key in self.slot_keys:
-            try:
-                entry = execute(self.space.cache, Get(cache_key))
-                if entry is not None and entry.value == self.value:
-                    execute(self.space.cache, CompareAndDelete(cache_key, entry.version))
-            except SimpleMutexError:
-                pass
 
     def lease(self, grant: Grant) -> Lease:
         return Lease(

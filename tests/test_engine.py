@@ -1,8 +1,9 @@
-"""Unit tests of the lock engine: acquire flows driven on a fake clock, no real sleeps.
+"""Unit tests of the lock engine: every flow driven on a fake clock, no real sleeps.
 
 A flow yields cache operations; the fake driver below answers them from a script and
 advances the fake clock by each ``Wait`` (and, when asked, by a fixed cost per write), so
-deadlines, jitter and slot order are checked exactly and instantly.
+deadlines, jitter, slot order and the unclear-outcome rule are checked exactly and
+instantly.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from simple_mutex import (
     MalfunctionError,
     SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
+    engine,
 )
 from simple_mutex.contract import Entry
 from simple_mutex.engine import (
     CompareAndDelete,
     CompareAndSet,
     Get,
-    Grant,
     Pause,
     PutIfAbsent,
+    Released,
     Wait,
-    acquire_flow,
     execute,
     poll_pause,
     run,
@@ -74,7 +75,7 @@ class Driver:
         self.ops: list[Any] = []
         self.issued_at: list[float] = []
 
-    def drive(self, flow: Any) -> Grant:
+    def drive(self, flow: Any) -> Any:
         op = next(flow)
         while True:
             assert len(self.ops) < self.max_ops, "flow never finished"
@@ -112,7 +113,7 @@ def flow(
     seed: int = 1,
     courtesy: float = 0.0,
 ) -> Any:
-    return acquire_flow(
+    return engine.acquire(
         courtesy=courtesy,
         key="k",
         slot_keys=list(slot_keys),
@@ -413,11 +414,144 @@ def test_ambiguous_put_on_a_semaphore_reads_back_the_same_slot():
     assert slots[grant.slot] == put.key
 
 
+# -- renew, release, take-over, release-where, abandon: the same unclear-outcome rule -----
+
+OURS = Entry(VALUE, "v2", 7, 1e9)
+THEIRS = Entry(OTHER, "v9", 8, 1e9)
+
+
+def scripted(*answers: Any) -> Callable[[Any], Any]:
+    """Answer ops in order: an exception instance is raised, anything else returned."""
+    queue = list(answers)
+
+    def answer(op: Any) -> Any:
+        result = queue.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return answer
+
+
+def drive(flow: Any, *answers: Any) -> tuple[Any, list[Any]]:
+    driver = Driver(FakeClock(), scripted(*answers))
+    return driver.drive(flow), driver.ops
+
+
+def miss() -> SimpleCacheConditionError:
+    return SimpleCacheConditionError("version miss")
+
+
+def test_renew_is_one_compare_and_set_on_our_version():
+    """A renewal is one compare-and-set carrying our value, the new length and version."""
+    entry, ops = drive(engine.renew("mutex.k", VALUE, "v1", 9.0), OURS)
+    assert entry == OURS
+    assert ops == [CompareAndSet("mutex.k", VALUE, 9.0, "v1")]
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [(OURS, OURS), (THEIRS, None), (None, None), (Entry(VALUE, "v1", 7, 1e9), None)],
+    ids=["our-retry-landed", "another-owner", "gone", "ours-but-not-renewed"],
+)
+def test_a_renewal_miss_is_settled_by_one_read(seen, expected):
+    """After a version miss, the read shows whether our own retried write landed: only
+    our value at a newer version counts as renewed."""
+    entry, ops = drive(engine.renew("mutex.k", VALUE, "v1", 9.0), miss(), seen)
+    assert entry == expected
+    assert ops[1] == Get("mutex.k")
+
+
+def test_release_is_one_compare_and_delete_and_reports_a_woken_waiter():
+    """A release is one compare-and-delete on our version; the cache's wake-up is kept."""
+    outcome, ops = drive(engine.release("mutex.k", VALUE, "v1"), True)
+    assert outcome == Released(freed=True, woke=True)
+    assert ops == [CompareAndDelete("mutex.k", "v1")]
+
+
+def test_a_release_miss_frees_our_record_at_the_version_it_reads():
+    """A renewal whose reply was lost moved our version: the read finds it, and the
+    second delete uses it."""
+    outcome, ops = drive(engine.release("mutex.k", VALUE, "v1"), miss(), OURS, False)
+    assert outcome == Released(freed=True, woke=False)
+    assert ops == [
+        CompareAndDelete("mutex.k", "v1"),
+        Get("mutex.k"),
+        CompareAndDelete("mutex.k", "v2"),
+    ]
+
+
+@pytest.mark.parametrize("seen", [THEIRS, None])
+def test_a_release_never_frees_another_holders_record(seen):
+    """When the read shows someone else (or nothing), nothing more is written."""
+    outcome, ops = drive(engine.release("mutex.k", VALUE, "v1"), miss(), seen)
+    assert outcome == Released(freed=False, woke=False)
+    assert [type(op) for op in ops] == [CompareAndDelete, Get]
+
+
+def test_a_release_fault_propagates_for_the_lease_to_decide():
+    """A fault is not a verdict: it goes up unchanged (the lease may retry)."""
+    fault = MalfunctionError("down")
+    with pytest.raises(MalfunctionError) as info:
+        drive(engine.release("mutex.k", VALUE, "v1"), fault)
+    assert info.value is fault
+
+
+def owned_by_theirs(entry: Entry) -> bool:
+    return entry.value == OTHER
+
+
+def test_take_over_swaps_only_an_accepted_record_and_keeps_its_fence():
+    """Slot 0 belongs to someone else, slot 1 is accepted: compare-and-set on slot 1."""
+    flow = engine.take_over(["s", "s#1"], VALUE, 30.0, owned_by_theirs, FakeClock())
+    grant, ops = drive(flow, OURS, THEIRS, Entry(VALUE, "v10", 8, 1e9))
+    assert grant.slot == 1
+    assert grant.entry.fence == THEIRS.fence
+    assert ops == [Get("s"), Get("s#1"), CompareAndSet("s#1", VALUE, 30.0, "v9")]
+
+
+def test_take_over_finds_nothing_when_no_record_is_accepted():
+    """No accepted holder: None, and nothing written."""
+    flow = engine.take_over(["s"], VALUE, 30.0, owned_by_theirs, FakeClock())
+    grant, ops = drive(flow, OURS)
+    assert grant is None
+    assert ops == [Get("s")]
+
+
+def test_release_where_frees_accepted_records_on_the_version_read():
+    """Each accepted record is deleted on the version read; a changed one is skipped."""
+    flow = engine.release_where(["s", "s#1", "s#2"], owned_by_theirs)
+    freed, ops = drive(flow, THEIRS, True, None, THEIRS, miss())
+    assert freed == 1
+    assert ops == [
+        Get("s"),
+        CompareAndDelete("s", "v9"),
+        Get("s#1"),
+        Get("s#2"),
+        CompareAndDelete("s#2", "v9"),
+    ]
+
+
+def test_abandon_frees_only_slots_holding_our_value_and_swallows_faults():
+    """An interrupted acquire frees what it may have written, best effort."""
+    flow = engine.abandon(["s", "s#1", "s#2"], VALUE)
+    result, ops = drive(flow, MalfunctionError("down"), THEIRS, OURS, True)
+    assert result is None
+    assert ops == [Get("s"), Get("s#1"), Get("s#2"), CompareAndDelete("s#2", "v2")]
+
+
+def test_read_returns_each_slots_entry():
+    """holders() reads every slot once."""
+    entries, ops = drive(engine.read(["s", "s#1"]), OURS, None)
+    assert entries == [OURS, None]
+    assert ops == [Get("s"), Get("s#1")]
+
+
 # -- the blocking and asyncio drivers against a real cache -----------------------------
 
 
 def real_flow(keys: Sequence[str], *, timeout: float | None, value: str = VALUE) -> Any:
-    return acquire_flow(
+    return engine.acquire(
         key="k",
         slot_keys=list(keys),
         value=value,
@@ -545,7 +679,7 @@ class _WakingCache(InMemoryCache):
 def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypatch):
     """After a release that woke someone, the same Mutex's next acquire of that key
     pauses first; a release that woke nobody leaves the next acquire immediate."""
-    from simple_mutex import Mutex, engine
+    from simple_mutex import Mutex
 
     pauses: list[float] = []
     real_apply = engine.Pause.apply
