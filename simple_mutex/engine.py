@@ -168,7 +168,12 @@ def acquire(
                 entry = yield PutIfAbsent(slot_keys[slot], value, lease)
             except SimpleCacheConditionError:
                 continue
-            except MalfunctionError:
+            except MalfunctionError as fault:
+                # Settle an unclear write, unless it was never sent or the wait is over (a
+                # read-back may cost another socket timeout): the caller then frees what
+                # may have landed, in the background (Mutex.acquire).
+                if fault.unsent or (deadline is not None and now() >= deadline):
+                    raise
                 entry = yield from settle(slot_keys[slot], value)
                 if entry is None:
                     raise

@@ -60,7 +60,16 @@ class SimpleMutexLeaseExpiredError(ConstraintError):
 
 
 class MalfunctionError(SimpleMutexError):
-    """A system fault: the backend is down or answered nonsense; the message names it."""
+    """A system fault: the backend is down or answered nonsense; the message names it.
+
+    ``unsent`` is True when the request provably never reached the server (the connection
+    was refused): a write that failed so cannot have landed, and needs no read-back."""
+
+    unsent = False
+
+    def __init__(self, message: str, key: str | None = None, *, unsent: bool = False) -> None:
+        super().__init__(message, key)
+        self.unsent = unsent
 
 
 class SimpleCacheConditionError(SimpleMutexError):

@@ -11,9 +11,10 @@ Timeline of the race a local deadline guards against::
     holder B:                                  acquire ── work
     A's keeper:                      deadline ─► interrupt A's work
 
-The deadline runs from the instant *before* A sent its write, so it passes no later than
-the cache's own expiry (on equal clock rates). A may still act in the gap if it is paused
-at the wrong moment: only a downstream check of ``fence`` closes that gap.
+The deadline runs from the instant *before* A sent its write, less a small margin
+(``lapse_margin``), so the interrupt lands before the cache's own expiry (on equal clock
+rates). A may still act in the gap if it is paused at the wrong moment: only a downstream
+check of ``fence`` closes that gap.
 
 A lease keeps state, renewal scheduling and interruption. Its cache decisions are the
 engine's flows (``engine.release``, ``engine.renew``), run by the blocking or the asyncio
@@ -48,6 +49,13 @@ from .keeper import keeper
 log = logging.getLogger("simple_mutex")
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def lapse_margin(length: float) -> float:
+    """How much before the cache's own expiry the holder's deadline falls. The interrupt
+    reaches the work within this (a keeper wake-up and a GIL switch take milliseconds), so
+    the work stops before the cache could grant the key to anyone else."""
+    return min(length / 10.0, 0.05)
 
 
 def renew_after(length: float) -> float:
@@ -114,9 +122,9 @@ class Lease:
 
     def _set_deadline(self, started: float, length: float) -> None:
         self._length = length
-        self._deadline = started + length
+        self._deadline = started + length - lapse_margin(length)
         self._renew_at = started + renew_after(length)
-        self._expires_wall = time.time() - (time.monotonic() - started) + length
+        self._expires_wall = time.time() - time.monotonic() + self._deadline
 
     @property
     def expires_at(self) -> datetime:

@@ -15,6 +15,7 @@ from .contract import Entry
 from .durations import Duration, positive_seconds, timeout_seconds
 from .engine import Flow, Grant, Handoffs, run, run_async
 from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
+from .keeper import keeper
 from .keys import check_key, check_prefix, encode_key, slot_key
 from .lease import Lease
 from .records import Holder, check_token, encode_record, holder_of, new_token, record_token
@@ -93,8 +94,8 @@ class _LockSpace:
             return claim.lease(run(self.cache, flow))
         except SimpleMutexAcquireTimeoutError:
             raise
-        except MalfunctionError as exc:
-            exc.key = key  # the user's key, verbatim, for grepping logs
+        except MalfunctionError as fault:
+            self._unclear(claim, fault)
             raise
         except BaseException:
             # An outer lease's interrupt or a KeyboardInterrupt can land just after our
@@ -114,7 +115,11 @@ class _LockSpace:
         """``acquire`` for asyncio: waiting does not block the event loop."""
         claim = self._claim(key, renew, label, None)
         flow = self._acquiring(claim, timeout, interval)
-        return claim.lease(await self._run_async(key, flow))
+        try:
+            return claim.lease(await run_async(self.cache, flow))
+        except MalfunctionError as fault:
+            self._unclear(claim, fault)
+            raise
 
     def try_acquire(self, key: str, *, renew: bool = False) -> Lease | None:
         """One attempt: the Lease, or None if the lock is busy."""
@@ -192,6 +197,13 @@ class _LockSpace:
             courtesy=self._handoffs.courtesy(claim.slot_keys),
         )
 
+    def _unclear(self, claim: _Claim, fault: MalfunctionError) -> None:
+        """An acquire failed: our write may have landed all the same (its reply lost).
+        Free it in the background, so it does not hold the key for a lease."""
+        fault.key = claim.key  # the user's key, verbatim, for grepping logs
+        if not fault.unsent:
+            keeper().submit(run, self.cache, engine.abandon(claim.slot_keys, claim.value))
+
     def _owned(self, key: str, owns: Callable[[str], bool]) -> engine.Owns:
         def owned(entry: Entry) -> bool:
             return owns(record_token(entry, self.cache.name, key))
@@ -201,13 +213,6 @@ class _LockSpace:
     def _run(self, key: str, flow: Flow[T]) -> T:
         try:
             return run(self.cache, flow)
-        except MalfunctionError as exc:
-            exc.key = key
-            raise
-
-    async def _run_async(self, key: str, flow: Flow[T]) -> T:
-        try:
-            return await run_async(self.cache, flow)
         except MalfunctionError as exc:
             exc.key = key
             raise

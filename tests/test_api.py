@@ -415,29 +415,48 @@ def test_an_object_that_is_not_a_cache_is_refused(key):
         Mutex(object())
 
 
+class LostReply(InMemoryCache):
+    """The first put lands, but its caller sees a timeout (the reply was lost)."""
+
+    name = "lossy"
+    lose = 1
+
+    def put_if_absent(self, key, value, *, ttl):
+        entry = super().put_if_absent(key, value, ttl=ttl)
+        if self.lose:
+            self.lose -= 1
+            raise TimeoutError("reply lost")
+        return entry
+
+
 def test_write_whose_reply_was_lost_is_recognised_as_ours(key):
-    """A put that landed but whose reply was lost is read back and granted."""
-
-    class LostReply(InMemoryCache):
-        name = "lossy"
-        lose = 1
-
-        def put_if_absent(self, key, value, *, ttl):
-            entry = super().put_if_absent(key, value, ttl=ttl)
-            if self.lose:
-                self.lose -= 1
-                raise TimeoutError("reply lost")
-            return entry
-
+    """Within the wait, a put that landed but whose reply was lost is read back and
+    granted."""
     cache = LostReply()
     mutex = Mutex(cache)
-    lease = mutex.acquire(key, timeout=0)
+    lease = mutex.acquire(key, timeout=5)
     assert cache.lose == 0
     holder = mutex.holder(key)
     assert holder is not None
     assert holder.fence == lease.fence
     assert lease.release() is True
     assert not mutex.locked(key)
+
+
+def test_a_lost_reply_past_the_deadline_is_a_malfunction_freed_in_the_background(key):
+    """With no time left to read back (try once), the fault is raised at once, and the
+    write that landed is freed behind the caller's back instead of holding the key for a
+    lease."""
+    cache = LostReply()
+    mutex = Mutex(cache, lease=60)
+    with pytest.raises(MalfunctionError) as info:
+        mutex.acquire(key, timeout=0)
+    assert info.value.key == key
+    deadline = time.monotonic() + 5
+    while mutex.locked(key) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not mutex.locked(key)
+    mutex.acquire(key, timeout=0).release()
 
 
 def test_failed_write_on_a_held_key_is_a_malfunction_not_a_grant(key):
