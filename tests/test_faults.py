@@ -10,13 +10,18 @@ client on a healthy link keeps trying to take the key. What must hold:
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import redis
 from faults import FaultProxy
 
 from simple_mutex import Mutex, SimpleMutexLeaseExpiredError, cache_from_url
@@ -124,3 +129,89 @@ def test_a_broken_link_cannot_postpone_the_lapse_interrupt(tier, key, taker_for,
     assert 0 <= late <= ON_TIME, f"interrupted {late:.3f} s after the deadline"
     assert taker.granted_at is not None, "the key was never taken over"
     assert taker.granted_at > interrupted_at, "another holder got the key before the interrupt"
+
+
+# -- a paused holder (SIGSTOP): the fence recipe keeps its late writes out ----------------
+
+FORK = multiprocessing.get_context("fork")
+
+
+# The README's fencing recipe in a downstream store (a Redis script, so a paused writer holds
+# no lock there): a write carrying a lower fence than the last accepted one is refused.
+# Every attempt is logged with its verdict.
+_FENCED_WRITE = """
+local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+local ok = tonumber(ARGV[1]) >= last
+if ok then redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'writer', ARGV[2]) end
+redis.call('RPUSH', KEYS[2], ARGV[2] .. ' ' .. (ok and 1 or 0))
+return ok and 1 or 0
+"""
+
+
+def ledger_write(ledger: str, fence: int, writer: str) -> bool:
+    store = redis.Redis(socket_timeout=5)
+    return bool(store.eval(_FENCED_WRITE, 2, ledger, ledger + ":attempts", fence, writer))
+
+
+def _paused_holder(url: str, key: str, ledger: str, report: str) -> None:
+    """Holds ``key`` with a helper thread writing under its fence, as a worker pool would:
+    the lapse interrupt reaches the holder's own thread, never that helper."""
+    mutex = Mutex(cache_from_url(url), lease=1.0)
+    outcome, stop = "never interrupted", threading.Event()
+    try:
+        with mutex.acquire(key, renew=True) as lease:
+
+            def write_until_stopped() -> None:
+                while True:
+                    time.sleep(0.01)  # paused in here, it writes once more when resumed
+                    ledger_write(ledger, lease.fence, "paused")
+                    if stop.is_set():
+                        return
+
+            threading.Thread(target=write_until_stopped).start()
+            Path(report).write_text(str(lease.fence))
+            while True:
+                time.sleep(0.01)
+    except SimpleMutexLeaseExpiredError:
+        outcome = "interrupted"
+    finally:
+        stop.set()
+    Path(report + ".done").write_text(outcome)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier_url", ["redis", "postgres", "disk"])
+def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, tmp_path):
+    """A holder SIGSTOPped past its lease is taken over; once resumed it is interrupted,
+    and what its helper thread still writes carries the old fence: the store refuses it."""
+    url = {t.name: t.url(t.port) for t in TIERS}.get(tier_url, f"file://{tmp_path}/locks")
+    ledger, report = f"{key}.ledger", str(tmp_path / "holder")
+    holder = FORK.Process(target=_paused_holder, args=(url, key, ledger, report))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not Path(report).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        old_fence = int(Path(report).read_text())
+        os.kill(holder.pid, signal.SIGSTOP)
+        taker = Mutex(cache_from_url(url), lease=10)
+        with taker.acquire(key, timeout=5) as lease:  # granted once the paused lease lapses
+            assert lease.fence > old_fence
+            assert ledger_write(ledger, lease.fence, "taker")
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.join(10)
+    finally:
+        if holder.is_alive():
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+    assert Path(report + ".done").read_text() == "interrupted"
+    store = redis.Redis(decode_responses=True)
+    attempts = [line.split() for line in store.lrange(ledger + ":attempts", 0, -1)]
+    final = store.hgetall(ledger)
+    store.delete(ledger, ledger + ":attempts")
+    taken = attempts.index(["taker", "1"])
+    late = [verdict for writer, verdict in attempts[taken:] if writer == "paused"]
+    assert late.count("1") == 0, "a stale write got through"
+    assert late.count("0") >= 1, "the paused holder never wrote late: nothing was tested"
+    assert final == {"fence": str(lease.fence), "writer": "taker"}
+    print(f"{tier_url}: {len(late)} late write(s) of the paused holder refused")
