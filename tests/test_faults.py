@@ -10,9 +10,12 @@ client on a healthy link keeps trying to take the key. What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
+import sqlite3
+import subprocess
 import threading
 import time
 import uuid
@@ -24,7 +27,13 @@ import pytest
 import redis
 from faults import FaultProxy
 
-from simple_mutex import Mutex, SimpleMutexLeaseExpiredError, cache_from_url
+from simple_mutex import (
+    DiskCache,
+    MalfunctionError,
+    Mutex,
+    SimpleMutexLeaseExpiredError,
+    cache_from_url,
+)
 from simple_mutex.interrupt import LeaseInterrupt
 
 LEASE = 2.0
@@ -215,3 +224,55 @@ def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, 
     assert late.count("0") >= 1, "the paused holder never wrote late: nothing was tested"
     assert final == {"fence": str(lease.fence), "writer": "taker"}
     print(f"{tier_url}: {len(late)} late write(s) of the paused holder refused")
+
+
+# -- a full disk: DiskCache fails loudly and corrupts nothing ------------------------------
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of the test's own (the test command runs as root, as CI does)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    )
+    assert done.returncode == 0, f"cannot mount a tmpfs (run as root): {done.stderr!r}"
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb") as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+    return filler
+
+
+def churn(mutex: Mutex, keys: int) -> None:
+    for n in range(keys):
+        mutex.acquire(f"new.{n}", timeout=0).release()
+
+
+def test_a_full_disk_is_a_malfunction_that_corrupts_nothing(tiny_disk: Path):
+    """Writes on a full disk raise MalfunctionError naming the disk cache and the step;
+    once space is back, the lock held before is still ours and fences keep growing."""
+    mutex = Mutex(DiskCache(tiny_disk / "locks"), lease=30)
+    held = mutex.acquire("held")
+    filler = fill(tiny_disk)
+    with pytest.raises(MalfunctionError) as info:
+        churn(mutex, 1000)  # the WAL has some slack: keep writing until it runs out
+    message = str(info.value)
+    assert "disk cache" in message
+    assert "full" in message
+    filler.unlink()
+    assert held.release() is True
+    again = mutex.acquire("held", timeout=0)
+    assert again.fence > held.fence
+    again.release()
+    with contextlib.closing(sqlite3.connect(tiny_disk / "locks" / "simple-mutex.sqlite3")) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
