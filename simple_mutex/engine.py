@@ -186,7 +186,13 @@ def acquire(
                 key=key,
             )
         pause = poll_pause(interval, rng)
-        yield Wait(tuple(slot_keys), pause if remaining is None else min(pause, remaining))
+        pause = pause if remaining is None else min(pause, remaining)
+        try:
+            yield Wait(tuple(slot_keys), pause)
+        except MalfunctionError:
+            # Waking is only a shortcut (a dropped LISTEN connection, a failed BLPOP): poll
+            # instead. The next put tells whether the server itself is gone.
+            yield Pause(pause)
 
 
 def renew(cache_key: str, value: str, version: str, lease: float) -> Flow[Entry | None]:

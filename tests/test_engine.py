@@ -67,10 +67,12 @@ class Driver:
         *,
         write_cost: float = 0.0,
         max_ops: int = 100_000,
+        wait_errors: Sequence[MalfunctionError] = (),
     ) -> None:
         self.clock = clock
         self.answer = answer
         self.write_cost = write_cost
+        self.wait_errors = list(wait_errors)  # raised by the first Waits, in order
         self.max_ops = max_ops
         self.ops: list[Any] = []
         self.issued_at: list[float] = []
@@ -81,7 +83,9 @@ class Driver:
             assert len(self.ops) < self.max_ops, "flow never finished"
             self.ops.append(op)
             self.issued_at.append(self.clock.t)
-            if type(op) in (Wait, Pause):
+            if type(op) is Wait and self.wait_errors:
+                result, error = None, self.wait_errors.pop(0)
+            elif type(op) in (Wait, Pause):
                 assert op.seconds > 0, f"non-positive wait {op}"
                 self.clock.t += op.seconds
                 result, error = None, None
@@ -697,3 +701,21 @@ def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypat
     quiet.acquire("k").release()
     quiet.acquire("k").release()
     assert len(pauses) == 1
+
+
+def test_a_failed_wait_falls_back_to_a_plain_pause_of_the_same_length():
+    """A broken notification channel costs a poll, not the acquire."""
+    clock = FakeClock()
+    answers = iter([SimpleCacheConditionError("held"), None])
+
+    def answer(op: Any) -> Any:
+        error = next(answers)
+        if error is not None:
+            raise error
+        return entry_for(op)
+
+    driver = Driver(clock, answer, wait_errors=[MalfunctionError("listener gone")])
+    driver.drive(flow(clock, timeout=None))
+    kinds = [type(op) for op in driver.ops]
+    assert kinds == [PutIfAbsent, Wait, Pause, PutIfAbsent]
+    assert driver.ops[2].seconds == driver.ops[1].seconds
