@@ -39,14 +39,10 @@ def _split(token: str) -> tuple[str, int]:
 
 
 class OwnedLocks:
-    """A Mutex (``permits == 1``) or Semaphore whose holders are task ids."""
+    """A Mutex or Semaphore whose holders are task ids."""
 
-    def __init__(self, cache: object, *, permits: int, lease: float, prefix: str) -> None:
-        self.space: Mutex | Semaphore
-        if permits == 1:
-            self.space = Mutex(cache, lease=lease, prefix=prefix)
-        else:
-            self.space = Semaphore(cache, permits=permits, lease=lease, prefix=prefix)
+    def __init__(self, space: Mutex | Semaphore) -> None:
+        self.space = space
 
     def acquire(
         self,
@@ -79,6 +75,10 @@ class OwnedLocks:
         return self.space.release_where(key, lambda held: _split(held)[0] == owner)
 
     def holder_label(self, key: str) -> str | None:
-        """The label of a current holder of ``key`` (``task.name[task id]``), if any."""
-        holder = self.space.holder(key)
+        """The label of a current holder of ``key`` (``task.name[task id]``), if any; None
+        also when it cannot be read (it is for logs, markers and a second try)."""
+        try:
+            holder = self.space.holder(key)
+        except Exception:
+            return None
         return None if holder is None else holder.label

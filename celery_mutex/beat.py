@@ -60,11 +60,11 @@ import datetime as dt
 import heapq
 import logging
 import math
-import os
 import time
 from typing import Any
 
-from simple_mutex import ConstraintError, Mutex, SimpleMutexAcquireTimeoutError, cache_from_url
+from simple_mutex import ConstraintError, Mutex, SimpleMutexAcquireTimeoutError
+from simple_mutex.busy import shared_cache, skip_marker
 from simple_mutex.durations import positive_seconds
 
 from ._celery import Signal
@@ -160,13 +160,9 @@ class MutexSchedulerMixin:
     """Adds the per-tick guard to a ``celery.beat.Scheduler`` subclass (put it first)."""
 
     app: Any
-    _mutex_beat: tuple[int, Any, str] | None = None
 
     def _mutex_beat_cache(self) -> tuple[Any, str]:
-        """The claim cache, built once per process (after a fork too)."""
-        held = self._mutex_beat
-        if held is not None and held[0] == os.getpid():
-            return held[1], held[2]
+        """The claim cache (one per process: a forked beat builds its own) and prefix."""
         conf = self.app.conf
         cache = conf.get("mutex_beat_cache") or conf.get("mutex_cache")
         if cache is None:
@@ -174,11 +170,7 @@ class MutexSchedulerMixin:
                 "celery_mutex.beat: no cache for beat claims; set app.conf.mutex_cache or "
                 "app.conf.mutex_beat_cache (e.g. 'redis://host:6379/0'), shared by every beat"
             )
-        if isinstance(cache, str):
-            cache = cache_from_url(cache)
-        prefix = (conf.get("mutex_prefix") or "mutex.") + "beat."
-        self._mutex_beat = (os.getpid(), cache, prefix)
-        return cache, prefix
+        return shared_cache(cache), (conf.get("mutex_prefix") or "mutex.") + "beat."
 
     def setup_schedule(self) -> None:
         self._mutex_beat_cache()  # no cache configured: fail as beat starts, not at each tick
@@ -262,7 +254,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
         task._get_app().conf.get("mutex_beat_run_ttl") or RUN_TTL, "mutex_beat_run_ttl"
     )
     attempt = int(request.retries or 0) + int(getattr(request, "mutex_busy_retries", None) or 0)
-    runs = OwnedLocks(cache, permits=1, lease=ttl, prefix=prefix + "beat.run.")
+    runs = OwnedLocks(Mutex(cache, lease=ttl, prefix=prefix + "beat.run."))
     try:
         runs.acquire(
             tick,
@@ -285,7 +277,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
             reason,
         )
         mutex_beat_skipped.send(sender=task, entry=tick, reason=reason)
-        return {"celery_mutex": "skipped", "key": tick, "holder": holder, "reason": reason}
+        return skip_marker("celery_mutex", tick, holder=holder, reason=reason)
     return None
 
 

@@ -1,201 +1,44 @@
-"""The ``mutex={...}`` options of a task: checked when the task class is made, merged
-with the app's ``mutex_*`` settings when the task first runs in a process.
-
-Keys come from the task's bound signature with defaults applied, so ``charge(7)`` and
-``charge(order_id=7)`` lock the same key. An omitted key is the task name plus every
-bound argument in a stable encoding (UUID, datetime, Decimal, Enum, dicts in any order).
-"""
+"""The ``mutex={...}`` options of a task, checked when the task class is made; the shared
+ones (``on_busy``, ``timeout``, ``retry``, ``lease``, ``renew``, ``permits``) mean what
+they mean for RQ and are checked by ``simple_mutex.busy``."""
 
 from __future__ import annotations
 
-import datetime as dt
-import decimal
-import enum
-import inspect
-import json
-import uuid
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from simple_mutex import ConstraintError
-from simple_mutex.busy import RETRY_DEFAULTS, check_on_busy, retry_policy
-from simple_mutex.decorator import key_function
-from simple_mutex.durations import positive_seconds, timeout_seconds
+from simple_mutex.busy import SHARED, check_known, check_option
+from simple_mutex.durations import positive_seconds
 
-OPTIONS = frozenset(
-    {
-        "key",
-        "on_busy",
-        "timeout",
-        "retry",
-        "lease",
-        "renew",
-        "permits",
-        "cache",
-        "prefix",
-        "enqueue",
-        "enqueue_ttl",
-    }
-)
+OPTIONS = SHARED | {"key", "cache", "prefix", "enqueue", "enqueue_ttl"}
 
-DEFAULTS: dict[str, Any] = {
-    "on_busy": "retry",
-    "timeout": None,  # wait: forever; skip/retry/raise: one try
-    "lease": 60.0,  # short, renewed: a killed worker's lock frees within a minute
-    "renew": True,
-    "permits": 1,
+DEFAULTS: dict[str, Any] = {  # of the options only Celery has; the shared ones: BusyPolicy
+    "cache": None,  # no default: the broker is never used silently
     "prefix": "mutex.",
     "enqueue": None,  # off; "return" or "raise" de-duplicates at apply_async
     "enqueue_ttl": 3600.0,  # how long a queued call blocks duplicates at most
-    "retry": RETRY_DEFAULTS,
 }
-
-KeyOf = Callable[[str, tuple[Any, ...], Mapping[str, Any]], str]
-"""(task name, args, kwargs) -> lock key."""
 
 
 def check_options(task_name: str, options: object) -> dict[str, Any]:
     """Validate the per-task dict (unknown names and bad values fail at definition)."""
     if options is None:
         return {}
-    if not isinstance(options, Mapping):
-        raise ConstraintError(f"{task_name}: mutex= must be a dict of options, got {options!r}")
-    unknown = sorted(set(options) - OPTIONS)
-    if unknown:
-        raise ConstraintError(
-            f"{task_name}: unknown mutex option(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(OPTIONS))}"
-        )
-    checked = dict(options)
+    checked = dict(check_known(task_name, "mutex option", options, OPTIONS))
     for name, value in checked.items():
-        if name != "cache":  # a URL or a cache instance: checked when first built
-            check_value(task_name, name, value)
+        check_value(task_name, name, value)
     return checked
 
 
-def check_value(task_name: str, name: str, value: Any) -> Any:
-    where = f"{task_name}: mutex option {name!r}"
-    if name == "on_busy":
-        check_on_busy(where, value)
-    elif name == "timeout":
-        timeout_seconds(value, "timeout")
-    elif name == "lease":
-        positive_seconds(value, "lease")
-    elif name == "renew":
-        if not isinstance(value, bool):
-            raise ConstraintError(f"{where} must be True or False, got {value!r}")
-    elif name == "permits":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConstraintError(f"{where} must be an int >= 1, got {value!r}")
-    elif name == "retry":
-        retry_policy(task_name, value)
-    elif name == "enqueue":
-        if value not in (None, "return", "raise"):
-            raise ConstraintError(f"{where} must be None, 'return' or 'raise', got {value!r}")
+def check_value(where: str, name: str, value: Any) -> Any:
+    """One option's value, as given (a cache is checked when first built, a key when the
+    key function is made)."""
+    if name in SHARED:
+        check_option(where, name, value)
+    elif name == "enqueue" and value not in (None, "return", "raise"):
+        raise ConstraintError(f"{where}: enqueue must be None, 'return' or 'raise', got {value!r}")
     elif name == "enqueue_ttl":
-        positive_seconds(value, "enqueue_ttl")
+        positive_seconds(value, f"{where}: enqueue_ttl")
     elif name == "prefix" and not isinstance(value, str):
-        raise ConstraintError(f"{where} must be a str, got {value!r}")
+        raise ConstraintError(f"{where}: prefix must be a str, got {value!r}")
     return value
-
-
-# -- keys ------------------------------------------------------------------------------
-
-
-def user_signature(run: Callable[..., Any], bound: bool) -> inspect.Signature:
-    """The task's own arguments: ``self`` dropped for ``bind=True`` tasks."""
-    signature = inspect.signature(run)
-    params = list(signature.parameters.values())
-    return signature.replace(parameters=params[1:]) if bound else signature
-
-
-def make_key_of(task_name: str, run: Callable[..., Any], bound: bool, key: object) -> KeyOf:
-    """The key function of a task; a template naming a missing argument fails here."""
-    signature = user_signature(run, bound)
-
-    def logic(*args: Any, **kwargs: Any) -> Any: ...
-
-    logic.__signature__ = signature  # type: ignore[attr-defined]
-    logic.__qualname__ = task_name
-
-    if key is None:
-        return lambda name, args, kwargs: (
-            name + ":" + stable_encoding(_bound_arguments(signature, name, args, kwargs))
-        )
-    if isinstance(key, list | tuple):
-        names = list(key)
-        known = set(signature.parameters)
-        bad = [n for n in names if not isinstance(n, str) or n not in known]
-        if bad or not names:
-            raise ConstraintError(
-                f"{task_name}: key argument names {bad or names!r} are not arguments of the "
-                f"task; its arguments are: {', '.join(sorted(known)) or '(none)'}"
-            )
-
-        def from_names(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            arguments = _bound_arguments(signature, name, args, kwargs)
-            return name + ":" + stable_encoding({n: arguments[n] for n in names})
-
-        return from_names
-    if isinstance(key, str) or callable(key):
-        fn = key_function(logic, key)
-        return lambda name, args, kwargs: fn(*args, **kwargs)
-    raise ConstraintError(
-        f"{task_name}: mutex key must be a template like 'order.{{order_id}}', a callable, "
-        f"a list of argument names, or omitted; got {key!r}"
-    )
-
-
-def _bound_arguments(
-    signature: inspect.Signature, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> dict[str, Any]:
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise ConstraintError(f"arguments do not fit {task_name}: {exc}") from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def stable_encoding(value: Any) -> str:
-    """A canonical text of argument values: equal values, equal text, on any process."""
-    return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"))
-
-
-def _canonical(value: Any) -> Any:
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return repr(value)  # exact, and 1.0 stays apart from 1
-    if isinstance(value, enum.Enum):
-        return {"enum": f"{type(value).__qualname__}.{value.name}"}
-    if isinstance(value, uuid.UUID):
-        return str(value)  # kombu's JSON may deliver a UUID as a str: keep them equal
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(dt.timezone.utc)
-        return {"datetime": value.isoformat()}
-    if isinstance(value, dt.date | dt.time | dt.timedelta):
-        return {type(value).__name__: str(value)}
-    if isinstance(value, decimal.Decimal):
-        return {"decimal": str(value.normalize())}
-    if isinstance(value, Mapping):
-        return {"dict": sorted(([_key_text(k), _canonical(v)] for k, v in value.items()))}
-    if isinstance(value, list | tuple):
-        return [_canonical(v) for v in value]
-    if isinstance(value, set | frozenset):
-        return {"set": sorted(stable_encoding(v) for v in value)}
-    if isinstance(value, bytes):
-        return {"bytes": value.hex()}
-    pk = getattr(value, "pk", None)  # a Django model, say: its type and primary key
-    if pk is not None:
-        model = f"{type(value).__module__}.{type(value).__qualname__}"
-        return {"model": model, "pk": _canonical(pk)}
-    raise ConstraintError(
-        f"cannot build a stable lock key from a {type(value).__qualname__}; pass key= as a "
-        "template or a callable that picks what identifies the work"
-    )
-
-
-def _key_text(key: Any) -> str:
-    return key if isinstance(key, str) else stable_encoding(key)

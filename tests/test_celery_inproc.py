@@ -180,7 +180,7 @@ def test_lock_is_freed_on_every_ending(mutex_worker, mutex_locks, order_id, task
 def test_retry_of_same_task_id_reenters_but_redelivery_does_not(mutex_worker, order_id):
     """A record left by attempt 0 of task X: X's retry (retries=1) takes it over; another
     task, or a copy of attempt 0 (an acks_late redelivery), finds it busy."""
-    locks = OwnedLocks(cache_from_url(REDIS_URL), permits=1, lease=30, prefix=PREFIX)
+    locks = OwnedLocks(Mutex(cache_from_url(REDIS_URL), lease=30, prefix=PREFIX))
     x, z = f"x-{order_id}", f"z-{order_id}"
     old = locks.acquire(f"order.{order_id}", owner=x, attempt=0, timeout=0, renew=False, label="")
     other = locks.acquire(

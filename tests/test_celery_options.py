@@ -15,7 +15,7 @@ from celery import Celery
 
 # isort: split
 from celery_mutex import MutexTask, current_lease, is_skipped
-from celery_mutex.options import stable_encoding
+from celery_mutex.keys import stable_encoding
 from simple_mutex import ConstraintError, InMemoryCache, Mutex
 
 
@@ -150,7 +150,7 @@ def test_django_namespace_settings_are_read():
     cfg = task._mutex_config()
     assert isinstance(cfg.locks.space.cache, InMemoryCache)
     assert cfg.locks.space.lease == 5
-    assert cfg.on_busy == "skip"
+    assert cfg.policy.on_busy == "skip"
 
 
 def test_task_options_override_app_settings_and_bad_settings_fail():
@@ -163,8 +163,8 @@ def test_task_options_override_app_settings_and_bad_settings_fail():
     def task(n: int) -> None: ...
 
     cfg = task._mutex_config()
-    assert (cfg.locks.space.lease, cfg.on_busy) == (9, "skip")
-    assert (cfg.retry.countdown, cfg.retry.cap, cfg.retry.backoff) == (3, 10, 2)  # merged
+    assert (cfg.locks.space.lease, cfg.policy.on_busy) == (9, "skip")
+    assert (cfg.policy.retry.countdown, cfg.policy.retry.cap, cfg.policy.retry.backoff) == (3, 10, 2)  # merged
     bad = _app(mutex_cache="memory://", mutex_on_busy="later")
 
     @bad.task(shared=False, base=MutexTask)
