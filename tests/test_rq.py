@@ -30,7 +30,7 @@ from rq_support import jobs
 from workers import ROOT, release_later, start, stop, wait_until
 
 # isort: split
-from rq_mutex import current_lease, is_skipped, mutex_job
+from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
 from rq_mutex.job import NO_SCHEDULER_FLAG
 from simple_mutex import ConstraintError, Mutex, Semaphore
 from simple_mutex.caches import RedisCache
@@ -437,7 +437,8 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
         time.sleep(6)
     finally:
         stop(procs)
-    ticks = [job.meta.get("rq_mutex_tick") for job in guarded.get_jobs()]
+    enqueued = guarded.get_jobs()
+    ticks = [job.meta.get("rq_mutex_tick") for job in enqueued]
     assert len(ticks) >= 3
     assert len(set(ticks)) == len(ticks)  # each tick once
     assert all(isinstance(t, str) and t.startswith(f"{run}-1@") for t in ticks)
@@ -449,6 +450,8 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     # A duplicate of a tick that already ran (as an unguarded producer would send it):
     duplicate = guarded.enqueue(jobs.ticked, f"{run}-1", meta={"rq_mutex_tick": ticks[0]})
     burst(guarded)
+    assert first_run_of_tick(enqueued[0])  # its own tick again (a retry): still first
+    assert not first_run_of_tick(duplicate)
     assert duplicate.return_value()["reason"] == "duplicate tick"
     assert is_skipped(duplicate.return_value())
     assert len(records(conn, f"{run}-1", "ticks")) == len(ticks)
