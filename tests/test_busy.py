@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -22,14 +22,13 @@ from simple_mutex import (
 from simple_mutex.busy import (
     BusyPolicy,
     PerProcess,
-    RetryPolicy,
     current_lease,
     is_skipped,
-    retry_policy,
     running,
     shared_cache,
     skip_marker,
 )
+from simple_mutex.busy.policy import RetryPolicy, retry_policy
 from simple_mutex.interrupt import LeaseInterrupt
 
 # -- the retry schedule -----------------------------------------------------------------
@@ -199,12 +198,8 @@ def test_per_process_builds_once_per_key_even_under_threads():
         return object()
 
     memo: PerProcess[object] = PerProcess(build)
-    values: list[object] = []
-    threads = [threading.Thread(target=lambda: values.append(memo.get("a"))) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(8) as pool:
+        values = list(pool.map(lambda _: memo.get("a"), range(8)))
     assert built == ["a"]
     assert all(v is values[0] for v in values)
     assert memo.get("b") is not values[0]

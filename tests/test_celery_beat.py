@@ -51,6 +51,7 @@ def ts(*args: int) -> float:
 
 
 def test_interval_slots_are_epoch_aligned_whatever_the_start() -> None:
+    """An interval slot is the period containing now, counted from the epoch."""
     every = schedule(dt.timedelta(seconds=10))
     base = ts(2026, 11, 29, 11, 15, 0)
     assert tick_slot(every, base)[0] == "2026-11-29T11:15:00Z"
@@ -74,6 +75,7 @@ def test_interval_slots_are_epoch_aligned_whatever_the_start() -> None:
     ],
 )
 def test_cron_slot_is_the_last_due_time(cron: Any, now: tuple[int, ...], due: tuple[int, ...]):
+    """A crontab slot is its most recent due minute at or before now."""
     cron.app = Celery(set_as_current=False)
     now_dt = dt.datetime(*now, tzinfo=UTC)
     assert cron_slot(cron, now_dt) == dt.datetime(*due, tzinfo=UTC)
@@ -83,6 +85,7 @@ def test_cron_slot_is_the_last_due_time(cron: Any, now: tuple[int, ...], due: tu
 
 
 def test_cron_slot_in_another_time_zone() -> None:
+    """A crontab in the app's time zone gets its due minute written in UTC."""
     app = Celery(set_as_current=False)
     app.conf.timezone = "Europe/Paris"  # 04:00 Paris = 03:00 UTC in November
     cron = crontab(minute=0, hour=4, app=app)
@@ -91,6 +94,7 @@ def test_cron_slot_in_another_time_zone() -> None:
 
 
 def test_mutex_scheduler_fires_interval_entries_on_boundaries(monkeypatch) -> None:
+    """MutexScheduler fires an interval entry just past each epoch-aligned boundary."""
     app = Celery(set_as_current=False)
     sched = MutexScheduler.__new__(MutexScheduler)  # is_due needs no state
     sched.app = app
@@ -125,6 +129,7 @@ class _Recording(MutexSchedulerMixin, Scheduler):  # type: ignore[misc]
 
 
 def test_two_guarded_schedulers_send_each_slot_once() -> None:
+    """Two guarded beats on one cache: one sends, stamped, the entry itself unchanged."""
     app = Celery(set_as_current=False)
     app.conf.mutex_beat_cache = InMemoryCache()  # shared by both "beats" here
     sent: list[tuple[str, dict[str, Any]]] = []
@@ -170,6 +175,7 @@ def test_crontab_entry_goes_out_once_per_due_minute(monkeypatch) -> None:
 
 
 def test_guard_without_a_cache_names_the_setting() -> None:
+    """No cache: the guard fails as beat starts, and at a send, naming mutex_cache."""
     beat = _Recording(Celery(set_as_current=False), [])
     entry = ScheduleEntry(name="e", task="t", schedule=schedule(1.0), app=beat.app)
     with pytest.raises(Exception, match="mutex_cache"):
@@ -179,6 +185,8 @@ def test_guard_without_a_cache_names_the_setting() -> None:
 
 
 def test_worker_side_record_drops_copies_and_redeliveries_but_not_retries() -> None:
+    """A second message of a tick, or the same one again, is dropped with its reason;
+    the tick's own Task.retry and busy retry go on."""
     cache = cache_from_url(REDIS_URL)
     prefix = f"cmbu{uuid.uuid4().hex[:8]}."
     tick = "report@2026-11-29T11:15:00Z"
@@ -324,6 +332,8 @@ def test_three_plain_beats_send_duplicates(cluster: Cluster) -> None:
 
 @pytest.mark.slow
 def test_worker_drops_a_second_copy_of_a_tick_and_keeps_its_retries(cluster: Cluster) -> None:
+    """Two messages of one tick to a real worker: one runs, one is dropped and counted;
+    a stamped task that retries itself still runs."""
     run = "drop-" + uuid.uuid4().hex[:6]
     tick = {HEADER: f"manual@{run}"}
     first = cluster.app.send_task("celery_support.beat_app.guarded", (run, 1), headers=tick)

@@ -154,20 +154,6 @@ def test_busy_retry_in_burst_without_then_with_scheduler(conn, run, queue, locks
     assert [r["key"] for r in records(conn, run)] == [f"retry.{run}"]
 
 
-def test_retry_max_exhausted_fails_the_job(conn, run, queue, locks):
-    """retry max=0: a busy job fails at once with SimpleMutexAcquireTimeoutError."""
-
-    held = locks.acquire(f"ser.{run}.x")
-    try:
-        job = queue.enqueue(jobs.serialized_no_retry, run, "x", 1)
-        burst(queue)
-    finally:
-        held.release()
-    assert job.get_status(refresh=True) == JobStatus.FAILED
-    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
-    assert "after 0 busy retries" in exc_text(job)
-
-
 # -- skip, raise, wait ---------------------------------------------------------------------
 
 
@@ -188,21 +174,23 @@ def test_skip_finishes_with_marker(conn, run, queue, locks, worker_class):
     assert len(records(conn, run)) == 1
 
 
-def test_raise_fails_the_job(conn, run, queue, locks):
-    held = locks.acquire(f"raise.{run}")
-    try:
-        job = queue.enqueue(jobs.raiser, run)
+def test_raise_and_exhausted_retries_fail_the_job(conn, run, queue, locks):
+    """on_busy="raise", and "retry" with max=0, fail a busy job at once with
+    SimpleMutexAcquireTimeoutError; neither body ran."""
+    with locks.acquire(f"raise.{run}"), locks.acquire(f"ser.{run}.x"):
+        raised = queue.enqueue(jobs.raiser, run)
+        exhausted = queue.enqueue(jobs.serialized_no_retry, run, "x", 1)
         burst(queue)
-    finally:
-        held.release()
-    assert job.get_status(refresh=True) == JobStatus.FAILED
-    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    for job in (raised, exhausted):
+        assert job.get_status(refresh=True) == JobStatus.FAILED
+        assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    assert "after 0 busy retries" in exc_text(exhausted)
     assert records(conn, run) == []
 
 
 def test_wait_blocks_until_free(conn, run, queue, locks):
-    held = locks.acquire(f"wait.{run}")
-    timer = release_later(held, 0.5)
+    """on_busy="wait": the job runs once the holder lets go, half a second later."""
+    timer = release_later(locks.acquire(f"wait.{run}"), 0.5)
     job = queue.enqueue(jobs.waiter, run)
     started = time.monotonic()
     burst(queue)
@@ -260,8 +248,8 @@ def test_lease_is_readable_and_released(conn, run, queue, locks):
 
 
 def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
-    held = locks.acquire(f"kw.{run}.1.2")
-    try:
+    """f(1), f(a=1), f(run=..., a=1, b=2) and f(1, 2) lock one key; f(3) another."""
+    with locks.acquire(f"kw.{run}.1.2"):
         calls = [
             queue.enqueue(jobs.keyed, run, 1),
             queue.enqueue(jobs.keyed, run, a=1),
@@ -270,8 +258,6 @@ def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
             queue.enqueue(jobs.keyed, run, 3),  # another key: runs
         ]
         burst(queue)
-    finally:
-        held.release()
     results = [job.return_value() for job in calls]
     assert all(is_skipped(r) and r["key"] == f"kw.{run}.1.2" for r in results[:4])
     assert results[4] == 5

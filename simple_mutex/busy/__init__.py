@@ -12,33 +12,18 @@ the other, and nothing here imports either.
 from __future__ import annotations
 
 from .per_process import PerProcess, shared_cache
-from .policy import (
-    ON_BUSY,
-    SHARED,
-    BusyPolicy,
-    RetryPolicy,
-    check_bool,
-    check_known,
-    check_on_busy,
-    check_option,
-    retry_policy,
-)
+from .policy import SHARED, BusyPolicy, check_known, check_option
 from .running import SKIPPED, current_lease, is_skipped, running, skip_marker
 
 __all__ = [
-    "ON_BUSY",
     "SHARED",
     "SKIPPED",
     "BusyPolicy",
     "PerProcess",
-    "RetryPolicy",
-    "check_bool",
     "check_known",
-    "check_on_busy",
     "check_option",
     "current_lease",
     "is_skipped",
-    "retry_policy",
     "running",
     "shared_cache",
     "skip_marker",

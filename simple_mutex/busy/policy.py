@@ -151,8 +151,8 @@ def retry_policy(where: str, value: object) -> RetryPolicy:
     """``retry={...}`` merged over the defaults; unknown fields and bad values raise."""
     given = check_known(where, "retry field", {} if value is None else value, RETRY_FIELDS)
     merged = {**dataclasses.asdict(RetryPolicy()), **given}
-    countdown = positive_seconds(merged["countdown"], "retry countdown")
-    cap = positive_seconds(merged["cap"], "retry cap")
+    countdown = positive_seconds(merged["countdown"], f"{where}: retry countdown")
+    cap = positive_seconds(merged["cap"], f"{where}: retry cap")
     backoff = merged["backoff"]
     if isinstance(backoff, bool) or not isinstance(backoff, int | float) or not backoff >= 1:
         raise ConstraintError(f"{where}: retry backoff must be a number >= 1, got {backoff!r}")
