@@ -14,8 +14,8 @@ Lifecycle of one request (the lock is owned by the task id, see ``_owned``)::
     parent         task_failure (WorkerLostError, hard TimeLimitExceeded) and task_revoked
                    (terminate=True) free the dead child's lock by its task id (safety_net)
 
-Options merge with the app's settings once per process (config); what busy means is
-``simple_mutex.busy``'s, shared with RQ.
+Options are checked at definition and merged with the app's settings once per process
+(config); what busy means is ``simple_mutex.busy``'s, shared with RQ.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from simple_mutex import ConstraintError
 
 from . import acquire, enqueue
 from ._celery import Task
-from .config import Config, config_of
+from .config import Config, check_options, config_of
 from .keys import KeyOf, make_key_of
-from .options import check_options
 from .run import guarded
 
 

@@ -63,19 +63,12 @@ def mutex_job(
     """Make a job function take a lease lock on ``key`` for each run.
 
     ``key``: a template over the function's arguments (``"order.{order_id}"``, bound with
-    defaults, so ``f(7)`` and ``f(order_id=7)`` share a lock) or a callable taking the same
-    arguments. ``on_busy``: ``"retry"`` (return ``rq.Retry``: the same job runs again
-    later; needs a worker started with ``--with-scheduler``), ``"skip"`` (finish with a
-    marker that ``is_skipped`` recognizes), ``"wait"`` (block until free), ``"raise"``
-    (fail with SimpleMutexAcquireTimeoutError). ``timeout``: how long to wait before
-    ``on_busy`` applies (``wait``: None = forever; the others: one try).
-    ``retry``: ``{"countdown": 1, "backoff": 2, "jitter": True, "cap": 60, "max": None}``,
-    the busy-retry schedule in seconds. ``lease``/``renew``: hold length, renewed while the
-    body runs; a killed work horse's lock frees within one lease. ``permits``: N > 1 allows
-    N runs per key at once. ``cache``: a simple-mutex cache, a raw client or a URL; by
-    default Redis on the job's own connection.
-
-    Bad options and key templates raise ConstraintError here, when decorating.
+    defaults, so ``f(7)`` and ``f(order_id=7)`` share a lock) or a callable taking them.
+    The other options mean what they mean for Celery's ``MutexTask`` (README, "Celery"):
+    ``on_busy`` skip / retry (returns ``rq.Retry``: start workers ``--with-scheduler``) /
+    wait / raise, ``timeout``, ``retry={"countdown", "backoff", "jitter", "cap", "max"}``,
+    ``lease`` and ``renew``, ``permits``. ``cache``: a cache, a raw client or a URL; by
+    default Redis on the job's own connection. Bad options raise ConstraintError here.
     """
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
