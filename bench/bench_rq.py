@@ -16,19 +16,12 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for path in (str(ROOT), str(HERE)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import redis
+from rq import Queue, SimpleWorker
 
-import redis  # noqa: E402
-from rq import Queue, SimpleWorker  # noqa: E402
-
-from rq_mutex import mutex_job  # noqa: E402
+from rq_mutex import mutex_job
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -59,7 +52,7 @@ def drain(conn: redis.Redis, fn: Callable[..., Any], count: int) -> float:
 
 
 def main() -> None:
-    import bench_rq  # this file by name: RQ refuses functions from __main__
+    import bench_rq  # this file by name (its folder is sys.path[0]): RQ refuses __main__
 
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3

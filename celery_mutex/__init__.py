@@ -13,8 +13,18 @@ while the body runs, and released on every way the task ends.
 
 from __future__ import annotations
 
-from . import signals
-from .errors import AlreadyQueuedError
-from .task import SKIPPED, MutexTask, current_lease, is_skipped
+from simple_mutex.busy import SKIPPED, current_lease, is_skipped
 
-__all__ = ["SKIPPED", "AlreadyQueuedError", "MutexTask", "current_lease", "is_skipped", "signals"]
+from . import safety_net, signals
+from .errors import AlreadyQueuedError
+from .task import MutexTask
+
+__all__ = [
+    "SKIPPED",
+    "AlreadyQueuedError",
+    "MutexTask",
+    "current_lease",
+    "is_skipped",
+    "safety_net",  # imported for its signal handlers (release on every ending)
+    "signals",
+]

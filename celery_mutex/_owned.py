@@ -1,19 +1,11 @@
-"""Locks owned by a Celery task id.
-
-A task needs a token derived from its id (the core's default is random), so that
-
-* a retry of the same task id (``Task.retry`` publishes the new message *before* the old
-  run unwinds) can take over the record its previous attempt still holds, and
-* the worker's parent process, which sees a child die (``WorkerLostError``, hard time
-  limit, ``revoke(terminate=True)``), can free that child's lock by compare-and-delete.
-
-The token is ``"<owner>.<attempt>"``: ``owner`` the task id (hashed when it holds
-characters a JSON record or a log should not carry),
-``attempt`` the task's ``retries``. Re-entry needs a *lower* attempt in the record: an
-``acks_late`` redelivery of the same attempt (its holder may still be running, e.g. after
-a visibility timeout) is treated as busy and gets the lock only once the holder frees it
-or its lease lapses (DESIGN §6). The compare-and-set and compare-and-delete themselves are
-the core's (``take_over``, ``release_where``).
+"""Locks owned by a Celery task id: the token is ``"<owner>.<attempt>"``, ``owner`` the
+task id (hashed when it holds characters a record or a log should not carry), ``attempt``
+the task's ``retries``. So the worker's parent, which sees a child die (WorkerLostError,
+hard time limit, ``revoke(terminate=True)``), can free that child's lock by owner
+(``release_where``), and a retry of the same task id, which ``Task.retry`` publishes
+*before* the old run unwinds, takes over the record its earlier attempt still holds
+(``take_over``). An ``acks_late`` redelivery of the *same* attempt (its holder may still
+run) is busy until the holder frees the lock or its lease lapses (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -39,14 +31,10 @@ def _split(token: str) -> tuple[str, int]:
 
 
 class OwnedLocks:
-    """A Mutex (``permits == 1``) or Semaphore whose holders are task ids."""
+    """A Mutex or Semaphore whose holders are task ids."""
 
-    def __init__(self, cache: object, *, permits: int, lease: float, prefix: str) -> None:
-        self.space: Mutex | Semaphore
-        if permits == 1:
-            self.space = Mutex(cache, lease=lease, prefix=prefix)
-        else:
-            self.space = Semaphore(cache, permits=permits, lease=lease, prefix=prefix)
+    def __init__(self, space: Mutex | Semaphore) -> None:
+        self.space = space
 
     def acquire(
         self,
@@ -79,6 +67,10 @@ class OwnedLocks:
         return self.space.release_where(key, lambda held: _split(held)[0] == owner)
 
     def holder_label(self, key: str) -> str | None:
-        """The label of a current holder of ``key`` (``task.name[task id]``), if any."""
-        holder = self.space.holder(key)
+        """The label of a current holder of ``key`` (``task.name[task id]``), if any; None
+        also when it cannot be read (it is for logs, markers and a second try)."""
+        try:
+            holder = self.space.holder(key)
+        except Exception:
+            return None
         return None if holder is None else holder.label

@@ -7,51 +7,23 @@
 
 Every beat stays active. Before sending an entry, a beat computes the entry's **slot**, the
 same in every beat process whatever its start time, and claims ``"<entry name>@<slot>"``
-in the shared cache with one put-if-absent (``Mutex.try_acquire``). Only the winner sends;
-the claim is never released and lapses by itself after a few periods. The winner stamps
-``mutex_beat_slot: "<entry>@<slot>"`` into the message headers, so a ``MutexTask`` on the
-worker drops a second copy of a tick (a duplicate publish, a redelivery) and records why.
+in the shared cache with one put-if-absent (``Mutex.try_acquire``, never released: it
+lapses after ``max(3 periods, 10 s)``). Only the winner sends, stamping the slot into the
+``mutex_beat_slot`` header, so a ``MutexTask`` on the worker drops a second copy of a tick.
 
-Slots:
+Slots: ``crontab``, the most recent due minute (UTC); an interval, the period containing
+now counted from the Unix epoch (``MutexScheduler`` also fires intervals on those
+boundaries, so no beat drifts over a slot edge); ``solar`` and custom schedules, the UTC
+minute. A beat's clock decides its slots, so skew between hosts below the claim's
+lifetime only delays the beats that are behind. ``MutexSchedulerMixin`` guards other
+schedulers (``class S(MutexSchedulerMixin, DatabaseScheduler)``); there intervals fire
+when *they* say, so only crontab ticks are exact.
 
-* ``crontab``: the most recent due time at or before now, to the minute, in UTC
-  (``"2026-11-29T04:00Z"``); wall-clock aligned, so every beat computes the same one.
-* interval (``timedelta``, a number of seconds, ``schedule(run_every)``): the period that
-  contains now, counted from the Unix epoch: ``floor(now / period)``, written as the UTC
-  start of that period (``"2026-11-29T11:15:03Z"``). ``MutexScheduler`` also *fires*
-  interval entries on those boundaries (not ``last_run_at + period`` as Celery does), so
-  every beat sends at each boundary and none drifts over a slot edge.
-* ``solar`` and custom schedules: the UTC minute of the send (at most one send a minute).
-
-Clock skew between beat hosts. A beat computes slots from its own clock and fires at its
-own boundaries, so a skew never makes two beats claim different slots for one tick; it
-only delays the beats that are behind, whose claims then find the slot taken. This holds
-while the skew stays below the claim's lifetime (``max(3 periods, 10 s)``, at most 7
-days). The tick goes out at the boundary of the fastest clock, so keep skew well below the
-period (NTP keeps it in milliseconds) if runs must start on time.
-
-Other schedulers: ``MutexSchedulerMixin`` wraps ``Scheduler.apply_async`` only::
-
-    # django-celery-beat (from django_celery_beat.schedulers import DatabaseScheduler):
-    class GuardedDatabaseScheduler(MutexSchedulerMixin, DatabaseScheduler): ...
-    # redbeat (from redbeat import RedBeatScheduler):
-    class GuardedRedBeatScheduler(MutexSchedulerMixin, RedBeatScheduler): ...
-
-With them, interval entries fire when *their* scheduler says (``last_run_at + period``),
-so two beats out of phase can straddle a slot edge: each slot still goes out at most once,
-but one tick can then go out twice (as two slots) and a slot can stay empty. Crontab entries are
-exact with any scheduler. Entries whose task the beat did not import (Celery then calls
-``send_task``) are guarded the same way: the guard sits in ``apply_async``, before both.
-
-A slot goes out at most once. It goes out exactly once unless the winning beat dies (or
-its publish fails) in the instant between its claim and its publish: the others found the
-slot claimed, so that one tick is lost and the next one runs. If the cache cannot be
-reached, the beat does not send (it fails closed: ``SchedulingError``, which Celery logs
-as "Message Error"; the next slot is tried as usual); a beat that reaches it still sends.
-
-Settings (``app.conf``): ``mutex_beat_cache`` (URL or cache instance; default
-``mutex_cache``), ``mutex_prefix`` (default ``"mutex."``; claims live under
-``<prefix>beat.``), ``mutex_beat_run_ttl`` (worker side, see ``drop_duplicate_tick``).
+A slot goes out at most once; exactly once unless the winner dies between its claim and
+its publish. An unreachable cache sends nothing (``SchedulingError``: fails closed).
+Settings: ``mutex_beat_cache`` (default ``mutex_cache``), ``mutex_prefix`` (claims live
+under ``<prefix>beat.``), ``mutex_beat_run_ttl`` (worker side: ``drop_duplicate_tick``).
+The README's "Several beats, each tick once" says more.
 """
 
 from __future__ import annotations
@@ -60,11 +32,11 @@ import datetime as dt
 import heapq
 import logging
 import math
-import os
 import time
 from typing import Any
 
-from simple_mutex import ConstraintError, Mutex, SimpleMutexAcquireTimeoutError, cache_from_url
+from simple_mutex import ConstraintError, Mutex, SimpleMutexAcquireTimeoutError
+from simple_mutex.busy import shared_cache, skip_marker
 from simple_mutex.durations import positive_seconds
 
 from ._celery import Signal
@@ -160,13 +132,9 @@ class MutexSchedulerMixin:
     """Adds the per-tick guard to a ``celery.beat.Scheduler`` subclass (put it first)."""
 
     app: Any
-    _mutex_beat: tuple[int, Any, str] | None = None
 
     def _mutex_beat_cache(self) -> tuple[Any, str]:
-        """The claim cache, built once per process (after a fork too)."""
-        held = self._mutex_beat
-        if held is not None and held[0] == os.getpid():
-            return held[1], held[2]
+        """The claim cache (one per process: a forked beat builds its own) and prefix."""
         conf = self.app.conf
         cache = conf.get("mutex_beat_cache") or conf.get("mutex_cache")
         if cache is None:
@@ -174,11 +142,7 @@ class MutexSchedulerMixin:
                 "celery_mutex.beat: no cache for beat claims; set app.conf.mutex_cache or "
                 "app.conf.mutex_beat_cache (e.g. 'redis://host:6379/0'), shared by every beat"
             )
-        if isinstance(cache, str):
-            cache = cache_from_url(cache)
-        prefix = (conf.get("mutex_prefix") or "mutex.") + "beat."
-        self._mutex_beat = (os.getpid(), cache, prefix)
-        return cache, prefix
+        return shared_cache(cache), (conf.get("mutex_prefix") or "mutex.") + "beat."
 
     def setup_schedule(self) -> None:
         self._mutex_beat_cache()  # no cache configured: fail as beat starts, not at each tick
@@ -262,7 +226,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
         task._get_app().conf.get("mutex_beat_run_ttl") or RUN_TTL, "mutex_beat_run_ttl"
     )
     attempt = int(request.retries or 0) + int(getattr(request, "mutex_busy_retries", None) or 0)
-    runs = OwnedLocks(cache, permits=1, lease=ttl, prefix=prefix + "beat.run.")
+    runs = OwnedLocks(Mutex(cache, lease=ttl, prefix=prefix + "beat.run."))
     try:
         runs.acquire(
             tick,
@@ -285,7 +249,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
             reason,
         )
         mutex_beat_skipped.send(sender=task, entry=tick, reason=reason)
-        return {"celery_mutex": "skipped", "key": tick, "holder": holder, "reason": reason}
+        return skip_marker("celery_mutex", tick, holder=holder, reason=reason)
     return None
 
 

@@ -20,8 +20,10 @@ Several ``rq cron`` processes enqueue each tick once after one line in the cron 
 
 from __future__ import annotations
 
+from simple_mutex.busy import SKIPPED, current_lease, is_skipped
+
 from .cron import first_run_of_tick, once_per_tick
-from .job import SKIPPED, current_lease, is_skipped, mutex_job
+from .job import mutex_job
 
 __all__ = [
     "SKIPPED",

@@ -5,23 +5,24 @@ line in the cron config file turns that off::
 
     from rq_mutex.cron import once_per_tick; once_per_tick()
 
-Enqueue side: before a cron job is enqueued, the process claims its tick in Redis
-(``SET NX``, on the scheduler's own connection); a process that finds the claim taken
-skips that tick and moves on to the next. A cron-string job's tick is its scheduled time
+Enqueue side: before a cron job is enqueued, the process claims its tick: a ``Mutex``
+``try_acquire`` on Redis over the scheduler's own connection, under ``rq_mutex:tick:``,
+with a lease as long as the claim must live (never released); a process that finds the
+claim taken skips that tick and moves on to the next. A cron-string job's tick is its scheduled time
 (the same in every process); an interval job has no shared tick (each process counts from
 its own start), so it claims a window of ``interval`` seconds (less a tenth, at most one
 second, for scheduling jitter) instead.
 
-Run side: the enqueued job carries its tick in ``job.meta["rq_mutex_tick"]``; a
-``mutex_job`` drops a second copy of a tick it sees (it finishes with the skip marker,
-``reason="duplicate tick"``). Other job functions can call ``first_run_of_tick()``.
+Run side: the enqueued job carries its tick in ``job.meta["rq_mutex_tick"]``. The first
+job id to run a tick records it the same way (under ``rq_mutex:tick-ran:``, labelled
+with the job id); a ``mutex_job`` drops a second copy of a tick it sees (it finishes
+with the skip marker, ``reason="duplicate tick"``). Other job functions can call
+``first_run_of_tick()``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from typing import Any
 
@@ -30,12 +31,16 @@ from rq import get_current_job
 from rq.cron import CronJob
 from rq.job import Job
 
+from simple_mutex import Mutex
+
+from .connection import cache_on
+
 log = logging.getLogger("rq_mutex")
 
 META_TICK = "rq_mutex_tick"
-CLAIM_PREFIX = "rq_mutex:tick:"  # + "<cron job name>@<tick>": who enqueued it
+CLAIM_PREFIX = "rq_mutex:tick:"  # + "<cron job name>@<tick>": which process enqueued it
 RAN_PREFIX = "rq_mutex:tick-ran:"  # + the same: which job id ran it
-CLAIM_TTL = 600  # s; a cron process lagging further behind than this could enqueue again
+CLAIM_TTL = 600.0  # s; a cron process lagging further behind than this could enqueue again
 
 _GUARD_FLAG = "_rq_mutex_once_per_tick"
 
@@ -50,10 +55,9 @@ def once_per_tick() -> None:
         return
 
     def enqueue(self: CronJob, connection: Redis) -> Job | None:
-        slot, tick, ttl_ms = _tick_of(self)
-        claim = CLAIM_PREFIX + slot
-        me = f"{socket.gethostname()}:{os.getpid()}"
-        if not connection.set(claim, me, nx=True, px=ttl_ms):
+        slot, tick, lifetime = _tick_of(self)
+        claims = Mutex(cache_on(connection), lease=lifetime, prefix=CLAIM_PREFIX, label="rq cron")
+        if claims.try_acquire(slot) is None:
             log.info("rq_mutex: cron tick %s already enqueued by another process", tick)
             return None  # CronScheduler.enqueue_jobs ignores it and moves to the next tick
         options = self.job_options
@@ -67,15 +71,15 @@ def once_per_tick() -> None:
     CronJob.enqueue = enqueue  # type: ignore[assignment,method-assign]
 
 
-def _tick_of(cron_job: CronJob) -> tuple[str, str, int]:
-    """(claim slot, tick id for the job, claim lifetime in ms) of the tick being enqueued."""
+def _tick_of(cron_job: CronJob) -> tuple[str, str, float]:
+    """(claim slot, tick id for the job, claim lifetime in s) of the tick being enqueued."""
     if cron_job.cron and cron_job.next_enqueue_time is not None:
         tick = f"{cron_job.name}@{cron_job.next_enqueue_time.timestamp():.0f}"
-        return tick, tick, CLAIM_TTL * 1000
+        return tick, tick, CLAIM_TTL
     interval_ms = int((cron_job.interval or 1) * 1000)
     window = max(1, interval_ms - min(1000, interval_ms // 10))
     tick = f"{cron_job.name}@{time.time():.3f}"  # the window's owner names its run
-    return f"{cron_job.name}@every-{interval_ms}ms", tick, window
+    return f"{cron_job.name}@every-{interval_ms}ms", tick, window / 1000
 
 
 def first_run_of_tick(job: Job | None = None) -> bool:
@@ -88,10 +92,8 @@ def first_run_of_tick(job: Job | None = None) -> bool:
     tick = meta.get(META_TICK)
     if not isinstance(tick, str):
         return True
-    connection = job.connection
-    if connection.set(RAN_PREFIX + tick, job.id, nx=True, ex=CLAIM_TTL):
+    runs = Mutex(cache_on(job.connection), lease=CLAIM_TTL, prefix=RAN_PREFIX, label=job.id)
+    if runs.try_acquire(tick) is not None:
         return True
-    first = connection.get(RAN_PREFIX + tick)
-    if isinstance(first, bytes):
-        first = first.decode()
-    return first == job.id
+    first = runs.holder(tick)  # None: the record lapsed meanwhile, so this is not the first
+    return first is not None and first.label == job.id

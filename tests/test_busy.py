@@ -1,45 +1,231 @@
-"""The busy policy Celery and RQ share (simple_mutex.busy)."""
+"""The busy policy Celery and RQ share (simple_mutex.busy), and that both go through it."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from simple_mutex import ConstraintError
-from simple_mutex.busy import check_on_busy, retry_policy
+import pytest
+from celery import Celery
+
+from celery_mutex import MutexTask
+from rq_mutex import mutex_job
+from simple_mutex import (
+    ConstraintError,
+    InMemoryCache,
+    Mutex,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+)
+from simple_mutex.busy import (
+    BusyPolicy,
+    PerProcess,
+    current_lease,
+    is_skipped,
+    running,
+    shared_cache,
+    skip_marker,
+)
+from simple_mutex.busy.policy import RetryPolicy, retry_policy
+from simple_mutex.interrupt import LeaseInterrupt
+
+# -- the retry schedule -----------------------------------------------------------------
 
 
 def test_retry_delays_grow_by_backoff_and_stop_at_the_cap():
     """countdown * backoff**n, capped; without jitter exactly that."""
     policy = retry_policy("t", {"countdown": 1, "backoff": 2, "cap": 5, "jitter": False})
-    assert [policy.delay(n, 0.0) for n in range(5)] == [1, 2, 4, 5, 5]
+    assert [policy.delay(n) for n in range(5)] == [1, 2, 4, 5, 5]
 
 
 def test_jitter_keeps_each_delay_within_half_to_one_and_a_half():
-    """With jitter a delay lies in [0.5, 1.5) of the unjittered one."""
+    """With jitter a delay lies in [0.5, 1.5) of the unjittered one, drawn at random."""
     policy = retry_policy("t", {"countdown": 2, "backoff": 1})
     assert policy.delay(0, 0.0) == 1.0
     assert policy.delay(0, 0.999) == pytest.approx(2.998)
+    drawn = {policy.delay(0) for _ in range(20)}
+    assert len(drawn) > 1
+    assert all(1.0 <= d < 3.0 for d in drawn)
+
+
+def test_retry_budget_sums_the_delays_up_to_max():
+    """The budget is what all retries would wait; a huge max is summed without a loop."""
+    assert RetryPolicy().budget() == float("inf")
+    assert RetryPolicy(max=0).budget() == 0
+    assert RetryPolicy(countdown=1, backoff=2, cap=5, max=4).budget() == 1 + 2 + 4 + 5
+    started = time.monotonic()
+    assert RetryPolicy(countdown=1, backoff=2, cap=5, max=10**9).budget() == pytest.approx(5e9)
+    assert time.monotonic() - started < 0.1
+
+
+# -- what busy means, in a worker and synchronously ---------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("value", "fragment"),
+    ("options", "in_worker", "synchronously"),
     [
-        ({"delay": 1}, "unknown retry field"),
-        ({"backoff": 0.5}, "backoff must be a number >= 1"),
-        ({"jitter": "yes"}, "jitter must be True or False"),
-        ({"max": -1}, "max must be None or an int >= 0"),
-        ("often", "retry must be a dict"),
+        ({"on_busy": "wait"}, None, None),
+        ({"on_busy": "wait", "timeout": 5}, 5, 5),
+        ({"on_busy": "skip"}, 0, 0),
+        ({"on_busy": "raise", "timeout": 2}, 2, 2),
+        ({"on_busy": "retry"}, 0, 60),  # synchronously: one lease, the retries are endless
+        ({"on_busy": "retry", "lease": 9}, 0, 9),
+        ({"on_busy": "retry", "retry": {"countdown": 0.1, "backoff": 1, "max": 3}}, 0, 0.3),
+        ({"on_busy": "retry", "timeout": 2}, 2, 2),
     ],
 )
-def test_bad_retry_settings_name_the_fix(value, fragment):
-    """Each bad retry setting is refused with a message naming what is expected."""
+def test_wait_before_busy_in_a_worker_and_synchronously(options, in_worker, synchronously):
+    """Synchronous execution cannot re-queue: a retry waits as long as its retries would
+    have, at most one lease, or exactly timeout; the other policies wait the same."""
+    policy = BusyPolicy.from_options("t", options)
+    assert policy.wait_for(synchronous=False) == in_worker
+    assert policy.wait_for(synchronous=True) == pytest.approx(synchronously)
+
+
+def test_after_busy_skips_retries_or_raises():
+    """skip: None (the marker); retry: a delay, until max; wait/raise, and a synchronous
+    retry: the acquire timeout error, naming why."""
+    busy = SimpleMutexAcquireTimeoutError("busy", key="k")
+
+    def after(on_busy: str, synchronous: bool = False, retries: int = 0, **retry: Any) -> Any:
+        policy = BusyPolicy.from_options("t", {"on_busy": on_busy, "retry": retry})
+        return policy.after_busy(busy, synchronous=synchronous, busy_retries=retries)
+
+    assert after("skip") is None
+    assert after("skip", synchronous=True) is None
+    assert after("retry", countdown=2, jitter=False, retries=1) == 4
+    for on_busy in ("wait", "raise"):
+        with pytest.raises(SimpleMutexAcquireTimeoutError) as caught:
+            after(on_busy)
+        assert caught.value is busy
+    with pytest.raises(SimpleMutexAcquireTimeoutError, match=r"after 2 busy retries \(retry max=2"):
+        after("retry", retries=2, max=2)
+    with pytest.raises(SimpleMutexAcquireTimeoutError, match="synchronous call cannot be"):
+        after("retry", synchronous=True)
+
+
+# -- options: one check for both integrations ------------------------------------------
+
+
+def work(order_id: int) -> None:
+    """A task or job body (never run here)."""
+
+
+def _define_celery_task(options: dict[str, Any]) -> None:
+    app = Celery("busy", set_as_current=False, broker="memory://")
+    app.task(shared=False, base=MutexTask, mutex=options)(work)
+    app.finalize()
+
+
+def _decorate_rq_job(options: dict[str, Any]) -> None:
+    mutex_job(**{"key": "k", **options})(work)
+
+
+@pytest.mark.parametrize("define", [_define_celery_task, _decorate_rq_job], ids=["celery", "rq"])
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"on_busy": "later"}, "on_busy must be one of skip, retry, wait, raise"),
+        ({"retry": {"delay": 1}}, "unknown retry field"),
+        ({"retry": {"backoff": 0.5}}, "backoff must be a number >= 1"),
+        ({"retry": {"jitter": "yes"}}, "jitter must be True or False"),
+        ({"retry": {"max": -1}}, "max must be None or an int >= 0"),
+        ({"retry": "often"}, "expected a dict of retry fields"),
+        ({"lease": 0}, "lease must be greater than 0"),
+        ({"timeout": -1}, "timeout must be None"),
+        ({"renew": "yes"}, "renew must be True or False"),
+        ({"permits": 0}, "permits must be an int >= 1"),
+    ],
+)
+def test_bad_shared_options_fail_at_definition_with_one_message(define, options, fragment):
+    """Celery tasks and RQ job functions refuse a bad shared option when defined, with
+    the same message naming the fix."""
     with pytest.raises(ConstraintError, match=fragment):
-        retry_policy("t", value)
+        define(options)
 
 
-def test_on_busy_accepts_only_the_four_policies():
-    """skip, retry, wait and raise pass; anything else names them."""
-    for name in ("skip", "retry", "wait", "raise"):
-        assert check_on_busy("t", name) == name
-    with pytest.raises(ConstraintError, match="skip, retry, wait, raise"):
-        check_on_busy("t", "ignore")
+# -- what the body sees, and what a skipped run returns ---------------------------------
+
+
+def test_running_body_sees_its_lease_and_a_loss_leaves_as_the_public_error(key):
+    """current_lease() is the lease inside running() only; a lapse interrupts the body and
+    leaves as SimpleMutexLeaseExpiredError itself, chained to the interrupt."""
+    lease = Mutex(InMemoryCache(), lease=0.2).acquire(key)
+    seen = []
+
+    def body() -> None:
+        with running(lease), lease:
+            seen.append(current_lease())
+            while time.monotonic() < started + 5:  # pure Python: interrupted at once
+                pass
+
+    started = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError) as caught:
+        body()
+    assert time.monotonic() - started < 1.5
+    assert seen == [lease]
+    assert current_lease() is None
+    assert type(caught.value) is SimpleMutexLeaseExpiredError
+    assert caught.value.key == key
+    assert isinstance(caught.value.__cause__, LeaseInterrupt)
+
+
+def test_skip_markers_of_both_integrations_are_recognized():
+    """is_skipped knows the markers Celery and RQ have always returned, and nothing else."""
+    assert is_skipped({"celery_mutex": "skipped", "key": "k", "holder": None})
+    assert is_skipped({"rq_mutex": "skipped", "key": "k"})
+    assert skip_marker("rq_mutex", "k", reason="duplicate tick") == {
+        "rq_mutex": "skipped",
+        "key": "k",
+        "reason": "duplicate tick",
+    }
+    for other in ("skipped", {"key": "k"}, {"celery_mutex": "ran"}, None, ["rq_mutex"]):
+        assert not is_skipped(other)
+
+
+# -- once per process --------------------------------------------------------------------
+
+
+def test_per_process_builds_once_per_key_even_under_threads():
+    """Eight threads asking at once get one value; another key gets its own."""
+    built: list[object] = []
+
+    def build(key: object) -> object:
+        time.sleep(0.05)  # wide window for a second builder
+        built.append(key)
+        return object()
+
+    memo: PerProcess[object] = PerProcess(build)
+    with ThreadPoolExecutor(8) as pool:
+        values = list(pool.map(lambda _: memo.get("a"), range(8)))
+    assert built == ["a"]
+    assert all(v is values[0] for v in values)
+    assert memo.get("b") is not values[0]
+
+
+def test_a_forked_child_builds_its_own_values():
+    """The parent's values (clients, sockets) stay behind in a forked child, even if a
+    thread held the memo's lock at the fork."""
+    memo: PerProcess[object] = PerProcess(lambda key: object())
+    parent = memo.get("url")
+    memo._lock.acquire()  # as if another thread were building right then
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        child = memo.get("url")
+        os.write(write, b"fresh" if child is not parent and memo.get("url") is child else b"same")
+        os._exit(0)
+    memo._lock.release()
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"fresh"
+    assert memo.get("url") is parent
+
+
+def test_shared_cache_builds_a_url_once_and_passes_caches_through():
+    """One cache per URL in a process (tasks of one app share it); a cache stays itself."""
+    assert shared_cache("memory://") is shared_cache("memory://")
+    mine = InMemoryCache()
+    assert shared_cache(mine) is mine

@@ -8,11 +8,10 @@ fails the tests; it never skips them.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
-import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -22,16 +21,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import celery_support  # noqa: F401  (puts celery_mutex on sys.path)
 import pytest
-import redis
 from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab, schedule
+from celery_support.processes import REDIS_URL, Processes
+from workers import stop, wait_until
 
 # isort: split
-import itertools
-
 from celery_mutex import is_skipped
 from celery_mutex.beat import (
     HEADER,
@@ -43,9 +40,6 @@ from celery_mutex.beat import (
 )
 from simple_mutex import ConstraintError, InMemoryCache, cache_from_url
 
-REDIS_URL = "redis://127.0.0.1:6379/11"
-ROOT = Path(__file__).resolve().parents[1]
-CELERY = str(Path(sys.executable).with_name("celery"))
 UTC = dt.timezone.utc
 
 
@@ -57,6 +51,7 @@ def ts(*args: int) -> float:
 
 
 def test_interval_slots_are_epoch_aligned_whatever_the_start() -> None:
+    """An interval slot is the period containing now, counted from the epoch."""
     every = schedule(dt.timedelta(seconds=10))
     base = ts(2026, 11, 29, 11, 15, 0)
     assert tick_slot(every, base)[0] == "2026-11-29T11:15:00Z"
@@ -80,6 +75,7 @@ def test_interval_slots_are_epoch_aligned_whatever_the_start() -> None:
     ],
 )
 def test_cron_slot_is_the_last_due_time(cron: Any, now: tuple[int, ...], due: tuple[int, ...]):
+    """A crontab slot is its most recent due minute at or before now."""
     cron.app = Celery(set_as_current=False)
     now_dt = dt.datetime(*now, tzinfo=UTC)
     assert cron_slot(cron, now_dt) == dt.datetime(*due, tzinfo=UTC)
@@ -89,6 +85,7 @@ def test_cron_slot_is_the_last_due_time(cron: Any, now: tuple[int, ...], due: tu
 
 
 def test_cron_slot_in_another_time_zone() -> None:
+    """A crontab in the app's time zone gets its due minute written in UTC."""
     app = Celery(set_as_current=False)
     app.conf.timezone = "Europe/Paris"  # 04:00 Paris = 03:00 UTC in November
     cron = crontab(minute=0, hour=4, app=app)
@@ -97,6 +94,7 @@ def test_cron_slot_in_another_time_zone() -> None:
 
 
 def test_mutex_scheduler_fires_interval_entries_on_boundaries(monkeypatch) -> None:
+    """MutexScheduler fires an interval entry just past each epoch-aligned boundary."""
     app = Celery(set_as_current=False)
     sched = MutexScheduler.__new__(MutexScheduler)  # is_due needs no state
     sched.app = app
@@ -131,6 +129,7 @@ class _Recording(MutexSchedulerMixin, Scheduler):  # type: ignore[misc]
 
 
 def test_two_guarded_schedulers_send_each_slot_once() -> None:
+    """Two guarded beats on one cache: one sends, stamped, the entry itself unchanged."""
     app = Celery(set_as_current=False)
     app.conf.mutex_beat_cache = InMemoryCache()  # shared by both "beats" here
     sent: list[tuple[str, dict[str, Any]]] = []
@@ -176,6 +175,7 @@ def test_crontab_entry_goes_out_once_per_due_minute(monkeypatch) -> None:
 
 
 def test_guard_without_a_cache_names_the_setting() -> None:
+    """No cache: the guard fails as beat starts, and at a send, naming mutex_cache."""
     beat = _Recording(Celery(set_as_current=False), [])
     entry = ScheduleEntry(name="e", task="t", schedule=schedule(1.0), app=beat.app)
     with pytest.raises(Exception, match="mutex_cache"):
@@ -185,6 +185,8 @@ def test_guard_without_a_cache_names_the_setting() -> None:
 
 
 def test_worker_side_record_drops_copies_and_redeliveries_but_not_retries() -> None:
+    """A second message of a tick, or the same one again, is dropped with its reason;
+    the tick's own Task.retry and busy retry go on."""
     cache = cache_from_url(REDIS_URL)
     prefix = f"cmbu{uuid.uuid4().hex[:8]}."
     tick = "report@2026-11-29T11:15:00Z"
@@ -212,70 +214,15 @@ def test_worker_side_record_drops_copies_and_redeliveries_but_not_retries() -> N
 # -- real processes -----------------------------------------------------------------------
 
 
-class Cluster:
-    """One ``celery worker -P prefork -c 2`` and any number of ``celery beat`` processes,
-    on a queue and a lock prefix of their own; every process bounded and killed at the end."""
+class Cluster(Processes):
+    """One ``celery worker -P prefork -c 2`` and any number of ``celery beat`` processes
+    of ``celery_support.beat_app``; every process bounded and killed at the end."""
 
     def __init__(self, tmp: Path) -> None:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()  # fail, never skip
-        run = uuid.uuid4().hex[:10]
-        self.tmp = tmp
-        self.prefix = f"cmb{run}."
-        self.queue = f"cmb-{run}"
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-            "CM_BROKER": REDIS_URL,
-            "CM_CACHE": REDIS_URL,
-            "CM_PREFIX": self.prefix,
-            "CM_QUEUE": self.queue,
-        }
-        self.record = redis.Redis.from_url(REDIS_URL)
-        self.procs: list[subprocess.Popen[bytes]] = []
+        super().__init__("celery_support.beat_app", tmp)
         self.beats: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-        self.app = Celery("celery_support.beat_app", set_as_current=False)
-        self.app.conf.update(
-            broker_url=REDIS_URL, result_backend=REDIS_URL, task_default_queue=self.queue
-        )
-
-    def _start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
-        log = self.tmp / f"{name}.log"
-        self.logs.append(log)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [CELERY, "-A", "celery_support.beat_app", *argv, "-l", "INFO"],
-                env={**self.env, **env},
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=out,  # a file, not a pipe: a full pipe would block the process
-            )
-        self.procs.append(proc)
-        return proc
-
-    def start_worker(self) -> None:
-        self._start(
-            "worker",
-            [
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                "2",
-                "-Q",
-                self.queue,
-                "-n",
-                f"{self.queue}@%h",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ],
-            CM_ROLE="worker",
-        )
-        deadline = time.monotonic() + 30
-        while b"ready." not in (self.tmp / "worker.log").read_bytes():
-            assert time.monotonic() < deadline, "worker not ready in 30 s"
-            time.sleep(0.1)
+        self.start_worker("worker", 2, CM_ROLE="worker")
+        wait_until(lambda: "ready." in self.log_text("worker"), 30, "the worker to be ready")
 
     def start_beats(
         self, count: int, scheduler: str, run: str, slow: bool = False, cron: bool = False
@@ -283,18 +230,11 @@ class Cluster:
         for i in range(count):
             beat = f"beat-{run}-{i}"
             self.beats.append(
-                self._start(
+                self.start(
                     beat,
                     [
-                        "beat",
-                        "-S",
-                        scheduler,
-                        "-s",
-                        str(self.tmp / beat),
-                        "--pidfile",
-                        str(self.tmp / f"{beat}.pid"),
-                        "--max-interval",
-                        "1",
+                        *("beat", "-S", scheduler, "-s", str(self.tmp / beat)),
+                        *("--pidfile", str(self.tmp / f"{beat}.pid"), "--max-interval", "1"),
                     ],
                     CM_ROLE="beat",
                     CM_RUN=run,
@@ -304,33 +244,12 @@ class Cluster:
             )
 
     def stop_beats(self) -> None:
-        for proc in self.beats:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.beats:
-            self._reap(proc)
+        stop(self.beats)
         self.beats = []
-
-    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            self._reap(proc)
 
     def runs(self, run: str) -> list[dict[str, Any]]:
         rows = [json.loads(r) for r in self.record.lrange(self.prefix + "runs", 0, -1)]
         return [row for row in rows if row["run"] == run]
-
-    def log_text(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +257,6 @@ def cluster() -> Iterator[Cluster]:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(Path(tmp))
         try:
-            cluster.start_worker()
             yield cluster
         finally:
             cluster.stop()
@@ -414,6 +332,8 @@ def test_three_plain_beats_send_duplicates(cluster: Cluster) -> None:
 
 @pytest.mark.slow
 def test_worker_drops_a_second_copy_of_a_tick_and_keeps_its_retries(cluster: Cluster) -> None:
+    """Two messages of one tick to a real worker: one runs, one is dropped and counted;
+    a stamped task that retries itself still runs."""
     run = "drop-" + uuid.uuid4().hex[:6]
     tick = {HEADER: f"manual@{run}"}
     first = cluster.app.send_task("celery_support.beat_app.guarded", (run, 1), headers=tick)

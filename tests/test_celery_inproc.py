@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +17,7 @@ import redis
 from celery.contrib.testing.worker import start_worker
 from celery_support import inproc
 from celery_support.inproc import PREFIX, REDIS_URL, RUNS, app
+from workers import release_later, wait_until
 
 # isort: split
 from celery_mutex import AlreadyQueuedError, is_skipped, signals
@@ -53,13 +53,6 @@ def mutex_locks() -> Mutex:
 def order_id() -> int:
     """An order id no other test uses."""
     return int(time.monotonic_ns() % 10**9)
-
-
-def _hold_for(locks: Mutex, key: str, seconds: float) -> threading.Thread:
-    lease = locks.acquire(key)
-    timer = threading.Timer(seconds, lease.release)
-    timer.start()
-    return timer
 
 
 def test_skip_does_not_run_the_body_and_is_ready_at_once(mutex_worker, mutex_locks, order_id):
@@ -98,7 +91,7 @@ def test_raise_fails_the_task_with_acquire_timeout(mutex_worker, mutex_locks, or
 def test_busy_retry_does_not_use_up_max_retries(mutex_worker, mutex_locks, order_id):
     """on_busy='retry' re-queues until free; with max_retries=0 it still completes, and
     the body sees retries == 0 while the busy-retry count went up."""
-    timer = _hold_for(mutex_locks, f"order.{order_id}", 0.6)
+    timer = release_later(mutex_locks.acquire(f"order.{order_id}"), 0.6)
     try:
         out = inproc.retry_task.delay(order_id).get(timeout=GET)
     finally:
@@ -110,7 +103,7 @@ def test_busy_retry_does_not_use_up_max_retries(mutex_worker, mutex_locks, order
 
 def test_wait_blocks_until_free_and_times_out(mutex_worker, mutex_locks, order_id):
     """on_busy='wait' runs once the holder lets go; with a short timeout it fails."""
-    timer = _hold_for(mutex_locks, f"order.{order_id}", 0.5)
+    timer = release_later(mutex_locks.acquire(f"order.{order_id}"), 0.5)
     started = time.monotonic()
     assert inproc.wait_task.delay(order_id).get(timeout=GET) == "ran"
     assert time.monotonic() - started >= 0.4
@@ -162,16 +155,12 @@ def test_lock_is_freed_on_every_ending(mutex_worker, mutex_locks, order_id, task
             result.get(timeout=GET)
     elif task_name == "self_retry":
         assert result.get(timeout=GET) == 1  # the retry (same task id) ran, not skipped
-        deadline = time.monotonic() + 3  # the first attempt unwinds after the retry ran
-        while "passed on to its retry" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "passed on to its retry" in caplog.text
+        # the first attempt unwinds after the retry ran
+        wait_until(lambda: "passed on to its retry" in caplog.text, 3, "the first to unwind")
         time.sleep(0.2)
         assert result.state == "SUCCESS"  # the first attempt's end did not overwrite it
     else:
-        deadline = time.monotonic() + GET
-        while mutex_locks.locked(f"order.{order_id}") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not mutex_locks.locked(f"order.{order_id}"), GET, "a release")
         time.sleep(0.2)
     assert not mutex_locks.locked(f"order.{order_id}")
     assert mutex_locks.try_acquire(f"order.{order_id}") is not None
@@ -180,7 +169,7 @@ def test_lock_is_freed_on_every_ending(mutex_worker, mutex_locks, order_id, task
 def test_retry_of_same_task_id_reenters_but_redelivery_does_not(mutex_worker, order_id):
     """A record left by attempt 0 of task X: X's retry (retries=1) takes it over; another
     task, or a copy of attempt 0 (an acks_late redelivery), finds it busy."""
-    locks = OwnedLocks(cache_from_url(REDIS_URL), permits=1, lease=30, prefix=PREFIX)
+    locks = OwnedLocks(Mutex(cache_from_url(REDIS_URL), lease=30, prefix=PREFIX))
     x, z = f"x-{order_id}", f"z-{order_id}"
     old = locks.acquire(f"order.{order_id}", owner=x, attempt=0, timeout=0, renew=False, label="")
     other = locks.acquire(
@@ -279,7 +268,7 @@ def test_enqueue_keeps_a_busy_retrying_call_and_its_retries_get_through(
 ):
     """A call re-queued because its key is busy is still 'queued': duplicates return it,
     and its own re-publishes are not swallowed as duplicates (celery-singleton#20)."""
-    timer = _hold_for(mutex_locks, f"order.{order_id}", 0.6)
+    timer = release_later(mutex_locks.acquire(f"order.{order_id}"), 0.6)
     try:
         first = inproc.queued_retry.delay(order_id)
         time.sleep(0.3)  # it has been busy-retried by now

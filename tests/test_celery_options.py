@@ -6,17 +6,18 @@ import datetime as dt
 import decimal
 import enum
 import os
+import time
 import uuid
 from typing import Any
 
-import celery_support  # noqa: F401  (puts celery_mutex on sys.path)
 import pytest
 from celery import Celery
+from workers import release_later
 
 # isort: split
 from celery_mutex import MutexTask, current_lease, is_skipped
-from celery_mutex.options import stable_encoding
-from simple_mutex import ConstraintError, InMemoryCache, Mutex
+from celery_mutex.keys import stable_encoding
+from simple_mutex import ConstraintError, InMemoryCache, Mutex, SimpleMutexAcquireTimeoutError
 
 
 def _app(**conf: Any) -> Celery:
@@ -26,44 +27,34 @@ def _app(**conf: Any) -> Celery:
     return app
 
 
-def test_unknown_option_fails_when_the_task_is_defined():
-    """A typo in mutex={...} raises at @app.task, naming the known options."""
-    app = _app()
-    with pytest.raises(ConstraintError, match=r"unknown mutex option.*'on_bussy'"):
+def _task(app: Celery | None = None, **mutex: Any) -> Any:
+    """A MutexTask ``task(n)`` returning "ran", on ``app`` (default: a memory cache)."""
 
-        @app.task(shared=False, base=MutexTask, mutex={"on_bussy": "skip"})
-        def task(order_id: int) -> None: ...
+    @(app or _app(mutex_cache="memory://")).task(shared=False, base=MutexTask, mutex=mutex)
+    def task(n: int) -> str:
+        return "ran"
 
-
-def test_template_naming_a_missing_argument_fails_when_defined():
-    """key='order.{order}' on a task taking order_id fails at definition."""
-    app = _app()
-    with pytest.raises(ConstraintError, match="names order"):
-
-        @app.task(shared=False, base=MutexTask, mutex={"key": "order.{order}"})
-        def task(order_id: int) -> None: ...
+    return task
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "fragment"),
     [
-        {"on_busy": "queue"},
-        {"lease": -1},
-        {"permits": 0},
-        {"renew": "yes"},
-        {"retry": {"countdown": 1, "every": 2}},
-        {"key": ["missing"]},
-        {"key": 42},
-        {"enqueue": "maybe"},
+        ({"on_bussy": "skip"}, r"unknown mutex option.*'on_bussy'"),
+        ({"key": "n.{order}"}, "names order"),
+        ({"key": ["missing"]}, "are not arguments of the task"),
+        ({"key": 42}, "mutex key must be a template"),
+        ({"enqueue": "maybe"}, "enqueue must be None, 'return' or 'raise'"),
+        ({"enqueue_ttl": 0}, "enqueue_ttl must be greater than 0"),
+        ({"prefix": 3}, "prefix must be a str"),
     ],
 )
-def test_bad_option_values_fail_when_defined(options):
-    """Each bad value is refused at definition with a ConstraintError."""
-    app = _app()
-    with pytest.raises(ConstraintError):
-
-        @app.task(shared=False, base=MutexTask, mutex=options)
-        def task(order_id: int) -> None: ...
+def test_bad_options_fail_when_the_task_is_defined(options, fragment):
+    """A typo in mutex={...}, a template naming a missing argument or a bad value of an
+    option only Celery has raises at @app.task, naming the fix (the shared options:
+    test_busy.py)."""
+    with pytest.raises(ConstraintError, match=fragment):
+        _task(_app(), **options)
 
 
 def test_lazy_app_fails_no_later_than_finalize():
@@ -132,9 +123,11 @@ def test_omitted_key_is_name_plus_every_argument_stably_encoded():
         job.mutex_key(object())
 
 
-def test_django_namespace_settings_are_read():
-    """CELERY_MUTEX_* under config_from_object(namespace='CELERY') configure the tasks."""
-    app = Celery("dj", set_as_current=False)
+def test_settings_come_from_app_conf_or_django_and_task_options_win():
+    """CELERY_MUTEX_* under config_from_object(namespace='CELERY') configure the tasks;
+    mutex={...} wins over app.conf.mutex_* (retry field by field); a bad app setting is
+    refused by name; no cache at all is an error, never a fallback to the broker."""
+    django = Celery("dj", set_as_current=False)
 
     class Settings:
         CELERY_BROKER_URL = "memory://"
@@ -142,56 +135,26 @@ def test_django_namespace_settings_are_read():
         CELERY_MUTEX_LEASE = 5
         CELERY_MUTEX_ON_BUSY = "skip"
 
-    app.config_from_object(Settings, namespace="CELERY")
-
-    @app.task(shared=False, base=MutexTask, mutex={"key": "k.{n}"})
-    def task(n: int) -> None: ...
-
-    cfg = task._mutex_config()
+    django.config_from_object(Settings, namespace="CELERY")
+    cfg = _task(django)._mutex_config()
     assert isinstance(cfg.locks.space.cache, InMemoryCache)
-    assert cfg.locks.space.lease == 5
-    assert cfg.on_busy == "skip"
-
-
-def test_task_options_override_app_settings_and_bad_settings_fail():
-    """mutex={...} wins over app.conf.mutex_*; a bad app setting is refused by name."""
+    assert (cfg.locks.space.lease, cfg.policy.on_busy) == (5, "skip")
     app = _app(
         mutex_cache="memory://", mutex_lease=5, mutex_on_busy="skip", mutex_retry={"countdown": 3}
     )
-
-    @app.task(shared=False, base=MutexTask, mutex={"lease": 9, "retry": {"cap": 10}})
-    def task(n: int) -> None: ...
-
-    cfg = task._mutex_config()
-    assert (cfg.locks.space.lease, cfg.on_busy) == (9, "skip")
-    assert (cfg.retry.countdown, cfg.retry.cap, cfg.retry.backoff) == (3, 10, 2)  # merged
-    bad = _app(mutex_cache="memory://", mutex_on_busy="later")
-
-    @bad.task(shared=False, base=MutexTask)
-    def other(n: int) -> None: ...
-
+    cfg = _task(app, lease=9, retry={"cap": 10})._mutex_config()
+    assert (cfg.locks.space.lease, cfg.policy.on_busy) == (9, "skip")
+    retry = cfg.policy.retry
+    assert (retry.countdown, retry.cap, retry.backoff) == (3, 10, 2)
     with pytest.raises(ConstraintError, match="mutex_on_busy"):
-        other._mutex_config()
-
-
-def test_missing_cache_is_an_error_not_a_broker_fallback():
-    """No mutex_cache and no cache option: ConstraintError naming the setting."""
-    app = _app(broker_url="redis://127.0.0.1:6379/11")
-
-    @app.task(shared=False, base=MutexTask)
-    def task(n: int) -> None: ...
-
+        _task(_app(mutex_cache="memory://", mutex_on_busy="later"))._mutex_config()
     with pytest.raises(ConstraintError, match="mutex_cache"):
-        task._mutex_config()
+        _task(_app(broker_url="redis://127.0.0.1:6379/11"))._mutex_config()
 
 
 def test_cache_clients_are_rebuilt_after_fork():
     """A forked child (Celery prefork) builds its own cache client, not the parent's."""
-    app = _app(mutex_cache="memory://")
-
-    @app.task(shared=False, base=MutexTask)
-    def task(n: int) -> None: ...
-
+    task = _task()
     parent = task._mutex_config()
     assert task._mutex_config() is parent  # cached within the process
     read, write = os.pipe()
@@ -207,22 +170,30 @@ def test_cache_clients_are_rebuilt_after_fork():
 
 
 def test_eager_apply_locks_and_skips():
-    """task.apply() (eager) runs under the lock too: busy skip returns the marker."""
+    """task.apply() (eager) runs under the lock too: busy skip returns the marker. A
+    direct call is a plain function call, and outside a task there is no lease."""
     cache = InMemoryCache()
-    app = _app()
-
-    @app.task(
-        shared=False, base=MutexTask, mutex={"key": "e.{n}", "on_busy": "skip", "cache": cache}
-    )
-    def task(n: int) -> str:
-        return "ran"
-
+    task = _task(_app(), key="e.{n}", on_busy="skip", cache=cache)
     assert task.apply(args=(1,)).get() == "ran"
     with Mutex(cache).acquire("e.1"):
         assert is_skipped(task.apply(args=(1,)).get())
-    assert task(1) == "ran"  # a direct call is a plain function call: no lock
-
-
-def test_current_lease_is_none_outside_a_task():
-    """current_lease() outside a running MutexTask returns None, it does not raise."""
+    assert task(1) == "ran"
     assert current_lease() is None
+
+
+def test_always_eager_busy_retry_waits_then_fails_within_its_budget():
+    """task_always_eager cannot re-queue: a busy retry waits for the holder, and fails
+    with SimpleMutexAcquireTimeoutError once its retries' budget (0.3 s) is spent."""
+    cache = InMemoryCache()
+    retry = {"countdown": 0.1, "backoff": 1, "jitter": False, "max": 3}
+    task = _task(_app(task_always_eager=True), key="e.{n}", cache=cache, retry=retry)
+    started = time.monotonic()
+    release_later(Mutex(cache).acquire("e.1"), 0.2)
+    assert task.delay(1).get() == "ran"
+    assert time.monotonic() - started >= 0.15
+    with Mutex(cache).acquire("e.1"):
+        started = time.monotonic()
+        result = task.delay(1)
+        assert 0.25 <= time.monotonic() - started < 3
+    with pytest.raises(SimpleMutexAcquireTimeoutError, match="synchronous call cannot be"):
+        result.get()

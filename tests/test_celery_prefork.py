@@ -11,81 +11,30 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-import celery_support  # noqa: F401  (puts celery_mutex on sys.path)
 import pytest
-import redis
-from celery import Celery
+from celery_support.processes import REDIS_URL, Processes
+from workers import wait_until
 
 # isort: split
 from simple_mutex import Mutex, cache_from_url
 
-REDIS_URL = "redis://127.0.0.1:6379/11"
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-ROOT = Path(__file__).resolve().parents[1]
-CELERY = str(Path(sys.executable).with_name("celery"))
 
 pytestmark = pytest.mark.slow
 
 
-class Workers:
-    """N ``celery worker -P prefork -c C`` subprocesses on a queue of their own."""
+class Workers(Processes):
+    """N ``celery worker -P prefork -c C`` subprocesses of ``celery_support.app``."""
 
-    def __init__(self, broker: str, count: int, concurrency: int) -> None:
-        run = uuid.uuid4().hex[:10]
-        self.prefix = f"cmp{run}."
-        self.queue = f"cmp-{run}"
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-            "CM_BROKER": broker,
-            "CM_BACKEND": REDIS_URL,
-            "CM_CACHE": REDIS_URL,
-            "CM_PREFIX": self.prefix,
-            "CM_QUEUE": self.queue,
-        }
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        self.procs = [
-            subprocess.Popen(
-                [
-                    CELERY,
-                    "-A",
-                    "celery_support.app",
-                    "worker",
-                    "-P",
-                    "prefork",
-                    "-c",
-                    str(concurrency),
-                    "-Q",
-                    self.queue,
-                    "-n",
-                    f"w{i}-{run}@%h",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                    "-l",
-                    "INFO",
-                ],
-                env=self.env,
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=self.log,  # a file, not a pipe: a full pipe would block the worker
-            )
-            for i in range(count)
-        ]
-        self.app = Celery("celery_support.app", set_as_current=False)
-        self.app.conf.update(
-            broker_url=broker, result_backend=REDIS_URL, task_default_queue=self.queue
-        )
-        self.record = redis.Redis.from_url(REDIS_URL)
+    def __init__(self, tmp: Path, broker: str, count: int, concurrency: int) -> None:
+        super().__init__("celery_support.app", tmp, broker)
+        for i in range(count):
+            self.start_worker(f"w{i}", concurrency)
         self.locks = Mutex(cache_from_url(REDIS_URL), prefix=self.prefix)
 
     def send(self, name: str, *args: object) -> object:
@@ -93,46 +42,29 @@ class Workers:
         return self.app.send_task(f"celery_support.app.{name}", args=args)
 
     def wait_for(self, key: str, timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = self.record.get(self.prefix + key)
-            if value is not None:
-                return bytes(value)
-            time.sleep(0.05)
-        raise AssertionError(f"{key} not recorded within {timeout} s")
+        wait_until(lambda: self.record.get(self.prefix + key), timeout, f"{key} recorded")
+        return bytes(self.record.get(self.prefix + key))  # type: ignore[arg-type]
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        self.log.close()
+
+def _workers(broker: str, count: int, concurrency: int) -> Iterator[Workers]:
+    with tempfile.TemporaryDirectory() as tmp:
+        workers = Workers(Path(tmp), broker, count, concurrency)
+        try:
+            yield workers
+        finally:
+            workers.stop()
 
 
 @pytest.fixture(params=["redis", "amqp"])
 def prefork_workers(request: pytest.FixtureRequest) -> Iterator[Workers]:
     """Two prefork workers of four processes each, on Redis or RabbitMQ as the broker."""
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    workers = Workers(REDIS_URL if request.param == "redis" else AMQP_URL, 2, 4)
-    try:
-        yield workers
-    finally:
-        workers.stop()
+    yield from _workers(REDIS_URL if request.param == "redis" else AMQP_URL, 2, 4)
 
 
 @pytest.fixture(scope="module")
 def killable_worker() -> Iterator[Workers]:
     """One prefork worker of two processes on Redis, for kill and time-limit tests."""
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    workers = Workers(REDIS_URL, 1, 2)
-    try:
-        yield workers
-    finally:
-        workers.stop()
+    yield from _workers(REDIS_URL, 1, 2)
 
 
 def test_contending_tasks_all_run_once_without_overlap(prefork_workers):
@@ -163,10 +95,7 @@ def test_sigkilled_child_frees_its_lock_from_the_parent(killable_worker):
     pid = int(workers.wait_for("pid.1", 20))
     assert workers.locks.locked("kill.1")
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while workers.locks.locked("kill.1") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not workers.locks.locked("kill.1")
+    wait_until(lambda: not workers.locks.locked("kill.1"), 10, "the parent to free the lock")
     with pytest.raises(Exception, match=r"(?i)worker.*(lost|exited)|signal 9|SIGKILL"):
         result.get(timeout=10)
 
@@ -179,7 +108,4 @@ def test_hard_time_limit_frees_the_lock(killable_worker):
     assert workers.locks.locked("slow.1")
     with pytest.raises(Exception, match=r"(?i)time ?limit"):
         result.get(timeout=15)
-    deadline = time.monotonic() + 5
-    while workers.locks.locked("slow.1") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not workers.locks.locked("slow.1")
+    wait_until(lambda: not workers.locks.locked("slow.1"), 5, "the lock to be freed")

@@ -13,39 +13,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import rq_support
 from rq import Queue, Retry, SimpleWorker, Worker
 from rq.command import send_stop_job_command
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 from rq_support import jobs
+from workers import ROOT, release_later, start, stop, wait_until
 
 # isort: split
-from rq_mutex import current_lease, is_skipped, mutex_job
+from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
 from rq_mutex.job import NO_SCHEDULER_FLAG
-from simple_mutex import ConstraintError, Lease, Mutex, Semaphore
+from simple_mutex import ConstraintError, Mutex, Semaphore
 from simple_mutex.caches import RedisCache
-
-ROOT = rq_support.ROOT
-WORKER_ENV = {
-    **os.environ,
-    # An outer PYTHONPATH (e.g. another rq version installed with --target) stays first.
-    "PYTHONPATH": os.pathsep.join(
-        p for p in [os.environ.get("PYTHONPATH"), str(ROOT), str(ROOT / "tests")] if p
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -86,46 +74,17 @@ def exc_text(job: Job) -> str:
     return (result.exc_string or "") if result is not None else ""
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def release_later(lease: Lease, delay: float) -> threading.Timer:
-    timer = threading.Timer(delay, lease.release)
-    timer.start()
-    return timer
-
-
 @pytest.fixture
 def rq_workers(queue: Queue) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """Start real ``rq worker`` processes on the test's queue; all stopped at the end."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(*options: str) -> subprocess.Popen[bytes]:
-        command = [str(Path(sys.executable).parent / "rq"), "worker", "-u", jobs.REDIS_URL]
-        proc = subprocess.Popen(
-            [*command, *options, queue.name],
-            env=WORKER_ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        started.append(proc)
-        return proc
+    def start_worker(*options: str) -> subprocess.Popen[bytes]:
+        started.append(start(["rq", "worker", "-u", jobs.REDIS_URL, *options, queue.name]))
+        return started[-1]
 
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # warm shutdown: frees the scheduler lock
-    for proc in started:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    yield start_worker
+    stop(started)  # a warm shutdown frees the scheduler lock
 
 
 # -- contention: 20 jobs over 2 keys, busy -> rq.Retry -> scheduler -> run ---------------
@@ -195,20 +154,6 @@ def test_busy_retry_in_burst_without_then_with_scheduler(conn, run, queue, locks
     assert [r["key"] for r in records(conn, run)] == [f"retry.{run}"]
 
 
-def test_retry_max_exhausted_fails_the_job(conn, run, queue, locks):
-    """retry max=0: a busy job fails at once with SimpleMutexAcquireTimeoutError."""
-
-    held = locks.acquire(f"ser.{run}.x")
-    try:
-        job = queue.enqueue(jobs.serialized_no_retry, run, "x", 1)
-        burst(queue)
-    finally:
-        held.release()
-    assert job.get_status(refresh=True) == JobStatus.FAILED
-    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
-    assert "after 0 busy retries" in exc_text(job)
-
-
 # -- skip, raise, wait ---------------------------------------------------------------------
 
 
@@ -229,21 +174,23 @@ def test_skip_finishes_with_marker(conn, run, queue, locks, worker_class):
     assert len(records(conn, run)) == 1
 
 
-def test_raise_fails_the_job(conn, run, queue, locks):
-    held = locks.acquire(f"raise.{run}")
-    try:
-        job = queue.enqueue(jobs.raiser, run)
+def test_raise_and_exhausted_retries_fail_the_job(conn, run, queue, locks):
+    """on_busy="raise", and "retry" with max=0, fail a busy job at once with
+    SimpleMutexAcquireTimeoutError; neither body ran."""
+    with locks.acquire(f"raise.{run}"), locks.acquire(f"ser.{run}.x"):
+        raised = queue.enqueue(jobs.raiser, run)
+        exhausted = queue.enqueue(jobs.serialized_no_retry, run, "x", 1)
         burst(queue)
-    finally:
-        held.release()
-    assert job.get_status(refresh=True) == JobStatus.FAILED
-    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    for job in (raised, exhausted):
+        assert job.get_status(refresh=True) == JobStatus.FAILED
+        assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    assert "after 0 busy retries" in exc_text(exhausted)
     assert records(conn, run) == []
 
 
 def test_wait_blocks_until_free(conn, run, queue, locks):
-    held = locks.acquire(f"wait.{run}")
-    timer = release_later(held, 0.5)
+    """on_busy="wait": the job runs once the holder lets go, half a second later."""
+    timer = release_later(locks.acquire(f"wait.{run}"), 0.5)
     job = queue.enqueue(jobs.waiter, run)
     started = time.monotonic()
     burst(queue)
@@ -301,8 +248,8 @@ def test_lease_is_readable_and_released(conn, run, queue, locks):
 
 
 def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
-    held = locks.acquire(f"kw.{run}.1.2")
-    try:
+    """f(1), f(a=1), f(run=..., a=1, b=2) and f(1, 2) lock one key; f(3) another."""
+    with locks.acquire(f"kw.{run}.1.2"):
         calls = [
             queue.enqueue(jobs.keyed, run, 1),
             queue.enqueue(jobs.keyed, run, a=1),
@@ -311,8 +258,6 @@ def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
             queue.enqueue(jobs.keyed, run, 3),  # another key: runs
         ]
         burst(queue)
-    finally:
-        held.release()
     results = [job.return_value() for job in calls]
     assert all(is_skipped(r) and r["key"] == f"kw.{run}.1.2" for r in results[:4])
     assert results[4] == 5
@@ -351,8 +296,10 @@ def test_permits_allow_that_many_runs_per_key(conn, run, queue):
 # -- synchronous queues ----------------------------------------------------------------
 
 
-def test_sync_queue_busy_retry_waits_instead_of_storing_retry(conn, run, locks):
-    """Queue(is_async=False) would store a returned Retry as the result: the job waits."""
+def test_sync_queue_busy_retry_waits_then_fails_and_raise_raises(conn, run, locks):
+    """Queue(is_async=False) would store a returned Retry as the result: a busy retry
+    waits for the holder instead, and fails once its retries' budget (0.3 s) is spent;
+    on_busy="raise" fails at once."""
     sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
     held = locks.acquire(f"retry.{run}")
     timer = release_later(held, 0.5)
@@ -363,17 +310,15 @@ def test_sync_queue_busy_retry_waits_instead_of_storing_retry(conn, run, locks):
     assert job.get_status() == JobStatus.FINISHED
     assert job.return_value() == "ran"
     assert not isinstance(job.return_value(), Retry)
-
-
-def test_sync_queue_busy_raise_raises(conn, run, locks):
-    sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
-    held = locks.acquire(f"raise.{run}")
-    try:
-        job = sync.enqueue(jobs.raiser, run)
-    finally:
-        held.release()
-    assert job.get_status() == JobStatus.FAILED
-    assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
+    with locks.acquire(f"retry.{run}"), locks.acquire(f"raise.{run}"):
+        started = time.monotonic()
+        brief = sync.enqueue(jobs.retry_briefly, run)
+        assert 0.25 <= time.monotonic() - started < 3
+        refused = sync.enqueue(jobs.raiser, run)
+    assert "synchronous call cannot be re-queued" in exc_text(brief)
+    for job in (brief, refused):
+        assert job.get_status() == JobStatus.FAILED
+        assert "SimpleMutexAcquireTimeoutError" in exc_text(job)
 
 
 # -- stacking with @rq.decorators.job --------------------------------------------------
@@ -437,29 +382,21 @@ def test_sigkilled_work_horse_frees_lock_within_lease(conn, run, queue, locks, r
     [
         ({"key": "k.{missing}"}, "missing"),
         ({"key": ""}, "key must be"),
-        ({"key": "k", "on_busy": "later"}, "on_busy"),
-        ({"key": "k", "retry": {"countdown": 1, "delay": 2}}, "unknown retry field"),
-        ({"key": "k", "retry": {"backoff": 0.5}}, "backoff"),
-        ({"key": "k", "retry": {"max": -1}}, "retry max"),
-        ({"key": "k", "lease": 0}, "lease"),
-        ({"key": "k", "timeout": -1}, "timeout"),
-        ({"key": "k", "renew": "yes"}, "renew"),
-        ({"key": "k", "permits": 0}, "permits"),
         ({"key": "k", "cache": "not-a-url"}, "cache"),
     ],
 )
 def test_bad_options_raise_when_decorating(options, match):
+    """What only mutex_job takes is checked when decorating (the shared options, for
+    Celery and RQ at once, in test_busy.py); async job functions are refused."""
+
     def work(order_id: int) -> None: ...
+
+    async def async_work(order_id: int) -> None: ...
 
     with pytest.raises(ConstraintError, match=match):
         mutex_job(**options)(work)
-
-
-def test_async_job_functions_are_refused():
-    async def work(order_id: int) -> None: ...
-
     with pytest.raises(ConstraintError, match="async"):
-        mutex_job(key="k.{order_id}")(work)
+        mutex_job(key="k.{order_id}")(async_work)
 
 
 # -- rq cron: once per tick ---------------------------------------------------------------
@@ -471,33 +408,23 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     reaches a worker anyway is dropped at run time."""
     guarded = Queue(f"rqt-cron-g-{run}", connection=conn)
     control = Queue(f"rqt-cron-c-{run}", connection=conn)
-    procs = []
     config = str(ROOT / "tests" / "rq_support" / "cron_config.py")
-    for guard, queue in (("1", guarded), ("0", control)):
-        for _ in range(3):
-            env = {**WORKER_ENV, "RQT_GUARD": guard, "RQT_QUEUE": queue.name}
-            env["RQT_NAME"] = f"{run}-{guard}"
-            command = [str(Path(sys.executable).parent / "rq"), "cron", "-u", jobs.REDIS_URL]
-            procs.append(
-                subprocess.Popen(
-                    [*command, config],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
+    procs = [
+        start(
+            ["rq", "cron", "-u", jobs.REDIS_URL, config],
+            RQT_GUARD=guard,
+            RQT_QUEUE=queue.name,
+            RQT_NAME=f"{run}-{guard}",
+        )
+        for guard, queue in (("1", guarded), ("0", control))
+        for _ in range(3)
+    ]
     try:
         time.sleep(6)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-    ticks = [job.meta.get("rq_mutex_tick") for job in guarded.get_jobs()]
+        stop(procs)
+    enqueued = guarded.get_jobs()
+    ticks = [job.meta.get("rq_mutex_tick") for job in enqueued]
     assert len(ticks) >= 3
     assert len(set(ticks)) == len(ticks)  # each tick once
     assert all(isinstance(t, str) and t.startswith(f"{run}-1@") for t in ticks)
@@ -509,6 +436,8 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     # A duplicate of a tick that already ran (as an unguarded producer would send it):
     duplicate = guarded.enqueue(jobs.ticked, f"{run}-1", meta={"rq_mutex_tick": ticks[0]})
     burst(guarded)
+    assert first_run_of_tick(enqueued[0])  # its own tick again (a retry): still first
+    assert not first_run_of_tick(duplicate)
     assert duplicate.return_value()["reason"] == "duplicate tick"
     assert is_skipped(duplicate.return_value())
     assert len(records(conn, f"{run}-1", "ticks")) == len(ticks)

@@ -7,7 +7,6 @@ import os
 
 from rq import cron
 
-import rq_support  # noqa: F401  (puts rq_mutex on sys.path)
 from rq_support import jobs
 
 if os.environ.get("RQT_GUARD") == "1":

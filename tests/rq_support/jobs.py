@@ -16,7 +16,6 @@ import redis
 from rq import get_current_job
 from rq.decorators import job
 
-import rq_support  # noqa: F401  (puts rq_mutex on sys.path)
 from rq_mutex import current_lease, mutex_job
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -84,6 +83,17 @@ def waiter(run: str) -> str:
 
 @mutex_job(key="retry.{run}", on_busy="retry", retry=FAST_RETRY)
 def retrier(run: str) -> str:
+    _record(run, "log")
+    return "ran"
+
+
+@mutex_job(
+    key="retry.{run}",
+    on_busy="retry",
+    retry={"countdown": 0.1, "backoff": 1, "jitter": False, "max": 3},
+)
+def retry_briefly(run: str) -> str:
+    """Three busy retries of 0.1 s: synchronously, a 0.3 s wait."""
     _record(run, "log")
     return "ran"
 

@@ -1,9 +1,7 @@
-"""The ``mutex={...}`` options of a task: checked when the task class is made, merged
-with the app's ``mutex_*`` settings when the task first runs in a process.
-
-Keys come from the task's bound signature with defaults applied, so ``charge(7)`` and
-``charge(order_id=7)`` lock the same key. An omitted key is the task name plus every
-bound argument in a stable encoding (UUID, datetime, Decimal, Enum, dicts in any order).
+"""Lock keys of tasks, from the task's bound signature with defaults applied, so
+``charge(7)`` and ``charge(order_id=7)`` lock the same key. An omitted key is the task name
+plus every bound argument in a stable encoding (UUID, datetime, Decimal, Enum, dicts in
+any order).
 """
 
 from __future__ import annotations
@@ -18,88 +16,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from simple_mutex import ConstraintError
-from simple_mutex.busy import RETRY_DEFAULTS, check_on_busy, retry_policy
 from simple_mutex.decorator import key_function
-from simple_mutex.durations import positive_seconds, timeout_seconds
-
-OPTIONS = frozenset(
-    {
-        "key",
-        "on_busy",
-        "timeout",
-        "retry",
-        "lease",
-        "renew",
-        "permits",
-        "cache",
-        "prefix",
-        "enqueue",
-        "enqueue_ttl",
-    }
-)
-
-DEFAULTS: dict[str, Any] = {
-    "on_busy": "retry",
-    "timeout": None,  # wait: forever; skip/retry/raise: one try
-    "lease": 60.0,  # short, renewed: a killed worker's lock frees within a minute
-    "renew": True,
-    "permits": 1,
-    "prefix": "mutex.",
-    "enqueue": None,  # off; "return" or "raise" de-duplicates at apply_async
-    "enqueue_ttl": 3600.0,  # how long a queued call blocks duplicates at most
-    "retry": RETRY_DEFAULTS,
-}
 
 KeyOf = Callable[[str, tuple[Any, ...], Mapping[str, Any]], str]
 """(task name, args, kwargs) -> lock key."""
-
-
-def check_options(task_name: str, options: object) -> dict[str, Any]:
-    """Validate the per-task dict (unknown names and bad values fail at definition)."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise ConstraintError(f"{task_name}: mutex= must be a dict of options, got {options!r}")
-    unknown = sorted(set(options) - OPTIONS)
-    if unknown:
-        raise ConstraintError(
-            f"{task_name}: unknown mutex option(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(OPTIONS))}"
-        )
-    checked = dict(options)
-    for name, value in checked.items():
-        if name != "cache":  # a URL or a cache instance: checked when first built
-            check_value(task_name, name, value)
-    return checked
-
-
-def check_value(task_name: str, name: str, value: Any) -> Any:
-    where = f"{task_name}: mutex option {name!r}"
-    if name == "on_busy":
-        check_on_busy(where, value)
-    elif name == "timeout":
-        timeout_seconds(value, "timeout")
-    elif name == "lease":
-        positive_seconds(value, "lease")
-    elif name == "renew":
-        if not isinstance(value, bool):
-            raise ConstraintError(f"{where} must be True or False, got {value!r}")
-    elif name == "permits":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConstraintError(f"{where} must be an int >= 1, got {value!r}")
-    elif name == "retry":
-        retry_policy(task_name, value)
-    elif name == "enqueue":
-        if value not in (None, "return", "raise"):
-            raise ConstraintError(f"{where} must be None, 'return' or 'raise', got {value!r}")
-    elif name == "enqueue_ttl":
-        positive_seconds(value, "enqueue_ttl")
-    elif name == "prefix" and not isinstance(value, str):
-        raise ConstraintError(f"{where} must be a str, got {value!r}")
-    return value
-
-
-# -- keys ------------------------------------------------------------------------------
 
 
 def user_signature(run: Callable[..., Any], bound: bool) -> inspect.Signature:

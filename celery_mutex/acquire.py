@@ -1,0 +1,110 @@
+"""``before_start``: take the task's lock, or apply ``on_busy`` (``simple_mutex.busy``
+decides; this module knows how Celery re-queues and where a request keeps its state)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
+from simple_mutex.busy import skip_marker
+
+from . import signals
+from ._celery import Retry
+from ._owned import owner_of
+from .config import Config, config_of
+
+log = logging.getLogger("celery_mutex")
+
+BUSY_HEADER = "mutex_busy_retries"  # busy re-publishes so far; Task.retry's count stays
+
+
+def before_start(task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Leaves on ``task.request`` either ``mutex_lease`` (held, loss interrupt armed for
+    this thread) or ``mutex_skipped`` (the marker to return instead of running)."""
+    request = task.request
+    cfg = config_of(task)
+    if getattr(request, "mutex_beat_slot", None) is not None:  # stamped by a guarded beat
+        from .beat import drop_duplicate_tick
+
+        dropped = drop_duplicate_tick(task, cfg.locks.space.cache, cfg.locks.space.prefix, task_id)
+        if dropped is not None:  # this tick already started: run nothing
+            request.mutex_skipped = dropped
+            return
+    key = task.mutex_key(*args, **kwargs)
+    started = time.monotonic()
+    try:
+        lease = cfg.locks.acquire(
+            key,
+            owner=owner_of(task_id),
+            attempt=request.retries or 0,
+            timeout=cfg.policy.wait_for(synchronous=bool(request.is_eager)),
+            renew=cfg.policy.renew,
+            label=f"{task.name}[{task_id}]",
+        )
+    except SimpleMutexAcquireTimeoutError as busy:
+        _busy(task, cfg, key, busy, args, kwargs)
+        return
+    request.mutex_lease = lease
+    request.mutex_started = time.monotonic()
+    log.debug("acquired %r for %s[%s] (fence %d)", key, task.name, task_id, lease.fence)
+    lease.on_lost(functools.partial(_lost, task, task_id, lease))
+    waited = request.mutex_started - started
+    signals.mutex_acquired.send(
+        sender=task, task_id=task_id, key=key, fence=lease.fence, waited=waited
+    )
+    lease.__enter__()  # last: from here a loss interrupts this thread
+
+
+def _busy(
+    task: Any,
+    cfg: Config,
+    key: str,
+    busy: SimpleMutexAcquireTimeoutError,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    request = task.request
+    holder = cfg.locks.holder_label(key)
+    policy = cfg.policy.on_busy
+    signals.mutex_busy.send(sender=task, task_id=request.id, key=key, policy=policy, holder=holder)
+    count = int(getattr(request, BUSY_HEADER, None) or 0)
+    try:
+        delay = cfg.policy.after_busy(busy, synchronous=bool(request.is_eager), busy_retries=count)
+    except SimpleMutexAcquireTimeoutError:
+        log.info("%s[%s] failed: %r is busy (held by %s)", task.name, request.id, key, holder)
+        raise
+    if delay is None:
+        log.info("skipped %s[%s]: %r is held by %s", task.name, request.id, key, holder)
+        request.mutex_skipped = skip_marker("celery_mutex", key, holder=holder)
+        return
+    # Our own re-publish, not Task.retry: ``retries`` stays as it was, so waiting for a
+    # busy key never uses up the task's max_retries (nor counts as a new attempt).
+    headers = {**(request.headers or {}), BUSY_HEADER: count + 1}
+    sig = task.signature_from_request(
+        request, args, kwargs, countdown=delay, retries=request.retries or 0, headers=headers
+    )
+    sig.apply_async()
+    log.info(
+        "%s[%s]: %r is busy (held by %s); retry %d in %.2f s",
+        task.name,
+        request.id,
+        key,
+        holder,
+        count + 1,
+        delay,
+    )
+    raise Retry(exc=busy, when=delay, sig=sig)
+
+
+def _lost(task: Any, task_id: str, lease: Lease) -> None:
+    log.error(
+        "%s[%s]: lease on %r (fence %d) lost while the task ran; interrupting it",
+        task.name,
+        task_id,
+        lease.key,
+        lease.fence,
+    )
+    signals.mutex_lost.send(sender=task, task_id=task_id, key=lease.key, fence=lease.fence)

@@ -1,0 +1,105 @@
+"""A task's configuration: its ``mutex={...}`` options, checked when the task class is
+made, and in each process (again in a forked child) those options over the app's
+``mutex_*`` settings over the defaults, with the locks built from them. The shared
+options (``on_busy``, ``timeout``, ``retry``, ``lease``, ``renew``, ``permits``) mean
+what they mean for RQ and are checked by ``simple_mutex.busy``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from simple_mutex import ConstraintError, Mutex
+from simple_mutex.busy import (
+    SHARED,
+    BusyPolicy,
+    PerProcess,
+    check_known,
+    check_option,
+    shared_cache,
+)
+from simple_mutex.durations import positive_seconds
+
+from ._owned import OwnedLocks
+
+OPTIONS = SHARED | {"key", "cache", "prefix", "enqueue", "enqueue_ttl"}
+
+DEFAULTS: dict[str, Any] = {  # of the options only Celery has; the shared ones: BusyPolicy
+    "cache": None,  # no default: the broker is never used silently
+    "prefix": "mutex.",
+    "enqueue": None,  # off; "return" or "raise" de-duplicates at apply_async
+    "enqueue_ttl": 3600.0,  # how long a queued call blocks duplicates at most
+}
+
+
+def check_options(task_name: str, options: object) -> dict[str, Any]:
+    """Validate the per-task dict (unknown names and bad values fail at definition)."""
+    if options is None:
+        return {}
+    checked = dict(check_known(task_name, "mutex option", options, OPTIONS))
+    for name, value in checked.items():
+        check_value(task_name, name, value)
+    return checked
+
+
+def check_value(where: str, name: str, value: Any) -> Any:
+    """One option's value, as given (a cache is checked when first built, a key when the
+    key function is made)."""
+    if name in SHARED:
+        check_option(where, name, value)
+    elif name == "enqueue" and value not in (None, "return", "raise"):
+        raise ConstraintError(f"{where}: enqueue must be None, 'return' or 'raise', got {value!r}")
+    elif name == "enqueue_ttl":
+        positive_seconds(value, f"{where}: enqueue_ttl")
+    elif name == "prefix" and not isinstance(value, str):
+        raise ConstraintError(f"{where}: prefix must be a str, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    policy: BusyPolicy
+    locks: OwnedLocks
+    markers: OwnedLocks | None  # "queued or running" records, when enqueue is on
+    enqueue: str | None
+
+
+def config_of(task: Any) -> Config:
+    """The configuration of ``task`` (a MutexTask), built on first use in this process."""
+    return _configs.get(task)
+
+
+def settings_of(task: Any) -> dict[str, Any]:
+    """The app's ``mutex_*`` settings (Django: ``CELERY_MUTEX_*``), checked by name."""
+    conf = task._get_app().conf
+    found = {name: conf.get(f"mutex_{name}") for name in sorted(OPTIONS - {"key"})}
+    return {
+        name: check_value(f"app.conf.mutex_{name}", name, value)
+        for name, value in found.items()
+        if value is not None
+    }
+
+
+def _build(task: Any) -> Config:
+    settings = settings_of(task)
+    options = task._mutex_spec.options
+    merged = {**DEFAULTS, **settings, **options}
+    # retry fields merge field by field: defaults < app.conf.mutex_retry < the task's
+    merged["retry"] = {**settings.get("retry", {}), **options.get("retry", {})}
+    if merged["cache"] is None:
+        raise ConstraintError(
+            f"{task.name}: no lock cache configured; set app.conf.mutex_cache "
+            "(e.g. 'redis://host:6379/0') or mutex={'cache': ...} on the task. "
+            "The broker is never used silently"
+        )
+    cache = shared_cache(merged["cache"])
+    policy = BusyPolicy.from_options(task.name, merged)
+    markers = None
+    if merged["enqueue"] is not None:
+        ttl = positive_seconds(merged["enqueue_ttl"], "enqueue_ttl")
+        markers = OwnedLocks(Mutex(cache, lease=ttl, prefix=merged["prefix"] + "queued."))
+    locks = OwnedLocks(policy.lock_space(cache, merged["prefix"]))
+    return Config(policy, locks, markers, merged["enqueue"])
+
+
+_configs: PerProcess[Config] = PerProcess(_build)

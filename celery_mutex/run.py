@@ -1,0 +1,101 @@
+"""The task body inside its lease, and the release on every way it ends."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from simple_mutex import Lease, MalfunctionError, SimpleMutexLeaseExpiredError
+from simple_mutex.busy import running
+
+from . import signals
+from ._celery import Retry
+from ._owned import owner_of
+from .config import config_of
+from .keys import user_signature
+
+log = logging.getLogger("celery_mutex")
+
+
+def guarded(fn: Callable[..., Any], bound: bool) -> Callable[..., Any]:
+    """The task's ``run``: the user's function inside the lease ``before_start`` took."""
+    if bound:
+
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return run_body(self, lambda: fn(self, *args, **kwargs))
+
+    else:
+
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return run_body(self, lambda: fn(*args, **kwargs))
+
+    signature = user_signature(fn, bound)
+    me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    run.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[me, *signature.parameters.values()]
+    )
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(run, attr, getattr(fn, attr, None))
+    return run
+
+
+def run_body(task: Any, body: Callable[[], Any]) -> Any:
+    request = task.request
+    skipped = getattr(request, "mutex_skipped", None)
+    if skipped is not None:
+        return skipped
+    lease: Lease | None = getattr(request, "mutex_lease", None)
+    if lease is None or getattr(request, "mutex_done", False):
+        return body()  # called directly (no tracer): a plain function call
+    with running(lease):
+        try:
+            result = body()
+        except BaseException as exc:
+            end(task, lease, exc)
+            raise
+        end(task, lease, None)
+        return result
+
+
+def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
+    """Disarm and release; raises SimpleMutexLeaseExpiredError if the lease lapsed."""
+    request = task.request
+    request.mutex_done = True
+    in_time = False
+    try:
+        lease.__exit__(None if exc is None else type(exc), exc, None)
+        in_time = not lease.lost
+    except MalfunctionError as fault:
+        # The work is done; the lock lapses on its own within the (short) lease.
+        log.warning("%s[%s]: releasing %r failed: %s", task.name, request.id, lease.key, fault)
+    except SimpleMutexLeaseExpiredError:
+        if not isinstance(exc, Retry):
+            raise
+        # Task.retry publishes before this run unwinds: the retry (same task id, next
+        # attempt) may already have taken the record over. The work runs again anyway.
+        log.debug("%s[%s]: %r passed on to its retry", task.name, request.id, lease.key)
+    finally:
+        held = time.monotonic() - getattr(request, "mutex_started", time.monotonic())
+        log.debug("released %r for %s[%s] after %.3f s", lease.key, task.name, request.id, held)
+        signals.mutex_released.send(
+            sender=task, task_id=request.id, key=lease.key, held=held, in_time=in_time, by="task"
+        )
+
+
+def release_owner(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
+    """Free the lock ``task_id`` holds, from any process (the worker's parent)."""
+    try:
+        key = task.mutex_key(*(args or ()), **(kwargs or {}))
+        freed = config_of(task).locks.release_owner(key, owner_of(task_id))
+    except Exception as exc:  # a signal handler: log, never raise into Celery
+        log.warning("%s[%s]: could not free its lock after %s: %r", task.name, task_id, reason, exc)
+        return False
+    if freed:
+        log.warning("freed %r held by %s[%s] after %s", key, task.name, task_id, reason)
+        signals.mutex_released.send(
+            sender=task, task_id=task_id, key=key, held=None, in_time=True, by="parent"
+        )
+    return freed

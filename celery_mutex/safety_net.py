@@ -1,0 +1,76 @@
+"""Celery signal handlers that free what the run wrapper could not.
+
+* ``task_postrun``: a lease the wrapper did not reach (an interrupt landing between
+  before_start and the body, a before_start failure); clears the enqueue marker of a call
+  that ended without a retry.
+* ``task_failure`` in the worker's main process: a child killed (SIGKILL, OOM:
+  ``WorkerLostError``) or past its hard time limit ran no task hook, so its lock is freed
+  here, by its task id.
+* ``task_revoked``: ``revoke(terminate=True)`` killed the child; any revoke or expiry ends
+  the call, so its enqueue marker goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._celery import TimeLimitExceeded, WorkerLostError, task_failure, task_postrun, task_revoked
+from .enqueue import unmark
+from .run import end, release_owner
+from .task import MutexTask
+
+log = logging.getLogger("celery_mutex")
+
+_PARENT_SIDE = (WorkerLostError, TimeLimitExceeded)
+
+
+def _release_leftover(
+    sender: Any = None,
+    task_id: str | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    state: str | None = None,
+    **_: Any,
+) -> None:
+    if not isinstance(sender, MutexTask):
+        return
+    if task_id and state != "RETRY":
+        unmark(sender, task_id, args, kwargs)
+    request = sender.request
+    lease = getattr(request, "mutex_lease", None)
+    if lease is None or getattr(request, "mutex_done", False):
+        return
+    try:
+        end(sender, lease, None)
+    except Exception as exc:
+        log.warning("%s[%s]: late release of %r: %r", sender.name, request.id, lease.key, exc)
+
+
+def _release_after_child_died(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
+    if isinstance(sender, MutexTask) and task_id and isinstance(exception, _PARENT_SIDE):
+        release_owner(sender, task_id, args, kwargs, type(exception).__name__)
+        unmark(sender, task_id, args, kwargs)
+
+
+def _release_after_revoke(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+) -> None:
+    if not isinstance(sender, MutexTask) or request is None:
+        return
+    args, kwargs = getattr(request, "args", ()), getattr(request, "kwargs", {})
+    if terminated:
+        release_owner(sender, request.id, args, kwargs, "revoke")
+    unmark(sender, request.id, args, kwargs)
+
+
+task_postrun.connect(_release_leftover, weak=False)
+task_failure.connect(_release_after_child_died, weak=False)
+task_revoked.connect(_release_after_revoke, weak=False)

@@ -1,0 +1,30 @@
+"""The busy policy Celery (``celery_mutex``) and RQ (``rq_mutex``) share; neither imports
+the other, and nothing here imports either.
+
+* ``policy``: the shared options (``on_busy``, ``timeout``, ``retry={...}``, ``lease``,
+  ``renew``, ``permits``) and what they decide: how long to wait, whether to skip, fail or
+  run again later and when, in a worker and in synchronous execution.
+* ``running``: ``current_lease()``, the loss interrupt turned into the public error, and
+  the skip marker that ``is_skipped`` recognizes.
+* ``per_process``: caches and lock spaces built once per process, again after fork.
+"""
+
+from __future__ import annotations
+
+from .per_process import PerProcess, shared_cache
+from .policy import SHARED, BusyPolicy, check_known, check_option
+from .running import SKIPPED, current_lease, is_skipped, running, skip_marker
+
+__all__ = [
+    "SHARED",
+    "SKIPPED",
+    "BusyPolicy",
+    "PerProcess",
+    "check_known",
+    "check_option",
+    "current_lease",
+    "is_skipped",
+    "running",
+    "shared_cache",
+    "skip_marker",
+]

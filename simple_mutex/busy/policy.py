@@ -1,0 +1,192 @@
+"""The options Celery and RQ share, and what they decide when a key is busy.
+
+``on_busy``: ``skip`` (finish without running), ``retry`` (run again later), ``wait``
+(block until free) or ``raise``; ``timeout`` bounds the wait before ``on_busy`` applies
+(``wait``: None = forever; the others: one try). A busy retry runs again after
+``countdown * backoff**n`` seconds, capped at ``cap``, jittered to [0.5, 1.5) of that when
+``jitter``, at most ``max`` times (None: until the lock is free).
+
+Synchronous execution (Celery ``apply()`` or ``task_always_eager``, RQ
+``Queue(is_async=False)``) has no queue to retry through, so there a busy ``retry`` waits
+instead: as long as its retries would have tried (the sum of their delays up to ``max``),
+never more than one ``lease`` (a holder that still has the key after a lease is renewing,
+or is the caller itself one call up), or exactly ``timeout`` when that is set. If the key
+is still busy then, the call fails with ``SimpleMutexAcquireTimeoutError``. ``skip``,
+``wait`` and ``raise`` behave the same in a worker and synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
+from simple_mutex.durations import positive_seconds, timeout_seconds
+from simple_mutex.errors import ConstraintError
+
+ON_BUSY = ("skip", "retry", "wait", "raise")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a busy task or job runs again; ``retry={...}`` merged over these defaults."""
+
+    countdown: float = 1.0
+    backoff: float = 2.0
+    jitter: bool = True
+    cap: float = 60.0
+    max: int | None = None
+
+    def delay(self, busy_retries: int, unit: float | None = None) -> float:
+        """Seconds before busy retry number ``busy_retries + 1``; ``unit`` in [0, 1) is
+        the jitter draw (random by default; the global ``random`` reseeds after fork)."""
+        base = min(self.cap, self.countdown * self.backoff ** min(busy_retries, 64))
+        if not self.jitter:
+            return base
+        return base * (0.5 + (random.random() if unit is None else unit))
+
+    def next_delay(self, busy_retries: int, busy: SimpleMutexAcquireTimeoutError) -> float:
+        """The delay of the next busy retry; raises once ``max`` retries were used."""
+        if self.max is not None and busy_retries >= self.max:
+            raise SimpleMutexAcquireTimeoutError(
+                f"{busy.key!r} was still busy after {busy_retries} busy retries "
+                f"(retry max={self.max})",
+                key=busy.key,
+            ) from busy
+        return self.delay(busy_retries)
+
+    def budget(self) -> float:
+        """Seconds all the retries would wait in sum, without jitter (inf for max=None)."""
+        if self.max is None:
+            return float("inf")
+        # Past 64 retries every delay equals the 64th: no need to count them one by one.
+        head = sum(self.delay(n, 0.5) for n in range(min(self.max, 64)))
+        return head + max(0, self.max - 64) * self.delay(64, 0.5)
+
+
+@dataclass(frozen=True)
+class BusyPolicy:
+    """The shared options of one task or job function, checked."""
+
+    on_busy: str = "retry"
+    timeout: float | None = None
+    retry: RetryPolicy = RetryPolicy()
+    lease: float = 60.0  # short, renewed: a killed worker's lock frees within a minute
+    renew: bool = True
+    permits: int = 1
+
+    @classmethod
+    def from_options(cls, where: str, options: Mapping[str, Any]) -> BusyPolicy:
+        """The shared options found in ``options`` (checked), defaults for the rest."""
+        return cls(**{n: check_option(where, n, v) for n, v in options.items() if n in SHARED})
+
+    def wait_for(self, synchronous: bool) -> float | None:
+        """How long an acquire waits before the key counts as busy (None: forever)."""
+        if self.on_busy == "wait" or self.timeout is not None:
+            return self.timeout
+        if self.on_busy == "retry" and synchronous:
+            return min(self.lease, self.retry.budget())
+        return 0.0
+
+    def after_busy(
+        self, busy: SimpleMutexAcquireTimeoutError, *, synchronous: bool, busy_retries: int
+    ) -> float | None:
+        """Once the key stayed busy: None to finish with the skip marker, or the seconds
+        after which to run again. Raises for ``wait`` and ``raise``, for ``retry`` once
+        its retries are used up, and for ``retry`` in synchronous execution."""
+        if self.on_busy == "skip":
+            return None
+        if self.on_busy == "retry" and synchronous:
+            raise SimpleMutexAcquireTimeoutError(
+                f"{busy.key!r} stayed busy; a synchronous call cannot be re-queued, so "
+                "on_busy='retry' waited instead (bounded by timeout, or the retry budget "
+                "and one lease)",
+                key=busy.key,
+            ) from busy
+        if self.on_busy != "retry":
+            raise busy
+        return self.retry.next_delay(busy_retries, busy)
+
+    def lock_space(self, cache: object, prefix: str | None = None) -> Mutex | Semaphore:
+        """A Mutex for one permit, a Semaphore for more; without ``prefix``, under their
+        own defaults (``mutex.``, ``semaphore.``)."""
+        if self.permits == 1:
+            return Mutex(cache, lease=self.lease, prefix="mutex." if prefix is None else prefix)
+        return Semaphore(
+            cache,
+            permits=self.permits,
+            lease=self.lease,
+            prefix="semaphore." if prefix is None else prefix,
+        )
+
+
+def check_known(where: str, what: str, given: object, known: frozenset[str]) -> Mapping[str, Any]:
+    """``given`` as a dict of names from ``known``: a typo must not pass silently."""
+    if not isinstance(given, Mapping):
+        raise ConstraintError(f"{where}: expected a dict of {what}s, got {given!r}")
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConstraintError(
+            f"{where}: unknown {what}(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    return given
+
+
+def check_on_busy(where: str, value: object) -> str:
+    if not isinstance(value, str) or value not in ON_BUSY:
+        raise ConstraintError(
+            f"{where}: on_busy must be one of {', '.join(ON_BUSY)}, got {value!r}"
+        )
+    return value
+
+
+RETRY_FIELDS = frozenset(f.name for f in dataclasses.fields(RetryPolicy))
+
+
+def retry_policy(where: str, value: object) -> RetryPolicy:
+    """``retry={...}`` merged over the defaults; unknown fields and bad values raise."""
+    given = check_known(where, "retry field", {} if value is None else value, RETRY_FIELDS)
+    merged = {**dataclasses.asdict(RetryPolicy()), **given}
+    countdown = positive_seconds(merged["countdown"], f"{where}: retry countdown")
+    cap = positive_seconds(merged["cap"], f"{where}: retry cap")
+    backoff = merged["backoff"]
+    if isinstance(backoff, bool) or not isinstance(backoff, int | float) or not backoff >= 1:
+        raise ConstraintError(f"{where}: retry backoff must be a number >= 1, got {backoff!r}")
+    check_bool(where, "retry jitter", merged["jitter"])
+    limit = merged["max"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ConstraintError(f"{where}: retry max must be None or an int >= 0, got {limit!r}")
+    return RetryPolicy(countdown, float(backoff), merged["jitter"], cap, limit)
+
+
+def check_bool(where: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConstraintError(f"{where}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def check_permits(where: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConstraintError(f"{where}: permits must be an int >= 1, got {value!r}")
+    return value
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "on_busy": check_on_busy,
+    "timeout": lambda where, value: timeout_seconds(value, f"{where}: timeout"),
+    "retry": retry_policy,
+    "lease": lambda where, value: positive_seconds(value, f"{where}: lease"),
+    "renew": lambda where, value: check_bool(where, "renew", value),
+    "permits": check_permits,
+}
+SHARED = frozenset(_CHECKS)
+"""The option names both integrations take with the same meaning (besides key, cache)."""
+
+
+def check_option(where: str, name: str, value: object) -> Any:
+    """One shared option, checked and normalized (durations in seconds, a RetryPolicy)."""
+    return _CHECKS[name](where, value)

@@ -1,0 +1,49 @@
+"""What a task or job body sees while it holds its lock, and what a skipped run returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from simple_mutex import Lease, SimpleMutexLeaseExpiredError
+from simple_mutex.interrupt import LeaseInterrupt
+
+SKIPPED = "skipped"
+SOURCES = ("celery_mutex", "rq_mutex")
+"""Who may have made a skip marker: ``{"<source>": "skipped", "key": ..., ...}``."""
+
+_current: ContextVar[Lease | None] = ContextVar("simple_mutex_busy_lease", default=None)
+
+
+def current_lease() -> Lease | None:
+    """The lease of the task or job body running now (its ``key``, ``fence``,
+    ``expires_at``), or None outside one. Pass ``fence`` to the store you write to."""
+    return _current.get()
+
+
+@contextmanager
+def running(lease: Lease) -> Iterator[None]:
+    """Run a body under ``lease``: ``current_lease()`` answers with it, and the loss
+    interrupt leaves as the public ``SimpleMutexLeaseExpiredError`` (the per-lease class
+    cannot be found by name when Celery or RQ store the failure); the chained interrupt
+    shows where the body was when the lease was lost."""
+    token = _current.set(lease)
+    try:
+        yield
+    except LeaseInterrupt as lost:
+        raise SimpleMutexLeaseExpiredError(lost.message, key=lost.key) from lost
+    finally:
+        _current.reset(token)
+
+
+def skip_marker(source: str, key: str, **details: Any) -> dict[str, Any]:
+    """The result of a run that did not happen: distinct from any return value."""
+    return {source: SKIPPED, "key": key, **details}
+
+
+def is_skipped(result: object) -> bool:
+    """True if ``result`` (``AsyncResult.get()``, ``job.return_value()``) is the marker of
+    a run that was skipped: its key was busy, or its tick already ran."""
+    return isinstance(result, Mapping) and any(result.get(s) == SKIPPED for s in SOURCES)

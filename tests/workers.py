@@ -1,0 +1,69 @@
+"""What the Celery and RQ suites share: real worker subprocesses and bounded waits.
+
+Every wait is bounded in time; a process that does not stop is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from simple_mutex import Lease
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # where ``celery`` and ``rq`` are installed
+ENV = {
+    **os.environ,
+    # An outer PYTHONPATH (e.g. another rq version installed with --target) stays first.
+    "PYTHONPATH": os.pathsep.join(
+        p for p in [os.environ.get("PYTHONPATH"), str(ROOT / "tests"), str(ROOT)] if p
+    ),
+}
+
+
+def start(argv: list[str], log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
+    """``BIN/argv[0] argv[1:]`` with the test support importable; stderr to ``log`` (a
+    file, not a pipe: a full pipe would block the process)."""
+    with open(log or os.devnull, "wb") as err:
+        return subprocess.Popen(
+            [str(BIN / argv[0]), *argv[1:]],
+            env={**ENV, **env},
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM (a warm shutdown) to the live ones, then wait; kill what lingers."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def release_later(lease: Lease, delay: float) -> threading.Timer:
+    """Keep ``lease`` for ``delay`` seconds more, then release it (join the timer)."""
+    timer = threading.Timer(delay, lease.release)
+    timer.start()
+    return timer
