@@ -159,16 +159,19 @@ def _worker_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "CHECK_RUN": RUN, **extra}
 
 
-def check_celery(with_redis: bool) -> None:
-    """A real ``celery worker`` (prefork) runs one MutexTask. On ``celery`` alone the broker is
-    RabbitMQ and the lock cache a DiskCache; with ``redis`` both are the Redis server."""
+def check_celery(extras: list[str]) -> None:
+    """A real ``celery worker`` (prefork) runs one MutexTask. With ``redis`` the broker and
+    the lock cache are the Redis server; otherwise the broker is RabbitMQ and the lock cache
+    the other extra's server (``celery,postgres``), or a DiskCache on ``celery`` alone."""
     from celery_mutex import MutexTask, current_lease, is_skipped  # noqa: F401
     from celery_mutex.beat import MutexScheduler  # noqa: F401
 
     ok("import celery_mutex (MutexTask, current_lease, is_skipped), celery_mutex.beat")
     scratch = Path(tempfile.mkdtemp(prefix="check-extras-celery-"))
-    if with_redis:
+    if "redis" in extras:
         broker = cache = env("REDIS_URL")
+    elif "postgres" in extras:
+        broker, cache = env("AMQP_URL"), f"{env('POSTGRES_URL')}?table=check_extras_{RUN}"
     else:
         broker, cache = env("AMQP_URL"), f"file://{scratch / 'locks'}"
     worker_env = _worker_env(CHECK_BROKER=broker, CHECK_CACHE=cache)
@@ -226,7 +229,7 @@ def main(spec: str) -> None:
         "postgres": check_postgres,
         "mongo": check_mongo,
         "s3": check_s3,
-        "celery": lambda: check_celery(with_redis="redis" in extras),
+        "celery": lambda: check_celery(extras),
         "rq": check_rq,
     }
     unknown = set(extras) - set(checks)
