@@ -27,11 +27,16 @@ python="${PYTHON:-$(python_for 3.10)}" \
 VENV="${LOWER_VENV:-$(mktemp -d -t simple-mutex-lower.XXXXXX)/venv}"
 [[ -n "${LOWER_VENV:-}" ]] || trap 'rm -rf "$(dirname "$VENV")"' EXIT
 
+fresh_venv "$VENV" "$python"
 # name==version for every name>=version in the user-facing extras.
 constraints="$(dirname "$VENV")/lower-bounds.txt"
-mkdir -p "$(dirname "$VENV")"
-"$(find_python)" - "$USER_EXTRAS" >"$constraints" <<'PY'
-import re, sys, tomllib
+"$VENV/bin/python" - "$USER_EXTRAS" >"$constraints" <<'PY'
+import re, sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the copy pip carries
+    from pip._vendor import tomli as tomllib
 
 extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
 pins = {}
@@ -44,7 +49,6 @@ print("\n".join(f"{name}=={version}" for name, version in sorted(pins.items())))
 PY
 say "lower bounds, pinned together on $("$python" -V 2>&1): $(paste -sd' ' "$constraints")"
 
-fresh_venv "$VENV" "$python"
 # The test extra brings the test tools; the constraints hold every driver at its bound.
 pip_install "$VENV" -e ".[test,$USER_EXTRAS]" -c "$constraints" \
     || die "the lower bounds do not install together"
