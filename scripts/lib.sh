@@ -115,7 +115,7 @@ PY
 )"
     if [[ "${SIMPLE_MUTEX_REINSTALL:-0}" == 1 || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
         say "installing simple-mutex[$extras] (editable) into $VENV"
-        (cd "$REPO_ROOT" && "$VENV/bin/python" -m pip install --quiet -e ".[$extras]") \
+        (cd "$REPO_ROOT" && pip_install "$VENV" -e ".[$extras]") \
             || die "pip install failed"
         printf '%s\n' "$want" >"$stamp"
     fi

