@@ -1,34 +1,38 @@
-"""DiskCache: one machine. SQLite from the standard library, in WAL mode.
+"""DiskCache: one machine. SQLite from the standard library (WAL), and a futex gate.
 
-Why SQLite and not lock files: each operation is one SQL statement, and SQLite's commit is
-atomic across processes (its own file locks) and survives a writer killed mid-write (the
-journal rolls it back); a lock file plus a record file would need both proved by hand.
-In WAL mode with ``synchronous=NORMAL`` a commit does not wait for ``fsync``: a process
-crash loses nothing, and a power cut can lose the last commits but never corrupts the file
-(a lost lock record after a power cut is harmless: every holder died with the machine).
+Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key ever
+locked (``key, value, version, fence, expires_at``); ``simple-mutex.gate`` holds the
+wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
 
-Expiry is judged by this machine's wall clock, shared by every process on it. A freed
-key keeps its row (value NULL) so its fence keeps growing across releases and expiries.
-Not for network file systems: SQLite's locking is unreliable on NFS.
+* Each operation is one SQL statement, atomic across processes, rolled back if its writer
+  dies mid-write. A freed key keeps its row (value NULL), so its fence only grows.
+* Expiry is judged by this machine's wall clock, shared by every process on it.
+* ``wait`` blocks on the gate until a release of the key's bucket, or the earliest expiry
+  of the keys (a crashed holder's lock is taken over as its lease ends), or the timeout.
+* A crash loses nothing; a power cut can lose the last commits, never the file's
+  integrity. Not for network file systems (SQLite's locking is unreliable there).
+
+Rationale and figures: docs/design/disk.md.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import random
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-from simple_mutex import forksafe
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintError, SimpleCacheConditionError
+
+from .common import CacheBase, fault, malformed, new_version
+from .gate import open_gate
 
 FILENAME = "simple-mutex.sqlite3"
+GATE_FILENAME = "simple-mutex.gate"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -62,9 +66,14 @@ _DELETE = """
 UPDATE entries SET value = NULL
 WHERE key = ?1 AND version = ?2 AND value IS NOT NULL AND expires_at > ?3
 """
+# How many of the keys are held, and when the first of them lapses.
+_HELD = """
+SELECT count(*), min(expires_at) FROM entries
+WHERE key IN ({keys}) AND value IS NOT NULL AND expires_at > ?
+"""
 
 
-class DiskCache:
+class DiskCache(CacheBase):
     name = "disk"
 
     def __init__(
@@ -85,12 +94,12 @@ class DiskCache:
                 f"DiskCache could not create directory {str(directory)!r}: {exc}; pass a "
                 "writable directory"
             ) from None
+        super().__init__()
         self.path = directory / FILENAME
+        self._place = f" at {str(self.path)!r}"
         self._clock = clock
-        self._guard = threading.Lock()
         self._conn: sqlite3.Connection | None = None
-        forksafe.register(self)
-        self._one("open", "SELECT 1", ())
+        self._gate = open_gate(directory / GATE_FILENAME)
 
     def _before_fork(self) -> None:
         # SQLite must not see a connection carried across fork(), even one the child never
@@ -99,9 +108,6 @@ class DiskCache:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-    def _after_fork(self) -> None:
-        pass
 
     def _connect(self) -> sqlite3.Connection:
         # Autocommit: every statement is its own transaction. 10 s bounds a wait for the
@@ -114,61 +120,86 @@ class DiskCache:
         conn.execute(_SCHEMA)
         return conn
 
-    def _run(self, operation: str, sql: str, params: tuple[object, ...]) -> sqlite3.Cursor:
-        """Run one statement (caller holds ``_guard``), faults named for the user."""
-        try:
-            if self._conn is None:
-                self._conn = self._connect()
-            return self._conn.execute(sql, params)
-        except sqlite3.Error as exc:
-            raise MalfunctionError(
-                f"disk cache at {str(self.path)!r} failed during {operation}: {exc}"
-            ) from exc
-
-    def _one(self, operation: str, sql: str, params: tuple[object, ...]) -> Any:
+    def _run(self, operation: str, key: str, sql: str, params: tuple[object, ...]) -> Any:
+        """Run one statement: its cursor, faults named for the user."""
         # A plain lock, not a contextmanager: this is the hot path of every operation.
         with self._guard:
-            return self._run(operation, sql, params).fetchone()
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                return self._conn.execute(sql, params)
+            except sqlite3.Error as exc:
+                raise fault(self.name, operation, key, exc, self._place) from exc
+
+    def _entry(self, operation: str, key: str, row: tuple[Any, ...]) -> Entry:
+        types = tuple(type(field) for field in row)
+        if types == (str, str, int, float):
+            return Entry(*row)
+        names = ", ".join(t.__name__ for t in types)
+        raise malformed(self.name, operation, key, f"a row of {names}")
 
     def get(self, key: str) -> Entry | None:
-        row = self._one("get", _GET, (key, self._clock()))
-        return None if row is None else Entry(row[0], row[1], row[2], row[3])
+        row = self._run("get", key, _GET, (key, self._clock())).fetchone()
+        return None if row is None else self._entry("get", key, row)
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
-        version = _new_version()
-        row = self._one("put_if_absent", _PUT, (key, value, version, now + ttl, now))
-        if row is not None:
-            return Entry(value, version, row[0], now + ttl)
-        current = self._one("put_if_absent", _GET, (key, now))
-        if current is not None and current[0] == value:
-            return Entry(current[0], current[1], current[2], current[3])
+        version = new_version()
+        params = (key, value, version, now + ttl, now)
+        won = self._run("put_if_absent", key, _PUT, params).fetchone()
+        if won is not None:
+            return Entry(value, version, won[0], now + ttl)
+        row = self._run("put_if_absent", key, _GET, (key, now)).fetchone()
+        current = None if row is None else self._entry("put_if_absent", key, row)
+        if current is not None and current.value == value:
+            return current  # our own earlier write, whose reply was lost
         raise SimpleCacheConditionError(f"disk: {key!r} is held")
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         now = self._clock()
-        new_version = _new_version()
-        row = self._one("compare_and_set", _CAS, (key, value, new_version, now + ttl, version, now))
+        new = new_version()
+        params = (key, value, new, now + ttl, version, now)
+        row = self._run("compare_and_set", key, _CAS, params).fetchone()
         if row is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
-        return Entry(value, new_version, row[0], now + ttl)
+        return Entry(value, new, row[0], now + ttl)
 
-    def compare_and_delete(self, key: str, *, version: str) -> None:
-        with self._guard:
-            changed = self._run("compare_and_delete", _DELETE, (key, version, self._clock()))
-            count = changed.rowcount
-        if count != 1:
+    def compare_and_delete(self, key: str, *, version: str) -> bool | None:
+        params = (key, version, self._clock())
+        if self._run("compare_and_delete", key, _DELETE, params).rowcount != 1:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
+        return None if self._gate is None else self._gate.wake(self._gate.bucket(key))
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        # SQLite has no change notification across processes: the engine's jittered poll
-        # is the whole strategy here.
-        time.sleep(timeout)
+        if not keys or timeout <= 0:
+            return
+        bucket = self._gate.bucket(keys[0]) if self._gate is not None else 0
+        counter = self._gate.counter(bucket) if self._gate is not None else 0
+        # Checked after reading the counter: a release from now on moves it (gate.py).
+        distinct = tuple(dict.fromkeys(keys))
+        now = self._clock()
+        sql = _HELD.format(keys=",".join("?" * len(distinct)))
+        held, first_expiry = self._run("wait", keys[0], sql, (*distinct, now)).fetchone()
+        if held < len(distinct):
+            return  # a key is free already
+        lapse = first_expiry if type(first_expiry) is float else now + timeout
+        pause = min(timeout, lapse - now)
+        if self._gate is None:
+            time.sleep(max(pause, 0.0))
+        elif pause > 0:
+            self._gate.block(bucket, counter, pause)
 
-    async def wait_async(self, keys: Sequence[str], timeout: float) -> None:
-        # Never a thread per waiter: an async poll is just a sleep on the loop.
-        await asyncio.sleep(timeout)
 
-
-def _new_version() -> str:
-    return f"{random.getrandbits(64):016x}"
+def from_url(url: str) -> DiskCache:
+    """``file:///absolute/directory`` (or ``file://localhost/...``)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ConstraintError(
+            f"file URL {url!r} names host {parts.netloc!r}; a DiskCache is local, "
+            "write file:///absolute/path"
+        )
+    if not parts.path.startswith("/"):
+        raise ConstraintError(
+            f"file URL {url!r} needs an absolute path; write file:///absolute/path"
+        )
+    return DiskCache(unquote(parts.path))
