@@ -205,6 +205,13 @@ def take_when_free(url: str, prefix: str, key: str, ready_path: str, report_path
     lease.release()
 
 
+def first_use(url: str, barrier: Any) -> None:
+    """Use a store for the first time at the same instant as the other children."""
+    cache = cache_from_url(url)
+    barrier.wait(30)
+    Mutex(cache, interval=POLL).acquire("k", timeout=10).release()
+
+
 # -- c. crashes mid-write -------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ Rationale and figures: docs/design/disk.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -40,16 +41,18 @@ CREATE TABLE IF NOT EXISTS entries (
     value TEXT,              -- NULL once freed; the row stays for its fence
     version TEXT NOT NULL,
     fence INTEGER NOT NULL,
-    expires_at REAL NOT NULL
+    expires_at REAL NOT NULL,
+    waiting REAL             -- a waiter may block on the key until then: wake it
 ) WITHOUT ROWID
 """
 
-# Insert, or take over a freed or expired row; the fence counts every grant.
+# Insert, or take over a freed or expired row; the fence counts every grant, and the
+# waiters marked for the last holder must mark again.
 _PUT = """
 INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, 1, ?4)
 ON CONFLICT (key) DO UPDATE
     SET value = excluded.value, version = excluded.version,
-        fence = entries.fence + 1, expires_at = excluded.expires_at
+        fence = entries.fence + 1, expires_at = excluded.expires_at, waiting = NULL
     WHERE entries.value IS NULL OR entries.expires_at <= ?5
 RETURNING fence
 """
@@ -65,11 +68,13 @@ RETURNING fence
 _DELETE = """
 UPDATE entries SET value = NULL
 WHERE key = ?1 AND version = ?2 AND value IS NOT NULL AND expires_at > ?3
+RETURNING waiting
 """
-# How many of the keys are held, and when the first of them lapses.
-_HELD = """
-SELECT count(*), min(expires_at) FROM entries
+# Mark the keys that are held as waited for; each one's expiry.
+_MARK = """
+UPDATE entries SET waiting = ?
 WHERE key IN ({keys}) AND value IS NOT NULL AND expires_at > ?
+RETURNING expires_at
 """
 
 
@@ -115,9 +120,11 @@ class DiskCache(CacheBase):
         conn = sqlite3.connect(
             self.path, timeout=10.0, isolation_level=None, check_same_thread=False
         )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute(_SCHEMA)
+        try:
+            _set_up(conn)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _run(self, operation: str, key: str, sql: str, params: tuple[object, ...]) -> Any:
@@ -165,29 +172,55 @@ class DiskCache(CacheBase):
         return Entry(value, new, row[0], now + ttl)
 
     def compare_and_delete(self, key: str, *, version: str) -> bool | None:
-        params = (key, version, self._clock())
-        if self._run("compare_and_delete", key, _DELETE, params).rowcount != 1:
+        now = self._clock()
+        freed = self._run("compare_and_delete", key, _DELETE, (key, version, now)).fetchone()
+        if freed is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
-        return None if self._gate is None else self._gate.wake(self._gate.bucket(key))
+        if self._gate is None:
+            return None
+        # Only a key marked by a waiter costs a wake-up (a system call).
+        return freed[0] is not None and freed[0] > now and self._gate.wake(self._gate.bucket(key))
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         if not keys or timeout <= 0:
             return
         bucket = self._gate.bucket(keys[0]) if self._gate is not None else 0
         counter = self._gate.counter(bucket) if self._gate is not None else 0
-        # Checked after reading the counter: a release from now on moves it (gate.py).
+        # Marked after reading the counter: a release from now on sees the mark and moves
+        # the counter (gate.py); one before it left the key free, which the mark finds.
         distinct = tuple(dict.fromkeys(keys))
         now = self._clock()
-        sql = _HELD.format(keys=",".join("?" * len(distinct)))
-        held, first_expiry = self._run("wait", keys[0], sql, (*distinct, now)).fetchone()
-        if held < len(distinct):
+        sql = _MARK.format(keys=",".join("?" * len(distinct)))
+        params = (now + timeout + 1.0, *distinct, now)
+        held = self._run("wait", keys[0], sql, params).fetchall()
+        if len(held) < len(distinct):
             return  # a key is free already
-        lapse = first_expiry if type(first_expiry) is float else now + timeout
+        lapse = min((row[0] for row in held if type(row[0]) is float), default=now + timeout)
         pause = min(timeout, lapse - now)
         if self._gate is None:
             time.sleep(max(pause, 0.0))
         elif pause > 0:
             self._gate.block(bucket, counter, pause)
+
+
+def _set_up(conn: sqlite3.Connection) -> None:
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            # Processes opening a new store at once race to switch it to WAL, and SQLite
+            # answers "locked" at once instead of waiting: wait here.
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(_SCHEMA)
+    if "waiting" not in {row[1] for row in conn.execute("PRAGMA table_info(entries)")}:
+        # A store made before waiters marked rows; another process may add it first.
+        with contextlib.suppress(sqlite3.OperationalError):
+            conn.execute("ALTER TABLE entries ADD COLUMN waiting REAL")
 
 
 def from_url(url: str) -> DiskCache:
