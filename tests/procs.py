@@ -17,8 +17,6 @@ import json
 import multiprocessing
 import os
 import random
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -59,34 +57,6 @@ def wait_for_file(path: str | Path, timeout: float) -> bool:
             return False
         time.sleep(0.005)
     return True
-
-
-def free_port(also: int = 0) -> int:
-    """A loopback port nobody listens on now (and port + ``also`` too, for a Redis
-    Cluster's bus): never a fixed number, since other test runs share this machine."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not also:
-            return port
-        if port + also < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + also))
-                    return port
-                except OSError:
-                    pass
-
-
-def stop(proc: subprocess.Popen[bytes], grace: float = 5) -> None:
-    """End a server this test run started: politely, then by force."""
-    proc.terminate()
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def start(target: Callable[..., Any], *args: Any) -> multiprocessing.process.BaseProcess:

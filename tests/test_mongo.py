@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +30,7 @@ import pymongo
 import pytest
 from behaviour import SharedBehaviour
 from contract import CacheContract, unique_key
-from procs import free_port, stop
+from servers import OwnServer, free_port
 
 from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from simple_mutex.caches import mongo
@@ -41,17 +41,15 @@ HOUR = timedelta(hours=1)
 FORK = multiprocessing.get_context("fork")
 
 
-def _answers(url: str, timeout_ms: int = 500) -> Exception | None:
-    probe: pymongo.MongoClient[Any] = pymongo.MongoClient(
-        url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
-    )
-    try:
-        probe.admin.command("ping")
-        return None
-    except pymongo.errors.PyMongoError as exc:
-        return exc
-    finally:
-        probe.close()
+def _answers(url: str, timeout_ms: int = 300) -> bool:
+    with (
+        pymongo.MongoClient(
+            url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
+        ) as probe,
+        contextlib.suppress(pymongo.errors.PyMongoError),
+    ):
+        return bool(probe.admin.command("ping"))
+    return False
 
 
 @pytest.fixture(scope="session")
@@ -59,36 +57,19 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """MONGODB_URL, or a secantusd-py of our own; fails (never skips) if none answers."""
     url = os.environ.get("MONGODB_URL")
     if url:
-        error = _answers(url, 3000)
-        if error is not None:
-            pytest.fail(f"MONGODB_URL={url} does not answer ({error!r})")
+        if not _answers(url, 3000):
+            pytest.fail(f"MONGODB_URL={url} does not answer")
         yield url
         return
     binary = shutil.which("secantusd-py") or str(Path(sys.executable).parent / "secantusd-py")
     if not os.path.exists(binary):
         pytest.fail("secantusd-py not found: pip install secantusdb (test-only) or set MONGODB_URL")
-    workdir = tmp_path_factory.mktemp("secantus")
-    port = free_port()
-    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - open for the server's life
-    proc = subprocess.Popen(
-        [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path",
-         str(workdir / "data")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    workdir, port = tmp_path_factory.mktemp("secantus"), free_port()
     url = f"mongodb://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + 15
-        while (error := _answers(url, 300)) is not None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"secantusd-py did not start on port {port} ({error!r}): "
-                    f"{(workdir / 'server.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.05)
-        yield url
-    finally:
-        stop(proc)
-        log.close()
+    args = [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path", "data"]
+    server = OwnServer(args, workdir, lambda: _answers(url)).start()
+    yield url
+    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ import psycopg
 import pytest
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, unique_key
-from procs import free_port
 from psycopg_pool import ConnectionPool
+from servers import free_port
 
 from simple_mutex import (
     ConstraintError,

@@ -30,9 +30,9 @@ import redis
 from behaviour import PREFIX as BEHAVIOUR_PREFIX
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, unique_key
-from procs import free_port
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from servers import OwnServer, free_port
 
 from simple_mutex import (
     ConstraintError,
@@ -380,84 +380,41 @@ def test_renew_extends_the_servers_expiry(cache: RedisCache, client: redis.Redis
 # -- servers of our own: restart, freeze, sentinel, cluster ------------------------------
 
 
-class Server:
-    """A redis-server this module runs: started, stopped, frozen, killed."""
+class Server(OwnServer):
+    """A redis-server (or Sentinel, from a config file) this module runs in the foreground."""
 
     def __init__(self, port: int, workdir: Path, *extra: str, config: Path | None = None):
-        self.port = port
-        self.workdir = workdir
-        self.extra = extra
-        self.config = config  # a Sentinel runs from a (writable) config file
-        self.pidfile = workdir / f"redis-{port}.pid"
-
-    def start(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
-        if self.config is not None:
-            head = [binary, str(self.config), "--sentinel"]
-        else:
-            head = [binary, "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
-        subprocess.run(
-            [*head, "--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "yes",
-             "--pidfile", str(self.pidfile), "--logfile", str(self.workdir / f"{self.port}.log"),
-             *self.extra],
-            check=True,
-        )  # fmt: skip
-        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                probe.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        probe.close()
+        head = [binary, str(config), "--sentinel"] if config else [binary, "--save", ""]
+        args = [*head, "--appendonly", "no", "--dir", str(workdir), "--port", str(port)]
+        super().__init__([*args, "--bind", "127.0.0.1", *extra], workdir, self._pings)
+        self.port = port
 
-    @property
-    def pid(self) -> int:
-        return int(self.pidfile.read_text())
+    def _pings(self) -> bool:
+        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        with contextlib.suppress(redis.ConnectionError), probe:
+            return bool(probe.ping())
+        return False
 
     def shutdown(self) -> None:
-        pid = self.pid
         conn = redis.Redis(port=self.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
         with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
             conn.shutdown(nosave=True)
-        _wait_gone(pid)
-
-    def kill(self) -> None:
-        try:
-            pid = self.pid
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-            _wait_gone(pid)
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass
-
-
-def _wait_gone(pid: int) -> None:
-    """Until the process is gone or a zombie (a daemon's parent is init, which may be
-    slow to reap it here)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state == "Z":
-            return
-        time.sleep(0.01)
+        assert self.proc is not None
+        self.proc.wait(5)
 
 
 @pytest.fixture
-def servers(tmp_path: Path) -> Iterator[list[Server]]:
-    """Servers a test starts; every one is killed at teardown, whatever happened."""
+def servers() -> Iterator[list[Server]]:
+    """Servers a test starts; every one is stopped at teardown, whatever happened."""
     started: list[Server] = []
     yield started
     for server in started:
-        server.kill()
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)  # a frozen one ignores SIGTERM
+        server.stop()
 
 
 def own_server(servers: list[Server], tmp_path: Path, port: int, *extra: str) -> Server:
@@ -548,8 +505,7 @@ def test_sentinel_url_finds_the_master(servers: list[Server], tmp_path: Path):
     conf = tmp_path / "sentinel.conf"
     conf.write_text(f"sentinel monitor simple 127.0.0.1 {master.port} 1\n")
     sentinel = Server(free_port(), tmp_path, config=conf)
-    servers.append(sentinel)
-    sentinel.start()
+    servers.append(sentinel.start())
     probe = redis.Redis(port=sentinel.port, socket_timeout=0.5)
     deadline = time.monotonic() + 10
     while not probe.sentinel_get_master_addr_by_name("simple"):

