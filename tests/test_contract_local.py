@@ -47,20 +47,6 @@ class TestMemoryBehaviour(NotifyBehaviour, LockBehaviour):
         return "memory://"
 
 
-def test_disk_cache_entries_are_shared_between_instances_on_one_directory(tmp_path: Path):
-    """Two DiskCaches on one directory (as two processes) share entries and fences."""
-    a = DiskCache(tmp_path / "locks")
-    b = DiskCache(tmp_path / "locks")
-    key = unique_key()
-    entry = a.put_if_absent(key, "v1", ttl=30)
-    assert b.get(key) == entry
-    with pytest.raises(SimpleCacheConditionError):
-        b.put_if_absent(key, "v2", ttl=30)
-    b.compare_and_delete(key, version=entry.version)
-    assert a.get(key) is None
-    assert b.put_if_absent(key, "v3", ttl=30).fence > entry.fence
-
-
 @pytest.fixture(params=["memory", "disk"])
 def local(request: pytest.FixtureRequest, tmp_path: Path) -> InMemoryCache | DiskCache:
     """Each local cache: both wake waiters (a condition variable; a futex gate)."""
@@ -160,26 +146,6 @@ def test_memory_wait_async_is_woken_by_a_release_from_another_thread():
     released, woke = asyncio.run(main())
     assert released, "wait_async returned before the release"
     assert woke - released[0] < WAKE_BOUND
-
-
-def test_memory_wait_async_does_not_block_the_event_loop():
-    """While one coroutine waits on a key, other coroutines keep running."""
-    cache = InMemoryCache()
-    key = unique_key()
-    cache.put_if_absent(key, "v1", ttl=60)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        for _ in range(10):
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    async def main() -> None:
-        await asyncio.gather(cache.wait_async([key], 0.3), ticker())
-
-    asyncio.run(main())
-    assert ticks == 10
 
 
 def test_memory_wait_async_returns_at_once_when_a_key_is_free():
