@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import string
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import ConstraintError
@@ -89,9 +89,6 @@ def check_template(template: str, parameters: Iterable[str], accepts_any: bool) 
             f"key template {template!r} names {', '.join(missing)}, which the function "
             f"does not take; its arguments are: {', '.join(sorted(known)) or '(none)'}"
         )
-
-
-KeyFunction = Callable[..., str]
 
 
 def render_template(template: str, arguments: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,3 +40,14 @@ def any_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object
 def key() -> str:
     """A lock key no other test uses."""
     return f"test.{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def children() -> Iterator[list[Any]]:
+    """Processes a test starts; any still alive at teardown are killed."""
+    started: list[Any] = []
+    yield started
+    for proc in started:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)

@@ -42,6 +42,21 @@ def unique_key(name: str = "k") -> str:
     return f"contract.{name}.{uuid.uuid4().hex}"
 
 
+def assert_refused(cache: ConditionalCache, key: str, version: str, current: Entry) -> None:
+    """A stale ``version`` can neither set nor delete ``key``, which still holds ``current``."""
+    with pytest.raises(SimpleCacheConditionError):
+        cache.compare_and_set(key, current.value, ttl=30, version=version)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.compare_and_delete(key, version=version)
+    assert cache.get(key) == current
+
+
+def held(cache: ConditionalCache, value: str, ttl: float = 30) -> tuple[str, Entry]:
+    """A fresh key, put with ``value``: the key and its entry."""
+    key = unique_key()
+    return key, cache.put_if_absent(key, value, ttl=ttl)
+
+
 class CacheContract:
     """Subclass me and define a ``cache`` fixture."""
 
@@ -69,8 +84,7 @@ class CacheContract:
 
     def test_put_if_absent_then_get_returns_the_entry(self, cache: ConditionalCache) -> None:
         """A first put wins, and get returns exactly what was written."""
-        key = unique_key()
-        entry = cache.put_if_absent(key, "v1", ttl=30)
+        key, entry = held(cache, "v1")
         assert entry.value == "v1"
         assert cache.get(key) == entry
 
@@ -89,8 +103,7 @@ class CacheContract:
 
     def test_second_put_if_absent_loses(self, cache: ConditionalCache) -> None:
         """Put-if-absent on a live key raises the condition error."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         with pytest.raises(SimpleCacheConditionError):
             cache.put_if_absent(key, "v2", ttl=30)
         assert cache.get(key) == first
@@ -99,8 +112,7 @@ class CacheContract:
         self, cache: ConditionalCache
     ) -> None:
         """Repeating our own put (a lost reply) returns the existing entry, unchanged."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "same", ttl=30)
+        key, first = held(cache, "same")
         again = cache.put_if_absent(key, "same", ttl=30)
         assert again == first
         assert cache.get(key) == first
@@ -116,8 +128,7 @@ class CacheContract:
 
     def test_put_if_absent_on_a_freed_key_wins(self, cache: ConditionalCache) -> None:
         """A key freed by compare_and_delete can be taken again at once."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         cache.compare_and_delete(key, version=first.version)
         entry = cache.put_if_absent(key, "v2", ttl=30)
         assert cache.get(key) == entry
@@ -181,16 +192,14 @@ class CacheContract:
 
     def test_fence_strictly_increases_across_expiry_and_put(self, cache: ConditionalCache) -> None:
         """An expired key taken over gets a larger fence than the holder it replaced."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        key, first = held(cache, "v1", self.short_ttl)
         self.let_expire()
         second = cache.put_if_absent(key, "v2", ttl=30)
         assert second.fence > first.fence
 
     def test_losing_put_does_not_consume_the_fence(self, cache: ConditionalCache) -> None:
         """A failed put leaves the live entry's fence alone (the next grant is still larger)."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         with pytest.raises(SimpleCacheConditionError):
             cache.put_if_absent(key, "v2", ttl=30)
         got = cache.get(key)
@@ -203,8 +212,7 @@ class CacheContract:
 
     def test_compare_and_set_keeps_fence_and_changes_version(self, cache: ConditionalCache) -> None:
         """A CAS on the current version keeps the fence and gets a new version."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         second = cache.compare_and_set(key, "v2", ttl=30, version=first.version)
         assert second.value == "v2"
         assert second.fence == first.fence
@@ -215,8 +223,7 @@ class CacheContract:
         self, cache: ConditionalCache
     ) -> None:
         """A renewal writes the identical record; its version must change all the same."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "same", ttl=30)
+        key, first = held(cache, "same")
         second = cache.compare_and_set(key, "same", ttl=30, version=first.version)
         assert second.version != first.version
         with pytest.raises(SimpleCacheConditionError):
@@ -224,8 +231,7 @@ class CacheContract:
 
     def test_compare_and_set_restarts_expiry(self, cache: ConditionalCache) -> None:
         """After a CAS with a fresh TTL the entry outlives its original expiry."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        key, first = held(cache, "v1", self.short_ttl)
         time.sleep(self.short_ttl * 0.6)
         second = cache.compare_and_set(key, "v2", ttl=self.short_ttl * 4, version=first.version)
         assert second.expires_at > first.expires_at
@@ -236,8 +242,7 @@ class CacheContract:
         self, cache: ConditionalCache
     ) -> None:
         """The new TTL replaces the old one (it may also shorten it)."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         before = time.time()
         second = cache.compare_and_set(key, "v2", ttl=300, version=first.version)
         assert second.expires_at >= before + 300 - self.clock_tolerance
@@ -246,20 +251,19 @@ class CacheContract:
 
     def test_compare_and_set_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
         """A CAS naming another version fails and leaves the entry as it was."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         with pytest.raises(SimpleCacheConditionError):
             cache.compare_and_set(key, "v2", ttl=30, version=first.version + "x")
         assert cache.get(key) == first
 
-    def test_compare_and_set_misses_on_a_stale_version(self, cache: ConditionalCache) -> None:
-        """After one CAS, the version it replaced no longer matches."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
-        second = cache.compare_and_set(key, "v2", ttl=30, version=first.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v3", ttl=30, version=first.version)
-        assert cache.get(key) == second
+    def test_a_version_replaced_by_a_renewal_misses(self, cache: ConditionalCache) -> None:
+        """After one CAS, the version it replaced can neither set nor delete the entry;
+        the new one can."""
+        key, first = held(cache, "v1")
+        second = cache.compare_and_set(key, "v1", ttl=30, version=first.version)
+        assert_refused(cache, key, first.version, second)
+        cache.compare_and_delete(key, version=second.version)
+        assert cache.get(key) is None
 
     def test_compare_and_set_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
         """A CAS on a key never written fails and does not create it."""
@@ -270,8 +274,7 @@ class CacheContract:
 
     def test_compare_and_set_misses_on_a_freed_key(self, cache: ConditionalCache) -> None:
         """A CAS with the version a key had before it was freed fails; the key stays free."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
+        key, first = held(cache, "v1")
         cache.compare_and_delete(key, version=first.version)
         with pytest.raises(SimpleCacheConditionError):
             cache.compare_and_set(key, "v2", ttl=30, version=first.version)
@@ -279,8 +282,7 @@ class CacheContract:
 
     def test_compare_and_set_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
         """A CAS cannot resurrect an expired entry, even with its own version."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        key, first = held(cache, "v1", self.short_ttl)
         self.let_expire()
         with pytest.raises(SimpleCacheConditionError):
             cache.compare_and_set(key, "v2", ttl=30, version=first.version)
@@ -291,39 +293,23 @@ class CacheContract:
     def test_compare_and_delete_frees_the_key(self, cache: ConditionalCache) -> None:
         """Deleting with the current version frees the key: get reads None, and with nobody
         waiting the delete reports no waiter woken (None or False)."""
-        key = unique_key()
-        entry = cache.put_if_absent(key, "v1", ttl=30)
+        key, entry = held(cache, "v1")
         assert not cache.compare_and_delete(key, version=entry.version)
         assert cache.get(key) is None
 
     def test_compare_and_delete_twice_misses_the_second_time(self, cache: ConditionalCache) -> None:
         """A second delete with the same version finds nothing to free."""
-        key = unique_key()
-        entry = cache.put_if_absent(key, "v1", ttl=30)
+        key, entry = held(cache, "v1")
         cache.compare_and_delete(key, version=entry.version)
         with pytest.raises(SimpleCacheConditionError):
             cache.compare_and_delete(key, version=entry.version)
 
     def test_compare_and_delete_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
         """A delete naming another version fails and leaves the entry in place."""
-        key = unique_key()
-        entry = cache.put_if_absent(key, "v1", ttl=30)
+        key, entry = held(cache, "v1")
         with pytest.raises(SimpleCacheConditionError):
             cache.compare_and_delete(key, version=entry.version + "x")
         assert cache.get(key) == entry
-
-    def test_compare_and_delete_with_a_pre_renewal_version_misses(
-        self, cache: ConditionalCache
-    ) -> None:
-        """After a CAS, the old version can no longer delete the entry."""
-        key = unique_key()
-        first = cache.put_if_absent(key, "v1", ttl=30)
-        second = cache.compare_and_set(key, "v1", ttl=30, version=first.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=first.version)
-        assert cache.get(key) == second
-        cache.compare_and_delete(key, version=second.version)
-        assert cache.get(key) is None
 
     def test_compare_and_delete_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
         """Deleting a key never written fails."""
@@ -332,8 +318,7 @@ class CacheContract:
 
     def test_compare_and_delete_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
         """An expired entry cannot be deleted by its old holder, even with its version."""
-        key = unique_key()
-        entry = cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+        key, entry = held(cache, "v1", self.short_ttl)
         self.let_expire()
         with pytest.raises(SimpleCacheConditionError):
             cache.compare_and_delete(key, version=entry.version)
@@ -342,15 +327,9 @@ class CacheContract:
         self, cache: ConditionalCache
     ) -> None:
         """After expiry and takeover, the old version never frees the new holder's entry."""
-        key = unique_key()
-        old = cache.put_if_absent(key, "old", ttl=self.short_ttl)
+        key, old = held(cache, "old", self.short_ttl)
         self.let_expire()
-        new = cache.put_if_absent(key, "new", ttl=30)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=old.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "old", ttl=30, version=old.version)
-        assert cache.get(key) == new
+        assert_refused(cache, key, old.version, cache.put_if_absent(key, "new", ttl=30))
 
     # -- wait ---------------------------------------------------------------------------
 

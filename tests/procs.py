@@ -1,10 +1,11 @@
-"""Bodies of the child processes used by ``test_disk_processes.py``.
+"""Child processes for the behaviour suite and ``test_disk_processes.py``, and the
+parent's helpers to start them and read what they logged.
 
 They live in their own module so that the ``spawn`` start method can import them by name
-in a fresh interpreter. Each child reports through files in the test's ``tmp_path`` (never
-through pipes a SIGKILL could leave half-written in a way the parent cannot tell apart):
-logs are appended with one ``os.write`` per line on an ``O_APPEND`` descriptor, and
-one-shot reports are written to a temporary name and renamed into place.
+in a fresh interpreter; a child gets a cache URL, never an inherited object. Children
+report through files in the test's ``tmp_path`` (never through pipes a SIGKILL could leave
+half-written): logs are written once at the end, and one-shot reports are written to a
+temporary name and renamed into place.
 
 Times are ``time.monotonic()``: on Linux that is ``CLOCK_MONOTONIC``, one clock for every
 process on the machine, so intervals logged by different processes can be compared.
@@ -13,18 +14,27 @@ process on the machine, so intervals logged by different processes can be compar
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from simple_mutex import DiskCache, Mutex, Semaphore, SimpleMutexLeaseExpiredError
+from simple_mutex import (
+    DiskCache,
+    Mutex,
+    Semaphore,
+    SimpleMutexLeaseExpiredError,
+    cache_from_url,
+)
 
-POLL = 0.005  # short poll interval: DiskCache has no cross-process wake-up
+POLL = 0.01  # a short poll interval: some tiers have no wake-up
+CTX = multiprocessing.get_context("spawn")
 
 
 def write_json(path: str | Path, data: Any) -> None:
@@ -49,31 +59,80 @@ def wait_for_file(path: str | Path, timeout: float) -> bool:
     return True
 
 
+def start(target: Callable[..., Any], *args: Any) -> multiprocessing.process.BaseProcess:
+    proc = CTX.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def join_all(procs: list[Any], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    stuck = [p.pid for p in procs if p.is_alive()]
+    assert not stuck, f"processes {stuck} still running after {timeout} s: lock wedged?"
+    failed = {p.pid: p.exitcode for p in procs if p.exitcode != 0}
+    assert not failed, f"child processes failed (pid: exit code): {failed}"
+
+
+class Row(NamedTuple):
+    """One critical section as a child logged it."""
+
+    pid: int
+    start: float
+    end: float
+    fence: int
+    slot: int
+    seen: int  # the counter read inside the section
+    lost: int  # 1 if the lease was lost inside it
+
+
+def read_rows(paths: list[Path]) -> list[Row]:
+    """The critical sections the children logged, in the order they began."""
+    rows = [
+        Row(int(p), float(a), float(b), int(f), int(s), int(n), int(lost))
+        for path in paths
+        for p, a, b, f, s, n, lost in (line.split() for line in path.read_text().splitlines())
+    ]
+    return sorted(rows, key=lambda row: row.start)
+
+
+def max_overlap(rows: list[Row]) -> int:
+    """The largest number of sections open at one instant (an end sorts before a start
+    at the same instant: touching sections do not overlap)."""
+    events = sorted([(r.start, 1) for r in rows] + [(r.end, -1) for r in rows])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
 # -- a. exclusion ---------------------------------------------------------------------
 
 
 def contend(
-    cache_dir: str,
+    url: str,
+    prefix: str,
     key: str,
     permits: int,
     iterations: int,
     hold: float,
-    counter_path: str | None,
+    counter_path: str,
     log_path: str,
     barrier: Any,
 ) -> None:
-    """``iterations`` critical sections on ``key``; log ``pid start end fence slot seen lost``.
-
-    With ``counter_path`` each section is a read-modify-write of the shared counter file
-    with a sleep in between: two holders at once would lose an increment. Between sections
-    a worker pauses briefly (as real work does): the lock is not fair, and a releaser that
-    re-acquired at once would keep it from waiters that poll."""
-    cache = DiskCache(cache_dir)
+    """``iterations`` critical sections on ``key``, each a read-modify-write of the shared
+    counter file with a sleep in between (two holders at once would lose an increment);
+    logs ``pid start end fence slot seen lost``. Between sections a worker pauses briefly,
+    as real work does: the lock is not fair, and a releaser that re-acquired at once
+    would keep it from waiters that poll."""
+    cache = cache_from_url(url)
     space: Mutex | Semaphore
     if permits == 1:
-        space = Mutex(cache, lease=30, interval=POLL)
+        space = Mutex(cache, lease=30, interval=POLL, prefix=prefix)
     else:
-        space = Semaphore(cache, permits=permits, lease=30, interval=POLL)
+        space = Semaphore(cache, permits=permits, lease=30, interval=POLL, prefix=prefix)
     lines = []
     barrier.wait(60)  # start together, so that every process contends
     for _ in range(iterations):
@@ -83,16 +142,10 @@ def contend(
         try:
             with space.acquire(key, timeout=60) as lease:
                 start = time.monotonic()
-                seen = -1
-                if counter_path is not None:
-                    with open(counter_path) as f:
-                        text = f.read()  # empty if another holder is mid-write
-                    seen = int(text) if text else -1
-                    time.sleep(hold)
-                    with open(counter_path, "w") as f:
-                        f.write(str(seen + 1))
-                else:
-                    time.sleep(hold)
+                text = Path(counter_path).read_text()  # empty if another holder is mid-write
+                seen = int(text) if text else -1
+                time.sleep(hold)
+                Path(counter_path).write_text(str(seen + 1))
                 end = time.monotonic()
         except SimpleMutexLeaseExpiredError:
             lost = 1
@@ -104,20 +157,29 @@ def contend(
 # -- b. a holder killed with SIGKILL --------------------------------------------------
 
 
-def hold_forever(cache_dir: str, key: str, lease: float, info_path: str) -> None:
+def hold_forever(url: str, prefix: str, key: str, lease: float, info_path: str) -> None:
     """Take ``key`` without renewal, report it, then hang until killed."""
-    mutex = Mutex(DiskCache(cache_dir), lease=lease, interval=POLL)
-    held = mutex.acquire(key, timeout=10)
-    write_json(
-        info_path,
-        {
-            "pid": os.getpid(),
-            "fence": held.fence,
-            "expires_at": held.expires_at.timestamp(),
-        },
-    )
+    held = Mutex(cache_from_url(url), lease=lease, prefix=prefix).acquire(key, timeout=10)
+    granted = time.monotonic()
+    write_json(info_path, {"pid": os.getpid(), "fence": held.fence, "granted": granted})
     while True:
         time.sleep(3600)
+
+
+def take_when_free(url: str, prefix: str, key: str, ready_path: str, report_path: str) -> None:
+    """Wait for ``key`` with the default settings (a 1 s poll), report when it was got."""
+    mutex = Mutex(cache_from_url(url), prefix=prefix)
+    Path(ready_path).touch()
+    lease = mutex.acquire(key, timeout=30)
+    write_json(report_path, {"got": time.monotonic()})
+    lease.release()
+
+
+def first_use(url: str, barrier: Any) -> None:
+    """Use a store for the first time at the same instant as the other children."""
+    cache = cache_from_url(url)
+    barrier.wait(30)
+    Mutex(cache, interval=POLL).acquire("k", timeout=10).release()
 
 
 # -- c. crashes mid-write -------------------------------------------------------------

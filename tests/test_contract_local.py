@@ -1,5 +1,6 @@
-"""The cache contract run against the local caches, plus InMemoryCache's notification:
-a release wakes waiters at once (threads and asyncio), and no wake-up is ever lost."""
+"""The cache contract run against the local caches, the behaviour suite on InMemoryCache
+(DiskCache's is in test_disk_processes.py), and the local caches' wake-ups: a release
+wakes waiters at once (threads and asyncio), and no wake-up is ever lost."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from behaviour import LockBehaviour, NotifyBehaviour
 from contract import CacheContract, unique_key
 
 from simple_mutex import DiskCache, InMemoryCache, SimpleCacheConditionError
@@ -36,21 +39,21 @@ class TestDiskCacheContract(CacheContract):
         return DiskCache(tmp_path / "locks")
 
 
-def test_disk_cache_entries_are_shared_between_instances_on_one_directory(tmp_path: Path):
-    """Two DiskCaches on one directory (as two processes) share entries and fences."""
-    a = DiskCache(tmp_path / "locks")
-    b = DiskCache(tmp_path / "locks")
-    key = unique_key()
-    entry = a.put_if_absent(key, "v1", ttl=30)
-    assert b.get(key) == entry
-    with pytest.raises(SimpleCacheConditionError):
-        b.put_if_absent(key, "v2", ttl=30)
-    b.compare_and_delete(key, version=entry.version)
-    assert a.get(key) is None
-    assert b.put_if_absent(key, "v3", ttl=30).fence > entry.fence
+class TestMemoryBehaviour(NotifyBehaviour, LockBehaviour):
+    """The behaviour suite on one process's InMemoryCache (threads and asyncio)."""
+
+    @pytest.fixture
+    def url(self) -> str:
+        return "memory://"
 
 
-def release_later(cache: InMemoryCache, key: str, version: str, after: float) -> list[float]:
+@pytest.fixture(params=["memory", "disk"])
+def local(request: pytest.FixtureRequest, tmp_path: Path) -> InMemoryCache | DiskCache:
+    """Each local cache: both wake waiters (a condition variable; a futex gate)."""
+    return InMemoryCache() if request.param == "memory" else DiskCache(tmp_path / "locks")
+
+
+def release_later(cache: Any, key: str, version: str, after: float) -> list[float]:
     """Free ``key`` from another thread after ``after`` seconds; the list gets the time."""
     released: list[float] = []
 
@@ -63,9 +66,9 @@ def release_later(cache: InMemoryCache, key: str, version: str, after: float) ->
     return released
 
 
-def test_memory_wait_wakes_within_milliseconds_of_a_release_by_another_thread():
+def test_wait_wakes_within_milliseconds_of_a_release_by_another_thread(local):
     """wait() is woken by the release itself (a notification), not by a poll or timeout."""
-    cache = InMemoryCache()
+    cache = local
     key = unique_key()
     entry = cache.put_if_absent(key, "v1", ttl=60)
     released = release_later(cache, key, entry.version, after=0.05)
@@ -75,9 +78,9 @@ def test_memory_wait_wakes_within_milliseconds_of_a_release_by_another_thread():
     assert woke - released[0] < WAKE_BOUND
 
 
-def test_memory_wait_on_a_semaphore_wakes_when_any_slot_frees():
+def test_wait_on_a_semaphore_wakes_when_any_slot_frees(local):
     """A waiter on several slots is woken by the release of any one of them."""
-    cache = InMemoryCache()
+    cache = local
     base = unique_key()
     keys = [base, base + "#1", base + "#2"]
     entries = [cache.put_if_absent(k, "v", ttl=60) for k in keys]
@@ -88,9 +91,9 @@ def test_memory_wait_on_a_semaphore_wakes_when_any_slot_frees():
     assert woke - released[0] < WAKE_BOUND
 
 
-def test_memory_wait_returns_at_once_when_a_key_is_already_free():
+def test_wait_returns_at_once_when_a_key_is_already_free(local):
     """No lost wake-up: a release that happened before wait() was entered still counts."""
-    cache = InMemoryCache()
+    cache = local
     key = unique_key()
     entry = cache.put_if_absent(key, "v1", ttl=60)
     cache.compare_and_delete(key, version=entry.version)  # released before we wait
@@ -104,14 +107,29 @@ def test_memory_wait_returns_at_once_when_a_key_is_already_free():
     assert time.monotonic() - start < WAKE_BOUND
 
 
-def test_memory_wait_returns_when_the_entry_expires():
+def test_wait_returns_when_the_entry_expires(local):
     """Expiry frees a key without any release: wait() must not sleep past it."""
-    cache = InMemoryCache()
+    cache = local
     key = unique_key()
     cache.put_if_absent(key, "v1", ttl=0.1)
     start = time.monotonic()
     cache.wait([key], LONG_WAIT)
     assert time.monotonic() - start < 0.1 + WAKE_BOUND + 0.1
+
+
+def test_a_disk_release_says_whether_it_woke_a_waiter(tmp_path: Path):
+    """compare_and_delete is True when a waiter was blocked on the key (the engine then
+    lets it go first), False when nobody waited."""
+    cache, key = DiskCache(tmp_path / "locks"), unique_key()
+    entry = cache.put_if_absent(key, "v1", ttl=60)
+    assert cache.compare_and_delete(key, version=entry.version) is False
+    entry = cache.put_if_absent(key, "v2", ttl=60)
+    waiter = threading.Thread(target=cache.wait, args=([key], LONG_WAIT))
+    waiter.start()
+    time.sleep(0.1)
+    assert cache.compare_and_delete(key, version=entry.version) is True
+    waiter.join(WAKE_BOUND)
+    assert not waiter.is_alive()
 
 
 def test_memory_wait_async_is_woken_by_a_release_from_another_thread():
@@ -128,26 +146,6 @@ def test_memory_wait_async_is_woken_by_a_release_from_another_thread():
     released, woke = asyncio.run(main())
     assert released, "wait_async returned before the release"
     assert woke - released[0] < WAKE_BOUND
-
-
-def test_memory_wait_async_does_not_block_the_event_loop():
-    """While one coroutine waits on a key, other coroutines keep running."""
-    cache = InMemoryCache()
-    key = unique_key()
-    cache.put_if_absent(key, "v1", ttl=60)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        for _ in range(10):
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    async def main() -> None:
-        await asyncio.gather(cache.wait_async([key], 0.3), ticker())
-
-    asyncio.run(main())
-    assert ticks == 10
 
 
 def test_memory_wait_async_returns_at_once_when_a_key_is_free():

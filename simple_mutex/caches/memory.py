@@ -1,11 +1,13 @@
-"""InMemoryCache: one process. A dict under a condition variable.
+"""InMemoryCache: one process. A dict of entries under a condition variable.
 
-Releases wake waiters at once (threads through the condition, asyncio waiters through
-their loop), so a hand-off costs microseconds, not a poll interval.
+* Releases wake waiters at once: threads through the condition, asyncio waiters through
+  their loop (``wait_async``).
+* Fences come from one counter for the whole cache, so they grow per key too, and a freed
+  key is dropped (no tombstone): nothing outlives a release. Expired entries are dropped
+  when met and by a sweep every few thousand writes.
+* Expiry follows a monotonic clock anchored once to Unix time.
 
-Fences come from one counter for the whole cache: it only grows, so it also grows per key,
-and freed keys can be dropped instead of kept as tombstones (a per-order lock would
-otherwise leak one entry per order).
+Rationale: docs/design/memory.md.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from simple_mutex import forksafe
 from simple_mutex.contract import Entry
 from simple_mutex.errors import SimpleCacheConditionError
+
+from .common import CacheBase
 
 _SWEEP_EVERY = 4096
 
@@ -32,23 +35,19 @@ def steady_time() -> float:
     return _ANCHOR + time.monotonic()
 
 
-class InMemoryCache:
+class InMemoryCache(CacheBase):
     name = "memory"
 
     def __init__(self, *, clock: Callable[[], float] = steady_time) -> None:
+        super().__init__()
         self._clock = clock
         # Enter the lock itself on hot paths: a Condition's own __enter__ is Python code.
-        self._guard = threading.Lock()
         self._cond = threading.Condition(self._guard)
         self._entries: dict[str, Entry] = {}
         self._counter = itertools.count(1)
         self._writes = 0
         self._sleepers = 0
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
-        forksafe.register(self)
-
-    def _before_fork(self) -> None:
-        pass
 
     def _after_fork(self) -> None:
         # The parent's waiting threads and event loops do not exist here.
@@ -155,3 +154,8 @@ class InMemoryCache:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def from_url(url: str) -> InMemoryCache:
+    """``memory://``: a new lock space of this process."""
+    return InMemoryCache()

@@ -4,90 +4,43 @@ One collection holds every lock, one document per key::
 
     {_id: key, value: str | null, version: str, fence: int, expires_at: Date}
 
-``value`` is null once freed: the document stays, so its ``fence`` keeps counting across
-releases and expiries. Each operation is one statement on one document, which MongoDB
-applies atomically, and every write uses ``w="majority"`` by default (a ``w:1`` write can
-be rolled back on fail-over, and then two processes would hold the lock).
+* Each operation is one statement on one document, applied atomically; writes use
+  ``w="majority"`` by default. ``value`` is null once freed: the document stays, and its
+  fence counts on. A new document's fence starts at the server's clock in µs, so a key
+  whose document was collected still gets larger fences.
+* ``clock="server"`` (default): ``$$NOW`` decides expiry (MongoDB >= 4.2; ``ready()``
+  proves it). ``clock="client"``: this machine's clock, for servers without it; every
+  client's clock must then agree to well within a lease.
+* ``ready()`` (run on first use) creates a TTL index on ``expires_at`` that deletes
+  documents ``gc_after`` seconds after their lease ended: garbage collection only.
+* ``wait`` sleeps: the engine's jittered poll finds releases and expiries.
+* A forked child opens its own client. Every pymongo error is a ``MalfunctionError``
+  naming mongo, the operation and the key; a retried put finds its own value.
 
-Clock. With ``clock="server"`` (the default) the server's clock decides expiry: filters
-compare ``expires_at`` with ``$$NOW`` and writes set it to ``$$NOW + ttl`` in an
-aggregation-pipeline update (MongoDB >= 4.2). Both sides are compared as ``$toLong``
-milliseconds: MongoDB compares Dates either way, and secantusdb (the wire-protocol server
-the tests run against) evaluates a Date compared with ``$$NOW`` as false, silently, but
-compares the two numbers correctly.
-``clock="client"`` uses this machine's clock instead, for servers without ``$$NOW`` in
-filters (mongomock, MongoDB < 4.2, some compatible services); every client machine's
-clock must then agree to well within a lease. ``ready()`` checks that the server really
-evaluates the server-clock statements (it takes over an entry that expired a moment ago)
-and raises ``ConstraintError`` naming ``clock="client"`` when it does not.
-
-Statements (server clock):
-
-* ``put_if_absent``: ONE ``find_one_and_update(upsert=True)`` whose filter matches the key
-  only when freed or expired. It takes over such a document (fence + 1) or, for a key
-  never seen, inserts it; on a live document the filter misses, the upsert's insert hits
-  the unique ``_id`` and MongoDB raises ``DuplicateKeyError``: the race is lost. Then one
-  read tells our own earlier write (identical value: a reply lost to a retry) from
-  another holder. With ``clock="client"``: a filtered ``find_one_and_update`` (take-over),
-  then ``insert_one`` for a new key, then the same read.
-* ``compare_and_set``: ``find_one_and_update`` filtered on version, not freed, not expired.
-* ``compare_and_delete``: ``update_one`` with the same filter, setting ``value`` to null.
-  It cannot tell whether anyone waits, so it returns None.
-* ``wait``: sleeps (the engine's jittered poll); change streams are not used.
-
-Fences. A new document's fence starts at the server's clock in microseconds (Unix ms x
-1000) and grows by one per grant, so it keeps growing even when the document was
-collected and created again (no key gets 1000 grants in a millisecond). Fences are
-therefore large (about 1.8e15 in 2026), still exact as JSON numbers (below 2**53).
-
-Garbage collection. ``ready()`` creates a TTL index on ``expires_at`` with
-``expireAfterSeconds=gc_after`` (default one day; ``None`` creates none). It never decides
-anything: MongoDB's TTL monitor runs about once a minute, and it only deletes documents
-whose lease ended ``gc_after`` ago (freed or abandoned keys). An existing index on
-``expires_at`` with other options is reported by ``ready()``, not replaced.
-
-``ready()`` runs on first use of each cache object; call it at start-up to
-surface a wrong URL, missing rights or an unsupported server before the first lock.
-
-Connections and errors. ``from_url`` builds a client with a 5 s server selection and
-connect timeout and a 10 s socket timeout (unless the URL sets them), so no call hangs on
-a dead server; a client you pass keeps its own settings (pymongo's defaults wait 30 s for
-a server and forever on a socket: set ``serverSelectionTimeoutMS`` and
-``socketTimeoutMS``). A forked child never uses its parent's client (pymongo's are not
-fork-safe): it opens its own from the URL, or as a duplicate of the client you passed
-(pymongo's ``MongoClient._duplicate``; without it, pymongo's own after-fork reset).
-Every pymongo error becomes ``MalfunctionError`` naming mongo, the operation and the key.
-A write whose outcome is unknown (a socket timeout, a majority write that timed out
-waiting for the secondaries) is such an error too; pymongo retries a write once on a
-replica set (retryable writes), and a repeated put of the same value returns our own
-entry (the contract's idempotent put), so a retry never orphans a lock.
+Rationale: docs/design/mongo.md.
 """
 
 from __future__ import annotations
 
-import math
 import random
-import sys
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
-from simple_mutex import forksafe
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-try:
+from .common import CacheBase, driver_imports, fault, malformed, new_version, ttl_ms
+
+with driver_imports("mongo"):
     import pymongo
     from pymongo import ReturnDocument
     from pymongo.collection import Collection
     from pymongo.database import Database
     from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
     from pymongo.write_concern import WriteConcern
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ConstraintError("MongoCache needs pymongo: pip install 'simple-mutex[mongo]'") from exc
 
 DEFAULT_GC_AFTER = 86_400.0  # TTL garbage collection, seconds after a lease ended
 _INDEX_NAME = "simple_mutex_gc"
@@ -98,7 +51,11 @@ _URL_TIMEOUTS = {
     "connectTimeoutMS": 5000,
     "socketTimeoutMS": 10_000,
 }
+# A collection-like object that is not pymongo's (a wrapper) needs these.
+_COLLECTION_METHODS = ("find_one", "find_one_and_update", "update_one", "insert_one")
 
+# Dates compared as $toLong ms: secantusdb (the tests' server) silently misjudges a Date
+# compared with $$NOW, and MongoDB compares either form alike.
 _NOW_MS = {"$toLong": "$$NOW"}
 _EXPIRES_MS = {"$toLong": "$expires_at"}
 _LIVE_SERVER: dict[str, Any] = {"$expr": {"$gt": [_EXPIRES_MS, _NOW_MS]}}
@@ -108,7 +65,7 @@ _FREE_SERVER: dict[str, Any] = {
 _ENTRY_FIELDS = {"_id": 0, "value": 1, "version": 1, "fence": 1, "expires_at": 1}
 
 
-class MongoCache:
+class MongoCache(CacheBase):
     """A ConditionalCache over a pymongo ``MongoClient``, ``Database`` or ``Collection``.
 
     A client or database gets the collection ``database`` / ``collection``; a collection
@@ -143,6 +100,7 @@ class MongoCache:
                 f"{write_concern!r}"
             )
         coll = _collection_of(client_or_collection, database, collection)
+        super().__init__()
         self.database = coll.database.name
         self.collection_name = coll.name
         self.write_concern = write_concern
@@ -153,8 +111,6 @@ class MongoCache:
         self._client: Any = None  # a client this process opened (URL or fork), to close
         self._coll: Any = self._with_options(coll)
         self._ready = False
-        self._guard = threading.Lock()
-        forksafe.register(self)
 
     def __repr__(self) -> str:
         return (
@@ -170,9 +126,6 @@ class MongoCache:
         return coll.with_options(
             write_concern=WriteConcern(w=self.write_concern, wtimeout=_WTIMEOUT_MS)
         )
-
-    def _before_fork(self) -> None:
-        pass
 
     def _after_fork(self) -> None:
         # The parent's client (sockets, monitor threads) must not be used here; it is
@@ -196,7 +149,7 @@ class MongoCache:
         else:
             duplicate = getattr(self._given.database.client, "_duplicate", None)
             if not callable(duplicate):
-                return self._given  # mongomock, or a pymongo without _duplicate
+                return self._given  # not pymongo's, or a pymongo without _duplicate
             client = duplicate()
         self._client = client
         return client[self.database][self.collection_name]
@@ -210,7 +163,7 @@ class MongoCache:
 
     # -- ready: index and clock check ----------------------------------------------------
 
-    def ready(self) -> None:
+    def ready(self, operation: str = "ready", key: str = "") -> None:
         """Create the TTL index and check the server's clock statements; raises
         ``MalfunctionError`` (server unreachable, rights, conflicting index) or
         ``ConstraintError`` (a server that cannot evaluate ``$$NOW``: use clock="client")."""
@@ -222,13 +175,15 @@ class MongoCache:
                     expireAfterSeconds=int(self.gc_after),
                     name=_INDEX_NAME,
                 )
-            except PyMongoError as exc:
+            except OperationFailure as exc:
                 raise MalfunctionError(
                     f"mongo cache could not create its TTL index on "
                     f"{self.database}.{self.collection_name}.expires_at "
                     f"(expireAfterSeconds={int(self.gc_after)}): {exc!r}; drop or align "
                     "an existing index on expires_at, or pass gc_after=None"
                 ) from exc
+            except PyMongoError as exc:
+                raise fault(self.name, operation, key, exc) from exc
         self._ready = True
         if self.clock == "server":
             self._check_server_clock()
@@ -246,14 +201,14 @@ class MongoCache:
                 second = self.put_if_absent(key, "probe-2", ttl=30)
                 ok = expired and second.fence == first.fence + 1
             finally:
-                self._coll_op("ready", key, lambda c: c.delete_one({"_id": key}))
+                self._op("ready", key, lambda c: c.delete_one({"_id": key}))
         except MalfunctionError as exc:
             cause = exc.__cause__
             if isinstance(cause, PyMongoError) and not isinstance(cause, OperationFailure):
                 raise  # unreachable, timed out...: not a question of the clock
             ok = False  # the server refused the statements, or wrote nonsense
-        except (SimpleCacheConditionError, ValueError, TypeError, KeyError):
-            ok = False  # mongomock and other doubles fail in their own ways
+        except SimpleCacheConditionError:
+            ok = False
         if not ok:
             self._ready = False
             raise ConstraintError(
@@ -262,36 +217,32 @@ class MongoCache:
                 "pass clock='client' to judge expiry by this machine's clock"
             )
 
-    def _ensure_ready(self) -> None:
+    def _op(self, operation: str, key: str, call: Any) -> Any:
         if not self._ready:
-            self.ready()  # idempotent: threads racing here do no harm
-
-    def _coll_op(self, operation: str, key: str, call: Any) -> Any:
+            self.ready(operation, key)  # idempotent: threads racing here do no harm
         try:
             return call(self._collection())
         except DuplicateKeyError:
             raise
         except PyMongoError as exc:
-            raise _fault(operation, key, exc) from exc
+            raise fault(self.name, operation, key, exc) from exc
 
     # -- the contract --------------------------------------------------------------------
 
     def get(self, key: str) -> Entry | None:
-        self._ensure_ready()
-        live = self._live()
-        doc = self._coll_op(
-            "get", key, lambda c: c.find_one({"_id": key, "value": {"$ne": None}, **live},
-                                             _ENTRY_FIELDS)
-        )  # fmt: skip
-        return None if doc is None else _entry(doc, key)
+        return self._read("get", key)
+
+    def _read(self, operation: str, key: str) -> Entry | None:
+        match = {"_id": key, "value": {"$ne": None}, **self._live()}
+        doc = self._op(operation, key, lambda c: c.find_one(match, _ENTRY_FIELDS))
+        return None if doc is None else _entry(doc, operation, key)
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
-        self._ensure_ready()
-        ms = _ms(ttl)
-        version = _new_version()
+        ms = ttl_ms(ttl)
+        version = new_version()
         try:
             if self.clock == "server":
-                doc = self._coll_op(
+                doc = self._op(
                     "put_if_absent", key,
                     lambda c: c.find_one_and_update(
                         {"_id": key, **_FREE_SERVER},
@@ -312,37 +263,31 @@ class MongoCache:
         except DuplicateKeyError:
             doc = None  # a live document holds the key (or a racing put created it)
         if doc is not None:
-            return _entry(doc, key)
+            return _entry(doc, "put_if_absent", key)
         # Held. Our own earlier write whose reply was lost holds exactly this value.
-        live = self._live()
-        current = self._coll_op(
-            "put_if_absent", key,
-            lambda c: c.find_one({"_id": key, "value": value, **live}, _ENTRY_FIELDS),
-        )  # fmt: skip
-        if current is not None:
-            return _entry(current, key)
+        current = self._read("put_if_absent", key)
+        if current is not None and current.value == value:
+            return current
         raise SimpleCacheConditionError(f"mongo: {key!r} is held")
 
     def _put_by_client_clock(self, key: str, value: str, version: str, ms: int) -> Any:
         now_ms = _now_ms()
         expires_at = _date(now_ms + ms)
-        doc = self._coll_op(
+        doc = self._op(
             "put_if_absent", key,
             lambda c: c.find_one_and_update(
                 {"_id": key, "$or": [{"value": None}, {"expires_at": {"$lte": _date(now_ms)}}]},
                 {"$set": {"value": value, "version": version, "expires_at": expires_at},
                  "$inc": {"fence": 1}},
-                projection={"_id": 0, "fence": 1},
-                # The document before: all else we wrote ourselves (and mongomock finds
-                # the AFTER document by the filter, which it no longer matches).
-                return_document=ReturnDocument.BEFORE,
+                # The document before: all else in the reply we wrote ourselves.
+                projection={"_id": 0, "fence": 1}, return_document=ReturnDocument.BEFORE,
             ),
         )  # fmt: skip
         if doc is not None:
             return {"value": value, "version": version, "fence": doc["fence"] + 1,
                     "expires_at": expires_at}  # fmt: skip
         fence = now_ms * 1000 + 1
-        self._coll_op(
+        self._op(
             "put_if_absent", key,
             lambda c: c.insert_one({"_id": key, "value": value, "version": version,
                                     "fence": fence, "expires_at": expires_at}),
@@ -350,50 +295,42 @@ class MongoCache:
         return {"value": value, "version": version, "fence": fence, "expires_at": expires_at}
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
-        self._ensure_ready()
-        ms = _ms(ttl)
-        new_version = _new_version()
+        ms = ttl_ms(ttl)
+        new = new_version()
         match = {"_id": key, "version": version, "value": {"$ne": None}, **self._live()}
         if self.clock == "server":
-            doc = self._coll_op(
+            doc = self._op(
                 "compare_and_set", key,
                 lambda c: c.find_one_and_update(
                     match,
-                    [{"$set": {"value": {"$literal": value}, "version": new_version,
+                    [{"$set": {"value": {"$literal": value}, "version": new,
                                "expires_at": {"$add": ["$$NOW", ms]}}}],
                     projection=_ENTRY_FIELDS, return_document=ReturnDocument.AFTER,
                 ),
             )  # fmt: skip
         else:
             expires_at = _date(_now_ms() + ms)
-            doc = self._coll_op(
+            doc = self._op(
                 "compare_and_set", key,
                 lambda c: c.find_one_and_update(
-                    match,
-                    {"$set": {"value": value, "version": new_version, "expires_at": expires_at}},
+                    match, {"$set": {"value": value, "version": new, "expires_at": expires_at}},
                     projection={"_id": 0, "fence": 1}, return_document=ReturnDocument.BEFORE,
                 ),
             )  # fmt: skip
             if doc is not None:
-                doc = {"value": value, "version": new_version, "fence": doc["fence"],
+                doc = {"value": value, "version": new, "fence": doc["fence"],
                        "expires_at": expires_at}  # fmt: skip
         if doc is None:
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
-        return _entry(doc, key)
+        return _entry(doc, "compare_and_set", key)
 
     def compare_and_delete(self, key: str, *, version: str) -> None:
-        self._ensure_ready()
         match = {"_id": key, "version": version, "value": {"$ne": None}, **self._live()}
-        result = self._coll_op(
-            "compare_and_delete", key,
-            lambda c: c.update_one(match, {"$set": {"value": None}}),
-        )  # fmt: skip
+        result = self._op(
+            "compare_and_delete", key, lambda c: c.update_one(match, {"$set": {"value": None}})
+        )
         if result.matched_count != 1:
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
-
-    def wait(self, keys: Sequence[str], timeout: float) -> None:
-        # No notification: the engine's jittered poll is the whole strategy.
-        time.sleep(max(timeout, 0.0))
 
     def _live(self) -> dict[str, Any]:
         if self.clock == "server":
@@ -409,49 +346,28 @@ def _collection_of(obj: Any, database: str, collection: str) -> Any:
         raise ConstraintError(f"MongoCache database must be a non-empty str, got {database!r}")
     if not isinstance(collection, str) or not collection:
         raise ConstraintError(f"MongoCache collection must be a non-empty str, got {collection!r}")
-    kinds = _driver_classes()
-    given: Any = obj
-    if isinstance(obj, kinds["collection"]):
-        return given
-    if isinstance(obj, kinds["database"]):
-        return given[collection]
-    if isinstance(obj, kinds["client"]):
-        return given[database][collection]
+    # Types first: pymongo's Database and Collection answer any attribute (a sub-collection).
+    if isinstance(obj, Collection):
+        return obj
+    if isinstance(obj, Database):
+        return obj[collection]
+    if isinstance(obj, pymongo.MongoClient):
+        return obj[database][collection]
+    if all(callable(getattr(obj, method, None)) for method in _COLLECTION_METHODS):
+        return obj  # collection-like: a wrapper of one
     raise ConstraintError(
         f"MongoCache needs a pymongo MongoClient, Database or Collection, got {type(obj).__name__}"
     )
 
 
-def _driver_classes() -> dict[str, tuple[type, ...]]:
-    kinds: dict[str, tuple[type, ...]] = {
-        "collection": (Collection,),
-        "database": (Database,),
-        "client": (pymongo.MongoClient,),
-    }
-    mock = sys.modules.get("mongomock")  # the test double, only if already imported
-    if mock is not None:
-        kinds["collection"] += (mock.Collection,)
-        kinds["database"] += (mock.Database,)
-        kinds["client"] += (mock.MongoClient,)
-    return kinds
-
-
-def is_mongo_client(obj: object) -> bool:
-    """Is ``obj`` a pymongo (or mongomock) client, database or collection? For as_cache."""
-    return isinstance(obj, tuple(c for group in _driver_classes().values() for c in group))
-
-
-def _entry(doc: Mapping[str, Any], key: str) -> Entry:
+def _entry(doc: Mapping[str, Any], operation: str, key: str) -> Entry:
     try:
         value, version, fence = doc["value"], doc["version"], doc["fence"]
         if not isinstance(value, str) or not isinstance(version, str):
             raise TypeError("value and version must be strings")
         return Entry(value, version, int(fence), _seconds(doc["expires_at"]))
     except (KeyError, TypeError, ValueError) as exc:
-        raise MalfunctionError(
-            f"mongo cache holds a malformed document for {key!r} ({exc}); is another "
-            "program writing to this collection?"
-        ) from None
+        raise malformed("mongo", operation, key, f"document: {exc}") from None
 
 
 def _seconds(moment: Any) -> float:
@@ -468,20 +384,6 @@ def _date(ms: int) -> datetime:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _ms(ttl: float) -> int:
-    """The ttl in whole ms, rounded up: the server's expiry must not come before the
-    holder's local deadline."""
-    return max(1, math.ceil(ttl * 1000))
-
-
-def _new_version() -> str:
-    return f"{random.getrandbits(64):016x}"
-
-
-def _fault(operation: str, key: str, exc: Exception) -> MalfunctionError:
-    return MalfunctionError(f"mongo cache failed during {operation} on {key!r}: {exc!r}")
 
 
 def _client_from_url(url: str) -> Any:

@@ -1,9 +1,7 @@
 """PostgresCache: every machine that reaches one PostgreSQL (psycopg 3).
 
-One table holds every lock; each operation is one SQL statement, so compare and act are
-atomic on the server, and the server's clock (``clock_timestamp()``) decides expiry. The
-table is created on first use; in a database where the lock role may not create tables,
-run this once (``simple_mutex_locks`` is the default ``table``)::
+One table holds every lock, created on first use; where the lock role may not create
+tables, run this once (``simple_mutex_locks`` is the default ``table``)::
 
     CREATE TABLE simple_mutex_locks (
         key text PRIMARY KEY,
@@ -14,35 +12,17 @@ run this once (``simple_mutex_locks`` is the default ``table``)::
     );
     GRANT SELECT, INSERT, UPDATE ON simple_mutex_locks TO lock_role;
 
-Fences live in the row itself: a release only sets ``value`` to NULL, so the next grant
-of the key counts on from the freed row. One row stays per key ever locked (a few dozen
-bytes); ``DELETE FROM simple_mutex_locks WHERE value IS NULL AND expires_at < now() -
-interval '1 day'`` drops retired keys, at the price of restarting their fences. Each
-semaphore slot (``key#N``) is its own row, so its fences count per slot (as DiskCache's).
-Fences and held locks are as durable as the server's commits: keep
-``synchronous_commit`` on for the lock role, or a crash could forget a granted lock and
-grant it twice.
+* Each operation is one statement, atomic on the server, whose ``clock_timestamp()``
+  decides expiry. One row stays per key ever locked; a semaphore slot is a row of its own.
+  Fences and locks are as durable as the server's commits (keep ``synchronous_commit`` on).
+* A release notifies the key's channel (``pg_notify``); a waiter listens on a connection
+  of its own only while it waits. Expiries notify nobody: the poll finds them.
+* One autocommit connection per process (from a conninfo or URL, or the connection you
+  pass; or a pool's), with timeouts so no call hangs on a dead server; replaced when
+  broken and after fork. Every psycopg error is a ``MalfunctionError`` naming postgres,
+  the operation and the key.
 
-Waking waiters: a release sends ``pg_notify`` on the key's own channel (a digest of
-table and key) in the same statement, delivered when it commits. A waiter, on a listening
-connection of its own (one per cache, opened on the first wait), runs ``LISTEN`` on its
-keys' channels, then checks whether one is free already (a release just before the
-LISTEN would otherwise be missed), blocks until a notification or its timeout, and runs
-``UNLISTEN *``: a session that listens while nobody reads it would hold back the
-server's notification queue for everyone. One thread of a process listens at a time;
-another thread waiting on the same cache sleeps out its (jittered) poll. Expiries notify
-nobody: a lock taken over after a crash is found by the poll.
-
-Connections. From a conninfo string or URL the cache opens one autocommit connection per
-process (a lock guards it; a forked child opens its own), with a connect timeout, TCP
-keepalives, ``tcp_user_timeout`` and a ``statement_timeout`` (each only where the conninfo
-sets none), so no call hangs on a dead server or a cut network; a broken connection is
-replaced on the next call. (A server process frozen on the same host, whose kernel still
-acknowledges every packet, is not detected.) A psycopg ``Connection`` you pass must be in
-autocommit mode: it is used as it is until it breaks or the process forks, then replaced
-by one opened from its own parameters. A ``psycopg_pool.ConnectionPool`` lends one
-connection per operation. Every psycopg error becomes ``MalfunctionError`` naming
-postgres, the operation and the key.
+Rationale: docs/design/postgres.md.
 """
 
 from __future__ import annotations
@@ -50,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -58,18 +37,15 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from simple_mutex import forksafe
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-try:
+from .common import CacheBase, driver_imports, fault, malformed, new_version
+
+with driver_imports("postgres"):
     import psycopg
     from psycopg import sql
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ConstraintError(
-        "PostgresCache needs psycopg 3: pip install 'simple-mutex[postgres]'"
-    ) from exc
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # Set only where the conninfo says nothing: a dead server or a cut network must end a
@@ -83,6 +59,9 @@ _CONNECT_DEFAULTS = {
     "tcp_user_timeout": "10000",
 }
 _STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+# Errors of a table of another shape under our name: undefined column or function
+# (operator), datatype mismatch, no unique key for ON CONFLICT.
+_OTHER_SHAPE = ("42703", "42883", "42804", "42P10")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t} (
@@ -135,7 +114,7 @@ SELECT pg_notify(%(channel)s, '') FROM freed
 _LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
 
 
-class PostgresCache:
+class PostgresCache(CacheBase):
     """A ConditionalCache in one PostgreSQL table.
 
     ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
@@ -152,6 +131,7 @@ class PostgresCache:
         self.table = table
         self._pool: Any = None
         self._conn: psycopg.Connection[Any] | None = None
+        self._given: object = conninfo  # never closed here
         if isinstance(conninfo, str):
             self._conninfo = _with_defaults(conninfo)
         elif isinstance(conninfo, psycopg.Connection):
@@ -184,18 +164,22 @@ class PostgresCache:
             )
         }  # fmt: skip
         self._ready = False  # the table is known to exist
-        self._guard = threading.Lock()
         self._listen_guard = threading.Lock()
         self._listener: psycopg.Connection[Any] | None = None
-        forksafe.register(self)
+        super().__init__()
 
     def __repr__(self) -> str:
         return f"PostgresCache(table={self.table!r})"
 
-    # -- connections -------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connections this cache opened (a given connection or pool stays open)."""
+        with self._guard, self._listen_guard:
+            for conn in (self._conn, self._listener):
+                if conn is not None and conn is not self._given:
+                    conn.close()
+            self._conn = self._listener = None
 
-    def _before_fork(self) -> None:
-        pass
+    # -- connections -------------------------------------------------------------------
 
     def _after_fork(self) -> None:
         # The parent's sockets are not ours: drop them unclosed (psycopg never sends a
@@ -237,7 +221,7 @@ class PostgresCache:
                         self._create_table(conn)
                     yield conn
             except psycopg.Error as exc:
-                raise _fault(operation, key, exc) from exc
+                raise self._fault(operation, key, exc) from exc
             return
         with self._guard:
             try:
@@ -248,7 +232,7 @@ class PostgresCache:
                 yield self._conn
             except psycopg.Error as exc:
                 self._drop(exc)
-                raise _fault(operation, key, exc) from exc
+                raise self._fault(operation, key, exc) from exc
             except BaseException:
                 # An interrupt mid-statement may leave a reply unread: never reuse it.
                 self._drop(None)
@@ -279,7 +263,7 @@ class PostgresCache:
         return None if row is None else Entry(row[0], row[1], row[2], row[3])
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
-        params = {"key": key, "value": value, "version": _new_version(), "ttl": ttl}
+        params = {"key": key, "value": value, "version": new_version(), "ttl": ttl}
         with self._connection("put_if_absent", key) as conn:
             row = conn.execute(self._sql["put"], params).fetchone()
         # Ours when just written (our version) or our own earlier write (same value).
@@ -288,7 +272,7 @@ class PostgresCache:
         return Entry(row[0], row[1], row[2], row[3])
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
-        new = _new_version()
+        new = new_version()
         params = {"key": key, "value": value, "new": new, "version": version, "ttl": ttl}
         with self._connection("compare_and_set", key) as conn:
             row = conn.execute(self._sql["cas"], params).fetchone()
@@ -320,7 +304,7 @@ class PostgresCache:
             listener, self._listener = self._listener, None
             if listener is not None:
                 listener.close()
-            raise _fault("wait", keys[0], exc) from exc
+            raise self._fault("wait", keys[0], exc) from exc
         finally:
             self._listen_guard.release()
 
@@ -352,9 +336,11 @@ class PostgresCache:
         digest = hashlib.blake2b(f"{self.table}\0{key}".encode(), digest_size=16)
         return "sm_" + digest.hexdigest()
 
-
-def _new_version() -> str:
-    return secrets.token_hex(8)
+    def _fault(self, operation: str, key: str, exc: psycopg.Error) -> MalfunctionError:
+        if getattr(exc, "sqlstate", None) in _OTHER_SHAPE:
+            detail = f"table {self.table!r} is not a lock table: {str(exc).strip()}"
+            return malformed(self.name, operation, key, detail)
+        return fault(self.name, operation, key, exc)
 
 
 def _is_pool(obj: object) -> bool:
@@ -376,13 +362,6 @@ def _with_defaults(conninfo: str) -> str:
         ) from None
     extra = {name: value for name, value in _CONNECT_DEFAULTS.items() if name not in given}
     return make_conninfo(conninfo, **extra)
-
-
-def _fault(operation: str, key: str, exc: Exception) -> MalfunctionError:
-    message = str(exc).strip() or type(exc).__name__
-    return MalfunctionError(
-        f"postgres cache failed during {operation} on {key!r}: {message}", key=key
-    )
 
 
 def from_url(url: str) -> PostgresCache:

@@ -1,55 +1,29 @@
 """RedisCache: every machine that reaches one Redis (or Valkey, a Sentinel master, a Cluster).
 
-Each operation is one round trip: a Lua script (a plain ``GET`` for ``get``), so compare
-and act are atomic on the server, and the server's clock decides expiry (``PX``). Needs
-Redis >= 6.0 (``BLPOP`` with a float timeout).
-
-Keys. A cache key ``base`` or ``base#N`` (semaphore slot N) becomes these Redis keys, all
-under the hash tag ``{base}``: one script's keys share a Cluster slot, and a waiter can
-``BLPOP`` for every slot of a semaphore at once::
+Keys, for a cache key ``base`` or ``base#N`` (semaphore slot N), all under the hash tag
+``{base}``, so one script's keys and every slot of a semaphore share a Cluster slot::
 
     {base}, {base}#N   string  "<fence>.<n> <expires ms> <value>", PX ttl
     {base}:meta        hash    f = fence counter, w = waiters seen until (server ms)
     {base}:signal      list    one wake-up token, PEXPIRE 1 s; only around a hand-off
 
-An entry is one string so every step touches it with one argument: Lua pays per command
-and per argument, and a hash entry cost twice the server time (bench/README-redis.md).
-Its version is ``"<fence>.<n>"``, ``n`` counting writes to the entry; a fence never
-repeats, so neither does a version. ``expires ms`` is the writer's wall clock plus the
-ttl, for ``holder()`` and logs: it saves a ``TIME`` call (2 µs of server time per put)
-and decides nothing, since the server's ``PX`` does.
+* Each operation is one round trip (a Lua script; ``get`` a plain ``GET``): compare and act
+  are atomic, and the server's clock decides expiry (``PX``). Needs Redis >= 6.0.
+* Fences live in ``{base}:meta``, so they survive release and expiry and count across a
+  semaphore's slots; they are as durable as the server's data. It is the one key left
+  behind per lock key.
+* A release wakes one waiter that marked itself (its ``BLPOP`` takes the token), and says so.
+* Every redis-py error is a ``MalfunctionError`` naming redis, the operation and the key;
+  a retried put finds its own value (the idempotent put). A wait or command lasts at most
+  the client's socket timeout per try.
 
-Fences live in ``{base}:meta``, apart from the entry, so they survive release and
-expiry; the slots of a semaphore share it, so fences grow across all permits of a key.
-It is the one key left behind per lock key (bench/README-redis.md: footprint, and how to
-drop the counters of retired keys).
-
-Waking waiters. A failed put marks ``w`` (now + 3 s) in the script that found the key
-held; a release that sees a live mark pushes one token, which the longest-blocked
-``BLPOP`` takes: one waiter wakes, no herd. The token stays ``_SIGNAL_MS`` in the list,
-so a release between a waiter's failed put and its ``BLPOP`` is not lost. Uncontended
-releases push nothing, so they write nothing extra to replicas or the AOF. A ``BLPOP``
-lasts at most ``_MAX_BLOCK_S`` (and ends inside the client's socket timeout), so the mark,
-renewed by each failed put, outlives every block it covers. ``compare_and_delete`` says
-when it woke someone, so the engine lets that waiter go first (engine.HANDOFF_COURTESY).
-
-Connections. With a plain pooled ``redis.Redis`` the cache keeps one connection of the
-client's pool for its scripts and ``GET`` (``_OwnConnection``): checking one out and back
-in costs redis-py 8 as much as the round trip. Blocking ``BLPOP`` waits borrow from the
-pool; other clients (Cluster, instrumented, single-connection) use their own path.
-
-Errors. Every redis-py error becomes ``MalfunctionError`` naming redis, the operation and
-the key. redis-py retries commands after connection errors by default; a retried put
-finds its own value and returns it (the contract's idempotent put), so a retry never
-orphans a lock. A wait or command lasts at most the client's socket timeout per try (set
-``socket_timeout`` on clients you build; redis-py 8 defaults to 5 s and 10 retries).
+Rationale and figures: docs/design/redis.md, bench/README-redis.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import math
 import os
 import threading
 import time
@@ -63,11 +37,11 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from simple_mutex.keys import check_prefix
 
-try:
+from .common import driver_imports, fault, malformed, ttl_ms
+
+with driver_imports("redis"):
     import redis
     from redis.exceptions import NoScriptError, RedisError, ResponseError
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ConstraintError("RedisCache needs redis-py: pip install 'simple-mutex[redis]'") from exc
 
 _MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 _WAITER_MARK_MS = 3000  # > _MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
@@ -78,7 +52,8 @@ _NOW_MS = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2
 # ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms)
 # Returns the new fence (an integer) when written, or "<version> <expires ms>" of the live
 # entry when it already holds the same value (our own write whose reply was lost: a retry
-# must not report "busy"); nil when another value holds it, after marking a waiter.
+# must not report "busy"); 0 when the key holds something we never write (malformed);
+# nil when another value holds it, after marking a waiter.
 # The fence is taken before SET NX and handed back on failure, so the common case runs
 # two commands; nobody sees the difference, as a script is atomic.
 _PUT = f"""
@@ -87,8 +62,10 @@ if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) th
     return fence
 end
 redis.call('HINCRBY', KEYS[2], 'f', -1)
-local cur = redis.call('GET', KEYS[1])
-local head, value = string.match(cur, '^(%d+%.%d+ %d+) (.*)$')
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then return 0 end
+local head, value = string.match(cur or '', '^(%d+%.%d+ %d+) (.*)$')
+if cur and not head then return 0 end
 if value and value == string.match(ARGV[1], '^%d+ (.*)$') then return head end
 {_NOW_MS}
 redis.call('HSET', KEYS[2], 'w', string.format('%d', now + {_WAITER_MARK_MS}))
@@ -195,10 +172,7 @@ class RedisCache:
             version, expiry, value = _text(payload).split(" ", 2)
             return Entry(value, version, int(version.partition(".")[0]), int(expiry) / 1000)
         except ValueError:
-            raise MalfunctionError(
-                f"redis cache holds a malformed entry at {entry_key!r} (key {key!r}); is "
-                "another program writing under this prefix?"
-            ) from None
+            raise malformed(self.name, "get", key, f"{entry_key!r} is not an entry") from None
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry_key, stem = self._keys(key)
@@ -208,6 +182,8 @@ class RedisCache:
         )
         if reply is None:
             raise SimpleCacheConditionError(f"redis: {key!r} is held")
+        if reply == 0:
+            raise malformed(self.name, "put_if_absent", key, f"{entry_key!r} is not an entry")
         if isinstance(reply, int):
             return Entry(value, f"{reply}.1", reply, expires / 1000)
         version, expires_text = _text(reply).split(" ")
@@ -337,9 +313,8 @@ def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
 
 
 def _ttl(ttl: float) -> tuple[int, int]:
-    """The ttl in ms, rounded up (the server's expiry must not come before the holder's
-    local deadline), and the wall-clock expiry in Unix ms that the entry reports."""
-    ms = max(1, math.ceil(ttl * 1000))
+    """The ttl in ms, and the wall-clock expiry in Unix ms that the entry reports."""
+    ms = ttl_ms(ttl)
     return ms, int(time.time() * 1000) + ms
 
 
@@ -353,8 +328,10 @@ def _connection_kwargs(client: Any) -> dict[str, Any]:
     return kwargs if isinstance(kwargs, dict) else {}
 
 
-def _fault(operation: str, key: str, exc: Exception) -> MalfunctionError:
-    return MalfunctionError(f"redis cache failed during {operation} on {key!r}: {exc!r}")
+def _fault(operation: str, key: str, exc: RedisError) -> MalfunctionError:
+    if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
+        return malformed("redis", operation, key, "a Redis key of another type")
+    return fault("redis", operation, key, exc)
 
 
 def from_url(url: str) -> RedisCache:

@@ -1,66 +1,23 @@
 """S3Cache: every machine that reaches one S3 bucket (AWS S3, or a compatible server with
-conditional writes: SeaweedFS, ...). boto3, extra ``simple-mutex[s3]``.
+atomic conditional writes: SeaweedFS...).
 
-S3 offers only two conditions, ``If-None-Match: *`` (create) and ``If-Match: <etag>``
-(replace exactly this object), and the server compares and acts atomically. Every step
-of the contract is built from them:
+One object per cache key, ``prefix + key``, whose JSON body is
+``{"value": str | null, "fence": int, "expires_at": float, "nonce": str}``.
 
-* one object per cache key, ``prefix + key``, whose body is the JSON record
-  ``{"value", "fence", "expires_at", "nonce"}``. ``nonce`` is random per write: an ETag
-  is a hash of the body, so without it two writes of the same record (a renewal in the
-  same millisecond; a new holder writing the same value, fence and expiry after the
-  object was deleted) would share an ETag, and a stale version would still match (ABA).
-* version = ``"<fence>:<expires_at>:<etag>"``. The ETag is the condition; fence and expiry
-  ride along so a renewal or a release costs one request (no read first). They are true
-  for that object: the ETag matches only the exact body that carried them.
-* put_if_absent = ``PUT If-None-Match: *``. On 412 the object is read: freed (value
-  null) or expired → taken over with ``PUT If-Match: <its etag>`` carrying fence + 1;
-  holding our exact value → returned (our own earlier write whose reply was lost);
-  otherwise ``SimpleCacheConditionError``.
-* compare_and_set = ``PUT If-Match``; compare_and_delete = ``PUT If-Match`` of a freed
-  tombstone (value null, fence kept). Not a DELETE: a deleted object takes its fence with
-  it and the next grant would restart at 1 (a fence must only grow). A separate fence
-  object would double the requests of every grant and need its own race handling; the
-  tombstone costs the same single request as a delete, needs only the 2024 ``If-Match``
-  PUT (conditional DELETE on general-purpose AWS buckets came in Sep 2025), and, as
-  nothing is ever deleted, 409 ``ConditionalRequestConflict`` (a delete racing a
-  conditional write) only appears if someone else deletes lock objects. One small object
-  stays per key ever locked; deleting freed ones (an operator's clean-up) is safe for
-  exclusion but restarts their fences.
-* a 412, or a 404 on ``If-Match`` (AWS and moto: the object is gone; SeaweedFS answers
-  412), is a lost race; 409 is retried a few times. After any failed conditional write
-  the object is read back: if it carries the nonce we just sent, the write was ours
-  (botocore retries timed-out requests, and the retry of a PUT that landed gets 412).
-* takeover hints: after writing a tombstone, or reading a freed or expired object, the
-  cache remembers that object's ETag and fence (a few thousand keys at most). The next
-  put_if_absent on that key first tries ``PUT If-Match`` with them, so a key locked
-  again and again costs one request per acquire rather than three. A hint is only ever
-  a guess: ``If-Match`` proves the object is still exactly the one seen.
+* Only ``PUT If-None-Match: *`` (create) and ``PUT If-Match: <etag>`` (replace exactly that
+  object) write, so every step is atomic on the server. The version is
+  ``"<fence>:<expires_at>:<etag>"``; the random ``nonce`` makes every body's ETag unique.
+* A release writes a tombstone (value null, fence kept): nothing is deleted, so fences only
+  grow. One small object stays per key ever locked.
+* Expiry is the writer's wall clock plus the ttl, judged by the reader's clock: the clocks
+  of every machine sharing a bucket must agree far better than a lease (``clock_skew``
+  makes takers wait that much longer past every expiry).
+* ``verify()`` proves that a server honours the conditions. ``wait`` sleeps: the engine's
+  jittered poll finds releases. A forked child drops the client's pooled connections.
+* Every botocore error is a ``MalfunctionError`` naming s3, the operation and the key; a
+  conditional write that failed is read back and recognised as ours by its nonce.
 
-Servers. Conditions must be honoured, not merely accepted: rclone's ``serve s3`` ignores
-them silently. ``verify()`` proves a server right in three requests (a start-up check),
-and a botocore too old to send ``If-Match`` on PutObject is refused at construction.
-Tested against SeaweedFS (``weed mini``: atomic under racing processes) and moto's
-server (AWS's error codes; it proves nothing about races).
-
-Clocks. S3 has no expiry of its own (lifecycle rules count days), so ``expires_at`` is
-the writer's wall clock plus the ttl, and a reader judges it by its own wall clock.
-**Assumption: the clocks of all machines sharing a bucket agree to within a small skew,
-far below the lease** (NTP keeps them within milliseconds). A taker whose clock runs
-ahead by ``d`` may take over a live lease ``d`` early; ``clock_skew=d`` makes takers wait
-``d`` longer past every expiry (a crashed holder's lock is then free ``d`` later). The
-holder's own deadline comes from its monotonic clock and ends before ``expires_at``.
-
-Waiting: S3 has no notification (event delivery takes seconds), so ``wait`` sleeps and the
-engine's jittered poll is the whole strategy.
-
-Fork: a forked child (Celery prefork, RQ work horses) drops its inherited copies of the
-client's pooled connections and opens its own; sharing them, parent and child read each
-other's replies.
-
-Errors: every botocore error becomes ``MalfunctionError`` naming s3, the operation and
-the key. Clients built here (``from_url``) have connect/read timeouts of 5/10 s and three
-attempts in botocore's standard retry mode; for a client you pass, set those yourself.
+Rationale: docs/design/s3.md.
 """
 
 from __future__ import annotations
@@ -69,19 +26,18 @@ import contextlib
 import json
 import math
 import re
-import secrets
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from simple_mutex import forksafe
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-try:
+from .common import CacheBase, driver_imports, fault, malformed, new_version, ttl_ms
+
+with driver_imports("s3"):
     # No stubs ship with boto3: Any at this boundary (and no complaint if stubs appear).
     import boto3  # type: ignore[import-untyped, unused-ignore]
     from botocore.config import Config  # type: ignore[import-untyped, unused-ignore]
@@ -89,8 +45,6 @@ try:
         BotoCoreError,
         ClientError,
     )
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ConstraintError("S3Cache needs boto3: pip install 'simple-mutex[s3]'") from exc
 
 # Bucket names as S3 allows them (lowercase, digits, dots, hyphens; 3-63 characters).
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
@@ -127,7 +81,7 @@ class _Miss(Exception):
         self.gone = gone
 
 
-class S3Cache:
+class S3Cache(CacheBase):
     """A ConditionalCache over a boto3 S3 client. Lock objects are ``prefix + key`` in
     ``bucket``; see the module docstring for the layout and the clock assumption."""
 
@@ -165,11 +119,7 @@ class S3Cache:
         self.clock_skew = float(clock_skew)
         self._clock = clock
         self._hints: OrderedDict[str, _Hint] = OrderedDict()
-        self._guard = threading.Lock()
-        forksafe.register(self)
-
-    def _before_fork(self) -> None:
-        pass
+        super().__init__()
 
     def _after_fork(self) -> None:
         # The child inherits the client's pooled keep-alive connections: used by parent
@@ -294,10 +244,6 @@ class S3Cache:
                 "lock to everyone); use AWS S3 or a server with conditional writes"
             )
 
-    def wait(self, keys: Sequence[str], timeout: float) -> None:
-        # No notification exists on S3: the engine's jittered poll does the work.
-        time.sleep(max(timeout, 0.0))
-
     # -- requests -------------------------------------------------------------------------
 
     def _name(self, key: str) -> str:
@@ -332,10 +278,8 @@ class S3Cache:
                 raise TypeError("bad field types")
             obj = _Object(etag, value, fence, expires_at, str(nonce))
         except (ValueError, TypeError, KeyError) as exc:
-            raise MalfunctionError(
-                f"s3 cache holds a malformed object s3://{self.bucket}/{name} (key {key!r}): "
-                f"{exc!r}; is another program writing under this prefix?"
-            ) from None
+            detail = f"object s3://{self.bucket}/{name}: {exc!r}"
+            raise malformed(self.name, operation, key, detail) from None
         if not self._live(obj, taker=True):
             self._put_hint(key, _Hint(etag, fence))
         return obj
@@ -387,10 +331,7 @@ class S3Cache:
         return current.etag
 
     def _fault(self, operation: str, key: str, exc: Exception) -> MalfunctionError:
-        return MalfunctionError(
-            f"s3 cache (s3://{self.bucket}/{self.prefix}) failed during {operation} on "
-            f"{key!r}: {exc!r}"
-        )
+        return fault(self.name, operation, key, exc, f" at s3://{self.bucket}/{self.prefix}")
 
     # -- takeover hints -------------------------------------------------------------------
 
@@ -471,12 +412,12 @@ def _parse_version(key: str, version: str) -> tuple[int, float, str]:
 
 
 def _expiry(now: float, ttl: float) -> float:
-    # Milliseconds, rounded up: the record never lapses before the holder's own deadline.
-    return math.ceil((now + ttl) * 1000) / 1000
+    # Whole milliseconds, rounded up: never before the holder's own deadline.
+    return math.ceil(now * 1000 + ttl_ms(ttl)) / 1000
 
 
 def _nonce() -> str:
-    return secrets.token_hex(8)
+    return new_version()
 
 
 def _strip(etag: str) -> str:

@@ -1,0 +1,82 @@
+"""What the backends share: the driver-import guard, fault and malformed-entry errors,
+versions, ttl rounding, and a base class with the sleeping wait and the fork hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from simple_mutex import forksafe
+from simple_mutex.errors import ConstraintError, MalfunctionError
+
+from . import registry
+
+
+@contextlib.contextmanager
+def driver_imports(backend: str) -> Iterator[None]:
+    """Wrap a backend module's driver imports: a missing driver names the extra to install."""
+    try:
+        yield
+    except ImportError as exc:
+        found = registry.named(backend)
+        raise ConstraintError(
+            f"{found.cls} needs {' and '.join(found.drivers)}: "
+            f"pip install 'simple-mutex[{found.extra}]'"
+        ) from exc
+
+
+def fault(
+    backend: str, operation: str, key: str, exc: BaseException, place: str = ""
+) -> MalfunctionError:
+    """A driver's error as users see it: which cache, doing what, on which key, and why."""
+    detail = str(exc).strip()
+    cause = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+    return MalfunctionError(
+        f"{backend} cache{place} failed during {operation} on {key!r}: {cause}", key=key
+    )
+
+
+def malformed(backend: str, operation: str, key: str, detail: str) -> MalfunctionError:
+    """The one rule for an entry this library did not write, on every tier: a fault from
+    every operation that reads it, never a busy key (which would hide it behind timeouts)."""
+    return MalfunctionError(
+        f"{backend} cache found a malformed entry for {key!r} during {operation} ({detail}); "
+        "is another program writing under this prefix?",
+        key=key,
+    )
+
+
+def new_version() -> str:
+    """A version for one write: 64 random bits, so a stale version never matches again."""
+    return f"{random.getrandbits(64):016x}"
+
+
+def ttl_ms(ttl: float) -> int:
+    """The ttl in whole ms, rounded up: the cache's expiry never comes before the holder's
+    own deadline."""
+    return max(1, math.ceil(ttl * 1000))
+
+
+class CacheBase:
+    """Registered for fork safety (``_guard`` is held while the process forks), with the
+    ``wait`` of a cache that cannot notify: a sleep, the engine's jittered poll doing
+    the rest. Backends override the hooks they need."""
+
+    name = "cache"
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        forksafe.register(self)
+
+    def _before_fork(self) -> None:
+        """In the parent, ``_guard`` held, just before the process is copied."""
+
+    def _after_fork(self) -> None:
+        """In the child: drop what belongs to the parent (connections, waiters)."""
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        time.sleep(max(timeout, 0.0))

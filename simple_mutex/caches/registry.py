@@ -1,0 +1,86 @@
+"""The one table of backends, read by ``cache_from_url``, ``as_cache`` and ``simple_mutex.caches``.
+
+A backend with a driver is imported only when one of these asks for it, so
+``import simple_mutex`` needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple
+
+
+class Backend(NamedTuple):
+    name: str
+    """The cache's ``name`` in messages, and its module: ``simple_mutex.caches.<name>``."""
+    cls: str
+    """The cache class that module defines."""
+    schemes: tuple[str, ...]
+    """URL schemes ``cache_from_url`` hands to the module's ``from_url``."""
+    clients: tuple[str, ...]
+    """Raw driver objects ``as_cache`` wraps, as ``"package.Class"`` (the class or a base)."""
+    drivers: tuple[str, ...]
+    """Top-level packages the module imports (never by ``import simple_mutex``)."""
+    extra: str | None
+    """The install extra that brings the drivers: ``pip install 'simple-mutex[<extra>]'``."""
+    needs: str = ""
+    """What a raw client alone lacks, when ``as_cache`` cannot wrap it by itself."""
+
+    @property
+    def module(self) -> str:
+        return f"{__package__}.{self.name}"
+
+
+BACKENDS = (
+    Backend("memory", "InMemoryCache", ("memory",), (), (), None),
+    Backend("disk", "DiskCache", ("file",), (), (), None),
+    Backend(
+        "redis", "RedisCache", ("redis", "rediss", "redis+sentinel"),
+        ("redis.Redis", "redis.RedisCluster"), ("redis",), "redis",
+    ),
+    Backend(
+        "postgres", "PostgresCache", ("postgresql", "postgres"),
+        ("psycopg.Connection", "psycopg_pool.ConnectionPool"), ("psycopg", "psycopg_pool"),
+        "postgres",
+    ),
+    Backend(
+        "mongo", "MongoCache", ("mongodb", "mongodb+srv"),
+        ("pymongo.MongoClient", "pymongo.Database", "pymongo.Collection"), ("pymongo", "bson"),
+        "mongo",
+    ),
+    Backend(
+        "s3", "S3Cache", ("s3",), ("botocore.BaseClient",), ("boto3", "botocore"), "s3",
+        needs="a bucket: pass S3Cache(client, 'bucket', 'prefix/')",
+    ),
+)  # fmt: skip
+
+
+def named(name: str) -> Backend:
+    return next(backend for backend in BACKENDS if backend.name == name)
+
+
+def by_scheme(scheme: str) -> Backend | None:
+    return next((b for b in BACKENDS if scheme in b.schemes), None)
+
+
+def by_class(cls: str) -> Backend | None:
+    return next((b for b in BACKENDS if b.cls == cls), None)
+
+
+def by_client(obj: object) -> Backend | None:
+    """The backend whose driver made ``obj``, judged by its classes' names (never by
+    importing a driver): pymongo's Database answers any attribute, so duck typing would
+    take it for a cache."""
+    names = {
+        f"{cls.__module__.partition('.')[0]}.{cls.__name__}" for cls in type(obj).__mro__
+    }
+    return next((b for b in BACKENDS if names.intersection(b.clients)), None)
+
+
+def module(backend: Backend) -> Any:
+    """The backend's module, imported now (a missing driver raises ConstraintError)."""
+    return importlib.import_module(backend.module)
+
+
+def cache_class(backend: Backend) -> Any:
+    return getattr(module(backend), backend.cls)

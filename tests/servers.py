@@ -1,0 +1,72 @@
+"""Servers a test run starts for itself, on free loopback ports: never a shared one, and
+never a fixed port (other test runs share this machine)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def free_port(also: int = 0) -> int:
+    """A loopback port nobody listens on now (and port + ``also`` too, for a Redis
+    Cluster's bus)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not also:
+            return port
+        if port + also < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + also))
+                    return port
+                except OSError:
+                    pass
+
+
+class OwnServer:
+    """A server process run in the foreground, its output in ``workdir/<name>.log``."""
+
+    def __init__(
+        self, args: list[str], workdir: Path, answers: Callable[[], bool], **popen: object
+    ) -> None:
+        self.args, self.workdir, self.answers, self.popen = args, workdir, answers, popen
+        self.log = workdir / f"{Path(args[0]).name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 30) -> OwnServer:
+        """Start it and wait until it answers; fail the test, with its log, if it does not."""
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.args, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                start_new_session=True, **self.popen,  # type: ignore[call-overload]
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{self.args[0]} did not answer:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, grace: float = 5) -> None:
+        """Politely, then by force; waits until it is gone."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
