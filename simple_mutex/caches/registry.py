@@ -71,9 +71,7 @@ def by_client(obj: object) -> Backend | None:
     """The backend whose driver made ``obj``, judged by its classes' names (never by
     importing a driver): pymongo's Database answers any attribute, so duck typing would
     take it for a cache."""
-    names = {
-        f"{cls.__module__.partition('.')[0]}.{cls.__name__}" for cls in type(obj).__mro__
-    }
+    names = {f"{cls.__module__.partition('.')[0]}.{cls.__name__}" for cls in type(obj).__mro__}
     return next((b for b in BACKENDS if names.intersection(b.clients)), None)
 
 
