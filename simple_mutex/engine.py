@@ -155,6 +155,7 @@ def acquire(
     release notification (at most a jittered poll interval) until the deadline."""
     deadline = None if timeout is None else now() + timeout
     count = len(slot_keys)
+    wait_failed = False
     if courtesy > 0 and timeout != 0:
         # We just handed this key to a waiter we woke: let it go first.
         yield Pause(courtesy if timeout is None else min(courtesy, timeout))
@@ -189,10 +190,14 @@ def acquire(
         pause = pause if remaining is None else min(pause, remaining)
         try:
             yield Wait(tuple(slot_keys), pause)
+            wait_failed = False
         except MalfunctionError:
-            # Waking is only a shortcut (a dropped LISTEN connection, a failed BLPOP): poll
-            # instead. The next put tells whether the server itself is gone.
-            yield Pause(pause)
+            # Waking is only a shortcut (a LISTEN session the server ended, a failed
+            # BLPOP). Put again at once: that tells whether the server itself is gone. If
+            # waiting fails again, poll instead, so a broken channel cannot spin.
+            if wait_failed:
+                yield Pause(pause)
+            wait_failed = True
 
 
 def renew(cache_key: str, value: str, version: str, lease: float) -> Flow[Entry | None]:

@@ -703,10 +703,12 @@ def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypat
     assert len(pauses) == 1
 
 
-def test_a_failed_wait_falls_back_to_a_plain_pause_of_the_same_length():
-    """A broken notification channel costs a poll, not the acquire."""
+def test_a_failed_wait_retries_at_once_then_falls_back_to_pauses():
+    """A broken notification channel costs the acquire nothing: the first failure puts
+    again at once (is the server gone?), a second one polls with a plain pause."""
     clock = FakeClock()
-    answers = iter([SimpleCacheConditionError("held"), None])
+    held = SimpleCacheConditionError("held")
+    answers = iter([held, held, None])
 
     def answer(op: Any) -> Any:
         error = next(answers)
@@ -714,8 +716,9 @@ def test_a_failed_wait_falls_back_to_a_plain_pause_of_the_same_length():
             raise error
         return entry_for(op)
 
-    driver = Driver(clock, answer, wait_errors=[MalfunctionError("listener gone")])
+    gone = [MalfunctionError("listener gone"), MalfunctionError("still gone")]
+    driver = Driver(clock, answer, wait_errors=gone)
     driver.drive(flow(clock, timeout=None))
     kinds = [type(op) for op in driver.ops]
-    assert kinds == [PutIfAbsent, Wait, Pause, PutIfAbsent]
-    assert driver.ops[2].seconds == driver.ops[1].seconds
+    assert kinds == [PutIfAbsent, Wait, PutIfAbsent, Wait, Pause, PutIfAbsent]
+    assert driver.ops[4].seconds == driver.ops[3].seconds
