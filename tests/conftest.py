@@ -5,12 +5,15 @@ Nothing here is autouse, so backend suites written by others are not affected.
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import RedisServer
 
 from simple_mutex import DiskCache, InMemoryCache
 
@@ -51,3 +54,15 @@ def children() -> Iterator[list[Any]]:
         if proc.is_alive():
             proc.kill()
         proc.join(5)
+
+
+@pytest.fixture
+def redis_servers() -> Iterator[list[RedisServer]]:
+    """Redis servers a test starts (tests/servers.py: own_redis); every one is stopped at
+    teardown, whatever happened."""
+    started: list[RedisServer] = []
+    yield started
+    for server in started:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)  # a frozen one ignores SIGTERM
+        server.stop()

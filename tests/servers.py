@@ -3,6 +3,8 @@ never a fixed port (other test runs share this machine)."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import socket
 import subprocess
 import time
@@ -10,6 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def free_port(also: int = 0) -> int:
@@ -70,3 +75,38 @@ class OwnServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+class RedisServer(OwnServer):
+    """A redis-server (or Sentinel, from a config file) a test runs in the foreground, with
+    nothing kept on disk."""
+
+    def __init__(self, port: int, workdir: Path, *extra: str, config: Path | None = None):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
+        head = [binary, str(config), "--sentinel"] if config else [binary, "--save", ""]
+        args = [*head, "--appendonly", "no", "--dir", str(workdir), "--port", str(port)]
+        super().__init__([*args, "--bind", "127.0.0.1", *extra], workdir, self._pings)
+        self.port = port
+
+    def _pings(self) -> bool:
+        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        with contextlib.suppress(redis.ConnectionError), probe:
+            return bool(probe.ping())
+        return False
+
+    def shutdown(self) -> None:
+        conn = redis.Redis(port=self.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+        with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
+            conn.shutdown(nosave=True)
+        assert self.proc is not None
+        self.proc.wait(5)
+
+
+def own_redis(servers: list[RedisServer], workdir: Path, port: int, *extra: str) -> RedisServer:
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = RedisServer(port, workdir, *extra)
+    servers.append(server)
+    server.start()
+    return server

@@ -22,18 +22,24 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from faults import FaultProxy
+from servers import RedisServer, free_port, own_redis
 
 from simple_mutex import (
+    ConstraintError,
     DiskCache,
     MalfunctionError,
     Mutex,
+    Semaphore,
+    SimpleMutexAcquireTimeoutError,
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
+from simple_mutex.caches import RedisCache
 from simple_mutex.interrupt import LeaseInterrupt
 
 LEASE = 2.0
@@ -276,3 +282,135 @@ def test_a_full_disk_is_a_malfunction_that_corrupts_nothing(tiny_disk: Path):
     again.release()
     with contextlib.closing(sqlite3.connect(tiny_disk / "locks" / "simple-mutex.sqlite3")) as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+# -- Redis: restarts, flushes, failovers; bounded waits and bounded state -----------------
+
+
+def redis_mutex(port: int, **options: Any) -> Mutex:
+    """The README's client: socket_timeout=1, redis-py's default retry policy."""
+    client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
+    return Mutex(RedisCache(client, **options), lease=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["kill -9 and restart", "FLUSHALL"])
+def test_redis_fences_never_go_back_when_the_server_forgets(redis_servers, tmp_path, key, loss):
+    """A server without persistence killed and restarted, or flushed, forgets every
+    counter: the next grant's fence is still larger than every fence before."""
+    server = own_redis(redis_servers, tmp_path, free_port())
+    mutex = redis_mutex(server.port)
+    fences = []
+    for _ in range(3):
+        with mutex.acquire(key) as lease:
+            fences.append(lease.fence)
+    if loss == "FLUSHALL":
+        redis.Redis(port=server.port).flushall()
+    else:
+        os.kill(server.pid, signal.SIGKILL)
+        server.proc.wait(5)  # type: ignore[union-attr]
+        server.start()
+    with mutex.acquire(key, timeout=5) as lease:
+        assert lease.fence > max(fences)
+    assert fences == sorted(set(fences))
+
+
+@pytest.mark.slow
+def test_redis_acquire_ends_within_its_timeout_plus_one_socket_timeout(key):
+    """With the README's client (socket_timeout=1, default retries), a timed acquire on a
+    refused connection fails at once (nothing read back), and on a blackholed link within
+    its timeout plus one socket timeout."""
+    with FaultProxy(6379) as proxy:
+        mutex = redis_mutex(proxy.port)
+        mutex.acquire(f"{key}.warm", timeout=0).release()  # a pooled connection exists
+        took = {}
+        for mode in ("refuse", "blackhole"):
+            proxy.set(mode)
+            start = time.monotonic()
+            with pytest.raises(MalfunctionError) as info:
+                mutex.acquire(key, timeout=1)
+            took[mode] = time.monotonic() - start
+            assert info.value.unsent == (mode == "refuse")
+        proxy.set("pass")
+    print(
+        f"acquire(timeout=1): refused {took['refuse']:.3f} s, blackholed {took['blackhole']:.3f} s"
+    )
+    assert took["refuse"] < 0.5
+    assert took["blackhole"] < 1 + 1 + 0.3
+
+
+@pytest.mark.slow
+def test_a_redis_that_may_evict_lock_keys_is_refused_unless_allowed(redis_servers, tmp_path, key):
+    """maxmemory with an evicting policy could drop a held lock: refused at first use,
+    with the fix named; allow_eviction=True proceeds."""
+    port = free_port()
+    own_redis(
+        redis_servers, tmp_path, port, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"
+    )
+    with pytest.raises(ConstraintError, match="maxmemory-policy noeviction"):
+        redis_mutex(port).acquire(key, timeout=0)
+    redis_mutex(port, allow_eviction=True).acquire(key, timeout=0).release()
+
+
+def test_every_key_a_lock_leaves_on_redis_expires(key):
+    """Acquire, contend, hand off, release, expire: no key the library wrote is left
+    without an expiry, and none outlives max(2 x lease, 60 s)."""
+    client = redis.Redis()
+    mutex = Mutex(RedisCache(client, prefix=f"{key}."), lease=0.3)
+    held = mutex.acquire("a")
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(mutex.acquire("a", timeout=5).fence))
+    waiter.start()
+    time.sleep(0.1)
+    held.release()  # wakes the waiter: signal list, waiter mark
+    waiter.join(5)
+    mutex.acquire("b")  # left to expire
+    Semaphore(RedisCache(client, prefix=f"{key}."), permits=2, lease=0.3).acquire("c").release()
+    names = list(client.scan_iter(match=f"{key}.*", count=1000))
+    assert len(names) >= 4
+    ttls = {name: client.pttl(name) for name in names}
+    assert all(0 < ttl <= 60_000 for ttl in ttls.values()), ttls
+
+
+# -- Redis replicas: WAIT before a grant counts -------------------------------------------
+
+
+@pytest.fixture
+def replicated(redis_servers, tmp_path) -> Iterator[tuple[RedisServer, RedisServer, FaultProxy]]:
+    """A primary and a replica that follows it through a fault proxy (to cut the link)."""
+    primary = own_redis(redis_servers, tmp_path / "primary", free_port())
+    with FaultProxy(primary.port) as link:
+        replica = own_redis(
+            redis_servers, tmp_path / "replica", free_port(),
+            "--replicaof", "127.0.0.1", str(link.port),
+        )  # fmt: skip
+        deadline = time.monotonic() + 15
+        while redis.Redis(port=replica.port).info("replication")["master_link_status"] != "up":
+            assert time.monotonic() < deadline, "the replica never caught up"
+            time.sleep(0.05)
+        yield primary, replica, link
+
+
+@pytest.mark.slow
+def test_with_replicas_a_grant_survives_a_failover_and_without_it_may_not(replicated, key):
+    """replicas=1: a grant counts once the replica has it, so it survives the primary's
+    death; with the link to the replica cut, the grant is withdrawn instead of given.
+    Without the option the same grant is given, lost in the failover and granted again on
+    the promoted replica: a lock held twice, but with a larger fence all the same."""
+    primary, replica, link = replicated
+    waited = redis_mutex(primary.port, replicas=1, replica_timeout=0.3)
+    kept = waited.acquire(f"{key}.kept")
+    link.set("blackhole")  # the replica hears nothing more
+    with pytest.raises(MalfunctionError, match="replica"):
+        waited.acquire(f"{key}.cut", timeout=0)
+    assert not waited.locked(f"{key}.cut")  # withdrawn, not left held
+    unsafe = redis_mutex(primary.port).acquire(f"{key}.lost")  # given, never replicated
+    os.kill(primary.pid, signal.SIGKILL)
+    link.set("reset")  # what was held back dies with the primary
+    redis.Redis(port=replica.port).replicaof("NO", "ONE")  # the failover
+    after = redis_mutex(replica.port)
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        after.acquire(f"{key}.kept", timeout=0)  # the waited grant survived
+    again = after.acquire(f"{key}.lost", timeout=0)  # the unwaited one did not...
+    assert again.fence > unsafe.fence  # ...and yet fences never go back
+    assert kept.fence < unsafe.fence

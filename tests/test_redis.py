@@ -12,10 +12,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -32,7 +30,7 @@ from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, unique_key
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import OwnServer, free_port
+from servers import RedisServer, free_port, own_redis
 
 from simple_mutex import (
     ConstraintError,
@@ -128,29 +126,34 @@ class TestRedisBehaviour(NotifyBehaviour, SharedBehaviour):
 
 
 def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: redis.Redis):
-    """Entry, semaphore slots, fence counter and signal list of one lock key hash to one
-    Cluster slot, so every script (and a BLPOP over all slots) runs on Redis Cluster; the
-    slots share one fence counter."""
+    """Entry, semaphore slots, last fence, waiter mark and signal list of one lock key hash
+    to one Cluster slot, so every script (and a BLPOP over all slots) runs on Redis
+    Cluster; the slots share one fence sequence."""
     key = unique_key()
     entries = {name: cache.put_if_absent(name, "v", ttl=30) for name in (key, f"{key}#1")}
-    assert entries[f"{key}#1"].fence == entries[key].fence + 1  # the slots share a counter
+    assert entries[f"{key}#1"].fence > entries[key].fence  # the slots share a sequence
     with pytest.raises(SimpleCacheConditionError):
         cache.put_if_absent(key, "other", ttl=30)  # marks a waiter...
     cache.compare_and_delete(key, version=entries[key].version)  # ...so this signals
     stem = f"{PREFIX}{{{key}}}"
     names = our_keys(client, f"{{{key}}}*")
-    assert names == {stem + "#1", stem + ":meta", stem + ":signal"}
+    assert names == {stem + "#1", stem + ":f", stem + ":w", stem + ":signal"}
     assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1
 
 
-def test_uncontended_cycles_leave_only_the_fence_counter(mutex: Mutex, client: redis.Redis):
-    """After acquire/release with nobody waiting, the one key left is the fence counter
-    (no signal list is created, nothing is written for waiters)."""
+def test_uncontended_cycles_leave_only_the_last_fence_and_it_expires(mutex: Mutex, client):
+    """After acquire/release with nobody waiting, the one key left is the last fence, and
+    it expires after max(2 x lease, 60 s) (no signal list, nothing for waiters)."""
     key = unique_key()
+    fences = []
     for _ in range(3):
-        mutex.acquire(key).release()
-    assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{mutex.{key}}}:meta"}
-    assert client.hgetall(f"{PREFIX}{{mutex.{key}}}:meta") == {b"f": b"3"}
+        lease = mutex.acquire(key)
+        fences.append(lease.fence)
+        lease.release()
+    last = f"{PREFIX}{{mutex.{key}}}:f"
+    assert our_keys(client, f"*{key}*") == {last}
+    assert int(client.get(last)) == fences[-1]
+    assert 0 < client.pttl(last) <= max(2 * mutex.lease, 60) * 1000
 
 
 def test_signal_list_vanishes_after_a_contended_release(cache: RedisCache, client: redis.Redis):
@@ -164,7 +167,9 @@ def test_signal_list_vanishes_after_a_contended_release(cache: RedisCache, clien
     assert client.lrange(signal_key, 0, -1) == [b"1"]
     assert 0 < client.pttl(signal_key) <= 1000
     time.sleep(1.1)
-    assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{{key}}}:meta"}
+    stem = f"{PREFIX}{{{key}}}"
+    assert our_keys(client, f"*{key}*") == {stem + ":f", stem + ":w"}
+    assert 0 < client.pttl(stem + ":w") <= 3000  # the waiter mark goes too
 
 
 def test_a_retried_put_returns_our_entry_without_taking_a_new_fence(cache: RedisCache):
@@ -176,7 +181,7 @@ def test_a_retried_put_returns_our_entry_without_taking_a_new_fence(cache: Redis
     renewed = cache.compare_and_set(key, "ours", ttl=60, version=first.version)
     assert cache.put_if_absent(key, "ours", ttl=30) == renewed
     cache.compare_and_delete(key, version=renewed.version)
-    assert cache.put_if_absent(key, "ours", ttl=30).fence == first.fence + 1
+    assert cache.put_if_absent(key, "ours", ttl=30).fence > first.fence
 
 
 def test_expiry_is_the_servers(cache: RedisCache, client: redis.Redis):
@@ -217,7 +222,7 @@ def test_instrumented_and_single_connection_clients_keep_their_own_path(client):
         assert cache.get(key) == entry
         cache.compare_and_delete(key, version=entry.version)
         conn.close()
-    assert seen == ["EVALSHA", "GET", "EVALSHA"]
+    assert seen == ["CONFIG GET", "EVALSHA", "GET", "EVALSHA"]  # CONFIG: the eviction check
     assert RedisCache(client)._execute != client.execute_command  # the lean path
 
 
@@ -380,50 +385,6 @@ def test_renew_extends_the_servers_expiry(cache: RedisCache, client: redis.Redis
 # -- servers of our own: restart, freeze, sentinel, cluster ------------------------------
 
 
-class Server(OwnServer):
-    """A redis-server (or Sentinel, from a config file) this module runs in the foreground."""
-
-    def __init__(self, port: int, workdir: Path, *extra: str, config: Path | None = None):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
-        head = [binary, str(config), "--sentinel"] if config else [binary, "--save", ""]
-        args = [*head, "--appendonly", "no", "--dir", str(workdir), "--port", str(port)]
-        super().__init__([*args, "--bind", "127.0.0.1", *extra], workdir, self._pings)
-        self.port = port
-
-    def _pings(self) -> bool:
-        probe = redis.Redis(port=self.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
-        with contextlib.suppress(redis.ConnectionError), probe:
-            return bool(probe.ping())
-        return False
-
-    def shutdown(self) -> None:
-        conn = redis.Redis(port=self.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
-        with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
-            conn.shutdown(nosave=True)
-        assert self.proc is not None
-        self.proc.wait(5)
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Server]]:
-    """Servers a test starts; every one is stopped at teardown, whatever happened."""
-    started: list[Server] = []
-    yield started
-    for server in started:
-        if server.proc is not None and server.proc.poll() is None:
-            os.kill(server.pid, signal.SIGCONT)  # a frozen one ignores SIGTERM
-        server.stop()
-
-
-def own_server(servers: list[Server], tmp_path: Path, port: int, *extra: str) -> Server:
-    server = Server(port, tmp_path, *extra)
-    servers.append(server)
-    server.start()
-    return server
-
-
 def fragile_client(port: int, socket_timeout: float = 0.5) -> redis.Redis:
     """A client that gives up fast: a 0.5 s socket timeout and a single retry."""
     return redis.Redis(
@@ -435,11 +396,11 @@ def fragile_client(port: int, socket_timeout: float = 0.5) -> redis.Redis:
 
 
 @pytest.mark.slow
-def test_server_shutdown_and_restart(servers: list[Server], tmp_path: Path):
+def test_server_shutdown_and_restart(redis_servers: list[RedisServer], tmp_path: Path):
     """Redis goes away mid-test: every operation raises MalfunctionError (never a redis
     error), a waiter and a timed acquire end by their deadline plus one socket timeout,
     and locks work again once the server is back (scripts reloaded)."""
-    server = own_server(servers, tmp_path, free_port())
+    server = own_redis(redis_servers, tmp_path, free_port())
     socket_timeout = 0.5
     cache = RedisCache(fragile_client(server.port, socket_timeout))
     mutex = Mutex(cache, lease=30, interval=POLL_INTERVAL)
@@ -473,19 +434,19 @@ def test_server_shutdown_and_restart(servers: list[Server], tmp_path: Path):
     with pytest.raises(MalfunctionError):
         held.release()
 
-    server.start()  # empty: no data, no scripts
+    server.start()  # empty: no data, no scripts, no fence counter
     lease = mutex.acquire("busy", timeout=1)
-    assert lease.fence == 1  # fences are only as durable as the server's data
+    assert lease.fence > held.fence  # the server's clock floors a fence it cannot recall
     assert lease.release()
     server.shutdown()
 
 
 @pytest.mark.slow
-def test_a_frozen_server_does_not_hang_acquire(servers: list[Server], tmp_path: Path):
+def test_a_frozen_server_does_not_hang_acquire(redis_servers: list[RedisServer], tmp_path: Path):
     """SIGSTOP: the server accepts nothing and answers nothing. A timed acquire still
     raises MalfunctionError within its socket timeouts (one try, one retry, then the
     engine's read-back) instead of hanging."""
-    server = own_server(servers, tmp_path, free_port())
+    server = own_redis(redis_servers, tmp_path, free_port())
     mutex = Mutex(RedisCache(fragile_client(server.port, 0.3)), lease=30)
     mutex.acquire("warm", timeout=0).release()
     os.kill(server.pid, signal.SIGSTOP)
@@ -499,13 +460,13 @@ def test_a_frozen_server_does_not_hang_acquire(servers: list[Server], tmp_path: 
 
 
 @pytest.mark.slow
-def test_sentinel_url_finds_the_master(servers: list[Server], tmp_path: Path):
+def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_path: Path):
     """redis+sentinel:// asks a real Sentinel for the master, and locks work through it."""
-    master = own_server(servers, tmp_path, free_port())
+    master = own_redis(redis_servers, tmp_path, free_port())
     conf = tmp_path / "sentinel.conf"
     conf.write_text(f"sentinel monitor simple 127.0.0.1 {master.port} 1\n")
-    sentinel = Server(free_port(), tmp_path, config=conf)
-    servers.append(sentinel.start())
+    sentinel = RedisServer(free_port(), tmp_path, config=conf)
+    redis_servers.append(sentinel.start())
     probe = redis.Redis(port=sentinel.port, socket_timeout=0.5)
     deadline = time.monotonic() + 10
     while not probe.sentinel_get_master_addr_by_name("simple"):
@@ -519,14 +480,14 @@ def test_sentinel_url_finds_the_master(servers: list[Server], tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_cluster_mutex_semaphore_and_hand_off(servers: list[Server], tmp_path: Path):
+def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[RedisServer], tmp_path: Path):
     """A three-master Redis Cluster: scripts and BLPOP run (hash tags keep each lock's
     keys in one slot), a semaphore spans its slots, a waiter wakes on release."""
     ports = [free_port(also=10_000) for _ in range(3)]  # and each one's cluster bus
     for port in ports:
         node_dir = tmp_path / str(port)
         node_dir.mkdir()
-        own_server(servers, node_dir, port, "--cluster-enabled", "yes",
+        own_redis(redis_servers, node_dir, port, "--cluster-enabled", "yes",
                    "--cluster-config-file", str(node_dir / "nodes.conf"))  # fmt: skip
     subprocess.run(
         ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),

@@ -1,21 +1,25 @@
 """RedisCache: every machine that reaches one Redis (or Valkey, a Sentinel master, a Cluster).
 
 Keys, for a cache key ``base`` or ``base#N`` (semaphore slot N), all under the hash tag
-``{base}``, so one script's keys and every slot of a semaphore share a Cluster slot::
+``{base}``, so one script's keys and every slot of a semaphore share a Cluster slot; every
+one of them expires::
 
     {base}, {base}#N   string  "<fence>.<n> <expires ms> <value>", PX ttl
-    {base}:meta        hash    f = fence counter, w = waiters seen until (server ms)
-    {base}:signal      list    one wake-up token, PEXPIRE 1 s; only around a hand-off
+    {base}:f           string  the last fence granted, PX max(2 x ttl, 60 s)
+    {base}:w           string  waiters are blocked, PX 3 s (renewed by each failed put)
+    {base}:signal      list    one wake-up token, PX 1 s; only around a hand-off
 
 * Each operation is one round trip (a Lua script; ``get`` a plain ``GET``): compare and act
   are atomic, and the server's clock decides expiry (``PX``). Needs Redis >= 6.0.
-* Fences live in ``{base}:meta``, so they survive release and expiry and count across a
-  semaphore's slots; they are as durable as the server's data. It is the one key left
-  behind per lock key.
+* A fence is max(last fence + 1, the server's ``TIME`` in µs): a counter lost to a restart
+  without persistence, a flush or a failover never makes one go back (the server's clock
+  must not step back further than the ``{base}:f`` window).
 * A release wakes one waiter that marked itself (its ``BLPOP`` takes the token), and says so.
-* Every redis-py error is a ``MalfunctionError`` naming redis, the operation and the key;
-  a retried put finds its own value (the idempotent put). A wait or command lasts at most
-  the client's socket timeout per try.
+* Every redis-py error is a ``MalfunctionError`` naming redis, the operation and the key
+  (``unsent`` when the connection was refused); a retried put finds its own value.
+* ``replicas=N``: a grant or renewal counts only once N replicas have it (``WAIT``).
+* A server that may evict keys (``maxmemory`` with a policy other than ``noeviction``) is
+  refused at first use unless ``allow_eviction=True``: an evicted lock is a lock held twice.
 
 Rationale and figures: docs/design/redis.md, bench/README-redis.md.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import socket
 import threading
 import time
 import types
@@ -34,6 +39,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from simple_mutex.contract import Entry
+from simple_mutex.durations import positive_seconds
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from simple_mutex.keys import check_prefix
 
@@ -41,34 +47,38 @@ from .common import driver_imports, fault, malformed, ttl_ms
 
 with driver_imports("redis"):
     import redis
-    from redis.exceptions import NoScriptError, RedisError, ResponseError
+    from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
 
 _MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 _WAITER_MARK_MS = 3000  # > _MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
 _SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
-_NOW_MS = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)"
+_MIN_KEEP_MS = 60_000  # a freed key's last fence is kept at least this long
 
-# KEYS[1] entry, KEYS[2] meta
-# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms)
+# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark
+# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence (ms)
 # Returns the new fence (an integer) when written, or "<version> <expires ms>" of the live
 # entry when it already holds the same value (our own write whose reply was lost: a retry
 # must not report "busy"); 0 when the key holds something we never write (malformed);
 # nil when another value holds it, after marking a waiter.
-# The fence is taken before SET NX and handed back on failure, so the common case runs
-# two commands; nobody sees the difference, as a script is atomic.
+# The fence is the server's clock in µs unless the last fence kept is at or past it (two
+# grants in one µs, or a clock stepped back): then that one plus one. Lua numbers are
+# doubles, exact to 2**53: µs since 1970 stay below that until the year 2255.
 _PUT = f"""
-local fence = redis.call('HINCRBY', KEYS[2], 'f', 1)
+local t = redis.call('TIME')
+local fence = t[1] * 1000000 + t[2]
+local last = tonumber(redis.call('GET', KEYS[2]))
+if last and last >= fence then fence = last + 1 end
+fence = string.format('%d', fence)
 if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return fence
+    redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
+    return tonumber(fence)
 end
-redis.call('HINCRBY', KEYS[2], 'f', -1)
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return 0 end
 local head, value = string.match(cur or '', '^(%d+%.%d+ %d+) (.*)$')
 if cur and not head then return 0 end
 if value and value == string.match(ARGV[1], '^%d+ (.*)$') then return head end
-{_NOW_MS}
-redis.call('HSET', KEYS[2], 'w', string.format('%d', now + {_WAITER_MARK_MS}))
+redis.call('SET', KEYS[3], 1, 'PX', {_WAITER_MARK_MS})
 return nil
 """
 
@@ -86,24 +96,20 @@ redis.call('SET', KEYS[1], fence .. '.' .. n .. ' ' .. ARGV[1], 'PX', ARGV[2])
 return n
 """
 
-# KEYS[1] entry, KEYS[2] meta, KEYS[3] signal list
+# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list
 # ARGV[1] expected version
-# Returns 2 when the entry was freed and one wake-up token pushed for a waiter marked
+# Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
 # lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
-# waiting, 0 when absent or at another version. The fence counter stays.
+# waiting, 0 when absent or at another version. The last fence stays.
 _DELETE = f"""
 local cur = redis.call('GET', KEYS[1])
 if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
 redis.call('DEL', KEYS[1])
-local waiters = redis.call('HGET', KEYS[2], 'w')
-if waiters then
-    {_NOW_MS}
-    if tonumber(waiters) > now then
-        redis.call('DEL', KEYS[3])
-        redis.call('LPUSH', KEYS[3], 1)
-        redis.call('PEXPIRE', KEYS[3], {_SIGNAL_MS})
-        return 2
-    end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('DEL', KEYS[3])
+    redis.call('LPUSH', KEYS[3], 1)
+    redis.call('PEXPIRE', KEYS[3], {_SIGNAL_MS})
+    return 2
 end
 return 1
 """
@@ -112,27 +118,51 @@ return 1
 class RedisCache:
     """A ConditionalCache over a sync redis-py client (``redis.Redis``,
     ``redis.RedisCluster``, or ``Sentinel.master_for(...)``). ``prefix`` goes in front of
-    every Redis key, outside the hash tag."""
+    every Redis key, outside the hash tag. ``replicas=N`` makes a grant or renewal count
+    only once N replicas acknowledged it within ``replica_timeout`` seconds (``WAIT``; a
+    plain ``redis.Redis`` or Sentinel master). ``allow_eviction=True`` accepts a server
+    whose ``maxmemory-policy`` may evict lock keys."""
 
     name = "redis"
 
-    def __init__(self, client: Any, *, prefix: str = "") -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "",
+        replicas: int = 0,
+        replica_timeout: float = 0.5,
+        allow_eviction: bool = False,
+    ) -> None:
         execute = getattr(client, "execute_command", None)
         if not callable(execute) or inspect.iscoroutinefunction(execute):
             raise ConstraintError(
                 f"RedisCache needs a sync redis-py client (redis.Redis, redis.RedisCluster "
                 f"or a Sentinel master), got {type(client).__name__}"
             )
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ConstraintError(f"RedisCache replicas must be an int >= 0, got {replicas!r}")
         self.client = client
         self.prefix = check_prefix(prefix)
-        self._execute = _pooled_executor(client) or execute
+        self.replicas = replicas
+        self.replica_timeout = positive_seconds(replica_timeout, "replica_timeout")
+        self.allow_eviction = allow_eviction
+        self._checked = allow_eviction  # the eviction policy is read on first use
+        own = _pooled_executor(client)
+        if replicas and own is None:
+            raise ConstraintError(
+                "RedisCache(replicas=...) needs a plain redis.Redis or a Sentinel master: "
+                "WAIT must follow the write on the same connection"
+            )
+        self._own = own
+        self._execute = own or execute
         # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
         self._shas = {
             s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
             for s in (_PUT, _CAS, _DELETE)
         }
         # A BLPOP must finish inside the socket timeout, or redis-py would call it a
-        # dead connection (and retry it): block for at most 80 % of it.
+        # dead connection: block for at most 80 % of it.
         socket_timeout = _connection_kwargs(client).get("socket_timeout")
         self._max_block = (
             _MAX_BLOCK_S if not socket_timeout else min(_MAX_BLOCK_S, 0.8 * float(socket_timeout))
@@ -158,6 +188,34 @@ class RedisCache:
         except RedisError as exc:
             raise _fault(operation, key, exc) from exc
 
+    def _replicated(self, operation: str, key: str) -> bool:
+        """After a write: did ``replicas`` replicas take it within ``replica_timeout``?"""
+        assert self._own is not None
+        try:
+            acked = self._own("WAIT", self.replicas, ttl_ms(self.replica_timeout))
+        except RedisError as exc:
+            raise _fault(operation, key, exc) from exc
+        return int(acked) >= self.replicas
+
+    def _check_eviction(self, key: str) -> None:
+        """Refuse a server that may evict lock keys: an evicted lock is held twice."""
+        try:
+            config = self.client.config_get("maxmemory*")
+        except ResponseError:
+            self._checked = True  # CONFIG is renamed or denied (a managed service): trust it
+            return
+        except RedisError as exc:
+            raise _fault("put_if_absent", key, exc) from exc
+        policy = _text(config.get("maxmemory-policy", "noeviction"))
+        if int(config.get("maxmemory", 0) or 0) and policy != "noeviction":
+            raise ConstraintError(
+                f"this Redis may evict lock keys (maxmemory-policy {policy} with a "
+                "maxmemory limit): an evicted lock would be granted twice. Set "
+                "maxmemory-policy noeviction (or use a Redis of its own for locks), or pass "
+                "RedisCache(..., allow_eviction=True) to accept the risk"
+            )
+        self._checked = True
+
     def get(self, key: str) -> Entry | None:
         entry_key, _ = self._keys(key)
         try:
@@ -175,19 +233,44 @@ class RedisCache:
             raise malformed(self.name, "get", key, f"{entry_key!r} is not an entry") from None
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        if not self._checked:
+            self._check_eviction(key)
         entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
+        keep = max(2 * ms, _MIN_KEEP_MS)
         reply = self._script(
-            _PUT, "put_if_absent", key, 2, entry_key, stem + ":meta", f"{expires} {value}", ms
-        )
+            _PUT, "put_if_absent", key,
+            3, entry_key, stem + ":f", stem + ":w", f"{expires} {value}", ms, keep,
+        )  # fmt: skip
         if reply is None:
             raise SimpleCacheConditionError(f"redis: {key!r} is held")
         if reply == 0:
             raise malformed(self.name, "put_if_absent", key, f"{entry_key!r} is not an entry")
         if isinstance(reply, int):
-            return Entry(value, f"{reply}.1", reply, expires / 1000)
-        version, expires_text = _text(reply).split(" ")
-        return Entry(value, version, int(version.partition(".")[0]), int(expires_text) / 1000)
+            entry = Entry(value, f"{reply}.1", reply, expires / 1000)
+        else:
+            version, expires_text = _text(reply).split(" ")
+            fence = int(version.partition(".")[0])
+            entry = Entry(value, version, fence, int(expires_text) / 1000)
+        if self.replicas and not self._replicated("put_if_absent", key):
+            self._withdraw(key, entry)
+        return entry
+
+    def _withdraw(self, key: str, entry: Entry) -> None:
+        """A grant too few replicas took would not survive a failover: undo it."""
+        try:
+            self.compare_and_delete(key, version=entry.version)
+            undone = True
+        except (RedisError, MalfunctionError, SimpleCacheConditionError):
+            undone = False
+        raise MalfunctionError(
+            f"redis cache: fewer than {self.replicas} replica(s) acknowledged the grant of "
+            f"{key!r} within {self.replica_timeout:g} s, so it was "
+            f"{'withdrawn' if undone else 'not counted (it lapses with its lease)'}; check "
+            "the replicas, or lower replicas= / raise replica_timeout=",
+            key=key,
+            unsent=undone,
+        )
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         entry_key, _ = self._keys(key)
@@ -197,6 +280,12 @@ class RedisCache:
         )
         if n is None:
             raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
+        if self.replicas and not self._replicated("compare_and_set", key):
+            raise MalfunctionError(
+                f"redis cache: fewer than {self.replicas} replica(s) acknowledged the "
+                f"renewal of {key!r} within {self.replica_timeout:g} s; it does not count",
+                key=key,
+            )
         fence = version.partition(".")[0]
         return Entry(value, f"{fence}.{n}", int(fence), expires / 1000)
 
@@ -204,7 +293,7 @@ class RedisCache:
         entry_key, stem = self._keys(key)
         freed = self._script(
             _DELETE, "compare_and_delete", key,
-            3, entry_key, stem + ":meta", stem + ":signal", version,
+            3, entry_key, stem + ":w", stem + ":signal", version,
         )  # fmt: skip
         if not freed:
             raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
@@ -218,7 +307,7 @@ class RedisCache:
             return
         signals = list(dict.fromkeys(self._keys(key)[1] + ":signal" for key in keys))
         try:
-            self.client.blpop(signals, timeout=round(block, 3))
+            self._execute("BLPOP", *signals, round(block, 3))
         except RedisError as exc:
             raise _fault("wait", keys[0], exc) from exc
 
@@ -291,10 +380,17 @@ def _give_back(pool: Any, held: list[Any], pid: int) -> None:
 
 
 def _run(conn: Any, args: tuple[Any, ...]) -> Any:
+    """One command on ``conn``. Not the client's retry policy (its backoff sleeps would
+    make a refused connection cost seconds): a connection error is retried once, at
+    once, for the pooled connection the server closed while it sat idle."""
     try:
-        reply = conn.retry.call_with_retry(
-            lambda: _send_and_read(conn, args), lambda _error: conn.disconnect()
-        )
+        try:
+            reply = _send_and_read(conn, args)
+        except ConnectionError as exc:
+            conn.disconnect()
+            if _refused(exc):
+                raise
+            reply = _send_and_read(conn, args)
     except ResponseError:
         raise  # a whole reply, read to its end: the connection is in step
     except BaseException:
@@ -305,6 +401,18 @@ def _run(conn: Any, args: tuple[Any, ...]) -> Any:
     if getattr(conn, "should_reconnect", bool)():  # the server announced maintenance
         conn.disconnect()
     return reply
+
+
+def _refused(exc: BaseException) -> bool:
+    """Did the request provably never reach a server (refused, no such host)?"""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError | socket.gaierror):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
@@ -331,7 +439,9 @@ def _connection_kwargs(client: Any) -> dict[str, Any]:
 def _fault(operation: str, key: str, exc: RedisError) -> MalfunctionError:
     if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
         return malformed("redis", operation, key, "a Redis key of another type")
-    return fault("redis", operation, key, exc)
+    error = fault("redis", operation, key, exc)
+    error.unsent = _refused(exc)
+    return error
 
 
 def from_url(url: str) -> RedisCache:
