@@ -81,6 +81,7 @@ class Lease:
     # State that most leases never change lives on the class: a lease is built on every
     # acquire, and each attribute set in __init__ costs on that hot path.
     _released = False
+    _released_in_time = False  # what the first release() returned
     _lost_reason: str | None = None
     _record_gone = False  # known freed or taken over: nothing left to release
     _armed_thread: int | None = None
@@ -199,6 +200,7 @@ class Lease:
                 return False
             if not in_time:
                 self._lost_reason = self._lost_reason or "it lapsed before release"
+            self._released_in_time = in_time
         if outcome.woke and self._handoffs is not None:
             self._handoffs.woke(self._cache_key)
         return in_time
@@ -398,7 +400,8 @@ class Lease:
             self.release()  # an interrupt (Ctrl-C) before disarming: still let go
             raise
         try:
-            released = self.release()
+            # Released early, inside the block, in time: not a loss (its result stands).
+            released = self._released_in_time if self._released else self.release()
         except MalfunctionError as fault:
             if exc is not None:
                 log.warning("could not release %r after the work failed: %s", self.key, fault)
@@ -437,7 +440,7 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         # Shielded: a second cancel must not skip the release.
-        released = await asyncio.shield(self.release_async())
+        released = self._released_in_time or await asyncio.shield(self.release_async())
         if released:
             return
         if self._cancelled_by_loss:

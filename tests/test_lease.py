@@ -514,3 +514,15 @@ def test_a_retried_renewal_that_landed_is_not_reported_lost():
     lease.renew()
     assert not lease.lost
     assert lease.release() is True
+
+
+def test_an_early_release_inside_the_block_is_not_reported_as_a_loss(memory_cache, key):
+    """`lease.release()` inside `with` returns True, and the block's exit raises nothing;
+    a release after a lapse inside the block still does."""
+    mutex = Mutex(memory_cache, lease=0.2)
+    with mutex.acquire(key) as lease:
+        assert lease.release() is True
+        assert not mutex.locked(key)
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key) as late:
+        time.sleep(0.3)  # a C call: the interrupt waits, the lapse does not
+        assert late.release() is False
