@@ -110,11 +110,13 @@ class LockBehaviour:
             close()
 
     def test_a_mutex_grants_refuses_and_frees(self, cache: ConditionalCache) -> None:
-        """Grant, busy for a second caller, holder() names us, release frees, and the next
-        grant has a larger fence."""
+        """Grant (slot 0, the key verbatim), busy for a caller with a Mutex of its own,
+        holder() names us, release frees, and the next grant has a larger fence."""
         mutex, key = Mutex(cache, lease=30, prefix=PREFIX), new_key()
+        assert not mutex.locked(key)
         first = mutex.acquire(key, timeout=5)
-        assert mutex.try_acquire(key) is None
+        assert (first.key, first.slot) == (key, 0)
+        assert Mutex(cache, prefix=PREFIX).try_acquire(key) is None
         assert mutex.locked(key)
         holder = mutex.holder(key)
         assert holder is not None
@@ -144,12 +146,13 @@ class LockBehaviour:
         assert short.holder(key) is None
 
     def test_a_semaphore_admits_its_permits_and_no_more(self, cache: ConditionalCache) -> None:
-        """Three permits: three holders on distinct slots, a fourth times out; a release
-        lets a blocked fourth in on the freed slot, with a larger fence than that slot's."""
+        """Three permits: three holders on distinct slots, a fourth is refused or times out;
+        a release lets a blocked fourth in on the freed slot, with a larger fence."""
         key = new_key()
         semaphore = Semaphore(cache, permits=3, lease=30, interval=0.05, prefix=PREFIX)
         leases = [semaphore.acquire(key, timeout=0) for _ in range(3)]
         assert sorted(lease.slot for lease in leases) == [0, 1, 2]
+        assert semaphore.try_acquire(key) is None
         with pytest.raises(SimpleMutexAcquireTimeoutError):
             semaphore.acquire(key, timeout=0.2)
         release_after(0.1, leases[1])
