@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from workers import spin
 
 from simple_mutex import (
     ConstraintError,
@@ -228,9 +229,7 @@ def test_lease_lapse_interrupts_the_function(memory_cache):
 
     @with_simple_mutex(key="slow", cache=memory_cache, lease=0.2)
     def slow():
-        end = time.monotonic() + 5
-        while time.monotonic() < end:
-            pass
+        spin()
 
     start = time.monotonic()
     with pytest.raises(SimpleMutexLeaseExpiredError) as info:

@@ -4,9 +4,9 @@ serialize exceptions), including the per-lease interrupt raised inside a block."
 from __future__ import annotations
 
 import pickle
-import time
 
 import pytest
+from workers import spin
 
 import simple_mutex
 from simple_mutex import (
@@ -77,9 +77,7 @@ def capture_interrupt() -> BaseException:
 
     def spin_and_record() -> None:
         try:
-            end = time.monotonic() + 5
-            while time.monotonic() < end:
-                pass
+            spin()
         except BaseException as exc:
             caught.append(exc)
             raise

@@ -10,6 +10,7 @@ import logging
 import time
 
 import pytest
+from workers import spin, wait_until
 
 from simple_mutex import (
     ConstraintError,
@@ -19,14 +20,6 @@ from simple_mutex import (
     with_simple_mutex,
 )
 from simple_mutex.keys import encode_key
-
-
-def spin(guard: float = 5.0) -> float:
-    """A pure-Python busy loop, bounded so a broken interrupt fails instead of hanging."""
-    start = time.monotonic()
-    while time.monotonic() - start < guard:
-        pass
-    return time.monotonic() - start
 
 
 def test_a_sync_with_inside_a_coroutine_is_refused():
@@ -144,7 +137,4 @@ def test_a_dropped_renewing_lease_stops_being_renewed():
 
     forgetful()
     gc.collect()
-    deadline = time.monotonic() + 3
-    while mutex.locked("leaked") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not mutex.locked("leaked")
+    wait_until(lambda: not mutex.locked("leaked"), 3, "the dropped lease to lapse")

@@ -1,4 +1,5 @@
-"""What the Celery and RQ suites share: real worker subprocesses and bounded waits.
+"""What the suites share: bounded waits and busy loops, and, for the Celery and RQ suites,
+real worker subprocesses.
 
 Every wait is bounded in time; a process that does not stop is killed.
 """
@@ -55,11 +56,22 @@ def stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+def spin(guard: float = 5.0) -> float:
+    """A pure-Python busy loop that never calls into the library, so a lease interrupt lands
+    in it at once; after ``guard`` seconds it ends anyway, so a broken interrupt fails the
+    test (it took too long) instead of hanging it. Returns how long it ran."""
+    start = time.monotonic()
+    while time.monotonic() - start < guard:
+        pass
+    return time.monotonic() - start
 
 
 def release_later(lease: Lease, delay: float) -> threading.Timer:
