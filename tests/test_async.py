@@ -10,7 +10,6 @@ import time
 import pytest
 
 from simple_mutex import (
-    MalfunctionError,
     Mutex,
     Semaphore,
     SimpleMutexAcquireTimeoutError,
@@ -223,25 +222,6 @@ def test_async_wrapper_keeps_metadata_and_stays_a_coroutine_function(memory_cach
     assert wrapped.__name__ == "original"
     assert wrapped.__doc__ == "Doc."
     assert run(wrapped(3)) == 3
-
-
-def test_async_acquire_on_a_broken_cache_raises_malfunction_with_the_key():
-    """A cache fault during acquire_async surfaces as MalfunctionError carrying the key."""
-
-    class Broken(InMemoryCache):
-        name = "broken"
-
-        def put_if_absent(self, key, value, *, ttl):
-            raise OSError("down")
-
-        def get(self, key):
-            raise OSError("down")
-
-    mutex = Mutex(Broken())
-    with pytest.raises(MalfunctionError) as info:
-        run(mutex.acquire_async("order.7", timeout=0))
-    assert info.value.key == "order.7"
-    assert "broken" in str(info.value)
 
 
 def test_cancelled_acquire_whose_put_lands_late_leaves_no_orphan_lock(key):

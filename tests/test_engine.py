@@ -18,6 +18,7 @@ import pytest
 from simple_mutex import (
     InMemoryCache,
     MalfunctionError,
+    Mutex,
     SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
     engine,
@@ -39,12 +40,15 @@ from simple_mutex.engine import (
 
 VALUE = '{"token":"ours"}'
 OTHER = '{"token":"theirs"}'
+START = 1000.0  # the fake clock's reading when a flow starts
+OURS = Entry(VALUE, "v2", 7, 1e9)
+THEIRS = Entry(OTHER, "v9", 8, 1e9)
 
 
 class FakeClock:
     """A monotonic clock that only moves when told to."""
 
-    def __init__(self, start: float = 1000.0) -> None:
+    def __init__(self, start: float = START) -> None:
         self.t = start
 
     def __call__(self) -> float:
@@ -53,6 +57,36 @@ class FakeClock:
 
 def entry_for(op: PutIfAbsent, fence: int = 7) -> Entry:
     return Entry(op.value, f"v{fence}", fence, 1e9)
+
+
+def held() -> SimpleCacheConditionError:
+    return SimpleCacheConditionError("held")
+
+
+def scripted(*answers: Any) -> Callable[[Any], Any]:
+    """Answer ops in order: an exception instance is raised, a function is called with the
+    op, anything else is returned."""
+    queue = list(answers)
+
+    def answer(op: Any) -> Any:
+        result = queue.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        return result(op) if callable(result) else result
+
+    return answer
+
+
+def busy(op: Any) -> Any:
+    """Every put finds the key held."""
+    if type(op) is PutIfAbsent:
+        raise held()
+    raise AssertionError(f"unexpected op {op!r}")
+
+
+def busy_then_granted(times: int) -> Callable[[Any], Any]:
+    """The first ``times`` puts find the key held; the next one is granted."""
+    return scripted(*[held() for _ in range(times)], entry_for)
 
 
 class Driver:
@@ -107,8 +141,8 @@ class Driver:
         return [op for op in self.ops if type(op) is PutIfAbsent]
 
 
-def flow(
-    clock: FakeClock,
+def acquire(
+    answer: Callable[[Any], Any],
     *,
     slot_keys: Sequence[str] = ("mutex.k",),
     timeout: float | None = 10.0,
@@ -116,8 +150,12 @@ def flow(
     lease: float = 30.0,
     seed: int = 1,
     courtesy: float = 0.0,
-) -> Any:
-    return engine.acquire(
+    **driver: Any,
+) -> tuple[Driver, Any]:
+    """Drive one acquire flow of key "k" from START; the driver (its ops and clock) and
+    the grant, or the SimpleMutexAcquireTimeoutError or MalfunctionError it raised."""
+    clock = FakeClock()
+    flow = engine.acquire(
         courtesy=courtesy,
         key="k",
         slot_keys=list(slot_keys),
@@ -128,12 +166,18 @@ def flow(
         now=clock,
         rng=random.Random(seed),
     )
+    runner = Driver(clock, answer, **driver)
+    try:
+        return runner, runner.drive(flow)
+    except (SimpleMutexAcquireTimeoutError, MalfunctionError) as error:
+        return runner, error
 
 
-def busy(op: Any) -> Any:
-    if type(op) is PutIfAbsent:
-        raise SimpleCacheConditionError("held")
-    raise AssertionError(f"unexpected op {op!r}")
+def timed_out(answer: Callable[[Any], Any] = busy, **options: Any) -> Driver:
+    """Drive an acquire that must end in SimpleMutexAcquireTimeoutError; its driver."""
+    driver, error = acquire(answer, **options)
+    assert type(error) is SimpleMutexAcquireTimeoutError, error
+    return driver
 
 
 # -- grant -----------------------------------------------------------------------------
@@ -141,47 +185,27 @@ def busy(op: Any) -> Any:
 
 def test_free_key_is_granted_on_the_first_put():
     """A free key costs exactly one put-if-absent carrying our value and the lease."""
-    clock = FakeClock()
-    driver = Driver(clock, entry_for)
-    grant = driver.drive(flow(clock, lease=12.5))
+    driver, grant = acquire(entry_for, lease=12.5)
     assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 12.5)]
-    assert type(driver.ops[0]) is PutIfAbsent
     assert grant.slot == 0
     assert grant.entry == Entry(VALUE, "v7", 7, 1e9)
 
 
 def test_grant_started_is_taken_before_the_winning_put():
     """Grant.started is the clock just before the winning write, not after it returned."""
-    clock = FakeClock()
-    answers = iter([SimpleCacheConditionError("held"), None])
-
-    def answer(op: Any) -> Any:
-        error = next(answers)
-        if error is not None:
-            raise error
-        return entry_for(op)
-
-    driver = Driver(clock, answer, write_cost=0.25)
-    grant = driver.drive(flow(clock))
+    driver, grant = acquire(busy_then_granted(1), write_cost=0.25)
     winning = max(i for i, op in enumerate(driver.ops) if type(op) is PutIfAbsent)
     assert grant.started == driver.issued_at[winning]
-    assert grant.started < clock.t  # the write itself took time after it
-    assert grant.started > 1000.0  # and it is not the start of the whole flow
+    assert grant.started < driver.clock.t  # the write itself took time after it
+    assert grant.started > START  # and it is not the start of the whole flow
 
 
 def test_grant_started_precedes_the_put_even_when_resolved_by_read_back():
     """After an ambiguous put resolved by a read-back, started is still before the put."""
-    clock = FakeClock()
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise MalfunctionError("timed out")
-        return Entry(VALUE, "v3", 3, 1e9)
-
-    driver = Driver(clock, answer, write_cost=0.5)
-    grant = driver.drive(flow(clock))
-    assert grant.started == 1000.0
-    assert clock.t == 1001.0  # the put and the get each cost 0.5
+    answer = scripted(MalfunctionError("timed out"), Entry(VALUE, "v3", 3, 1e9))
+    driver, grant = acquire(answer, write_cost=0.5)
+    assert grant.started == START
+    assert driver.clock.t == START + 1.0  # the put and the get each cost 0.5
 
 
 # -- timeout ---------------------------------------------------------------------------
@@ -193,68 +217,41 @@ def test_grant_started_precedes_the_put_even_when_resolved_by_read_back():
 )
 def test_busy_key_times_out_exactly_at_the_deadline(timeout, interval, seed):
     """Waits never overrun the time left, sum to the timeout, and a last try ends it."""
-    clock = FakeClock()
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
-        driver.drive(flow(clock, timeout=timeout, interval=interval, seed=seed))
-    deadline = 1000.0 + timeout
+    driver, error = acquire(busy, timeout=timeout, interval=interval, seed=seed)
+    assert type(error) is SimpleMutexAcquireTimeoutError
+    deadline = START + timeout
     for op, at in zip(driver.ops, driver.issued_at, strict=True):
         if type(op) is Wait:
             assert op.seconds <= deadline - at + 1e-9
     assert sum(w.seconds for w in driver.waits()) == pytest.approx(timeout, abs=1e-9)
-    assert clock.t == pytest.approx(deadline, abs=1e-9)
+    assert driver.clock.t == pytest.approx(deadline, abs=1e-9)
     assert type(driver.ops[-1]) is PutIfAbsent  # one last try once the deadline arrived
-    assert info.value.key == "k"
-    assert "timeout" in str(info.value)
+    assert error.key == "k"
+    assert "timeout" in str(error)
 
 
-def test_timeout_zero_tries_once_without_waiting():
-    """timeout=0 makes one put and raises, never yielding a Wait."""
-    clock = FakeClock()
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, timeout=0))
-    assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 30.0)]
-    assert clock.t == 1000.0
-
-
-def test_timeout_zero_on_a_semaphore_tries_every_slot_once():
-    """timeout=0 on N slots makes exactly N puts, one per slot, and no Wait."""
-    clock = FakeClock()
-    slots = [f"s#{i}" for i in range(5)]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=0))
-    assert driver.waits() == []
-    assert sorted(op.key for op in driver.puts()) == sorted(slots)
+@pytest.mark.parametrize("slots", [1, 5])
+def test_timeout_zero_tries_every_slot_once_without_waiting(slots):
+    """timeout=0 makes exactly one put per slot and raises, never yielding a Wait."""
+    keys = ["mutex.k"] if slots == 1 else [f"s#{i}" for i in range(slots)]
+    driver = timed_out(slot_keys=keys, timeout=0)
+    assert sorted(op.key for op in driver.ops) == sorted(keys)
+    assert all(op == PutIfAbsent(op.key, VALUE, 30.0) for op in driver.ops)  # no Wait
+    assert driver.clock.t == START
 
 
 def test_timeout_none_keeps_waiting_until_the_key_frees():
     """timeout=None never gives up: it waits through hundreds of polls, then wins."""
-    clock = FakeClock()
-    tries = 0
-
-    def answer(op: Any) -> Any:
-        nonlocal tries
-        tries += 1
-        if tries < 500:
-            raise SimpleCacheConditionError("held")
-        return entry_for(op)
-
-    driver = Driver(clock, answer)
-    grant = driver.drive(flow(clock, timeout=None, interval=1.0))
+    driver, grant = acquire(busy_then_granted(499), timeout=None)
     assert grant.slot == 0
     assert len(driver.waits()) == 499
-    assert clock.t - 1000.0 > 200  # far past any default-looking bound
+    assert driver.clock.t - START > 200  # far past any default-looking bound
 
 
 def test_wait_names_every_slot_key():
     """A Wait lists all slot keys, so a release of any permit can wake the waiter."""
-    clock = FakeClock()
     slots = ["a", "a#1", "a#2"]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=3.0))
+    driver = timed_out(slot_keys=slots, timeout=3.0)
     assert driver.waits()
     assert all(w.keys == tuple(slots) for w in driver.waits())
 
@@ -273,18 +270,7 @@ def test_poll_pause_stays_within_half_and_one_and_a_half_intervals():
 
 def test_waits_in_a_flow_are_jittered_within_bounds():
     """Without a deadline, every Wait is 0.5x..1.5x interval and they are not all equal."""
-    clock = FakeClock()
-    tries = 0
-
-    def answer(op: Any) -> Any:
-        nonlocal tries
-        tries += 1
-        if tries <= 200:
-            raise SimpleCacheConditionError("held")
-        return entry_for(op)
-
-    driver = Driver(clock, answer)
-    driver.drive(flow(clock, timeout=None, interval=0.4, seed=9))
+    driver, _ = acquire(busy_then_granted(200), timeout=None, interval=0.4, seed=9)
     seconds = [w.seconds for w in driver.waits()]
     assert len(seconds) == 200
     assert all(0.2 <= s <= 0.6 for s in seconds)
@@ -293,17 +279,13 @@ def test_waits_in_a_flow_are_jittered_within_bounds():
 
 def test_waiters_with_different_seeds_do_not_stay_in_step():
     """Two waiters started together poll at different times (the point of jitter)."""
-    waits = []
-    for seed in (1, 2):
-        clock = FakeClock()
-        driver = Driver(clock, busy)
-        with pytest.raises(SimpleMutexAcquireTimeoutError):
-            driver.drive(flow(clock, timeout=20.0, seed=seed))
-        waits.append([w.seconds for w in driver.waits()[:5]])
-    assert waits[0] != waits[1]
+    first, second = (timed_out(timeout=20.0, seed=seed).waits()[:5] for seed in (1, 2))
+    assert [w.seconds for w in first] != [w.seconds for w in second]
 
 
 # -- semaphore slots -------------------------------------------------------------------
+
+SLOTS = [f"s#{i}" for i in range(4)]
 
 
 def rounds_of_puts(ops: list[Any]) -> list[list[str]]:
@@ -319,43 +301,29 @@ def rounds_of_puts(ops: list[Any]) -> list[list[str]]:
 
 def test_semaphore_tries_every_slot_once_per_round_in_cyclic_order():
     """Between two Waits each slot is tried exactly once, walking cyclically from a start."""
-    clock = FakeClock()
-    slots = [f"s#{i}" for i in range(4)]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=30.0, seed=3))
-    rounds = rounds_of_puts(driver.ops)
+    rounds = rounds_of_puts(timed_out(slot_keys=SLOTS, timeout=30.0, seed=3).ops)
     assert len(rounds) > 10
     for keys in rounds:
-        assert sorted(keys) == sorted(slots)
-        first = slots.index(keys[0])
-        assert keys == [slots[(first + i) % 4] for i in range(4)]
+        first = SLOTS.index(keys[0])
+        assert keys == [SLOTS[(first + i) % 4] for i in range(4)]
 
 
 def test_semaphore_start_slot_is_random():
     """The first slot tried varies across attempts, covering every slot."""
-    clock = FakeClock()
-    slots = [f"s#{i}" for i in range(4)]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=200.0, seed=11))
-    starts = [keys[0] for keys in rounds_of_puts(driver.ops)]
-    assert set(starts) == set(slots)
+    rounds = rounds_of_puts(timed_out(slot_keys=SLOTS, timeout=200.0, seed=11).ops)
+    assert {keys[0] for keys in rounds} == set(SLOTS)
 
 
 def test_semaphore_grants_the_first_free_slot_it_reaches():
     """With some slots busy, the grant names the free slot and its entry."""
-    clock = FakeClock()
-    slots = ["s", "s#1", "s#2"]
 
     def answer(op: Any) -> Any:
         if op.key != "s#2":
-            raise SimpleCacheConditionError("held")
+            raise held()
         return entry_for(op, fence=40)
 
     for seed in range(6):
-        driver = Driver(clock, answer)
-        grant = driver.drive(flow(clock, slot_keys=slots, seed=seed))
+        driver, grant = acquire(answer, slot_keys=["s", "s#1", "s#2"], seed=seed)
         assert grant.slot == 2
         assert grant.entry.fence == 40
         assert driver.waits() == []
@@ -366,19 +334,9 @@ def test_semaphore_grants_the_first_free_slot_it_reaches():
 
 def test_ambiguous_put_whose_read_back_shows_our_value_is_granted():
     """A MalfunctionError on put followed by a Get showing our value counts as granted."""
-    clock = FakeClock()
     ours = Entry(VALUE, "v5", 5, 1e9)
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise MalfunctionError("reply lost")
-        assert type(op) is Get
-        return ours
-
-    driver = Driver(clock, answer)
-    grant = driver.drive(flow(clock))
+    driver, grant = acquire(scripted(MalfunctionError("reply lost"), ours))
     assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 30.0), Get("mutex.k")]
-    assert type(driver.ops[1]) is Get
     assert grant.entry == ours
     assert grant.slot == 0
 
@@ -386,55 +344,49 @@ def test_ambiguous_put_whose_read_back_shows_our_value_is_granted():
 @pytest.mark.parametrize("seen", [Entry(OTHER, "v9", 9, 1e9), None])
 def test_ambiguous_put_whose_read_back_shows_another_value_reraises(seen):
     """A Get showing someone else's value (or nothing) re-raises the original fault."""
-    clock = FakeClock()
     fault = MalfunctionError("reply lost")
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise fault
-        return seen
-
-    driver = Driver(clock, answer)
-    with pytest.raises(MalfunctionError) as info:
-        driver.drive(flow(clock))
-    assert info.value is fault
+    driver, error = acquire(scripted(fault, seen))
+    assert error is fault
     assert [type(op) for op in driver.ops] == [PutIfAbsent, Get]
 
 
 def test_ambiguous_put_on_a_semaphore_reads_back_the_same_slot():
     """The read-back targets the slot whose put failed ambiguously."""
-    clock = FakeClock()
     slots = ["s", "s#1", "s#2"]
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise MalfunctionError("reply lost")
-        return Entry(VALUE, "v1", 1, 1e9)
-
-    driver = Driver(clock, answer)
-    grant = driver.drive(flow(clock, slot_keys=slots, seed=5))
+    answer = scripted(MalfunctionError("reply lost"), Entry(VALUE, "v1", 1, 1e9))
+    driver, grant = acquire(answer, slot_keys=slots, seed=5)
     put, get = driver.ops
     assert get == Get(put.key)
     assert slots[grant.slot] == put.key
 
 
+# -- courtesy and a failed wait ------------------------------------------------------------
+
+
+def test_courtesy_pauses_before_the_first_put():
+    """A holder that just woke a waiter pauses before asking again, so the waiter wins."""
+    driver, _ = acquire(entry_for, courtesy=0.004)
+    assert [type(op) for op in driver.ops] == [Pause, PutIfAbsent]
+    assert driver.ops[0].seconds == pytest.approx(0.004)
+
+
+def test_courtesy_never_outlasts_the_timeout_and_try_once_skips_it():
+    """The pause is capped by the wait timeout, and timeout=0 (try once) never pauses."""
+    capped, _ = acquire(entry_for, courtesy=0.004, timeout=0.001)
+    assert capped.ops[0] == Pause(0.001)
+    once, _ = acquire(entry_for, courtesy=0.004, timeout=0)
+    assert [type(op) for op in once.ops] == [PutIfAbsent]
+
+
+def test_a_failed_wait_falls_back_to_a_plain_pause_of_the_same_length():
+    """A broken notification channel costs a poll, not the acquire."""
+    failed = [MalfunctionError("listener gone")]
+    driver, _ = acquire(busy_then_granted(1), timeout=None, wait_errors=failed)
+    assert [type(op) for op in driver.ops] == [PutIfAbsent, Wait, Pause, PutIfAbsent]
+    assert driver.ops[2].seconds == driver.ops[1].seconds
+
+
 # -- renew, release, take-over, release-where, abandon: the same unclear-outcome rule -----
-
-OURS = Entry(VALUE, "v2", 7, 1e9)
-THEIRS = Entry(OTHER, "v9", 8, 1e9)
-
-
-def scripted(*answers: Any) -> Callable[[Any], Any]:
-    """Answer ops in order: an exception instance is raised, anything else returned."""
-    queue = list(answers)
-
-    def answer(op: Any) -> Any:
-        result = queue.pop(0)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    return answer
 
 
 def drive(flow: Any, *answers: Any) -> tuple[Any, list[Any]]:
@@ -638,38 +590,20 @@ def test_execute_passes_condition_errors_through_unwrapped():
         execute(cache, CompareAndSet("absent", VALUE, 1.0, "v1"))
 
 
-def test_run_against_a_broken_cache_raises_malfunction_not_oserror():
-    """A put that leaks OSError, then a read-back that does too, ends in MalfunctionError."""
+@pytest.mark.parametrize(("driver", "timeout"), [("blocking", None), ("asyncio", 0)])
+def test_a_broken_cache_is_a_malfunction_with_the_key_from_either_driver(driver, timeout):
+    """A put that leaks OSError (then a read-back that does too) ends in MalfunctionError,
+    never the OSError, naming the cache and carrying the key, blocking or asyncio."""
+    mutex = Mutex(BrokenCache())
+    call = {
+        "blocking": lambda: mutex.acquire("order.7", timeout=timeout),
+        "asyncio": lambda: asyncio.run(mutex.acquire_async("order.7", timeout=timeout)),
+    }[driver]
     with pytest.raises(MalfunctionError) as info:
-        run(BrokenCache(), real_flow(["mutex.k"], timeout=None))
-    assert "brokencache" in str(info.value)
+        call()
     assert not isinstance(info.value, OSError)
-
-
-def grant_first(op: Any) -> Any:
-    if type(op) is PutIfAbsent:
-        return entry_for(op)
-    raise AssertionError(f"unexpected op {op!r}")
-
-
-def test_courtesy_pauses_before_the_first_put():
-    """A holder that just woke a waiter pauses before asking again, so the waiter wins."""
-    clock = FakeClock()
-    driver = Driver(clock, grant_first)
-    driver.drive(flow(clock, courtesy=0.004))
-    assert [type(op) for op in driver.ops] == [Pause, PutIfAbsent]
-    assert driver.ops[0].seconds == pytest.approx(0.004)
-
-
-def test_courtesy_never_outlasts_the_timeout_and_try_once_skips_it():
-    """The pause is capped by the wait timeout, and timeout=0 (try once) never pauses."""
-    clock = FakeClock()
-    capped = Driver(clock, grant_first)
-    capped.drive(flow(clock, courtesy=0.004, timeout=0.001))
-    assert capped.ops[0] == Pause(0.001)
-    once = Driver(clock, grant_first)
-    once.drive(flow(clock, courtesy=0.004, timeout=0))
-    assert [type(op) for op in once.ops] == [PutIfAbsent]
+    assert info.value.key == "order.7"
+    assert "brokencache" in str(info.value)
 
 
 class _WakingCache(InMemoryCache):
@@ -683,8 +617,6 @@ class _WakingCache(InMemoryCache):
 def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypatch):
     """After a release that woke someone, the same Mutex's next acquire of that key
     pauses first; a release that woke nobody leaves the next acquire immediate."""
-    from simple_mutex import Mutex
-
     pauses: list[float] = []
     real_apply = engine.Pause.apply
     monkeypatch.setattr(
@@ -701,21 +633,3 @@ def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypat
     quiet.acquire("k").release()
     quiet.acquire("k").release()
     assert len(pauses) == 1
-
-
-def test_a_failed_wait_falls_back_to_a_plain_pause_of_the_same_length():
-    """A broken notification channel costs a poll, not the acquire."""
-    clock = FakeClock()
-    answers = iter([SimpleCacheConditionError("held"), None])
-
-    def answer(op: Any) -> Any:
-        error = next(answers)
-        if error is not None:
-            raise error
-        return entry_for(op)
-
-    driver = Driver(clock, answer, wait_errors=[MalfunctionError("listener gone")])
-    driver.drive(flow(clock, timeout=None))
-    kinds = [type(op) for op in driver.ops]
-    assert kinds == [PutIfAbsent, Wait, Pause, PutIfAbsent]
-    assert driver.ops[2].seconds == driver.ops[1].seconds
