@@ -59,31 +59,6 @@ def test_async_functions_on_one_key_serialize(any_cache):
     assert time.monotonic() - start >= 0.12
 
 
-def test_waiting_for_a_lock_does_not_block_the_event_loop(memory_cache, key):
-    """While one coroutine waits on a held key, other coroutines keep running."""
-    mutex = Mutex(memory_cache)
-    held = mutex.acquire(key)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        for _ in range(5):
-            await asyncio.sleep(0.02)
-            ticks += 1
-        await asyncio.to_thread(held.release)
-
-    async def main():
-        lease_task = asyncio.ensure_future(mutex.acquire_async(key, timeout=5, interval=10))
-        await ticker()
-        return await lease_task
-
-    start = time.monotonic()
-    lease = run(main())
-    assert ticks == 5
-    assert lease.fence > held.fence
-    assert time.monotonic() - start < 1.0  # woken by the release, not a 10 s poll
-
-
 def test_acquire_async_timeout_raises(memory_cache, key):
     """acquire_async on a busy key raises SimpleMutexAcquireTimeoutError after ~timeout."""
     mutex = Mutex(memory_cache)
@@ -178,50 +153,6 @@ def test_cancelling_a_caller_that_waits_for_the_lock_leaves_no_lock_behind(memor
     assert mutex.holder(key).fence == held.fence  # type: ignore[union-attr]
     held.release()
     assert not mutex.locked(key)
-
-
-def test_async_body_exception_propagates_and_releases(memory_cache):
-    """An exception from the coroutine comes out unchanged and the key is freed."""
-
-    @with_simple_mutex(key="err", cache=memory_cache)
-    async def fail():
-        await asyncio.sleep(0)
-        raise LookupError("nope")
-
-    with pytest.raises(LookupError, match="nope"):
-        run(fail())
-    assert not Mutex(memory_cache).locked("err")
-
-
-def test_async_template_key_applies_defaults(memory_cache):
-    """An async function's template key binds like a sync one: f(1) == f(phone=1)."""
-    probe = Mutex(memory_cache)
-    seen = []
-
-    @with_simple_mutex(key="phone.{phone}.{region}", cache=memory_cache, timeout=0)
-    async def call(phone, region="eu"):
-        seen.append(probe.locked("phone.1.eu"))
-
-    async def main():
-        await call(1)
-        await call(phone=1)
-
-    run(main())
-    assert seen == [True, True]
-
-
-def test_async_wrapper_keeps_metadata_and_stays_a_coroutine_function(memory_cache):
-    """The async wrapper is itself an ``async def`` with the original's metadata."""
-
-    async def original(a):
-        """Doc."""
-        return a
-
-    wrapped = with_simple_mutex(original, key="m.{a}", cache=memory_cache)
-    assert asyncio.iscoroutinefunction(wrapped)
-    assert wrapped.__name__ == "original"
-    assert wrapped.__doc__ == "Doc."
-    assert run(wrapped(3)) == 3
 
 
 def test_cancelled_acquire_whose_put_lands_late_leaves_no_orphan_lock(key):

@@ -165,6 +165,7 @@ TABLE: list[tuple[str, Call, str]] = [
     ("template malformed", decorate(key="k.{a"), "malformed"),
     ("key neither str nor callable", decorate(key=5), "or a callable"),
     ("template on a function without signature", decorate(key="k.{x}", logic=int), "signature"),
+    ("decorate 42", lambda c: with_simple_mutex(key="k", cache=c.cache)(42), "wraps a function"),
     # flags and labels
     ("renew str acquire", acquire(renew="yes"), "True or False"),
     ("renew str decorator", decorate(key="k", renew="yes"), "True or False"),
