@@ -16,6 +16,9 @@ Knobs a subclass may override for a slow or remote backend:
     How far ``expires_at`` may sit from ``time.time() + ttl`` (clock skew to a server).
 ``wait_slack``
     How far past its timeout ``wait()`` may return (scheduling and round trips).
+``fence_step``
+    What each grant of a key adds to its fence; None where only growth is promised (one
+    counter numbering versions too, as in InMemoryCache).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class CacheContract:
     expiry_slack: float = 0.1
     clock_tolerance: float = 1.0
     wait_slack: float = 0.15
+    fence_step: int | None = 1
 
     @pytest.fixture
     def cache(self) -> ConditionalCache:  # pragma: no cover - always overridden
@@ -111,11 +115,16 @@ class CacheContract:
     def test_put_of_the_identical_value_returns_the_existing_entry_unchanged(
         self, cache: ConditionalCache
     ) -> None:
-        """Repeating our own put (a lost reply) returns the existing entry, unchanged."""
+        """Repeating our own put (a lost reply, a driver's retry) returns the existing entry
+        unchanged, after a renewal too, and takes no fence: the next grant's is one more."""
         key, first = held(cache, "same")
-        again = cache.put_if_absent(key, "same", ttl=30)
-        assert again == first
+        assert cache.put_if_absent(key, "same", ttl=30) == first
         assert cache.get(key) == first
+        renewed = cache.compare_and_set(key, "same", ttl=60, version=first.version)
+        assert cache.put_if_absent(key, "same", ttl=30) == renewed
+        cache.compare_and_delete(key, version=renewed.version)
+        step = cache.put_if_absent(key, "same", ttl=30).fence - first.fence
+        assert (step == self.fence_step) if self.fence_step else (step > 0)
 
     def test_put_if_absent_on_an_expired_key_wins(self, cache: ConditionalCache) -> None:
         """An expired entry counts as absent: a new put takes the key over."""

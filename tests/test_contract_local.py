@@ -26,6 +26,8 @@ LONG_WAIT = 5.0
 class TestInMemoryCacheContract(CacheContract):
     """InMemoryCache passes the shared contract."""
 
+    fence_step = None
+
     @pytest.fixture
     def cache(self) -> InMemoryCache:
         return InMemoryCache()

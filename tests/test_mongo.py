@@ -2,7 +2,7 @@
 
 * The server: ``MONGODB_URL`` when set (a real ``mongod``); otherwise a ``secantusd-py``
   (the PyPI package ``secantusdb``, a MongoDB wire-protocol server, test-only) that this
-  module starts on a free loopback port with a scratch directory and stops at the end.
+  module starts as scripts/servers.py does, on a free loopback port, and stops at the end.
   If neither answers, the tests FAIL: a proof is never skipped. Every test of this
   module writes into one database named for this run, dropped at the end.
 * Against that server: the shared contract with the server's clock (the default) and
@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import shutil
-import sys
 import threading
 import time
 import uuid
@@ -30,7 +28,7 @@ import pymongo
 import pytest
 from behaviour import SharedBehaviour
 from contract import CacheContract, unique_key
-from servers import OwnServer, free_port
+from servers import free_port, scripts
 
 from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from simple_mutex.caches import mongo
@@ -41,35 +39,17 @@ HOUR = timedelta(hours=1)
 FORK = multiprocessing.get_context("fork")
 
 
-def _answers(url: str, timeout_ms: int = 300) -> bool:
-    with (
-        pymongo.MongoClient(
-            url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
-        ) as probe,
-        contextlib.suppress(pymongo.errors.PyMongoError),
-    ):
-        return bool(probe.admin.command("ping"))
-    return False
-
-
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_url() -> Iterator[str]:
     """MONGODB_URL, or a secantusd-py of our own; fails (never skips) if none answers."""
-    url = os.environ.get("MONGODB_URL")
-    if url:
-        if not _answers(url, 3000):
-            pytest.fail(f"MONGODB_URL={url} does not answer")
+    given = os.environ.get("MONGODB_URL")
+    with contextlib.nullcontext(given) if given else scripts.mongo_server() as url:
+        with pymongo.MongoClient(url, serverSelectionTimeoutMS=3000) as probe:
+            try:
+                probe.admin.command("ping")
+            except pymongo.errors.PyMongoError as exc:
+                pytest.fail(f"no MongoDB answers at {url}: {exc!r}")
         yield url
-        return
-    binary = shutil.which("secantusd-py") or str(Path(sys.executable).parent / "secantusd-py")
-    if not os.path.exists(binary):
-        pytest.fail("secantusd-py not found: pip install secantusdb (test-only) or set MONGODB_URL")
-    workdir, port = tmp_path_factory.mktemp("secantus"), free_port()
-    url = f"mongodb://127.0.0.1:{port}/"
-    args = [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path", "data"]
-    server = OwnServer(args, workdir, lambda: _answers(url)).start()
-    yield url
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -177,15 +177,6 @@ def test_expiry_is_the_servers_clock(cache: PostgresCache, admin):
     assert entry.expires_at == pytest.approx(server_now[0] + left[0], abs=0.05)
 
 
-def test_a_retried_put_returns_our_entry_even_after_a_renewal(cache: PostgresCache):
-    key = unique_key()
-    first = cache.put_if_absent(key, "ours", ttl=30)
-    renewed = cache.compare_and_set(key, "ours", ttl=60, version=first.version)
-    assert cache.put_if_absent(key, "ours", ttl=30) == renewed
-    cache.compare_and_delete(key, version=renewed.version)
-    assert cache.put_if_absent(key, "ours", ttl=30).fence == first.fence + 1
-
-
 def test_constructor_rejects_bad_tables_connections_and_urls():
     for table in ("", "a-b", "x;DROP TABLE y", "s.t", "a" * 64, 3):
         with pytest.raises(ConstraintError, match="plain identifier"):

@@ -167,18 +167,6 @@ def test_signal_list_vanishes_after_a_contended_release(cache: RedisCache, clien
     assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{{key}}}:meta"}
 
 
-def test_a_retried_put_returns_our_entry_without_taking_a_new_fence(cache: RedisCache):
-    """The idempotent put that makes redis-py's automatic retries safe: the same value
-    again (a lost reply) gets the same entry back, even after a renewal."""
-    key = unique_key()
-    first = cache.put_if_absent(key, "ours", ttl=30)
-    assert cache.put_if_absent(key, "ours", ttl=30) == first
-    renewed = cache.compare_and_set(key, "ours", ttl=60, version=first.version)
-    assert cache.put_if_absent(key, "ours", ttl=30) == renewed
-    cache.compare_and_delete(key, version=renewed.version)
-    assert cache.put_if_absent(key, "ours", ttl=30).fence == first.fence + 1
-
-
 def test_expiry_is_the_servers(cache: RedisCache, client: redis.Redis):
     """The entry carries the server's PX expiry: Redis itself drops it at the ttl."""
     key = unique_key()
