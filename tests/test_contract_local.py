@@ -5,8 +5,10 @@ wakes waiters at once (threads and asyncio), and no wake-up is ever lost."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from behaviour import LockBehaviour, NotifyBehaviour
 from contract import CacheContract, unique_key
 
 from simple_mutex import DiskCache, InMemoryCache, SimpleCacheConditionError
+from simple_mutex.caches.disk import FILENAME
 
 # How soon after a release a notified waiter must be running again. A poll would take the
 # whole wait timeout (5 s below); a notification takes microseconds. 50 ms leaves room for
@@ -49,12 +52,6 @@ class TestMemoryBehaviour(NotifyBehaviour, LockBehaviour):
         return "memory://"
 
 
-@pytest.fixture(params=["memory", "disk"])
-def local(request: pytest.FixtureRequest, tmp_path: Path) -> InMemoryCache | DiskCache:
-    """Each local cache: both wake waiters (a condition variable; a futex gate)."""
-    return InMemoryCache() if request.param == "memory" else DiskCache(tmp_path / "locks")
-
-
 def release_later(cache: Any, key: str, version: str, after: float) -> list[float]:
     """Free ``key`` from another thread after ``after`` seconds; the list gets the time."""
     released: list[float] = []
@@ -68,9 +65,9 @@ def release_later(cache: Any, key: str, version: str, after: float) -> list[floa
     return released
 
 
-def test_wait_wakes_within_milliseconds_of_a_release_by_another_thread(local):
+def test_wait_wakes_within_milliseconds_of_a_release_by_another_thread(any_cache):
     """wait() is woken by the release itself (a notification), not by a poll or timeout."""
-    cache = local
+    cache = any_cache
     key = unique_key()
     entry = cache.put_if_absent(key, "v1", ttl=60)
     released = release_later(cache, key, entry.version, after=0.05)
@@ -80,9 +77,9 @@ def test_wait_wakes_within_milliseconds_of_a_release_by_another_thread(local):
     assert woke - released[0] < WAKE_BOUND
 
 
-def test_wait_on_a_semaphore_wakes_when_any_slot_frees(local):
+def test_wait_on_a_semaphore_wakes_when_any_slot_frees(any_cache):
     """A waiter on several slots is woken by the release of any one of them."""
-    cache = local
+    cache = any_cache
     base = unique_key()
     keys = [base, base + "#1", base + "#2"]
     entries = [cache.put_if_absent(k, "v", ttl=60) for k in keys]
@@ -93,9 +90,9 @@ def test_wait_on_a_semaphore_wakes_when_any_slot_frees(local):
     assert woke - released[0] < WAKE_BOUND
 
 
-def test_wait_returns_at_once_when_a_key_is_already_free(local):
+def test_wait_returns_at_once_when_a_key_is_already_free(any_cache):
     """No lost wake-up: a release that happened before wait() was entered still counts."""
-    cache = local
+    cache = any_cache
     key = unique_key()
     entry = cache.put_if_absent(key, "v1", ttl=60)
     cache.compare_and_delete(key, version=entry.version)  # released before we wait
@@ -109,9 +106,9 @@ def test_wait_returns_at_once_when_a_key_is_already_free(local):
     assert time.monotonic() - start < WAKE_BOUND
 
 
-def test_wait_returns_when_the_entry_expires(local):
+def test_wait_returns_when_the_entry_expires(any_cache):
     """Expiry frees a key without any release: wait() must not sleep past it."""
-    cache = local
+    cache = any_cache
     key = unique_key()
     cache.put_if_absent(key, "v1", ttl=0.1)
     start = time.monotonic()
@@ -119,9 +116,18 @@ def test_wait_returns_when_the_entry_expires(local):
     assert time.monotonic() - start < 0.1 + WAKE_BOUND + 0.1
 
 
-def test_a_disk_release_says_whether_it_woke_a_waiter(tmp_path: Path):
+@pytest.mark.parametrize("store", ["new", "from before waiter marks"])
+def test_a_disk_release_says_whether_it_woke_a_waiter(tmp_path: Path, store: str):
     """compare_and_delete is True when a waiter was blocked on the key (the engine then
-    lets it go first), False when nobody waited."""
+    lets it go first), False when nobody waited; a store an older version wrote (no
+    ``waiting`` column) is brought up to date on first use."""
+    if store != "new":
+        (tmp_path / "locks").mkdir()
+        with closing(sqlite3.connect(tmp_path / "locks" / FILENAME)) as conn:
+            conn.execute(
+                "CREATE TABLE entries (key TEXT PRIMARY KEY, value TEXT, version TEXT NOT NULL, "
+                "fence INTEGER NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID"
+            )
     cache, key = DiskCache(tmp_path / "locks"), unique_key()
     entry = cache.put_if_absent(key, "v1", ttl=60)
     assert cache.compare_and_delete(key, version=entry.version) is False

@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -105,25 +104,6 @@ def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path: Path, child
         started = [procs.start(procs.first_use, url, barrier) for _ in range(4)]
         children.extend(started)
         procs.join_all(started, timeout=60)
-
-
-def test_a_store_from_before_waiter_marks_gets_the_column(tmp_path: Path):
-    """A store written by an older version (no ``waiting`` column) is brought up to date
-    on first use, and waiters are woken on it."""
-    (tmp_path / "old").mkdir()
-    with closing(sqlite3.connect(tmp_path / "old" / FILENAME)) as conn:
-        conn.execute(
-            "CREATE TABLE entries (key TEXT PRIMARY KEY, value TEXT, version TEXT NOT NULL, "
-            "fence INTEGER NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID"
-        )
-    cache = DiskCache(tmp_path / "old")
-    entry = cache.put_if_absent("k", "v", ttl=30)
-    waiter = threading.Thread(target=cache.wait, args=(["k"], 5.0))
-    waiter.start()
-    time.sleep(0.1)
-    assert cache.compare_and_delete("k", version=entry.version) is True
-    waiter.join(1)
-    assert not waiter.is_alive()
 
 
 @pytest.mark.slow

@@ -100,21 +100,19 @@ class Driver:
         answer: Callable[[Any], Any],
         *,
         write_cost: float = 0.0,
-        max_ops: int = 100_000,
         wait_errors: Sequence[MalfunctionError] = (),
     ) -> None:
         self.clock = clock
         self.answer = answer
         self.write_cost = write_cost
         self.wait_errors = list(wait_errors)  # raised by the first Waits, in order
-        self.max_ops = max_ops
         self.ops: list[Any] = []
         self.issued_at: list[float] = []
 
     def drive(self, flow: Any) -> Any:
         op = next(flow)
         while True:
-            assert len(self.ops) < self.max_ops, "flow never finished"
+            assert len(self.ops) < 100_000, "flow never finished"
             self.ops.append(op)
             self.issued_at.append(self.clock.t)
             if type(op) is Wait and self.wait_errors:
@@ -136,9 +134,6 @@ class Driver:
 
     def waits(self) -> list[Wait]:
         return [op for op in self.ops if type(op) is Wait]
-
-    def puts(self) -> list[PutIfAbsent]:
-        return [op for op in self.ops if type(op) is PutIfAbsent]
 
 
 def acquire(

@@ -139,13 +139,3 @@ def test_a_corrupt_record_is_a_malfunction_not_a_crash(memory_cache):
     with pytest.raises(MalfunctionError, match="not a lock record") as info:
         Mutex(memory_cache).holder("k")
     assert info.value.key == "k"
-
-
-def test_condition_errors_never_escape_a_mutex(memory_cache, key):
-    """A lost race (the cache's condition error) surfaces as a timeout, never raw."""
-    mutex = Mutex(memory_cache)
-    mutex.acquire(key)
-    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
-        mutex.acquire(key, timeout=0)
-    assert not isinstance(info.value, SimpleCacheConditionError)
-    assert mutex.try_acquire(key) is None

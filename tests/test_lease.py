@@ -159,17 +159,6 @@ def test_renew_after_the_record_was_deleted_raises(memory_cache, key):
     assert lease.lost is True
 
 
-def test_background_renewal_keeps_a_lease_alive_without_a_block(memory_cache, key):
-    """acquire(renew=True) keeps a 0.2 s lease held for 0.6 s with no help from the caller."""
-    mutex = Mutex(memory_cache, lease=0.2)
-    lease = mutex.acquire(key, renew=True)
-    time.sleep(0.6)
-    assert lease.lost is False
-    assert mutex.holder(key).fence == lease.fence  # type: ignore[union-attr]
-    assert lease.release() is True
-    assert not mutex.locked(key)
-
-
 # -- the context manager ---------------------------------------------------------------
 
 
@@ -348,7 +337,8 @@ def test_renew_to_a_shorter_length_inside_a_block_moves_the_interrupt(memory_cac
 
 
 def test_renew_to_a_shorter_length_keeps_background_renewal_in_step(memory_cache, key):
-    """With renew=True, a shortened lease is renewed on the new schedule and stays held."""
+    """With renew=True and no block, a lease shortened to 0.3 s is renewed on the new
+    schedule and stays held for 1.2 s."""
     mutex = Mutex(memory_cache, lease=3)
     lease = mutex.acquire(key, renew=True)
     lease.renew(lease=0.3)
