@@ -136,8 +136,7 @@ class Driver:
         return [op for op in self.ops if type(op) is Wait]
 
 
-def acquire(
-    answer: Callable[[Any], Any],
+def acquire_flow(
     *,
     slot_keys: Sequence[str] = ("mutex.k",),
     timeout: float | None = 10.0,
@@ -145,25 +144,36 @@ def acquire(
     lease: float = 30.0,
     seed: int = 1,
     courtesy: float = 0.0,
-    **driver: Any,
-) -> tuple[Driver, Any]:
-    """Drive one acquire flow of key "k" from START; the driver (its ops and clock) and
-    the grant, or the SimpleMutexAcquireTimeoutError or MalfunctionError it raised."""
-    clock = FakeClock()
-    flow = engine.acquire(
+    value: str = VALUE,
+    now: FakeClock | None = None,
+) -> Any:
+    """An acquire flow of key "k" (our VALUE, a 30 s lease, a 10 s timeout by default)."""
+    return engine.acquire(
         courtesy=courtesy,
         key="k",
         slot_keys=list(slot_keys),
-        value=VALUE,
+        value=value,
         lease=lease,
         timeout=timeout,
         interval=interval,
-        now=clock,
+        now=now or FakeClock(),
         rng=random.Random(seed),
     )
-    runner = Driver(clock, answer, **driver)
+
+
+def acquire(
+    answer: Callable[[Any], Any],
+    *,
+    write_cost: float = 0.0,
+    wait_errors: Sequence[MalfunctionError] = (),
+    **options: Any,
+) -> tuple[Driver, Any]:
+    """Drive ``acquire_flow(**options)`` from START; the driver (its ops and clock) and the
+    grant, or the SimpleMutexAcquireTimeoutError or MalfunctionError it raised."""
+    clock = FakeClock()
+    runner = Driver(clock, answer, write_cost=write_cost, wait_errors=wait_errors)
     try:
-        return runner, runner.drive(flow)
+        return runner, runner.drive(acquire_flow(now=clock, **options))
     except (SimpleMutexAcquireTimeoutError, MalfunctionError) as error:
         return runner, error
 
@@ -501,27 +511,14 @@ def test_read_returns_each_slots_entry():
 # -- the blocking and asyncio drivers against a real cache -----------------------------
 
 
-def real_flow(keys: Sequence[str], *, timeout: float | None, value: str = VALUE) -> Any:
-    return engine.acquire(
-        key="k",
-        slot_keys=list(keys),
-        value=value,
-        lease=30.0,
-        timeout=timeout,
-        interval=0.05,
-        now=FakeClock(),
-        rng=random.Random(0),
-    )
-
-
 def test_run_grants_on_a_free_in_memory_key_and_times_out_on_a_held_one():
     """run() writes the record into the cache; a second run with timeout=0 is refused."""
     cache = InMemoryCache()
-    grant = run(cache, real_flow(["mutex.k"], timeout=0))
+    grant = run(cache, acquire_flow(timeout=0))
     assert cache.get("mutex.k") == grant.entry
     assert grant.entry.value == VALUE
     with pytest.raises(SimpleMutexAcquireTimeoutError):
-        run(cache, real_flow(["mutex.k"], timeout=0, value=OTHER))
+        run(cache, acquire_flow(timeout=0, value=OTHER))
     assert cache.get("mutex.k") == grant.entry
 
 
@@ -539,7 +536,7 @@ def test_run_executes_waits_and_retries_after_a_release():
             self.compare_and_delete("mutex.k", version=self.blocker.version)
 
     cache = ReleasingCache()
-    grant = run(cache, real_flow(["mutex.k"], timeout=None))
+    grant = run(cache, acquire_flow(timeout=None))
     assert len(cache.waits) == 1
     assert cache.waits[0][0] == ("mutex.k",)
     assert grant.entry.value == VALUE
@@ -549,7 +546,7 @@ def test_run_executes_waits_and_retries_after_a_release():
 def test_run_async_grants_on_an_in_memory_key():
     """The asyncio driver runs the same flow to the same grant."""
     cache = InMemoryCache()
-    grant = asyncio.run(run_async(cache, real_flow(["mutex.k"], timeout=0)))
+    grant = asyncio.run(run_async(cache, acquire_flow(timeout=0)))
     assert cache.get("mutex.k") == grant.entry
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import redis
 from behaviour import PREFIX as BEHAVIOUR_PREFIX
-from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
+from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails, release_after
 from contract import CacheContract, unique_key
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -130,7 +130,8 @@ class TestRedisBehaviour(NotifyBehaviour, SharedBehaviour):
 def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: redis.Redis):
     """Entry, semaphore slots, fence counter and signal list of one lock key hash to one
     Cluster slot, so every script (and a BLPOP over all slots) runs on Redis Cluster; the
-    slots share one fence counter."""
+    slots share one fence counter; an entry carries the server's PX expiry; a release that
+    found a waiter leaves a one-token signal list that expires in about 1 s."""
     key = unique_key()
     entries = {name: cache.put_if_absent(name, "v", ttl=30) for name in (key, f"{key}#1")}
     assert entries[f"{key}#1"].fence == entries[key].fence + 1  # the slots share a counter
@@ -141,6 +142,11 @@ def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: re
     names = our_keys(client, f"{{{key}}}*")
     assert names == {stem + "#1", stem + ":meta", stem + ":signal"}
     assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1
+    assert 29_000 < client.pttl(stem + "#1") <= 30_000  # Redis itself drops it at the ttl
+    assert client.lrange(stem + ":signal", 0, -1) == [b"1"]
+    assert 0 < client.pttl(stem + ":signal") <= 1000
+    time.sleep(1.1)
+    assert our_keys(client, f"{{{key}}}*") == {stem + "#1", stem + ":meta"}
 
 
 def test_uncontended_cycles_leave_only_the_fence_counter(mutex: Mutex, client: redis.Redis):
@@ -151,39 +157,6 @@ def test_uncontended_cycles_leave_only_the_fence_counter(mutex: Mutex, client: r
         mutex.acquire(key).release()
     assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{mutex.{key}}}:meta"}
     assert client.hgetall(f"{PREFIX}{{mutex.{key}}}:meta") == {b"f": b"3"}
-
-
-def test_signal_list_vanishes_after_a_contended_release(cache: RedisCache, client: redis.Redis):
-    """A release that found a waiter leaves a one-token list that expires in about 1 s."""
-    key = unique_key()
-    entry = cache.put_if_absent(key, "a", ttl=30)
-    with pytest.raises(SimpleCacheConditionError):
-        cache.put_if_absent(key, "b", ttl=30)
-    cache.compare_and_delete(key, version=entry.version)
-    signal_key = f"{PREFIX}{{{key}}}:signal"
-    assert client.lrange(signal_key, 0, -1) == [b"1"]
-    assert 0 < client.pttl(signal_key) <= 1000
-    time.sleep(1.1)
-    assert our_keys(client, f"*{key}*") == {f"{PREFIX}{{{key}}}:meta"}
-
-
-def test_expiry_is_the_servers(cache: RedisCache, client: redis.Redis):
-    """The entry carries the server's PX expiry: Redis itself drops it at the ttl."""
-    key = unique_key()
-    cache.put_if_absent(key, "v", ttl=20)
-    assert 19_000 < client.pttl(f"{PREFIX}{{{key}}}") <= 20_000
-
-
-def test_scripts_are_reloaded_after_the_server_forgets_them(client: redis.Redis):
-    """NOSCRIPT (a restarted or failed-over server) loads the script and carries on."""
-    conn = new_client()
-    cache = RedisCache(conn, prefix=PREFIX)
-    cache._shas = {script: "0" * 40 for script in cache._shas}  # as if never loaded
-    key = unique_key()
-    entry = cache.put_if_absent(key, "v", ttl=30)
-    cache.compare_and_delete(key, version=entry.version)
-    assert cache.get(key) is None
-    conn.close()
 
 
 def test_instrumented_and_single_connection_clients_keep_their_own_path(client):
@@ -536,24 +509,12 @@ def test_cluster_mutex_semaphore_and_hand_off(servers: list[Server], tmp_path: P
 
     semaphore = Semaphore(cache, permits=2, lease=30, interval=POLL_INTERVAL)
     leases = [semaphore.acquire("pool", timeout=0) for _ in range(2)]
-    got: list[float] = []
-    waiter = threading.Thread(target=lambda: got.append(_semaphore_acquire_at(semaphore, "pool")))
-    waiter.start()
-    time.sleep(0.3)
-    released = time.monotonic()
-    leases[0].release()
-    waiter.join(POLL_INTERVAL * 2)
-    assert got, "waiter never acquired"
-    assert got[0] - released < WAKE_BOUND
-    leases[1].release()
+    released = release_after(0.3, leases[0])
+    taken = semaphore.acquire("pool", timeout=POLL_INTERVAL * 2)
+    assert time.monotonic() - released[0] < WAKE_BOUND
+    for lease in (taken, leases[1]):
+        assert lease.release()
     cluster.close()
-
-
-def _semaphore_acquire_at(semaphore: Semaphore, key: str) -> float:
-    lease = semaphore.acquire(key, timeout=POLL_INTERVAL * 2)
-    at = time.monotonic()
-    lease.release()
-    return at
 
 
 def _loop_on_one_key(url: str, key: str, rounds: int, ready: str, order: str) -> None:
