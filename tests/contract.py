@@ -24,6 +24,7 @@ Knobs a subclass may override for a slow or remote backend:
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 import uuid
 
@@ -58,6 +59,38 @@ def held(cache: ConditionalCache, value: str, ttl: float = 30) -> tuple[str, Ent
     """A fresh key, put with ``value``: the key and its entry."""
     key = unique_key()
     return key, cache.put_if_absent(key, value, ttl=ttl)
+
+
+class ReleaseLater(threading.Thread):
+    """Frees ``key`` from a thread of its own after ``after`` seconds; ``at`` says when.
+    Join it before the cache is closed: the release may still be reading its reply."""
+
+    def __init__(self, cache: ConditionalCache, key: str, version: str, after: float) -> None:
+        super().__init__(daemon=True)
+        self.cache, self.key, self.version, self.after = cache, key, version, after
+        self.at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.after)
+        self.at = time.monotonic()
+        self.cache.compare_and_delete(self.key, version=self.version)
+
+    def woke(self) -> float:
+        """How long after the release a wait that just returned was woken."""
+        woke = time.monotonic()
+        assert self.at is not None, "the wait returned before the release: it never waited"
+        self.join(5)
+        return woke - self.at
+
+
+def waited_on(cache: ConditionalCache, key: str) -> Entry:
+    """Hold ``key`` and fail a second put on it, as a waiter does before it waits (Redis
+    signals a release only to keys a failed put marked); the holder's entry."""
+    entry = cache.put_if_absent(key, "holder", ttl=60)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "waiter", ttl=60)
+    return entry
 
 
 class CacheContract:
@@ -386,3 +419,36 @@ class CacheContract:
             if child.exitcode is None:
                 child.kill()
         assert [child.exitcode for child in children] == [0, 0, 0]
+
+
+class NotifyContract:
+    """Caches whose ``wait()`` a release wakes: mix in with CacheContract. A poll would
+    return at the wait's timeout (5 s here); a woken wait within ``wake_bound``."""
+
+    wake_bound: float = 0.05
+    long_wait: float = 5.0
+
+    def test_wait_is_woken_by_a_release_in_another_thread(self, cache: ConditionalCache) -> None:
+        """wait() returns within wake_bound of the release, not at its timeout."""
+        key = unique_key()
+        release = ReleaseLater(cache, key, waited_on(cache, key).version, after=0.05)
+        cache.wait([key], self.long_wait)
+        assert release.woke() < self.wake_bound
+
+    def test_wait_on_several_slots_is_woken_by_any(self, cache: ConditionalCache) -> None:
+        """A waiter on a semaphore's slots is woken by the release of any one of them."""
+        base = unique_key()
+        keys = [base, base + "#1", base + "#2"]
+        entries = [waited_on(cache, k) for k in keys]
+        release = ReleaseLater(cache, keys[2], entries[2].version, after=0.05)
+        cache.wait(keys, self.long_wait)
+        assert release.woke() < self.wake_bound
+
+    def test_a_release_before_the_wait_is_not_lost(self, cache: ConditionalCache) -> None:
+        """The lost wake-up race: the release lands between the waiter's failed put and its
+        wait. wait() still returns at once."""
+        key = unique_key()
+        cache.compare_and_delete(key, version=waited_on(cache, key).version)
+        start = time.monotonic()
+        cache.wait([key], self.long_wait)
+        assert time.monotonic() - start < self.wake_bound

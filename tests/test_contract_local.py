@@ -1,6 +1,7 @@
-"""The cache contract run against the local caches, the behaviour suite on InMemoryCache
-(DiskCache's is in test_disk_processes.py), and the local caches' wake-ups: a release
-wakes waiters at once (threads and asyncio), and no wake-up is ever lost."""
+"""The cache contract (with its wake-ups) run against the local caches, the behaviour suite
+on InMemoryCache (DiskCache's is in test_disk_processes.py), and what only the local caches
+promise: no lost wake-up even without a failed put, a wake-up on expiry, asyncio waits,
+and expiry on the cache's own clock."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import threading
 import time
 from contextlib import closing
 from pathlib import Path
-from typing import Any
 
 import pytest
 from behaviour import LockBehaviour, NotifyBehaviour
-from contract import CacheContract, unique_key
+from contract import CacheContract, NotifyContract, ReleaseLater, unique_key
 
 from simple_mutex import DiskCache, InMemoryCache, SimpleCacheConditionError
 from simple_mutex.caches.disk import FILENAME
@@ -26,8 +26,8 @@ WAKE_BOUND = 0.05
 LONG_WAIT = 5.0
 
 
-class TestInMemoryCacheContract(CacheContract):
-    """InMemoryCache passes the shared contract."""
+class TestInMemoryCacheContract(NotifyContract, CacheContract):
+    """InMemoryCache passes the shared contract; a release wakes waiters (a condition)."""
 
     fence_step = None
 
@@ -36,8 +36,8 @@ class TestInMemoryCacheContract(CacheContract):
         return InMemoryCache()
 
 
-class TestDiskCacheContract(CacheContract):
-    """DiskCache passes the shared contract."""
+class TestDiskCacheContract(NotifyContract, CacheContract):
+    """DiskCache passes the shared contract; a release wakes waiters (a futex gate)."""
 
     @pytest.fixture
     def cache(self, tmp_path: Path) -> DiskCache:
@@ -52,58 +52,17 @@ class TestMemoryBehaviour(NotifyBehaviour, LockBehaviour):
         return "memory://"
 
 
-def release_later(cache: Any, key: str, version: str, after: float) -> list[float]:
-    """Free ``key`` from another thread after ``after`` seconds; the list gets the time."""
-    released: list[float] = []
-
-    def go() -> None:
-        time.sleep(after)
-        released.append(time.monotonic())
-        cache.compare_and_delete(key, version=version)
-
-    threading.Thread(target=go, daemon=True).start()
-    return released
-
-
-def test_wait_wakes_within_milliseconds_of_a_release_by_another_thread(any_cache):
-    """wait() is woken by the release itself (a notification), not by a poll or timeout."""
+def test_wait_returns_at_once_when_any_key_is_free(any_cache):
+    """No lost wake-up on the local caches even without a failed put first: a key freed
+    before wait() was entered, or one of several keys free, returns at once."""
     cache = any_cache
-    key = unique_key()
-    entry = cache.put_if_absent(key, "v1", ttl=60)
-    released = release_later(cache, key, entry.version, after=0.05)
-    cache.wait([key], LONG_WAIT)
-    woke = time.monotonic()
-    assert released, "wait() returned before the release: it did not wait at all"
-    assert woke - released[0] < WAKE_BOUND
-
-
-def test_wait_on_a_semaphore_wakes_when_any_slot_frees(any_cache):
-    """A waiter on several slots is woken by the release of any one of them."""
-    cache = any_cache
-    base = unique_key()
-    keys = [base, base + "#1", base + "#2"]
-    entries = [cache.put_if_absent(k, "v", ttl=60) for k in keys]
-    released = release_later(cache, keys[2], entries[2].version, after=0.05)
-    cache.wait(keys, LONG_WAIT)
-    woke = time.monotonic()
-    assert released
-    assert woke - released[0] < WAKE_BOUND
-
-
-def test_wait_returns_at_once_when_a_key_is_already_free(any_cache):
-    """No lost wake-up: a release that happened before wait() was entered still counts."""
-    cache = any_cache
-    key = unique_key()
-    entry = cache.put_if_absent(key, "v1", ttl=60)
-    cache.compare_and_delete(key, version=entry.version)  # released before we wait
-    start = time.monotonic()
-    cache.wait([key], LONG_WAIT)
-    assert time.monotonic() - start < WAKE_BOUND
-    held = unique_key()
+    key, held = unique_key(), unique_key()
+    cache.compare_and_delete(key, version=cache.put_if_absent(key, "v1", ttl=60).version)
     cache.put_if_absent(held, "v1", ttl=60)
-    start = time.monotonic()
-    cache.wait([held, key], LONG_WAIT)  # one of the keys is free
-    assert time.monotonic() - start < WAKE_BOUND
+    for keys in ([key], [held, key]):
+        start = time.monotonic()
+        cache.wait(keys, LONG_WAIT)
+        assert time.monotonic() - start < WAKE_BOUND
 
 
 def test_wait_returns_when_the_entry_expires(any_cache):
@@ -146,14 +105,12 @@ def test_memory_wait_async_is_woken_by_a_release_from_another_thread():
     key = unique_key()
     entry = cache.put_if_absent(key, "v1", ttl=60)
 
-    async def main() -> tuple[list[float], float]:
-        released = release_later(cache, key, entry.version, after=0.05)
+    async def main() -> float:
+        release = ReleaseLater(cache, key, entry.version, after=0.05)
         await cache.wait_async([key], LONG_WAIT)
-        return released, time.monotonic()
+        return release.woke()
 
-    released, woke = asyncio.run(main())
-    assert released, "wait_async returned before the release"
-    assert woke - released[0] < WAKE_BOUND
+    assert asyncio.run(main()) < WAKE_BOUND
 
 
 def test_memory_wait_async_returns_at_once_when_a_key_is_free():

@@ -26,7 +26,7 @@ from urllib.parse import urlencode
 import psycopg
 import pytest
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
-from contract import CacheContract, unique_key
+from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import ConnectionPool
 from servers import free_port
 
@@ -91,8 +91,11 @@ def mutex(cache: PostgresCache) -> Mutex:
     return Mutex(cache, lease=30, interval=POLL_INTERVAL)
 
 
-class TestPostgresCacheContract(CacheContract):
-    """The shared contract, on a cache that opens its own connection."""
+class TestPostgresCacheContract(NotifyContract, CacheContract):
+    """The shared contract (a release NOTIFYs waiters), on a cache that opens its own
+    connection."""
+
+    wake_bound = 0.5
 
     @pytest.fixture
     def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
@@ -101,8 +104,10 @@ class TestPostgresCacheContract(CacheContract):
         cache.close()
 
 
-class TestPostgresCacheContractOnGivenConnection(CacheContract):
+class TestPostgresCacheContractOnGivenConnection(NotifyContract, CacheContract):
     """...on an autocommit psycopg connection the caller passes."""
+
+    wake_bound = 0.5
 
     @pytest.fixture
     def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
@@ -113,8 +118,10 @@ class TestPostgresCacheContractOnGivenConnection(CacheContract):
         conn.close()
 
 
-class TestPostgresCacheContractOnPool(CacheContract):
+class TestPostgresCacheContractOnPool(NotifyContract, CacheContract):
     """...on a psycopg_pool ConnectionPool (transactional connections, a new table)."""
+
+    wake_bound = 0.5
 
     @pytest.fixture
     def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
@@ -244,21 +251,6 @@ def test_a_broken_connection_is_replaced_on_the_next_call(admin, given: bool):
 
 
 # -- waiting -------------------------------------------------------------------------------
-
-
-def test_a_release_just_before_the_wait_is_not_missed(cache: PostgresCache):
-    """The lost wake-up race: the release lands between the waiter's failed put and its
-    LISTEN. The check after LISTEN sees the key free, so wait() returns at once."""
-    key = unique_key()
-    entry = cache.put_if_absent(key, "holder", ttl=30)
-    with pytest.raises(SimpleCacheConditionError):
-        cache.put_if_absent(key, "waiter", ttl=30)
-    other = PostgresCache(POSTGRES_URL, table=TABLE)
-    other.compare_and_delete(key, version=entry.version)
-    start = time.monotonic()
-    cache.wait([key], 2.0)
-    assert time.monotonic() - start < 0.5
-    other.close()
 
 
 def test_a_release_wakes_only_waiters_of_that_key_and_nobody_listens_after(
