@@ -1,9 +1,10 @@
 """The contract suite every ConditionalCache must pass (see simple_mutex/contract.py).
 
-A backend's test module subclasses ``CacheContract`` and provides a ``cache`` fixture that
-yields a fresh, empty cache (or one whose keys cannot collide with other tests: use
-``unique_key``). Real time is used, with short TTLs, so the same suite runs against real
-servers; no test here sleeps more than about a second, and the class runs in a few seconds.
+A backend's test module subclasses ``CacheContract`` and provides a ``cache`` fixture (the
+class's own, or the module's) that yields a fresh, empty cache (or one whose keys cannot
+collide with other tests: use ``unique_key``). Real time is used, with short TTLs, so the
+same suite runs against real servers; no test here sleeps more than about a second, and
+the class runs in a few seconds.
 
 Knobs a subclass may override for a slow or remote backend:
 
@@ -94,17 +95,13 @@ def waited_on(cache: ConditionalCache, key: str) -> Entry:
 
 
 class CacheContract:
-    """Subclass me and define a ``cache`` fixture."""
+    """Subclass me where a ``cache`` fixture is defined."""
 
     short_ttl: float = 0.2
     expiry_slack: float = 0.1
     clock_tolerance: float = 1.0
     wait_slack: float = 0.15
     fence_step: int | None = 1
-
-    @pytest.fixture
-    def cache(self) -> ConditionalCache:  # pragma: no cover - always overridden
-        raise NotImplementedError
 
     def let_expire(self) -> None:
         time.sleep(self.short_ttl + self.expiry_slack)

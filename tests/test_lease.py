@@ -51,23 +51,19 @@ def renew_then_spin(lease: Lease, length: float) -> None:
 # -- release ---------------------------------------------------------------------------
 
 
-def test_release_after_local_lapse_frees_a_record_still_ours():
-    """A late release returns False but frees a record the cache still shows as ours."""
-    frozen = InMemoryCache(clock=lambda: 1_000_000.0)  # the cache never sees time pass
-    mutex = Mutex(frozen, lease=0.1)
+@pytest.mark.parametrize("ending", ["late release", "interrupted block"])
+def test_a_lapsed_holder_frees_a_record_the_cache_still_shows_as_ours(ending):
+    """The cache's clock lags ours (here it never moves): after our lease lapsed, a late
+    release() (False) or the block the lapse interrupted still frees our record."""
+    mutex = Mutex(InMemoryCache(clock=lambda: 1_000_000.0), lease=0.2)
     lease = mutex.acquire("k")
-    time.sleep(0.15)
-    assert mutex.locked("k") is True
-    assert lease.release() is False
-    assert mutex.locked("k") is False
-
-
-def test_interrupted_block_frees_a_record_the_cache_still_holds():
-    """A block interrupted by a lapse frees our record even if the cache says it lives."""
-    frozen = InMemoryCache(clock=lambda: 1_000_000.0)  # the cache's clock lags ours
-    mutex = Mutex(frozen, lease=0.2)
-    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire("k"):
-        spin()
+    if ending == "late release":
+        time.sleep(0.25)
+        assert mutex.locked("k") is True
+        assert lease.release() is False
+    else:
+        with pytest.raises(SimpleMutexLeaseExpiredError), lease:
+            spin()
     assert not mutex.locked("k"), "the lapsed holder left its record behind"
 
 
@@ -348,19 +344,23 @@ def test_renew_to_a_shorter_length_keeps_background_renewal_in_step(memory_cache
     assert lease.release() is True
 
 
+class FlakyRenew(InMemoryCache):
+    """Fails the next ``failures`` compare-and-sets (renewals) with a backend fault."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str):
+        if self.failures:
+            self.failures -= 1
+            raise OSError("blip")
+        return super().compare_and_set(key, value, ttl=ttl, version=version)
+
+
 def test_background_renewal_retries_after_a_transient_cache_fault(key):
     """A renewal that hits a backend fault is retried soon; the lease survives."""
-
-    class FlakyRenew(InMemoryCache):
-        failures = 1
-
-        def compare_and_set(self, key: str, value: str, *, ttl: float, version: str):
-            if self.failures:
-                self.failures -= 1
-                raise OSError("blip")
-            return super().compare_and_set(key, value, ttl=ttl, version=version)
-
-    cache = FlakyRenew()
+    cache = FlakyRenew(failures=1)
     mutex = Mutex(cache, lease=0.3)
     with mutex.acquire(key, renew=True) as lease:
         time.sleep(0.8)
@@ -371,12 +371,7 @@ def test_background_renewal_retries_after_a_transient_cache_fault(key):
 
 def test_background_renewal_failing_until_the_deadline_interrupts_the_block(key):
     """A cache down for every renewal lets the lease lapse and interrupts the block."""
-
-    class Down(InMemoryCache):
-        def compare_and_set(self, key: str, value: str, *, ttl: float, version: str):
-            raise OSError("down")
-
-    mutex = Mutex(Down(), lease=0.3)
+    mutex = Mutex(FlakyRenew(failures=10**9), lease=0.3)
     start = time.monotonic()
     with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire(key, renew=True):
         spin()

@@ -75,10 +75,6 @@ class TestMongoContractServerClock(CacheContract):
 
     expiry_slack = 0.15
 
-    @pytest.fixture
-    def cache(self, client: pymongo.MongoClient[Any]) -> MongoCache:
-        return MongoCache(client, database=DB)
-
 
 class TestMongoContractClientClock(CacheContract):
     """...and with clock="client" (servers without $$NOW in filters)."""

@@ -43,7 +43,6 @@ RUN = f"t{uuid.uuid4().hex[:8]}"
 TABLE = f"{RUN}_locks"
 FORK = multiprocessing.get_context("fork")
 POLL_INTERVAL = 5.0  # a notified waiter runs well before its poll would
-WAKE_BOUND = 1.0
 
 
 def connect() -> psycopg.Connection[Any]:
@@ -62,21 +61,12 @@ def admin() -> Iterator[psycopg.Connection[Any]]:
             "--skip-systemctl-redirect 15 main start) or point POSTGRES_URL at one"
         )
     yield conn
-    conn = _reconnect_after_restart(conn)
     rows = conn.execute(
         "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (RUN + "%",)
     ).fetchall()
     for (name,) in rows:
         conn.execute(f'DROP TABLE "{name}"')
     conn.close()
-
-
-def _reconnect_after_restart(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
-    try:
-        conn.execute("SELECT 1")
-        return conn
-    except psycopg.Error:
-        return connect()
 
 
 @pytest.fixture
@@ -86,22 +76,11 @@ def cache(admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
     cache.close()
 
 
-@pytest.fixture
-def mutex(cache: PostgresCache) -> Mutex:
-    return Mutex(cache, lease=30, interval=POLL_INTERVAL)
-
-
 class TestPostgresCacheContract(NotifyContract, CacheContract):
     """The shared contract (a release NOTIFYs waiters), on a cache that opens its own
     connection."""
 
     wake_bound = 0.5
-
-    @pytest.fixture
-    def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
-        cache = PostgresCache(POSTGRES_URL, table=TABLE)
-        yield cache
-        cache.close()
 
 
 class TestPostgresCacheContractOnGivenConnection(NotifyContract, CacheContract):

@@ -95,10 +95,6 @@ class TestRedisCacheContract(NotifyContract, CacheContract):
 
     wake_bound = 0.2
 
-    @pytest.fixture
-    def cache(self, client: redis.Redis) -> RedisCache:
-        return RedisCache(client, prefix=PREFIX)
-
 
 class TestRedisCacheContractDecodedResponses(NotifyContract, CacheContract):
     """...and with a client that decodes replies to str (decode_responses=True)."""

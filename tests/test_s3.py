@@ -121,10 +121,6 @@ def cache(client: Any) -> S3Cache:
 class TestS3CacheContractSeaweedFS(CacheContract):
     """S3Cache passes the shared contract against SeaweedFS."""
 
-    @pytest.fixture
-    def cache(self, seaweed: str) -> S3Cache:
-        return S3Cache(new_client(seaweed), BUCKET, PREFIX)
-
 
 class TestS3CacheContractMoto(CacheContract):
     """...and against moto's server (AWS's error codes)."""
