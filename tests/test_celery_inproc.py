@@ -56,26 +56,22 @@ def order_id() -> int:
 
 
 def test_skip_does_not_run_the_body_and_is_ready_at_once(mutex_worker, mutex_locks, order_id):
-    """A busy skip returns a marker at once (get() does not hang), distinct from a success."""
-    with mutex_locks.acquire(f"order.{order_id}"):
-        started = time.monotonic()
-        result = inproc.skip_task.delay(order_id).get(timeout=GET)
-        assert time.monotonic() - started < 3
-    assert is_skipped(result)
-    assert result["key"] == f"order.{order_id}"
-    assert ("skip_task", order_id) not in RUNS
-    assert inproc.skip_task.delay(order_id).get(timeout=GET) == "ran"  # free again: runs
-    assert not is_skipped("ran")
-
-
-def test_positional_and_keyword_calls_share_one_lock(mutex_worker, mutex_locks, order_id):
-    """charge(7) and charge(order_id=7) lock the same key, defaults applied."""
+    """A busy skip returns a marker at once (get() does not hang), distinct from a success,
+    however the call spells its arguments: charge(7), charge(order_id=7) and
+    charge(7, 5) lock one key, defaults applied."""
     task = inproc.skip_task
     assert task.mutex_key(order_id) == task.mutex_key(order_id=order_id, amount=0)
     with mutex_locks.acquire(f"order.{order_id}"):
-        assert is_skipped(task.delay(order_id).get(timeout=GET))
+        started = time.monotonic()
+        result = task.delay(order_id).get(timeout=GET)
+        assert time.monotonic() - started < 3
         assert is_skipped(task.delay(order_id=order_id).get(timeout=GET))
         assert is_skipped(task.apply_async(args=(order_id, 5)).get(timeout=GET))
+    assert is_skipped(result)
+    assert result["key"] == f"order.{order_id}"
+    assert ("skip_task", order_id) not in RUNS
+    assert task.delay(order_id).get(timeout=GET) == "ran"  # free again: runs
+    assert not is_skipped("ran")
 
 
 def test_raise_fails_the_task_with_acquire_timeout(mutex_worker, mutex_locks, order_id):
