@@ -47,10 +47,11 @@ def unique_key(name: str = "k") -> str:
     return f"contract.{name}.{uuid.uuid4().hex}"
 
 
-def assert_refused(cache: ConditionalCache, key: str, version: str, current: Entry) -> None:
-    """A stale ``version`` can neither set nor delete ``key``, which still holds ``current``."""
+def assert_refused(cache: ConditionalCache, key: str, version: str, current: Entry | None) -> None:
+    """A stale ``version`` can neither set nor delete ``key``, which still holds ``current``
+    (or stays absent)."""
     with pytest.raises(SimpleCacheConditionError):
-        cache.compare_and_set(key, current.value, ttl=30, version=version)
+        cache.compare_and_set(key, current.value if current else "v2", ttl=30, version=version)
     with pytest.raises(SimpleCacheConditionError):
         cache.compare_and_delete(key, version=version)
     assert cache.get(key) == current
@@ -288,13 +289,6 @@ class CacheContract:
         third = cache.compare_and_set(key, "v3", ttl=5, version=second.version)
         assert third.expires_at <= time.time() + 5 + self.clock_tolerance
 
-    def test_compare_and_set_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
-        """A CAS naming another version fails and leaves the entry as it was."""
-        key, first = held(cache, "v1")
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v2", ttl=30, version=first.version + "x")
-        assert cache.get(key) == first
-
     def test_a_version_replaced_by_a_renewal_misses(self, cache: ConditionalCache) -> None:
         """After one CAS, the version it replaced can neither set nor delete the entry;
         the new one can."""
@@ -304,28 +298,29 @@ class CacheContract:
         cache.compare_and_delete(key, version=second.version)
         assert cache.get(key) is None
 
-    def test_compare_and_set_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
-        """A CAS on a key never written fails and does not create it."""
-        key = unique_key()
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v1", ttl=30, version="1")
-        assert cache.get(key) is None
+    # -- misses: neither compare_and_set nor compare_and_delete goes through ------------
 
-    def test_compare_and_set_misses_on_a_freed_key(self, cache: ConditionalCache) -> None:
-        """A CAS with the version a key had before it was freed fails; the key stays free."""
+    def test_a_wrong_version_misses(self, cache: ConditionalCache) -> None:
+        """Naming a version the key never had sets and deletes nothing."""
+        key, first = held(cache, "v1")
+        assert_refused(cache, key, first.version + "x", first)
+
+    def test_an_absent_key_misses(self, cache: ConditionalCache) -> None:
+        """A key never written can be neither set (it is not created) nor deleted."""
+        assert_refused(cache, unique_key(), "1", None)
+
+    def test_a_freed_keys_old_version_misses(self, cache: ConditionalCache) -> None:
+        """After a delete, its version neither sets the key (it stays free) nor deletes it
+        a second time."""
         key, first = held(cache, "v1")
         cache.compare_and_delete(key, version=first.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
-        assert cache.get(key) is None
+        assert_refused(cache, key, first.version, None)
 
-    def test_compare_and_set_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
-        """A CAS cannot resurrect an expired entry, even with its own version."""
+    def test_an_expired_entrys_own_version_misses(self, cache: ConditionalCache) -> None:
+        """An expired entry can be neither resurrected nor deleted by its old holder."""
         key, first = held(cache, "v1", self.short_ttl)
         self.let_expire()
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
-        assert cache.get(key) is None
+        assert_refused(cache, key, first.version, None)
 
     # -- compare_and_delete -------------------------------------------------------------
 
@@ -335,32 +330,6 @@ class CacheContract:
         key, entry = held(cache, "v1")
         assert not cache.compare_and_delete(key, version=entry.version)
         assert cache.get(key) is None
-
-    def test_compare_and_delete_twice_misses_the_second_time(self, cache: ConditionalCache) -> None:
-        """A second delete with the same version finds nothing to free."""
-        key, entry = held(cache, "v1")
-        cache.compare_and_delete(key, version=entry.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=entry.version)
-
-    def test_compare_and_delete_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
-        """A delete naming another version fails and leaves the entry in place."""
-        key, entry = held(cache, "v1")
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=entry.version + "x")
-        assert cache.get(key) == entry
-
-    def test_compare_and_delete_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
-        """Deleting a key never written fails."""
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(unique_key(), version="1")
-
-    def test_compare_and_delete_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
-        """An expired entry cannot be deleted by its old holder, even with its version."""
-        key, entry = held(cache, "v1", self.short_ttl)
-        self.let_expire()
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=entry.version)
 
     def test_stale_holder_cannot_delete_the_new_holders_entry(
         self, cache: ConditionalCache

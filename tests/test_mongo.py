@@ -117,24 +117,18 @@ class TestMongoBehaviour(SharedBehaviour):
 # -- statements, clocks, fences ------------------------------------------------------------
 
 
-def test_a_freed_key_keeps_its_document_and_fence(cache: MongoCache, client):
-    """Release sets value to null and keeps the fence; the next grant counts on."""
-    key = unique_key()
-    first = cache.put_if_absent(key, "v1", ttl=30)
-    cache.compare_and_delete(key, version=first.version)
-    doc = client[DB]["locks"].find_one({"_id": key})
-    assert doc["value"] is None
-    assert doc["fence"] == first.fence
-    assert cache.put_if_absent(key, "v2", ttl=30).fence == first.fence + 1
-
-
-def test_fences_start_from_the_server_clock_so_a_collected_key_counts_on(cache: MongoCache, client):
-    """A new document's fence is the server's time in µs: after the TTL monitor deletes a
-    long-dead document, the key's next fence is still larger than every earlier one."""
+def test_a_freed_key_keeps_its_document_and_fences_start_from_the_server_clock(
+    cache: MongoCache, client
+):
+    """Release sets value to null and keeps the fence. A new document's fence is the
+    server's time in µs: after the TTL monitor deletes a long-dead document, the key's
+    next fence is still larger than every earlier one."""
     key = unique_key()
     first = cache.put_if_absent(key, "v1", ttl=30)
     assert abs(first.fence / 1e6 - time.time()) < 5
     cache.compare_and_delete(key, version=first.version)
+    doc = client[DB]["locks"].find_one({"_id": key})
+    assert (doc["value"], doc["fence"]) == (None, first.fence)
     client[DB]["locks"].delete_one({"_id": key})  # what garbage collection does
     assert cache.put_if_absent(key, "v2", ttl=30).fence > first.fence
 
