@@ -23,6 +23,7 @@ from simple_mutex import (
     SimpleMutexAcquireTimeoutError,
     cache_from_url,
 )
+from simple_mutex.keys import encode_key
 
 
 def utc_now() -> datetime:
@@ -34,13 +35,15 @@ def utc_now() -> datetime:
 
 def test_prefixes_and_key_encoding_keep_locks_apart(memory_cache, key):
     """The same key under two prefixes is two locks; so are keys differing only in
-    characters the encoding must escape ('a/b', 'a%2Fb', 'a*b', 'a#1', long keys)."""
+    characters the encoding must escape ('a/b', 'a%2Fb', 'a*b', 'a#1'), long keys, and a
+    key that spells out a long key's hashed form."""
     a, b = Mutex(memory_cache, prefix="a."), Mutex(memory_cache, prefix="b.")
     assert a.try_acquire(key) is not None
     assert b.try_acquire(key) is not None
     assert a.try_acquire(key) is None
     long_a, long_b = "x" * 300 + "a", "x" * 300 + "b"
-    keys = ["a/b", "a%2Fb", "a*b", "a#1", "a", "ü", long_a, long_b]
+    lookalike = encode_key(long_a)  # a key spelling out long_a's hashed form
+    keys = ["a/b", "a%2Fb", "a*b", "a#1", "a", "ü", long_a, long_b, lookalike]
     leases = [a.acquire(k, timeout=0) for k in keys]
     assert [lease.key for lease in leases] == keys
     assert all(a.locked(k) for k in keys)

@@ -47,8 +47,10 @@ def test_every_error_pickles_round_trip(cls, key, protocol):
 
 @pytest.mark.parametrize("cls", ERRORS)
 def test_every_error_is_exported_and_rooted(cls):
-    """Every error is importable from simple_mutex and derives from SimpleMutexError."""
+    """Every error is importable from simple_mutex and derives from SimpleMutexError; one
+    about an option (no key involved) has key None."""
     assert getattr(simple_mutex, cls.__name__) is cls
+    assert cls("bad option").key is None
     assert issubclass(cls, SimpleMutexError)
     assert issubclass(cls, Exception)
 
@@ -63,11 +65,6 @@ def test_hierarchy_matches_the_design():
     assert not issubclass(MalfunctionError, ConstraintError)
     assert not issubclass(SimpleCacheConditionError, ConstraintError)
     assert not issubclass(SimpleCacheConditionError, MalfunctionError)
-
-
-def test_key_defaults_to_none():
-    """An error about an option (no key involved) has key None."""
-    assert ConstraintError("bad option").key is None
 
 
 def capture_interrupt() -> BaseException:
