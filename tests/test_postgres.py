@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import procs
 import psycopg
 import pytest
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
@@ -256,24 +257,14 @@ def test_a_release_wakes_only_waiters_of_that_key_and_nobody_listens_after(
 # -- processes and the server going away (slow) ---------------------------------------------
 
 
-def _first_use(table: str, barrier: Any) -> None:
-    cache = PostgresCache(POSTGRES_URL, table=table)
-    barrier.wait(10)
-    Mutex(cache, lease=30, interval=POLL_INTERVAL).acquire("k", timeout=10).release()
-
-
 @pytest.mark.slow
-def test_processes_creating_the_table_at_once_all_succeed(admin):
+def test_processes_creating_the_table_at_once_all_succeed(admin, children):
     """CREATE TABLE IF NOT EXISTS racing in several sessions can fail on pg_type's unique
     index; the loser carries on with the winner's table."""
-    table = f"{RUN}_race"
-    barrier = FORK.Barrier(6)
-    procs = [FORK.Process(target=_first_use, args=(table, barrier)) for _ in range(6)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(30)
-    assert [proc.exitcode for proc in procs] == [0] * 6
+    table, barrier = f"{RUN}_race", procs.CTX.Barrier(6)
+    url = with_query(POSTGRES_URL, table=table)
+    children.extend(procs.start(procs.first_use, url, barrier) for _ in range(6))
+    procs.join_all(children, timeout=60)
     assert admin.execute(f'SELECT fence FROM "{table}"').fetchone() == (6,)  # one row, 6 grants
 
 

@@ -109,6 +109,15 @@ def moto() -> Iterator[str]:
 
 
 @pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Credentials in boto3's own variables, where a cache built from a URL finds them."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return monkeypatch
+
+
+@pytest.fixture
 def client(seaweed: str) -> Any:
     return new_client(seaweed)
 
@@ -135,10 +144,7 @@ class TestS3Behaviour(SharedBehaviour):
     environment, as boto3 users do."""
 
     @pytest.fixture
-    def url(self, seaweed: str, monkeypatch: pytest.MonkeyPatch) -> str:
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    def url(self, seaweed: str, aws_env: pytest.MonkeyPatch) -> str:
         return f"s3://{BUCKET}/{PREFIX}?endpoint_url={seaweed}"
 
     def write_foreign(self, url: str, cache_key: str) -> str:
@@ -372,15 +378,12 @@ def test_constructor_validates_client_bucket_prefix_and_skew(client: Any):
         S3Cache(client, BUCKET, "p/").get("../escape")
 
 
-def test_from_url_builds_a_working_cache(seaweed: str, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+def test_from_url_builds_a_working_cache(seaweed: str, aws_env: pytest.MonkeyPatch):
     cache = from_url(f"s3://{BUCKET}/{PREFIX}url/?endpoint_url={seaweed}&clock_skew=0.5")
     assert (cache.bucket, cache.prefix, cache.clock_skew) == (BUCKET, PREFIX + "url/", 0.5)
     lease = Mutex(cache).acquire(unique_key())
     assert lease.release()
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", seaweed)  # boto3's own variable
+    aws_env.setenv("AWS_ENDPOINT_URL_S3", seaweed)  # boto3's own variable
     cache = from_url(f"s3://{BUCKET}")
     entry = cache.put_if_absent(f"{PREFIX[:-1]}.k", "v", ttl=30)
     cache.compare_and_delete(f"{PREFIX[:-1]}.k", version=entry.version)
