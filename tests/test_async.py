@@ -63,13 +63,9 @@ def test_acquire_async_timeout_raises(memory_cache, key):
     """acquire_async on a busy key raises SimpleMutexAcquireTimeoutError after ~timeout."""
     mutex = Mutex(memory_cache)
     mutex.acquire(key)
-
-    async def main():
-        await mutex.acquire_async(key, timeout=0.1, interval=0.02)
-
     start = time.monotonic()
     with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
-        run(main())
+        run(mutex.acquire_async(key, timeout=0.1, interval=0.02))
     assert 0.09 <= time.monotonic() - start < 1.0
     assert info.value.key == key
 
