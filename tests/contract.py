@@ -25,11 +25,11 @@ Knobs a subclass may override for a slow or remote backend:
 from __future__ import annotations
 
 import multiprocessing
-import threading
 import time
 import uuid
 
 import pytest
+from workers import ReleaseLater
 
 from simple_mutex import ConditionalCache, SimpleCacheConditionError
 from simple_mutex.contract import Entry
@@ -61,29 +61,6 @@ def held(cache: ConditionalCache, value: str, ttl: float = 30) -> tuple[str, Ent
     """A fresh key, put with ``value``: the key and its entry."""
     key = unique_key()
     return key, cache.put_if_absent(key, value, ttl=ttl)
-
-
-class ReleaseLater(threading.Thread):
-    """Frees ``key`` from a thread of its own after ``after`` seconds; ``at`` says when.
-    Join it before the cache is closed: the release may still be reading its reply."""
-
-    def __init__(self, cache: ConditionalCache, key: str, version: str, after: float) -> None:
-        super().__init__(daemon=True)
-        self.cache, self.key, self.version, self.after = cache, key, version, after
-        self.at: float | None = None
-        self.start()
-
-    def run(self) -> None:
-        time.sleep(self.after)
-        self.at = time.monotonic()
-        self.cache.compare_and_delete(self.key, version=self.version)
-
-    def woke(self) -> float:
-        """How long after the release a wait that just returned was woken."""
-        woke = time.monotonic()
-        assert self.at is not None, "the wait returned before the release: it never waited"
-        self.join(5)
-        return woke - self.at
 
 
 def waited_on(cache: ConditionalCache, key: str) -> Entry:
@@ -397,7 +374,8 @@ class NotifyContract:
     def test_wait_is_woken_by_a_release_in_another_thread(self, cache: ConditionalCache) -> None:
         """wait() returns within wake_bound of the release, not at its timeout."""
         key = unique_key()
-        release = ReleaseLater(cache, key, waited_on(cache, key).version, after=0.05)
+        version = waited_on(cache, key).version
+        release = ReleaseLater(0.05, lambda: cache.compare_and_delete(key, version=version))
         cache.wait([key], self.long_wait)
         assert release.woke() < self.wake_bound
 
@@ -406,7 +384,8 @@ class NotifyContract:
         base = unique_key()
         keys = [base, base + "#1", base + "#2"]
         entries = [waited_on(cache, k) for k in keys]
-        release = ReleaseLater(cache, keys[2], entries[2].version, after=0.05)
+        version = entries[2].version
+        release = ReleaseLater(0.05, lambda: cache.compare_and_delete(keys[2], version=version))
         cache.wait(keys, self.long_wait)
         assert release.woke() < self.wake_bound
 

@@ -1,15 +1,18 @@
 """with_simple_mutex on ``async def`` functions and Mutex.acquire_async: serialization
-without blocking the loop, cancellation on a lapsed lease, and release on cancellation.
+(also behind a plain wrapper), cancellation on a lapsed lease, release on cancellation,
+and ``async with`` (never ``with``) in a coroutine.
 Each test drives its own loop with asyncio.run (no pytest plugin)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
 
 from simple_mutex import (
+    ConstraintError,
     Mutex,
     Semaphore,
     SimpleMutexAcquireTimeoutError,
@@ -231,3 +234,74 @@ def test_lapsed_async_call_frees_a_record_the_cache_still_holds():
     with pytest.raises(SimpleMutexLeaseExpiredError):
         run(slow())
     assert not Mutex(frozen).locked("lagging"), "the lapsed holder left its record behind"
+
+
+def test_a_sync_with_inside_a_coroutine_is_refused():
+    """`with lease:` in a coroutine would arm the event loop's thread; it is refused."""
+
+    async def body() -> None:
+        mutex = Mutex(InMemoryCache(), lease=5)
+        lease = await mutex.acquire_async("k")
+        try:
+            with pytest.raises(ConstraintError, match="async with"), lease:
+                await asyncio.sleep(0)
+        finally:
+            lease.release()
+
+    asyncio.run(body())
+
+
+def test_async_with_cancels_only_its_own_task_on_loss():
+    """`async with lease:` turns a lapse into SimpleMutexLeaseExpiredError for its task,
+    and a bystander task on the same loop runs on untouched."""
+    mutex = Mutex(InMemoryCache(), lease=0.3)
+    outcome: dict[str, object] = {}
+
+    async def holder() -> None:
+        lease = await mutex.acquire_async("k")
+        started = time.monotonic()
+        try:
+            async with lease:
+                await asyncio.sleep(5)
+        except SimpleMutexLeaseExpiredError:
+            outcome["lost_after"] = time.monotonic() - started
+
+    async def bystander() -> None:
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+        outcome["bystander"] = "done"
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(holder(), bystander()), 10)
+
+    asyncio.run(main())
+    assert outcome["bystander"] == "done"
+    assert 0.2 < outcome["lost_after"] < 2.0  # type: ignore[operator]
+
+
+def test_a_coroutine_behind_a_plain_wrapper_is_still_guarded_as_async():
+    """A functools.wraps decorator over an async def does not make it run unlocked."""
+
+    def traced(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    running = peak = 0
+
+    @with_simple_mutex(key="order.{order_id}", cache=InMemoryCache(), lease=10)
+    @traced
+    async def ship(order_id: int) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(*(ship(7) for _ in range(5))), 10)
+
+    asyncio.run(main())
+    assert peak == 1

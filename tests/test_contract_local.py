@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from behaviour import LockBehaviour, NotifyBehaviour
-from contract import CacheContract, NotifyContract, ReleaseLater, unique_key
+from contract import CacheContract, NotifyContract, unique_key
+from workers import ReleaseLater
 
 from simple_mutex import DiskCache, InMemoryCache, SimpleCacheConditionError
 from simple_mutex.caches.disk import FILENAME
@@ -107,7 +108,7 @@ def test_memory_wait_async_is_woken_by_a_release_and_returns_at_once_on_a_free_k
     entry = cache.put_if_absent(key, "v1", ttl=60)
 
     async def main() -> tuple[float, float]:
-        release = ReleaseLater(cache, key, entry.version, after=0.05)
+        release = ReleaseLater(0.05, lambda: cache.compare_and_delete(key, version=entry.version))
         await cache.wait_async([key], LONG_WAIT)
         woken = release.woke()
         start = time.monotonic()

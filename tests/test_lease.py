@@ -5,6 +5,8 @@ the behaviour suite's (tests/behaviour.py), on every tier."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -413,3 +415,37 @@ def test_a_retried_renewal_that_landed_is_not_reported_lost():
     lease.renew()
     assert not lease.lost
     assert lease.release() is True
+
+
+class _SlowRenewal(InMemoryCache):
+    def compare_and_set(self, key, value, *, ttl, version):
+        time.sleep(2.0)  # a backend stall on renewal
+        return super().compare_and_set(key, value, ttl=ttl, version=version)
+
+
+def test_a_stalled_renewal_does_not_delay_another_leases_interrupt(caplog):
+    """One backend stalling a renewal must not hold up the lapse of a lease elsewhere."""
+    caplog.set_level(logging.ERROR, logger="simple_mutex")
+    slow = Mutex(_SlowRenewal(), lease=0.3)
+    stalled = slow.acquire("a", renew=True)  # its renewal is due at 0.1 s and takes 2 s
+    time.sleep(0.15)
+    fast = Mutex(InMemoryCache(), lease=0.5)
+    started = time.monotonic()
+    with pytest.raises(SimpleMutexLeaseExpiredError), fast.acquire("b"):
+        spin()
+    ran = time.monotonic() - started
+    assert ran < 1.5, f"interrupted only after {ran:.2f} s"
+    time.sleep(2.2)
+    stalled.release()
+
+
+def test_a_dropped_renewing_lease_stops_being_renewed():
+    """A renew=True lease nobody references any more lapses instead of living forever."""
+    mutex = Mutex(InMemoryCache(), lease=0.3)
+
+    def forgetful() -> None:
+        mutex.acquire("leaked", renew=True)
+
+    forgetful()
+    gc.collect()
+    wait_until(lambda: not mutex.locked("leaked"), 3, "the dropped lease to lapse")

@@ -28,11 +28,12 @@ from typing import Any
 import pytest
 import redis
 from behaviour import PREFIX as BEHAVIOUR_PREFIX
-from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails, release_after
+from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, NotifyContract, unique_key
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from servers import OwnServer, free_port
+from workers import ReleaseLater
 
 from simple_mutex import (
     ConstraintError,
@@ -497,9 +498,9 @@ def test_cluster_mutex_semaphore_and_hand_off(servers: list[Server], tmp_path: P
 
     semaphore = Semaphore(cache, permits=2, lease=30, interval=POLL_INTERVAL)
     leases = [semaphore.acquire("pool", timeout=0) for _ in range(2)]
-    released = release_after(0.3, leases[0])
+    release = ReleaseLater(0.3, leases[0].release)
     taken = semaphore.acquire("pool", timeout=POLL_INTERVAL * 2)
-    assert time.monotonic() - released[0] < WAKE_BOUND
+    assert release.woke() < WAKE_BOUND
     for lease in (taken, leases[1]):
         assert lease.release()
     cluster.close()

@@ -27,7 +27,7 @@ from rq.command import send_stop_job_command
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 from rq_support import jobs
-from workers import ROOT, release_later, start, stop, wait_until
+from workers import ROOT, ReleaseLater, start, stop, wait_until
 
 # isort: split
 from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
@@ -190,7 +190,7 @@ def test_raise_and_exhausted_retries_fail_the_job(conn, run, queue, locks):
 
 def test_wait_blocks_until_free(conn, run, queue, locks):
     """on_busy="wait": the job runs once the holder lets go, half a second later."""
-    timer = release_later(locks.acquire(f"wait.{run}"), 0.5)
+    timer = ReleaseLater(0.5, locks.acquire(f"wait.{run}").release)
     job = queue.enqueue(jobs.waiter, run)
     started = time.monotonic()
     burst(queue)
@@ -295,7 +295,7 @@ def test_sync_queue_busy_retry_waits_then_fails_and_raise_raises(conn, run, lock
     on_busy="raise" fails at once."""
     sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
     held = locks.acquire(f"retry.{run}")
-    timer = release_later(held, 0.5)
+    timer = ReleaseLater(0.5, held.release)
     started = time.monotonic()
     job = sync.enqueue(jobs.retrier, run)
     timer.join()

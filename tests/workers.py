@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from simple_mutex import Lease
-
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # where ``celery`` and ``rq`` are installed
 ENV = {
@@ -74,8 +72,25 @@ def spin(guard: float = 5.0) -> float:
     return time.monotonic() - start
 
 
-def release_later(lease: Lease, delay: float) -> threading.Timer:
-    """Keep ``lease`` for ``delay`` seconds more, then release it (join the timer)."""
-    timer = threading.Timer(delay, lease.release)
-    timer.start()
-    return timer
+class ReleaseLater(threading.Thread):
+    """Calls ``release`` (a lease's, or a cache's compare_and_delete) from a thread of its
+    own after ``delay`` seconds; ``at`` is when. Join it before closing what it writes to:
+    the release may still be reading its reply."""
+
+    def __init__(self, delay: float, release: Callable[[], object]) -> None:
+        super().__init__(daemon=True)
+        self.delay, self.release = delay, release
+        self.at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        self.at = time.monotonic()
+        self.release()
+
+    def woke(self) -> float:
+        """How long after the release a wait that just returned ended."""
+        woke = time.monotonic()
+        assert self.at is not None, "the wait ended before the release: it never waited"
+        self.join(5)
+        return woke - self.at
