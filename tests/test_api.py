@@ -25,11 +25,6 @@ from simple_mutex import (
 )
 from simple_mutex.keys import encode_key
 
-
-def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 # -- keys, prefixes, timeouts (grant, busy, release, fences: tests/behaviour.py) ------
 
 
@@ -78,9 +73,9 @@ def test_holder_describes_the_holder_with_aware_utc_times(any_cache, key):
     mutex = Mutex(any_cache, lease=60, label="default")
     assert mutex.holder(key) is None
     assert mutex.holders(key) == []
-    before = utc_now()
+    before = datetime.now(timezone.utc)
     lease = mutex.acquire(key, label="nightly-report")
-    after = utc_now()
+    after = datetime.now(timezone.utc)
     holder = mutex.holder(key)
     assert isinstance(holder, Holder)
     assert mutex.holders(key) == [holder]

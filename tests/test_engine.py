@@ -507,14 +507,17 @@ def test_read_returns_each_slots_entry():
 # -- the blocking and asyncio drivers against a real cache -----------------------------
 
 
-def test_run_grants_on_a_free_in_memory_key_and_times_out_on_a_held_one():
-    """run() writes the record into the cache; a second run with timeout=0 is refused."""
+@pytest.mark.parametrize("driver", ["blocking", "asyncio"])
+def test_a_driver_grants_a_free_key_and_times_out_on_a_held_one(driver):
+    """run() and run_async() write the record into the cache; a second acquire with
+    timeout=0 is refused and leaves it as it was."""
     cache = InMemoryCache()
-    grant = run(cache, acquire_flow(timeout=0))
+    drive = run if driver == "blocking" else lambda c, f: asyncio.run(run_async(c, f))
+    grant = drive(cache, acquire_flow(timeout=0))
     assert cache.get("mutex.k") == grant.entry
     assert grant.entry.value == VALUE
     with pytest.raises(SimpleMutexAcquireTimeoutError):
-        run(cache, acquire_flow(timeout=0, value=OTHER))
+        drive(cache, acquire_flow(timeout=0, value=OTHER))
     assert cache.get("mutex.k") == grant.entry
 
 
@@ -537,13 +540,6 @@ def test_run_executes_waits_and_retries_after_a_release():
     assert cache.waits[0][0] == ("mutex.k",)
     assert grant.entry.value == VALUE
     assert grant.entry.fence > cache.blocker.fence
-
-
-def test_run_async_grants_on_an_in_memory_key():
-    """The asyncio driver runs the same flow to the same grant."""
-    cache = InMemoryCache()
-    grant = asyncio.run(run_async(cache, acquire_flow(timeout=0)))
-    assert cache.get("mutex.k") == grant.entry
 
 
 class BrokenCache(InMemoryCache):
