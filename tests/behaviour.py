@@ -30,7 +30,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from typing import Any
 
 import procs
 import pytest
+from workers import ReleaseLater
 
 from simple_mutex import (
     ConditionalCache,
@@ -59,20 +59,6 @@ PROCESSES = 4
 
 def new_key() -> str:
     return f"k{uuid.uuid4().hex[:12]}"
-
-
-def release_after(seconds: float, *leases: Any) -> list[float]:
-    """Release ``leases`` from another thread after ``seconds``; the list gets the time."""
-    released: list[float] = []
-
-    def go() -> None:
-        time.sleep(seconds)
-        released.append(time.monotonic())
-        for lease in leases:
-            lease.release()
-
-    threading.Thread(target=go, daemon=True).start()
-    return released
 
 
 def assert_each_fails(cache: ConditionalCache, *operations: str, within: float = 5.0) -> None:
@@ -110,11 +96,13 @@ class LockBehaviour:
             close()
 
     def test_a_mutex_grants_refuses_and_frees(self, cache: ConditionalCache) -> None:
-        """Grant, busy for a second caller, holder() names us, release frees, and the next
-        grant has a larger fence."""
+        """Grant (slot 0, the key verbatim), busy for a caller with a Mutex of its own,
+        holder() names us, release frees, and the next grant has a larger fence."""
         mutex, key = Mutex(cache, lease=30, prefix=PREFIX), new_key()
+        assert not mutex.locked(key)
         first = mutex.acquire(key, timeout=5)
-        assert mutex.try_acquire(key) is None
+        assert (first.key, first.slot) == (key, 0)
+        assert Mutex(cache, prefix=PREFIX).try_acquire(key) is None
         assert mutex.locked(key)
         holder = mutex.holder(key)
         assert holder is not None
@@ -144,15 +132,16 @@ class LockBehaviour:
         assert short.holder(key) is None
 
     def test_a_semaphore_admits_its_permits_and_no_more(self, cache: ConditionalCache) -> None:
-        """Three permits: three holders on distinct slots, a fourth times out; a release
-        lets a blocked fourth in on the freed slot, with a larger fence than that slot's."""
+        """Three permits: three holders on distinct slots, a fourth is refused or times out;
+        a release lets a blocked fourth in on the freed slot, with a larger fence."""
         key = new_key()
         semaphore = Semaphore(cache, permits=3, lease=30, interval=0.05, prefix=PREFIX)
         leases = [semaphore.acquire(key, timeout=0) for _ in range(3)]
         assert sorted(lease.slot for lease in leases) == [0, 1, 2]
+        assert semaphore.try_acquire(key) is None
         with pytest.raises(SimpleMutexAcquireTimeoutError):
             semaphore.acquire(key, timeout=0.2)
-        release_after(0.1, leases[1])
+        ReleaseLater(0.1, leases[1].release)
         fourth = semaphore.acquire(key, timeout=5)
         assert fourth.slot == leases[1].slot
         assert fourth.fence > leases[1].fence
@@ -189,9 +178,9 @@ class NotifyBehaviour:
         """A waiter blocked in acquire (poll 5 s) holds the lock well within WAKE_BOUND of
         the release."""
         mutex, key = Mutex(cache, lease=30, interval=POLL, prefix=PREFIX), new_key()
-        released = release_after(0.3, mutex.acquire(key))
+        release = ReleaseLater(0.3, mutex.acquire(key).release)
         taken = mutex.acquire(key, timeout=2 * POLL)
-        assert time.monotonic() - released[0] < WAKE_BOUND
+        assert release.woke() < WAKE_BOUND
         assert taken.release() is True
 
     def test_a_semaphore_release_wakes_a_waiter_on_any_slot(self, cache: ConditionalCache) -> None:
@@ -199,9 +188,9 @@ class NotifyBehaviour:
         key = new_key()
         semaphore = Semaphore(cache, permits=2, lease=30, interval=POLL, prefix=PREFIX)
         leases = [semaphore.acquire(key, timeout=0) for _ in range(2)]
-        released = release_after(0.3, leases[1])
+        release = ReleaseLater(0.3, leases[1].release)
         third = semaphore.acquire(key, timeout=2 * POLL)
-        assert time.monotonic() - released[0] < WAKE_BOUND
+        assert release.woke() < WAKE_BOUND
         assert third.slot == leases[1].slot
         assert third.fence > leases[1].fence
         assert third.release() is True

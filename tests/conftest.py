@@ -24,19 +24,10 @@ def memory_cache() -> InMemoryCache:
     return InMemoryCache()
 
 
-@pytest.fixture
-def disk_cache(tmp_path: Path) -> DiskCache:
-    """A fresh per-machine cache in its own directory."""
-    return DiskCache(tmp_path / "locks")
-
-
 @pytest.fixture(params=["memory", "disk"])
-def any_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object]:
+def any_cache(request: pytest.FixtureRequest, tmp_path: Path) -> InMemoryCache | DiskCache:
     """Each local cache in turn, for API tests that must hold on every tier."""
-    if request.param == "memory":
-        yield InMemoryCache()
-    else:
-        yield DiskCache(tmp_path / "locks")
+    return InMemoryCache() if request.param == "memory" else DiskCache(tmp_path / "locks")
 
 
 @pytest.fixture

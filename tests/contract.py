@@ -1,9 +1,10 @@
 """The contract suite every ConditionalCache must pass (see simple_mutex/contract.py).
 
-A backend's test module subclasses ``CacheContract`` and provides a ``cache`` fixture that
-yields a fresh, empty cache (or one whose keys cannot collide with other tests: use
-``unique_key``). Real time is used, with short TTLs, so the same suite runs against real
-servers; no test here sleeps more than about a second, and the class runs in a few seconds.
+A backend's test module subclasses ``CacheContract`` and provides a ``cache`` fixture (the
+class's own, or the module's) that yields a fresh, empty cache (or one whose keys cannot
+collide with other tests: use ``unique_key``). Real time is used, with short TTLs, so the
+same suite runs against real servers; no test here sleeps more than about a second, and
+the class runs in a few seconds.
 
 Knobs a subclass may override for a slow or remote backend:
 
@@ -25,6 +26,7 @@ import time
 import uuid
 
 import pytest
+from workers import ReleaseLater
 
 from simple_mutex import ConditionalCache, SimpleCacheConditionError
 from simple_mutex.contract import Entry
@@ -42,10 +44,11 @@ def unique_key(name: str = "k") -> str:
     return f"contract.{name}.{uuid.uuid4().hex}"
 
 
-def assert_refused(cache: ConditionalCache, key: str, version: str, current: Entry) -> None:
-    """A stale ``version`` can neither set nor delete ``key``, which still holds ``current``."""
+def assert_refused(cache: ConditionalCache, key: str, version: str, current: Entry | None) -> None:
+    """A stale ``version`` can neither set nor delete ``key``, which still holds ``current``
+    (or stays absent)."""
     with pytest.raises(SimpleCacheConditionError):
-        cache.compare_and_set(key, current.value, ttl=30, version=version)
+        cache.compare_and_set(key, current.value if current else "v2", ttl=30, version=version)
     with pytest.raises(SimpleCacheConditionError):
         cache.compare_and_delete(key, version=version)
     assert cache.get(key) == current
@@ -57,17 +60,22 @@ def held(cache: ConditionalCache, value: str, ttl: float = 30) -> tuple[str, Ent
     return key, cache.put_if_absent(key, value, ttl=ttl)
 
 
+def waited_on(cache: ConditionalCache, key: str) -> Entry:
+    """Hold ``key`` and fail a second put on it, as a waiter does before it waits (Redis
+    signals a release only to keys a failed put marked); the holder's entry."""
+    entry = cache.put_if_absent(key, "holder", ttl=60)
+    with pytest.raises(SimpleCacheConditionError):
+        cache.put_if_absent(key, "waiter", ttl=60)
+    return entry
+
+
 class CacheContract:
-    """Subclass me and define a ``cache`` fixture."""
+    """Subclass me where a ``cache`` fixture is defined."""
 
     short_ttl: float = 0.2
     expiry_slack: float = 0.1
     clock_tolerance: float = 1.0
     wait_slack: float = 0.15
-
-    @pytest.fixture
-    def cache(self) -> ConditionalCache:  # pragma: no cover - always overridden
-        raise NotImplementedError
 
     def let_expire(self) -> None:
         time.sleep(self.short_ttl + self.expiry_slack)
@@ -111,11 +119,15 @@ class CacheContract:
     def test_put_of_the_identical_value_returns_the_existing_entry_unchanged(
         self, cache: ConditionalCache
     ) -> None:
-        """Repeating our own put (a lost reply) returns the existing entry, unchanged."""
+        """Repeating our own put (a lost reply, a driver's retry) returns the existing entry
+        unchanged, after a renewal too; the next grant's fence is larger."""
         key, first = held(cache, "same")
-        again = cache.put_if_absent(key, "same", ttl=30)
-        assert again == first
+        assert cache.put_if_absent(key, "same", ttl=30) == first
         assert cache.get(key) == first
+        renewed = cache.compare_and_set(key, "same", ttl=60, version=first.version)
+        assert cache.put_if_absent(key, "same", ttl=30) == renewed
+        cache.compare_and_delete(key, version=renewed.version)
+        assert cache.put_if_absent(key, "same", ttl=30).fence > first.fence
 
     def test_put_if_absent_on_an_expired_key_wins(self, cache: ConditionalCache) -> None:
         """An expired entry counts as absent: a new put takes the key over."""
@@ -249,13 +261,6 @@ class CacheContract:
         third = cache.compare_and_set(key, "v3", ttl=5, version=second.version)
         assert third.expires_at <= time.time() + 5 + self.clock_tolerance
 
-    def test_compare_and_set_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
-        """A CAS naming another version fails and leaves the entry as it was."""
-        key, first = held(cache, "v1")
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v2", ttl=30, version=first.version + "x")
-        assert cache.get(key) == first
-
     def test_a_version_replaced_by_a_renewal_misses(self, cache: ConditionalCache) -> None:
         """After one CAS, the version it replaced can neither set nor delete the entry;
         the new one can."""
@@ -265,28 +270,29 @@ class CacheContract:
         cache.compare_and_delete(key, version=second.version)
         assert cache.get(key) is None
 
-    def test_compare_and_set_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
-        """A CAS on a key never written fails and does not create it."""
-        key = unique_key()
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v1", ttl=30, version="1")
-        assert cache.get(key) is None
+    # -- misses: neither compare_and_set nor compare_and_delete goes through ------------
 
-    def test_compare_and_set_misses_on_a_freed_key(self, cache: ConditionalCache) -> None:
-        """A CAS with the version a key had before it was freed fails; the key stays free."""
+    def test_a_wrong_version_misses(self, cache: ConditionalCache) -> None:
+        """Naming a version the key never had sets and deletes nothing."""
+        key, first = held(cache, "v1")
+        assert_refused(cache, key, first.version + "x", first)
+
+    def test_an_absent_key_misses(self, cache: ConditionalCache) -> None:
+        """A key never written can be neither set (it is not created) nor deleted."""
+        assert_refused(cache, unique_key(), "1", None)
+
+    def test_a_freed_keys_old_version_misses(self, cache: ConditionalCache) -> None:
+        """After a delete, its version neither sets the key (it stays free) nor deletes it
+        a second time."""
         key, first = held(cache, "v1")
         cache.compare_and_delete(key, version=first.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
-        assert cache.get(key) is None
+        assert_refused(cache, key, first.version, None)
 
-    def test_compare_and_set_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
-        """A CAS cannot resurrect an expired entry, even with its own version."""
+    def test_an_expired_entrys_own_version_misses(self, cache: ConditionalCache) -> None:
+        """An expired entry can be neither resurrected nor deleted by its old holder."""
         key, first = held(cache, "v1", self.short_ttl)
         self.let_expire()
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
-        assert cache.get(key) is None
+        assert_refused(cache, key, first.version, None)
 
     # -- compare_and_delete -------------------------------------------------------------
 
@@ -296,32 +302,6 @@ class CacheContract:
         key, entry = held(cache, "v1")
         assert not cache.compare_and_delete(key, version=entry.version)
         assert cache.get(key) is None
-
-    def test_compare_and_delete_twice_misses_the_second_time(self, cache: ConditionalCache) -> None:
-        """A second delete with the same version finds nothing to free."""
-        key, entry = held(cache, "v1")
-        cache.compare_and_delete(key, version=entry.version)
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=entry.version)
-
-    def test_compare_and_delete_misses_on_a_wrong_version(self, cache: ConditionalCache) -> None:
-        """A delete naming another version fails and leaves the entry in place."""
-        key, entry = held(cache, "v1")
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=entry.version + "x")
-        assert cache.get(key) == entry
-
-    def test_compare_and_delete_misses_on_an_absent_key(self, cache: ConditionalCache) -> None:
-        """Deleting a key never written fails."""
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(unique_key(), version="1")
-
-    def test_compare_and_delete_misses_on_an_expired_entry(self, cache: ConditionalCache) -> None:
-        """An expired entry cannot be deleted by its old holder, even with its version."""
-        key, entry = held(cache, "v1", self.short_ttl)
-        self.let_expire()
-        with pytest.raises(SimpleCacheConditionError):
-            cache.compare_and_delete(key, version=entry.version)
 
     def test_stale_holder_cannot_delete_the_new_holders_entry(
         self, cache: ConditionalCache
@@ -377,3 +357,38 @@ class CacheContract:
             if child.exitcode is None:
                 child.kill()
         assert [child.exitcode for child in children] == [0, 0, 0]
+
+
+class NotifyContract:
+    """Caches whose ``wait()`` a release wakes: mix in with CacheContract. A poll would
+    return at the wait's timeout (5 s here); a woken wait within ``wake_bound``."""
+
+    wake_bound: float = 0.05
+    long_wait: float = 5.0
+
+    def test_wait_is_woken_by_a_release_in_another_thread(self, cache: ConditionalCache) -> None:
+        """wait() returns within wake_bound of the release, not at its timeout."""
+        key = unique_key()
+        version = waited_on(cache, key).version
+        release = ReleaseLater(0.05, lambda: cache.compare_and_delete(key, version=version))
+        cache.wait([key], self.long_wait)
+        assert release.woke() < self.wake_bound
+
+    def test_wait_on_several_slots_is_woken_by_any(self, cache: ConditionalCache) -> None:
+        """A waiter on a semaphore's slots is woken by the release of any one of them."""
+        base = unique_key()
+        keys = [base, base + "#1", base + "#2"]
+        entries = [waited_on(cache, k) for k in keys]
+        version = entries[2].version
+        release = ReleaseLater(0.05, lambda: cache.compare_and_delete(keys[2], version=version))
+        cache.wait(keys, self.long_wait)
+        assert release.woke() < self.wake_bound
+
+    def test_a_release_before_the_wait_is_not_lost(self, cache: ConditionalCache) -> None:
+        """The lost wake-up race: the release lands between the waiter's failed put and its
+        wait. wait() still returns at once."""
+        key = unique_key()
+        cache.compare_and_delete(key, version=waited_on(cache, key).version)
+        start = time.monotonic()
+        cache.wait([key], self.long_wait)
+        assert time.monotonic() - start < self.wake_bound

@@ -1,20 +1,39 @@
 """Servers a test run starts for itself, on free loopback ports: never a shared one, and
-never a fixed port (other test runs share this machine)."""
+never a fixed port (other test runs share this machine). ``scripts`` is
+scripts/servers.py, whose starters (a secantusd-py, a weed mini, a redis-server) the
+extras check uses too."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_module(path: Path) -> ModuleType:
+    """Import a module by its path (scripts/ and docs/hooks/ are not packages)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+scripts = load_module(ROOT / "scripts" / "servers.py")
 
 
 def free_port(also: int = 0) -> int:

@@ -1,16 +1,18 @@
 """with_simple_mutex on ``async def`` functions and Mutex.acquire_async: serialization
-without blocking the loop, cancellation on a lapsed lease, and release on cancellation.
+(also behind a plain wrapper), cancellation on a lapsed lease, release on cancellation,
+and ``async with`` (never ``with``) in a coroutine.
 Each test drives its own loop with asyncio.run (no pytest plugin)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
 
 from simple_mutex import (
-    MalfunctionError,
+    ConstraintError,
     Mutex,
     Semaphore,
     SimpleMutexAcquireTimeoutError,
@@ -60,42 +62,13 @@ def test_async_functions_on_one_key_serialize(any_cache):
     assert time.monotonic() - start >= 0.12
 
 
-def test_waiting_for_a_lock_does_not_block_the_event_loop(memory_cache, key):
-    """While one coroutine waits on a held key, other coroutines keep running."""
-    mutex = Mutex(memory_cache)
-    held = mutex.acquire(key)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        for _ in range(5):
-            await asyncio.sleep(0.02)
-            ticks += 1
-        await asyncio.to_thread(held.release)
-
-    async def main():
-        lease_task = asyncio.ensure_future(mutex.acquire_async(key, timeout=5, interval=10))
-        await ticker()
-        return await lease_task
-
-    start = time.monotonic()
-    lease = run(main())
-    assert ticks == 5
-    assert lease.fence > held.fence
-    assert time.monotonic() - start < 1.0  # woken by the release, not a 10 s poll
-
-
 def test_acquire_async_timeout_raises(memory_cache, key):
     """acquire_async on a busy key raises SimpleMutexAcquireTimeoutError after ~timeout."""
     mutex = Mutex(memory_cache)
     mutex.acquire(key)
-
-    async def main():
-        await mutex.acquire_async(key, timeout=0.1, interval=0.02)
-
     start = time.monotonic()
     with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
-        run(main())
+        run(mutex.acquire_async(key, timeout=0.1, interval=0.02))
     assert 0.09 <= time.monotonic() - start < 1.0
     assert info.value.key == key
 
@@ -181,69 +154,6 @@ def test_cancelling_a_caller_that_waits_for_the_lock_leaves_no_lock_behind(memor
     assert not mutex.locked(key)
 
 
-def test_async_body_exception_propagates_and_releases(memory_cache):
-    """An exception from the coroutine comes out unchanged and the key is freed."""
-
-    @with_simple_mutex(key="err", cache=memory_cache)
-    async def fail():
-        await asyncio.sleep(0)
-        raise LookupError("nope")
-
-    with pytest.raises(LookupError, match="nope"):
-        run(fail())
-    assert not Mutex(memory_cache).locked("err")
-
-
-def test_async_template_key_applies_defaults(memory_cache):
-    """An async function's template key binds like a sync one: f(1) == f(phone=1)."""
-    probe = Mutex(memory_cache)
-    seen = []
-
-    @with_simple_mutex(key="phone.{phone}.{region}", cache=memory_cache, timeout=0)
-    async def call(phone, region="eu"):
-        seen.append(probe.locked("phone.1.eu"))
-
-    async def main():
-        await call(1)
-        await call(phone=1)
-
-    run(main())
-    assert seen == [True, True]
-
-
-def test_async_wrapper_keeps_metadata_and_stays_a_coroutine_function(memory_cache):
-    """The async wrapper is itself an ``async def`` with the original's metadata."""
-
-    async def original(a):
-        """Doc."""
-        return a
-
-    wrapped = with_simple_mutex(original, key="m.{a}", cache=memory_cache)
-    assert asyncio.iscoroutinefunction(wrapped)
-    assert wrapped.__name__ == "original"
-    assert wrapped.__doc__ == "Doc."
-    assert run(wrapped(3)) == 3
-
-
-def test_async_acquire_on_a_broken_cache_raises_malfunction_with_the_key():
-    """A cache fault during acquire_async surfaces as MalfunctionError carrying the key."""
-
-    class Broken(InMemoryCache):
-        name = "broken"
-
-        def put_if_absent(self, key, value, *, ttl):
-            raise OSError("down")
-
-        def get(self, key):
-            raise OSError("down")
-
-    mutex = Mutex(Broken())
-    with pytest.raises(MalfunctionError) as info:
-        run(mutex.acquire_async("order.7", timeout=0))
-    assert info.value.key == "order.7"
-    assert "broken" in str(info.value)
-
-
 def test_cancelled_acquire_whose_put_lands_late_leaves_no_orphan_lock(key):
     """A caller cancelled while its put is in flight leaves no orphan lock behind."""
 
@@ -324,3 +234,74 @@ def test_lapsed_async_call_frees_a_record_the_cache_still_holds():
     with pytest.raises(SimpleMutexLeaseExpiredError):
         run(slow())
     assert not Mutex(frozen).locked("lagging"), "the lapsed holder left its record behind"
+
+
+def test_a_sync_with_inside_a_coroutine_is_refused():
+    """`with lease:` in a coroutine would arm the event loop's thread; it is refused."""
+
+    async def body() -> None:
+        mutex = Mutex(InMemoryCache(), lease=5)
+        lease = await mutex.acquire_async("k")
+        try:
+            with pytest.raises(ConstraintError, match="async with"), lease:
+                await asyncio.sleep(0)
+        finally:
+            lease.release()
+
+    asyncio.run(body())
+
+
+def test_async_with_cancels_only_its_own_task_on_loss():
+    """`async with lease:` turns a lapse into SimpleMutexLeaseExpiredError for its task,
+    and a bystander task on the same loop runs on untouched."""
+    mutex = Mutex(InMemoryCache(), lease=0.3)
+    outcome: dict[str, object] = {}
+
+    async def holder() -> None:
+        lease = await mutex.acquire_async("k")
+        started = time.monotonic()
+        try:
+            async with lease:
+                await asyncio.sleep(5)
+        except SimpleMutexLeaseExpiredError:
+            outcome["lost_after"] = time.monotonic() - started
+
+    async def bystander() -> None:
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+        outcome["bystander"] = "done"
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(holder(), bystander()), 10)
+
+    asyncio.run(main())
+    assert outcome["bystander"] == "done"
+    assert 0.2 < outcome["lost_after"] < 2.0  # type: ignore[operator]
+
+
+def test_a_coroutine_behind_a_plain_wrapper_is_still_guarded_as_async():
+    """A functools.wraps decorator over an async def does not make it run unlocked."""
+
+    def traced(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    running = peak = 0
+
+    @with_simple_mutex(key="order.{order_id}", cache=InMemoryCache(), lease=10)
+    @traced
+    async def ship(order_id: int) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(*(ship(7) for _ in range(5))), 10)
+
+    asyncio.run(main())
+    assert peak == 1

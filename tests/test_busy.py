@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from workers import spin
 
 from celery_mutex import MutexTask
 from rq_mutex import mutex_job
@@ -158,8 +159,7 @@ def test_running_body_sees_its_lease_and_a_loss_leaves_as_the_public_error(key):
     def body() -> None:
         with running(lease), lease:
             seen.append(current_lease())
-            while time.monotonic() < started + 5:  # pure Python: interrupted at once
-                pass
+            spin()  # pure Python: interrupted at once
 
     started = time.monotonic()
     with pytest.raises(SimpleMutexLeaseExpiredError) as caught:

@@ -17,7 +17,7 @@ import redis
 from celery.contrib.testing.worker import start_worker
 from celery_support import inproc
 from celery_support.inproc import PREFIX, REDIS_URL, RUNS, app
-from workers import release_later, wait_until
+from workers import ReleaseLater, wait_until
 
 # isort: split
 from celery_mutex import AlreadyQueuedError, is_skipped, signals
@@ -56,26 +56,22 @@ def order_id() -> int:
 
 
 def test_skip_does_not_run_the_body_and_is_ready_at_once(mutex_worker, mutex_locks, order_id):
-    """A busy skip returns a marker at once (get() does not hang), distinct from a success."""
-    with mutex_locks.acquire(f"order.{order_id}"):
-        started = time.monotonic()
-        result = inproc.skip_task.delay(order_id).get(timeout=GET)
-        assert time.monotonic() - started < 3
-    assert is_skipped(result)
-    assert result["key"] == f"order.{order_id}"
-    assert ("skip_task", order_id) not in RUNS
-    assert inproc.skip_task.delay(order_id).get(timeout=GET) == "ran"  # free again: runs
-    assert not is_skipped("ran")
-
-
-def test_positional_and_keyword_calls_share_one_lock(mutex_worker, mutex_locks, order_id):
-    """charge(7) and charge(order_id=7) lock the same key, defaults applied."""
+    """A busy skip returns a marker at once (get() does not hang), distinct from a success,
+    however the call spells its arguments: charge(7), charge(order_id=7) and
+    charge(7, 5) lock one key, defaults applied."""
     task = inproc.skip_task
     assert task.mutex_key(order_id) == task.mutex_key(order_id=order_id, amount=0)
     with mutex_locks.acquire(f"order.{order_id}"):
-        assert is_skipped(task.delay(order_id).get(timeout=GET))
+        started = time.monotonic()
+        result = task.delay(order_id).get(timeout=GET)
+        assert time.monotonic() - started < 3
         assert is_skipped(task.delay(order_id=order_id).get(timeout=GET))
         assert is_skipped(task.apply_async(args=(order_id, 5)).get(timeout=GET))
+    assert is_skipped(result)
+    assert result["key"] == f"order.{order_id}"
+    assert ("skip_task", order_id) not in RUNS
+    assert task.delay(order_id).get(timeout=GET) == "ran"  # free again: runs
+    assert not is_skipped("ran")
 
 
 def test_raise_fails_the_task_with_acquire_timeout(mutex_worker, mutex_locks, order_id):
@@ -91,7 +87,7 @@ def test_raise_fails_the_task_with_acquire_timeout(mutex_worker, mutex_locks, or
 def test_busy_retry_does_not_use_up_max_retries(mutex_worker, mutex_locks, order_id):
     """on_busy='retry' re-queues until free; with max_retries=0 it still completes, and
     the body sees retries == 0 while the busy-retry count went up."""
-    timer = release_later(mutex_locks.acquire(f"order.{order_id}"), 0.6)
+    timer = ReleaseLater(0.6, mutex_locks.acquire(f"order.{order_id}").release)
     try:
         out = inproc.retry_task.delay(order_id).get(timeout=GET)
     finally:
@@ -103,7 +99,7 @@ def test_busy_retry_does_not_use_up_max_retries(mutex_worker, mutex_locks, order
 
 def test_wait_blocks_until_free_and_times_out(mutex_worker, mutex_locks, order_id):
     """on_busy='wait' runs once the holder lets go; with a short timeout it fails."""
-    timer = release_later(mutex_locks.acquire(f"order.{order_id}"), 0.5)
+    timer = ReleaseLater(0.5, mutex_locks.acquire(f"order.{order_id}").release)
     started = time.monotonic()
     assert inproc.wait_task.delay(order_id).get(timeout=GET) == "ran"
     assert time.monotonic() - started >= 0.4
@@ -268,7 +264,7 @@ def test_enqueue_keeps_a_busy_retrying_call_and_its_retries_get_through(
 ):
     """A call re-queued because its key is busy is still 'queued': duplicates return it,
     and its own re-publishes are not swallowed as duplicates (celery-singleton#20)."""
-    timer = release_later(mutex_locks.acquire(f"order.{order_id}"), 0.6)
+    timer = ReleaseLater(0.6, mutex_locks.acquire(f"order.{order_id}").release)
     try:
         first = inproc.queued_retry.delay(order_id)
         time.sleep(0.3)  # it has been busy-retried by now

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from workers import release_later
+from workers import ReleaseLater
 
 # isort: split
 from celery_mutex import MutexTask, current_lease, is_skipped
@@ -188,7 +188,7 @@ def test_always_eager_busy_retry_waits_then_fails_within_its_budget():
     retry = {"countdown": 0.1, "backoff": 1, "jitter": False, "max": 3}
     task = _task(_app(task_always_eager=True), key="e.{n}", cache=cache, retry=retry)
     started = time.monotonic()
-    release_later(Mutex(cache).acquire("e.1"), 0.2)
+    ReleaseLater(0.2, Mutex(cache).acquire("e.1").release)
     assert task.delay(1).get() == "ran"
     assert time.monotonic() - started >= 0.15
     with Mutex(cache).acquire("e.1"):

@@ -1,5 +1,6 @@
 """with_simple_mutex on plain functions: keys from templates (defaults applied) or
-callables, both decorator forms, metadata, busy keys, and exclusion between threads."""
+callables, both decorator forms, metadata, busy keys, and exclusion between threads. What
+holds for an ``async def`` alike runs for both (the rest of async: test_async.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import functools
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+from workers import spin
 
 from simple_mutex import (
     ConstraintError,
@@ -25,17 +29,34 @@ def held_keys(mutex: Mutex, candidates: list[str]) -> list[str]:
     return [k for k in candidates if mutex.locked(k)]
 
 
-def test_template_key_is_filled_from_bound_arguments_with_defaults(memory_cache):
-    """f(1), f(phone=1) and f(1, 'eu') all lock 'phone.1.eu'; f(1, 'us') locks another."""
+def decorated(kind: str, body: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``body`` guarded by with_simple_mutex as a plain function ("sync"), or behind an
+    ``async def`` of the same signature ("async") that each call runs to its end."""
+    if kind == "sync":
+        return with_simple_mutex(body, **options)
+
+    @functools.wraps(body)
+    async def coroutine(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0)
+        return body(*args, **kwargs)
+
+    guarded = with_simple_mutex(coroutine, **options)
+    return lambda *args, **kwargs: asyncio.run(guarded(*args, **kwargs))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_template_key_is_filled_from_bound_arguments_with_defaults(memory_cache, kind):
+    """f(1), f(phone=1) and f(1, 'eu') all lock 'phone.1.eu'; f(1, 'us') locks another;
+    for a plain function and an async def alike."""
     probe = Mutex(memory_cache)
     candidates = ["phone.1.eu", "phone.1.us", "phone.{phone}.{region}", "phone.1.{region}"]
     seen: list[list[str]] = []
 
-    @with_simple_mutex(key="phone.{phone}.{region}", cache=memory_cache, timeout=0)
-    def call(phone, region="eu"):
+    def body(phone, region="eu"):
         seen.append(held_keys(probe, candidates))
         return phone
 
+    call = decorated(kind, body, key="phone.{phone}.{region}", cache=memory_cache, timeout=0)
     assert call(1) == 1
     call(phone=1)
     call(1, "eu")
@@ -45,31 +66,9 @@ def test_template_key_is_filled_from_bound_arguments_with_defaults(memory_cache)
     assert held_keys(probe, candidates) == []  # all released
 
 
-def test_positional_and_keyword_calls_exclude_each_other(memory_cache):
-    """While f(1) runs, f(phone=1) from another thread finds the same key busy."""
-    inside = threading.Event()
-    leave = threading.Event()
-
-    @with_simple_mutex(key="phone.{phone}", cache=memory_cache, timeout=0)
-    def call(phone, note="x"):
-        inside.set()
-        assert leave.wait(5)
-
-    worker = threading.Thread(target=call, args=(1,), daemon=True)
-    worker.start()
-    try:
-        assert inside.wait(5)
-        with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
-            call(phone=1, note="y")
-        assert info.value.key == "phone.1"
-    finally:
-        leave.set()
-        worker.join(5)
-    call(phone=1)  # free again
-
-
-def test_template_may_reach_into_attributes(memory_cache):
-    """'{order.id}' formats an attribute of the argument."""
+def test_templates_reach_into_attributes_of_arguments_and_self(memory_cache):
+    """'{order.id}' formats an attribute of an argument; on a method, '{self.number}'
+    keys each instance apart."""
 
     @dataclass
     class Order:
@@ -80,21 +79,32 @@ def test_template_may_reach_into_attributes(memory_cache):
 
     @with_simple_mutex(key="order.{order.id}", cache=memory_cache)
     def ship(order):
-        seen.append(probe.locked("order.17"))
+        seen.append(held_keys(probe, ["order.17"]))
+
+    class Account:
+        def __init__(self, number):
+            self.number = number
+
+        @with_simple_mutex(key="acct.{self.number}", cache=memory_cache)
+        def settle(self):
+            seen.append(held_keys(probe, ["acct.1", "acct.2"]))
 
     ship(Order(17))
-    assert seen == [True]
+    Account(1).settle()
+    Account(2).settle()
+    assert seen == [["order.17"], ["acct.1"], ["acct.2"]]
 
 
-def test_callable_key_receives_the_call_arguments(memory_cache):
-    """A callable key gets the same arguments as the function and names the lock."""
+def test_callable_key_receives_the_call_arguments_and_must_return_a_str(memory_cache):
+    """A callable key gets the same arguments as the function and names the lock; one
+    returning a non-str raises ConstraintError before the body runs."""
     probe = Mutex(memory_cache)
     calls = []
     seen = []
 
     def key_of(a, b=2, **extra):
         calls.append((a, b, extra))
-        return f"sum.{a + b}"
+        return f"sum.{a + b}" if a else a
 
     @with_simple_mutex(key=key_of, cache=memory_cache)
     def add(a, b=2, **extra):
@@ -104,19 +114,9 @@ def test_callable_key_receives_the_call_arguments(memory_cache):
     assert add(1, b=5, c=3) == 6
     assert calls == [(1, 5, {"c": 3})]
     assert seen == [True]
-
-
-def test_callable_key_returning_a_non_string_is_refused(memory_cache):
-    """A key function returning a non-str raises ConstraintError before the body runs."""
-    ran = []
-
-    @with_simple_mutex(key=lambda n: n, cache=memory_cache)
-    def work(n):
-        ran.append(n)
-
     with pytest.raises(ConstraintError, match="non-empty str"):
-        work(5)
-    assert ran == []
+        add(0)
+    assert seen == [True]
 
 
 def test_template_naming_a_missing_argument_fails_at_decoration(memory_cache):
@@ -155,39 +155,27 @@ def test_arguments_that_do_not_fit_raise_constraint_error(memory_cache):
         f(1, 2)
 
 
-def test_direct_form_and_factory_form_both_guard(memory_cache):
-    """with_simple_mutex(fn, ...) and @with_simple_mutex(...) both lock the key."""
-    probe = Mutex(memory_cache)
-    seen = []
-
-    def body():
-        seen.append(probe.locked("direct"))
-
-    direct = with_simple_mutex(body, key="direct", cache=memory_cache)
-    direct()
-
-    @with_simple_mutex(key="direct", cache=memory_cache)
-    def factory():
-        seen.append(probe.locked("direct"))
-
-    factory()
-    assert seen == [True, True]
-
-
-def test_wraps_keeps_function_metadata(memory_cache):
-    """The wrapper keeps name, qualname, doc, module and __wrapped__."""
+def test_wrappers_keep_function_metadata(memory_cache):
+    """The wrapper keeps name, qualname, doc, module and __wrapped__; an async def's
+    wrapper is itself an async def."""
 
     def original(a: int, b: str = "x") -> str:
         """Original docstring."""
         return b * a
 
+    async def coroutine(a):
+        """Doc."""
+        return a
+
     wrapped = with_simple_mutex(original, key="m.{a}", cache=memory_cache)
-    assert wrapped.__name__ == "original"
-    assert wrapped.__qualname__ == original.__qualname__
-    assert wrapped.__doc__ == "Original docstring."
-    assert wrapped.__module__ == original.__module__
-    assert wrapped.__wrapped__ is original  # type: ignore[attr-defined]
+    wrapped_async = with_simple_mutex(coroutine, key="m.{a}", cache=memory_cache)
+    for logic, wrapper in ((original, wrapped), (coroutine, wrapped_async)):
+        for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
+            assert getattr(wrapper, attribute) == getattr(logic, attribute)
+        assert wrapper.__wrapped__ is logic  # type: ignore[attr-defined]
     assert wrapped(2, "ab") == "abab"
+    assert asyncio.iscoroutinefunction(wrapped_async)
+    assert asyncio.run(wrapped_async(3)) == 3
 
 
 def test_timeout_zero_on_a_busy_key_raises_acquire_timeout(memory_cache):
@@ -211,15 +199,15 @@ def test_timeout_zero_on_a_busy_key_raises_acquire_timeout(memory_cache):
     assert ran == [2, 1]
 
 
-def test_body_exception_propagates_and_releases(memory_cache):
-    """An exception from the function comes out unchanged and the key is freed."""
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_body_exception_propagates_and_releases(memory_cache, kind):
+    """An exception from the function (or coroutine) comes out unchanged; the key is freed."""
 
-    @with_simple_mutex(key="err", cache=memory_cache)
     def fail():
         raise LookupError("nope")
 
     with pytest.raises(LookupError, match="nope"):
-        fail()
+        decorated(kind, fail, key="err", cache=memory_cache)()
     assert not Mutex(memory_cache).locked("err")
 
 
@@ -228,9 +216,7 @@ def test_lease_lapse_interrupts_the_function(memory_cache):
 
     @with_simple_mutex(key="slow", cache=memory_cache, lease=0.2)
     def slow():
-        end = time.monotonic() + 5
-        while time.monotonic() < end:
-            pass
+        spin()
 
     start = time.monotonic()
     with pytest.raises(SimpleMutexLeaseExpiredError) as info:
@@ -276,31 +262,6 @@ def test_threads_incrementing_a_counter_end_exact_with_zero_overlaps(memory_cach
     intervals.sort()
     overlaps = [(a, b) for a, b in itertools.pairwise(intervals) if b[0] < a[1]]
     assert overlaps == []
-
-
-def test_decorating_a_non_callable_is_refused(memory_cache):
-    """The factory form applied to a non-function raises ConstraintError."""
-    decorate = with_simple_mutex(key="k", cache=memory_cache)
-    with pytest.raises(ConstraintError, match="wraps a function"):
-        decorate(42)  # type: ignore[type-var]
-
-
-def test_decorated_method_keys_from_self_attributes(memory_cache):
-    """On a method, a template can use self's attributes; instances lock separately."""
-    probe = Mutex(memory_cache)
-    seen = []
-
-    class Account:
-        def __init__(self, number):
-            self.number = number
-
-        @with_simple_mutex(key="acct.{self.number}", cache=memory_cache)
-        def settle(self):
-            seen.append(held_keys(probe, ["acct.1", "acct.2"]))
-
-    Account(1).settle()
-    Account(2).settle()
-    assert seen == [["acct.1"], ["acct.2"]]
 
 
 def test_partial_objects_can_be_wrapped(memory_cache):

@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -83,19 +82,6 @@ def test_a_release_wakes_a_waiter_in_another_process_with_default_settings(tmp_p
     assert gate.stat().st_size == 4096
 
 
-def test_a_waiter_wakes_when_the_lease_it_waits_on_ends(tmp_path: Path):
-    """Expiry frees a key without any release: a waiter blocked on it (1 s poll) takes it
-    over within 0.1 s of the lease's end, not at its next poll."""
-    mutex = Mutex(DiskCache(tmp_path / "locks"), prefix=PREFIX, lease=0.4)
-    key = new_key()
-    held = mutex.acquire(key, timeout=0)
-    start = time.monotonic()
-    taken = Mutex(DiskCache(tmp_path / "locks"), prefix=PREFIX).acquire(key, timeout=5)
-    assert time.monotonic() - start < 0.4 + 0.1
-    assert taken.fence > held.fence
-    assert taken.release() is True
-
-
 @pytest.mark.slow
 def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path: Path, children):
     """Processes that open one fresh directory at the same instant race to set the store
@@ -105,25 +91,6 @@ def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path: Path, child
         started = [procs.start(procs.first_use, url, barrier) for _ in range(4)]
         children.extend(started)
         procs.join_all(started, timeout=60)
-
-
-def test_a_store_from_before_waiter_marks_gets_the_column(tmp_path: Path):
-    """A store written by an older version (no ``waiting`` column) is brought up to date
-    on first use, and waiters are woken on it."""
-    (tmp_path / "old").mkdir()
-    with closing(sqlite3.connect(tmp_path / "old" / FILENAME)) as conn:
-        conn.execute(
-            "CREATE TABLE entries (key TEXT PRIMARY KEY, value TEXT, version TEXT NOT NULL, "
-            "fence INTEGER NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID"
-        )
-    cache = DiskCache(tmp_path / "old")
-    entry = cache.put_if_absent("k", "v", ttl=30)
-    waiter = threading.Thread(target=cache.wait, args=(["k"], 5.0))
-    waiter.start()
-    time.sleep(0.1)
-    assert cache.compare_and_delete("k", version=entry.version) is True
-    waiter.join(1)
-    assert not waiter.is_alive()
 
 
 @pytest.mark.slow

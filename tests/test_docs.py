@@ -10,35 +10,19 @@ the line before it; a marker without a reason fails.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from servers import ROOT, load_module, scripts
 
-ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def _load(path: Path) -> ModuleType:
-    """Import a module by its path (scripts/ and docs/hooks/ are not packages)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# The same server starters scripts/check_extras.sh uses.
-servers = _load(ROOT / "scripts" / "servers.py")
 
 
 def pages() -> list[Path]:
@@ -76,13 +60,13 @@ PAGES_WITH_CODE = [page for page in pages() if examples(page)]
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """A private redis-server: examples enqueue jobs no shared server should keep."""
-    with servers.redis_server() as url:
+    with scripts.redis_server() as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def mongodb_url() -> Iterator[str]:
-    with servers.mongo_server() as url:
+    with scripts.mongo_server() as url:
         yield url.rstrip("/")
 
 
@@ -91,16 +75,16 @@ def s3_env() -> Iterator[dict[str, str]]:
     """boto3's own variables point ``boto3.client("s3")`` at SeaweedFS; ``my-bucket`` exists."""
     import boto3
 
-    with servers.s3_server() as endpoint:
+    with scripts.s3_server() as endpoint:
         env = {
             "AWS_ENDPOINT_URL_S3": endpoint,
-            "AWS_ACCESS_KEY_ID": servers.S3_ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": servers.S3_SECRET_KEY,
+            "AWS_ACCESS_KEY_ID": scripts.S3_ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": scripts.S3_SECRET_KEY,
             "AWS_DEFAULT_REGION": "us-east-1",
         }
         boto3.client(
             "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id=servers.S3_ACCESS_KEY, aws_secret_access_key=servers.S3_SECRET_KEY,
+            aws_access_key_id=scripts.S3_ACCESS_KEY, aws_secret_access_key=scripts.S3_SECRET_KEY,
         ).create_bucket(Bucket="my-bucket")  # fmt: skip
         yield env
 
@@ -146,7 +130,7 @@ def test_a_not_run_marker_needs_a_reason(tmp_path: Path) -> None:
 
 
 def _design_nav(docs_dir: Path) -> list[object]:
-    hook = _load(ROOT / "docs" / "hooks" / "design_nav.py")
+    hook = load_module(ROOT / "docs" / "hooks" / "design_nav.py")
     config = hook.on_config({"docs_dir": str(docs_dir), "nav": [{"Home": "index.md"}]})
     return list(config["nav"])
 

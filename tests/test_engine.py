@@ -18,6 +18,7 @@ import pytest
 from simple_mutex import (
     InMemoryCache,
     MalfunctionError,
+    Mutex,
     SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
     engine,
@@ -39,12 +40,15 @@ from simple_mutex.engine import (
 
 VALUE = '{"token":"ours"}'
 OTHER = '{"token":"theirs"}'
+START = 1000.0  # the fake clock's reading when a flow starts
+OURS = Entry(VALUE, "v2", 7, 1e9)
+THEIRS = Entry(OTHER, "v9", 8, 1e9)
 
 
 class FakeClock:
     """A monotonic clock that only moves when told to."""
 
-    def __init__(self, start: float = 1000.0) -> None:
+    def __init__(self, start: float = START) -> None:
         self.t = start
 
     def __call__(self) -> float:
@@ -53,6 +57,36 @@ class FakeClock:
 
 def entry_for(op: PutIfAbsent, fence: int = 7) -> Entry:
     return Entry(op.value, f"v{fence}", fence, 1e9)
+
+
+def held() -> SimpleCacheConditionError:
+    return SimpleCacheConditionError("held")
+
+
+def scripted(*answers: Any) -> Callable[[Any], Any]:
+    """Answer ops in order: an exception instance is raised, a function is called with the
+    op, anything else is returned."""
+    queue = list(answers)
+
+    def answer(op: Any) -> Any:
+        result = queue.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        return result(op) if callable(result) else result
+
+    return answer
+
+
+def busy(op: Any) -> Any:
+    """Every put finds the key held."""
+    if type(op) is PutIfAbsent:
+        raise held()
+    raise AssertionError(f"unexpected op {op!r}")
+
+
+def busy_then_granted(times: int) -> Callable[[Any], Any]:
+    """The first ``times`` puts find the key held; the next one is granted."""
+    return scripted(*[held() for _ in range(times)], entry_for)
 
 
 class Driver:
@@ -66,21 +100,19 @@ class Driver:
         answer: Callable[[Any], Any],
         *,
         write_cost: float = 0.0,
-        max_ops: int = 100_000,
         wait_errors: Sequence[MalfunctionError] = (),
     ) -> None:
         self.clock = clock
         self.answer = answer
         self.write_cost = write_cost
         self.wait_errors = list(wait_errors)  # raised by the first Waits, in order
-        self.max_ops = max_ops
         self.ops: list[Any] = []
         self.issued_at: list[float] = []
 
     def drive(self, flow: Any) -> Any:
         op = next(flow)
         while True:
-            assert len(self.ops) < self.max_ops, "flow never finished"
+            assert len(self.ops) < 100_000, "flow never finished"
             self.ops.append(op)
             self.issued_at.append(self.clock.t)
             if type(op) is Wait and self.wait_errors:
@@ -103,12 +135,8 @@ class Driver:
     def waits(self) -> list[Wait]:
         return [op for op in self.ops if type(op) is Wait]
 
-    def puts(self) -> list[PutIfAbsent]:
-        return [op for op in self.ops if type(op) is PutIfAbsent]
 
-
-def flow(
-    clock: FakeClock,
+def acquire_flow(
     *,
     slot_keys: Sequence[str] = ("mutex.k",),
     timeout: float | None = 10.0,
@@ -116,24 +144,45 @@ def flow(
     lease: float = 30.0,
     seed: int = 1,
     courtesy: float = 0.0,
+    value: str = VALUE,
+    now: FakeClock | None = None,
 ) -> Any:
+    """An acquire flow of key "k" (our VALUE, a 30 s lease, a 10 s timeout by default)."""
     return engine.acquire(
         courtesy=courtesy,
         key="k",
         slot_keys=list(slot_keys),
-        value=VALUE,
+        value=value,
         lease=lease,
         timeout=timeout,
         interval=interval,
-        now=clock,
+        now=now or FakeClock(),
         rng=random.Random(seed),
     )
 
 
-def busy(op: Any) -> Any:
-    if type(op) is PutIfAbsent:
-        raise SimpleCacheConditionError("held")
-    raise AssertionError(f"unexpected op {op!r}")
+def acquire(
+    answer: Callable[[Any], Any],
+    *,
+    write_cost: float = 0.0,
+    wait_errors: Sequence[MalfunctionError] = (),
+    **options: Any,
+) -> tuple[Driver, Any]:
+    """Drive ``acquire_flow(**options)`` from START; the driver (its ops and clock) and the
+    grant, or the SimpleMutexAcquireTimeoutError or MalfunctionError it raised."""
+    clock = FakeClock()
+    runner = Driver(clock, answer, write_cost=write_cost, wait_errors=wait_errors)
+    try:
+        return runner, runner.drive(acquire_flow(now=clock, **options))
+    except (SimpleMutexAcquireTimeoutError, MalfunctionError) as error:
+        return runner, error
+
+
+def timed_out(answer: Callable[[Any], Any] = busy, **options: Any) -> Driver:
+    """Drive an acquire that must end in SimpleMutexAcquireTimeoutError; its driver."""
+    driver, error = acquire(answer, **options)
+    assert type(error) is SimpleMutexAcquireTimeoutError, error
+    return driver
 
 
 # -- grant -----------------------------------------------------------------------------
@@ -141,47 +190,27 @@ def busy(op: Any) -> Any:
 
 def test_free_key_is_granted_on_the_first_put():
     """A free key costs exactly one put-if-absent carrying our value and the lease."""
-    clock = FakeClock()
-    driver = Driver(clock, entry_for)
-    grant = driver.drive(flow(clock, lease=12.5))
+    driver, grant = acquire(entry_for, lease=12.5)
     assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 12.5)]
-    assert type(driver.ops[0]) is PutIfAbsent
     assert grant.slot == 0
     assert grant.entry == Entry(VALUE, "v7", 7, 1e9)
 
 
 def test_grant_started_is_taken_before_the_winning_put():
     """Grant.started is the clock just before the winning write, not after it returned."""
-    clock = FakeClock()
-    answers = iter([SimpleCacheConditionError("held"), None])
-
-    def answer(op: Any) -> Any:
-        error = next(answers)
-        if error is not None:
-            raise error
-        return entry_for(op)
-
-    driver = Driver(clock, answer, write_cost=0.25)
-    grant = driver.drive(flow(clock))
+    driver, grant = acquire(busy_then_granted(1), write_cost=0.25)
     winning = max(i for i, op in enumerate(driver.ops) if type(op) is PutIfAbsent)
     assert grant.started == driver.issued_at[winning]
-    assert grant.started < clock.t  # the write itself took time after it
-    assert grant.started > 1000.0  # and it is not the start of the whole flow
+    assert grant.started < driver.clock.t  # the write itself took time after it
+    assert grant.started > START  # and it is not the start of the whole flow
 
 
 def test_grant_started_precedes_the_put_even_when_resolved_by_read_back():
     """After an ambiguous put resolved by a read-back, started is still before the put."""
-    clock = FakeClock()
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise MalfunctionError("timed out")
-        return Entry(VALUE, "v3", 3, 1e9)
-
-    driver = Driver(clock, answer, write_cost=0.5)
-    grant = driver.drive(flow(clock))
-    assert grant.started == 1000.0
-    assert clock.t == 1001.0  # the put and the get each cost 0.5
+    answer = scripted(MalfunctionError("timed out"), Entry(VALUE, "v3", 3, 1e9))
+    driver, grant = acquire(answer, write_cost=0.5)
+    assert grant.started == START
+    assert driver.clock.t == START + 1.0  # the put and the get each cost 0.5
 
 
 # -- timeout ---------------------------------------------------------------------------
@@ -193,68 +222,41 @@ def test_grant_started_precedes_the_put_even_when_resolved_by_read_back():
 )
 def test_busy_key_times_out_exactly_at_the_deadline(timeout, interval, seed):
     """Waits never overrun the time left, sum to the timeout, and a last try ends it."""
-    clock = FakeClock()
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError) as info:
-        driver.drive(flow(clock, timeout=timeout, interval=interval, seed=seed))
-    deadline = 1000.0 + timeout
+    driver, error = acquire(busy, timeout=timeout, interval=interval, seed=seed)
+    assert type(error) is SimpleMutexAcquireTimeoutError
+    deadline = START + timeout
     for op, at in zip(driver.ops, driver.issued_at, strict=True):
         if type(op) is Wait:
             assert op.seconds <= deadline - at + 1e-9
     assert sum(w.seconds for w in driver.waits()) == pytest.approx(timeout, abs=1e-9)
-    assert clock.t == pytest.approx(deadline, abs=1e-9)
+    assert driver.clock.t == pytest.approx(deadline, abs=1e-9)
     assert type(driver.ops[-1]) is PutIfAbsent  # one last try once the deadline arrived
-    assert info.value.key == "k"
-    assert "timeout" in str(info.value)
+    assert error.key == "k"
+    assert "timeout" in str(error)
 
 
-def test_timeout_zero_tries_once_without_waiting():
-    """timeout=0 makes one put and raises, never yielding a Wait."""
-    clock = FakeClock()
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, timeout=0))
-    assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 30.0)]
-    assert clock.t == 1000.0
-
-
-def test_timeout_zero_on_a_semaphore_tries_every_slot_once():
-    """timeout=0 on N slots makes exactly N puts, one per slot, and no Wait."""
-    clock = FakeClock()
-    slots = [f"s#{i}" for i in range(5)]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=0))
-    assert driver.waits() == []
-    assert sorted(op.key for op in driver.puts()) == sorted(slots)
+@pytest.mark.parametrize("slots", [1, 5])
+def test_timeout_zero_tries_every_slot_once_without_waiting(slots):
+    """timeout=0 makes exactly one put per slot and raises, never yielding a Wait."""
+    keys = ["mutex.k"] if slots == 1 else [f"s#{i}" for i in range(slots)]
+    driver = timed_out(slot_keys=keys, timeout=0)
+    assert sorted(op.key for op in driver.ops) == sorted(keys)
+    assert all(op == PutIfAbsent(op.key, VALUE, 30.0) for op in driver.ops)  # no Wait
+    assert driver.clock.t == START
 
 
 def test_timeout_none_keeps_waiting_until_the_key_frees():
     """timeout=None never gives up: it waits through hundreds of polls, then wins."""
-    clock = FakeClock()
-    tries = 0
-
-    def answer(op: Any) -> Any:
-        nonlocal tries
-        tries += 1
-        if tries < 500:
-            raise SimpleCacheConditionError("held")
-        return entry_for(op)
-
-    driver = Driver(clock, answer)
-    grant = driver.drive(flow(clock, timeout=None, interval=1.0))
+    driver, grant = acquire(busy_then_granted(499), timeout=None)
     assert grant.slot == 0
     assert len(driver.waits()) == 499
-    assert clock.t - 1000.0 > 200  # far past any default-looking bound
+    assert driver.clock.t - START > 200  # far past any default-looking bound
 
 
 def test_wait_names_every_slot_key():
     """A Wait lists all slot keys, so a release of any permit can wake the waiter."""
-    clock = FakeClock()
     slots = ["a", "a#1", "a#2"]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=3.0))
+    driver = timed_out(slot_keys=slots, timeout=3.0)
     assert driver.waits()
     assert all(w.keys == tuple(slots) for w in driver.waits())
 
@@ -273,18 +275,7 @@ def test_poll_pause_stays_within_half_and_one_and_a_half_intervals():
 
 def test_waits_in_a_flow_are_jittered_within_bounds():
     """Without a deadline, every Wait is 0.5x..1.5x interval and they are not all equal."""
-    clock = FakeClock()
-    tries = 0
-
-    def answer(op: Any) -> Any:
-        nonlocal tries
-        tries += 1
-        if tries <= 200:
-            raise SimpleCacheConditionError("held")
-        return entry_for(op)
-
-    driver = Driver(clock, answer)
-    driver.drive(flow(clock, timeout=None, interval=0.4, seed=9))
+    driver, _ = acquire(busy_then_granted(200), timeout=None, interval=0.4, seed=9)
     seconds = [w.seconds for w in driver.waits()]
     assert len(seconds) == 200
     assert all(0.2 <= s <= 0.6 for s in seconds)
@@ -293,17 +284,13 @@ def test_waits_in_a_flow_are_jittered_within_bounds():
 
 def test_waiters_with_different_seeds_do_not_stay_in_step():
     """Two waiters started together poll at different times (the point of jitter)."""
-    waits = []
-    for seed in (1, 2):
-        clock = FakeClock()
-        driver = Driver(clock, busy)
-        with pytest.raises(SimpleMutexAcquireTimeoutError):
-            driver.drive(flow(clock, timeout=20.0, seed=seed))
-        waits.append([w.seconds for w in driver.waits()[:5]])
-    assert waits[0] != waits[1]
+    first, second = (timed_out(timeout=20.0, seed=seed).waits()[:5] for seed in (1, 2))
+    assert [w.seconds for w in first] != [w.seconds for w in second]
 
 
 # -- semaphore slots -------------------------------------------------------------------
+
+SLOTS = [f"s#{i}" for i in range(4)]
 
 
 def rounds_of_puts(ops: list[Any]) -> list[list[str]]:
@@ -317,45 +304,27 @@ def rounds_of_puts(ops: list[Any]) -> list[list[str]]:
     return [r for r in rounds if r]
 
 
-def test_semaphore_tries_every_slot_once_per_round_in_cyclic_order():
-    """Between two Waits each slot is tried exactly once, walking cyclically from a start."""
-    clock = FakeClock()
-    slots = [f"s#{i}" for i in range(4)]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=30.0, seed=3))
-    rounds = rounds_of_puts(driver.ops)
+def test_semaphore_tries_every_slot_once_per_round_from_a_random_start():
+    """Between two Waits each slot is tried exactly once, walking cyclically from a start
+    that varies across rounds and covers every slot."""
+    rounds = rounds_of_puts(timed_out(slot_keys=SLOTS, timeout=200.0, seed=11).ops)
     assert len(rounds) > 10
     for keys in rounds:
-        assert sorted(keys) == sorted(slots)
-        first = slots.index(keys[0])
-        assert keys == [slots[(first + i) % 4] for i in range(4)]
-
-
-def test_semaphore_start_slot_is_random():
-    """The first slot tried varies across attempts, covering every slot."""
-    clock = FakeClock()
-    slots = [f"s#{i}" for i in range(4)]
-    driver = Driver(clock, busy)
-    with pytest.raises(SimpleMutexAcquireTimeoutError):
-        driver.drive(flow(clock, slot_keys=slots, timeout=200.0, seed=11))
-    starts = [keys[0] for keys in rounds_of_puts(driver.ops)]
-    assert set(starts) == set(slots)
+        first = SLOTS.index(keys[0])
+        assert keys == [SLOTS[(first + i) % 4] for i in range(4)]
+    assert {keys[0] for keys in rounds} == set(SLOTS)
 
 
 def test_semaphore_grants_the_first_free_slot_it_reaches():
     """With some slots busy, the grant names the free slot and its entry."""
-    clock = FakeClock()
-    slots = ["s", "s#1", "s#2"]
 
     def answer(op: Any) -> Any:
         if op.key != "s#2":
-            raise SimpleCacheConditionError("held")
+            raise held()
         return entry_for(op, fence=40)
 
     for seed in range(6):
-        driver = Driver(clock, answer)
-        grant = driver.drive(flow(clock, slot_keys=slots, seed=seed))
+        driver, grant = acquire(answer, slot_keys=["s", "s#1", "s#2"], seed=seed)
         assert grant.slot == 2
         assert grant.entry.fence == 40
         assert driver.waits() == []
@@ -366,19 +335,9 @@ def test_semaphore_grants_the_first_free_slot_it_reaches():
 
 def test_ambiguous_put_whose_read_back_shows_our_value_is_granted():
     """A MalfunctionError on put followed by a Get showing our value counts as granted."""
-    clock = FakeClock()
     ours = Entry(VALUE, "v5", 5, 1e9)
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise MalfunctionError("reply lost")
-        assert type(op) is Get
-        return ours
-
-    driver = Driver(clock, answer)
-    grant = driver.drive(flow(clock))
+    driver, grant = acquire(scripted(MalfunctionError("reply lost"), ours))
     assert driver.ops == [PutIfAbsent("mutex.k", VALUE, 30.0), Get("mutex.k")]
-    assert type(driver.ops[1]) is Get
     assert grant.entry == ours
     assert grant.slot == 0
 
@@ -386,55 +345,41 @@ def test_ambiguous_put_whose_read_back_shows_our_value_is_granted():
 @pytest.mark.parametrize("seen", [Entry(OTHER, "v9", 9, 1e9), None])
 def test_ambiguous_put_whose_read_back_shows_another_value_reraises(seen):
     """A Get showing someone else's value (or nothing) re-raises the original fault."""
-    clock = FakeClock()
     fault = MalfunctionError("reply lost")
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise fault
-        return seen
-
-    driver = Driver(clock, answer)
-    with pytest.raises(MalfunctionError) as info:
-        driver.drive(flow(clock))
-    assert info.value is fault
+    driver, error = acquire(scripted(fault, seen))
+    assert error is fault
     assert [type(op) for op in driver.ops] == [PutIfAbsent, Get]
 
 
 def test_ambiguous_put_on_a_semaphore_reads_back_the_same_slot():
     """The read-back targets the slot whose put failed ambiguously."""
-    clock = FakeClock()
     slots = ["s", "s#1", "s#2"]
-
-    def answer(op: Any) -> Any:
-        if type(op) is PutIfAbsent:
-            raise MalfunctionError("reply lost")
-        return Entry(VALUE, "v1", 1, 1e9)
-
-    driver = Driver(clock, answer)
-    grant = driver.drive(flow(clock, slot_keys=slots, seed=5))
+    answer = scripted(MalfunctionError("reply lost"), Entry(VALUE, "v1", 1, 1e9))
+    driver, grant = acquire(answer, slot_keys=slots, seed=5)
     put, get = driver.ops
     assert get == Get(put.key)
     assert slots[grant.slot] == put.key
 
 
+# -- courtesy and a failed wait ------------------------------------------------------------
+
+
+def test_courtesy_pauses_before_the_first_put():
+    """A holder that just woke a waiter pauses before asking again, so the waiter wins."""
+    driver, _ = acquire(entry_for, courtesy=0.004)
+    assert [type(op) for op in driver.ops] == [Pause, PutIfAbsent]
+    assert driver.ops[0].seconds == pytest.approx(0.004)
+
+
+def test_courtesy_never_outlasts_the_timeout_and_try_once_skips_it():
+    """The pause is capped by the wait timeout, and timeout=0 (try once) never pauses."""
+    capped, _ = acquire(entry_for, courtesy=0.004, timeout=0.001)
+    assert capped.ops[0] == Pause(0.001)
+    once, _ = acquire(entry_for, courtesy=0.004, timeout=0)
+    assert [type(op) for op in once.ops] == [PutIfAbsent]
+
+
 # -- renew, release, take-over, release-where, abandon: the same unclear-outcome rule -----
-
-OURS = Entry(VALUE, "v2", 7, 1e9)
-THEIRS = Entry(OTHER, "v9", 8, 1e9)
-
-
-def scripted(*answers: Any) -> Callable[[Any], Any]:
-    """Answer ops in order: an exception instance is raised, anything else returned."""
-    queue = list(answers)
-
-    def answer(op: Any) -> Any:
-        result = queue.pop(0)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    return answer
 
 
 def drive(flow: Any, *answers: Any) -> tuple[Any, list[Any]]:
@@ -554,27 +499,17 @@ def test_read_returns_each_slots_entry():
 # -- the blocking and asyncio drivers against a real cache -----------------------------
 
 
-def real_flow(keys: Sequence[str], *, timeout: float | None, value: str = VALUE) -> Any:
-    return engine.acquire(
-        key="k",
-        slot_keys=list(keys),
-        value=value,
-        lease=30.0,
-        timeout=timeout,
-        interval=0.05,
-        now=FakeClock(),
-        rng=random.Random(0),
-    )
-
-
-def test_run_grants_on_a_free_in_memory_key_and_times_out_on_a_held_one():
-    """run() writes the record into the cache; a second run with timeout=0 is refused."""
+@pytest.mark.parametrize("driver", ["blocking", "asyncio"])
+def test_a_driver_grants_a_free_key_and_times_out_on_a_held_one(driver):
+    """run() and run_async() write the record into the cache; a second acquire with
+    timeout=0 is refused and leaves it as it was."""
     cache = InMemoryCache()
-    grant = run(cache, real_flow(["mutex.k"], timeout=0))
+    drive = run if driver == "blocking" else lambda c, f: asyncio.run(run_async(c, f))
+    grant = drive(cache, acquire_flow(timeout=0))
     assert cache.get("mutex.k") == grant.entry
     assert grant.entry.value == VALUE
     with pytest.raises(SimpleMutexAcquireTimeoutError):
-        run(cache, real_flow(["mutex.k"], timeout=0, value=OTHER))
+        drive(cache, acquire_flow(timeout=0, value=OTHER))
     assert cache.get("mutex.k") == grant.entry
 
 
@@ -592,18 +527,11 @@ def test_run_executes_waits_and_retries_after_a_release():
             self.compare_and_delete("mutex.k", version=self.blocker.version)
 
     cache = ReleasingCache()
-    grant = run(cache, real_flow(["mutex.k"], timeout=None))
+    grant = run(cache, acquire_flow(timeout=None))
     assert len(cache.waits) == 1
     assert cache.waits[0][0] == ("mutex.k",)
     assert grant.entry.value == VALUE
     assert grant.entry.fence > cache.blocker.fence
-
-
-def test_run_async_grants_on_an_in_memory_key():
-    """The asyncio driver runs the same flow to the same grant."""
-    cache = InMemoryCache()
-    grant = asyncio.run(run_async(cache, real_flow(["mutex.k"], timeout=0)))
-    assert cache.get("mutex.k") == grant.entry
 
 
 class BrokenCache(InMemoryCache):
@@ -638,38 +566,20 @@ def test_execute_passes_condition_errors_through_unwrapped():
         execute(cache, CompareAndSet("absent", VALUE, 1.0, "v1"))
 
 
-def test_run_against_a_broken_cache_raises_malfunction_not_oserror():
-    """A put that leaks OSError, then a read-back that does too, ends in MalfunctionError."""
+@pytest.mark.parametrize(("driver", "timeout"), [("blocking", None), ("asyncio", 0)])
+def test_a_broken_cache_is_a_malfunction_with_the_key_from_either_driver(driver, timeout):
+    """A put that leaks OSError (then a read-back that does too) ends in MalfunctionError,
+    never the OSError, naming the cache and carrying the key, blocking or asyncio."""
+    mutex = Mutex(BrokenCache())
+    call = {
+        "blocking": lambda: mutex.acquire("order.7", timeout=timeout),
+        "asyncio": lambda: asyncio.run(mutex.acquire_async("order.7", timeout=timeout)),
+    }[driver]
     with pytest.raises(MalfunctionError) as info:
-        run(BrokenCache(), real_flow(["mutex.k"], timeout=None))
-    assert "brokencache" in str(info.value)
+        call()
     assert not isinstance(info.value, OSError)
-
-
-def grant_first(op: Any) -> Any:
-    if type(op) is PutIfAbsent:
-        return entry_for(op)
-    raise AssertionError(f"unexpected op {op!r}")
-
-
-def test_courtesy_pauses_before_the_first_put():
-    """A holder that just woke a waiter pauses before asking again, so the waiter wins."""
-    clock = FakeClock()
-    driver = Driver(clock, grant_first)
-    driver.drive(flow(clock, courtesy=0.004))
-    assert [type(op) for op in driver.ops] == [Pause, PutIfAbsent]
-    assert driver.ops[0].seconds == pytest.approx(0.004)
-
-
-def test_courtesy_never_outlasts_the_timeout_and_try_once_skips_it():
-    """The pause is capped by the wait timeout, and timeout=0 (try once) never pauses."""
-    clock = FakeClock()
-    capped = Driver(clock, grant_first)
-    capped.drive(flow(clock, courtesy=0.004, timeout=0.001))
-    assert capped.ops[0] == Pause(0.001)
-    once = Driver(clock, grant_first)
-    once.drive(flow(clock, courtesy=0.004, timeout=0))
-    assert [type(op) for op in once.ops] == [PutIfAbsent]
+    assert info.value.key == "order.7"
+    assert "brokencache" in str(info.value)
 
 
 class _WakingCache(InMemoryCache):
@@ -683,8 +593,6 @@ class _WakingCache(InMemoryCache):
 def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypatch):
     """After a release that woke someone, the same Mutex's next acquire of that key
     pauses first; a release that woke nobody leaves the next acquire immediate."""
-    from simple_mutex import Mutex
-
     pauses: list[float] = []
     real_apply = engine.Pause.apply
     monkeypatch.setattr(
@@ -705,20 +613,9 @@ def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypat
 
 def test_a_failed_wait_retries_at_once_then_falls_back_to_pauses():
     """A broken notification channel costs the acquire nothing: the first failure puts
-    again at once (is the server gone?), a second one polls with a plain pause."""
-    clock = FakeClock()
-    held = SimpleCacheConditionError("held")
-    answers = iter([held, held, None])
-
-    def answer(op: Any) -> Any:
-        error = next(answers)
-        if error is not None:
-            raise error
-        return entry_for(op)
-
+    again at once (is the server gone?), a second one in a row polls with a plain pause."""
     gone = [MalfunctionError("listener gone"), MalfunctionError("still gone")]
-    driver = Driver(clock, answer, wait_errors=gone)
-    driver.drive(flow(clock, timeout=None))
+    driver, _ = acquire(busy_then_granted(2), timeout=None, wait_errors=gone)
     kinds = [type(op) for op in driver.ops]
     assert kinds == [PutIfAbsent, Wait, PutIfAbsent, Wait, Pause, PutIfAbsent]
     assert driver.ops[4].seconds == driver.ops[3].seconds

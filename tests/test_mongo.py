@@ -2,7 +2,7 @@
 
 * The server: ``MONGODB_URL`` when set (a real ``mongod``); otherwise a ``secantusd-py``
   (the PyPI package ``secantusdb``, a MongoDB wire-protocol server, test-only) that this
-  module starts on a free loopback port with a scratch directory and stops at the end.
+  module starts as scripts/servers.py does, on a free loopback port, and stops at the end.
   If neither answers, the tests FAIL: a proof is never skipped. Every test of this
   module writes into one database named for this run, dropped at the end.
 * Against that server: the shared contract with the server's clock (the default) and
@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import shutil
-import sys
 import threading
 import time
 import uuid
@@ -30,7 +28,7 @@ import pymongo
 import pytest
 from behaviour import SharedBehaviour
 from contract import CacheContract, unique_key
-from servers import OwnServer, free_port
+from servers import free_port, scripts
 
 from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from simple_mutex.caches import mongo
@@ -41,35 +39,17 @@ HOUR = timedelta(hours=1)
 FORK = multiprocessing.get_context("fork")
 
 
-def _answers(url: str, timeout_ms: int = 300) -> bool:
-    with (
-        pymongo.MongoClient(
-            url, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
-        ) as probe,
-        contextlib.suppress(pymongo.errors.PyMongoError),
-    ):
-        return bool(probe.admin.command("ping"))
-    return False
-
-
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_url() -> Iterator[str]:
     """MONGODB_URL, or a secantusd-py of our own; fails (never skips) if none answers."""
-    url = os.environ.get("MONGODB_URL")
-    if url:
-        if not _answers(url, 3000):
-            pytest.fail(f"MONGODB_URL={url} does not answer")
+    given = os.environ.get("MONGODB_URL")
+    with contextlib.nullcontext(given) if given else scripts.mongo_server() as url:
+        with pymongo.MongoClient(url, serverSelectionTimeoutMS=3000) as probe:
+            try:
+                probe.admin.command("ping")
+            except pymongo.errors.PyMongoError as exc:
+                pytest.fail(f"no MongoDB answers at {url}: {exc!r}")
         yield url
-        return
-    binary = shutil.which("secantusd-py") or str(Path(sys.executable).parent / "secantusd-py")
-    if not os.path.exists(binary):
-        pytest.fail("secantusd-py not found: pip install secantusdb (test-only) or set MONGODB_URL")
-    workdir, port = tmp_path_factory.mktemp("secantus"), free_port()
-    url = f"mongodb://127.0.0.1:{port}/"
-    args = [binary, "--host", "127.0.0.1", "--port", str(port), "--storage-path", "data"]
-    server = OwnServer(args, workdir, lambda: _answers(url)).start()
-    yield url
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +74,6 @@ class TestMongoContractServerClock(CacheContract):
     """The contract over the wire, expiry judged by the server's $$NOW (the default)."""
 
     expiry_slack = 0.15
-
-    @pytest.fixture
-    def cache(self, client: pymongo.MongoClient[Any]) -> MongoCache:
-        return MongoCache(client, database=DB)
 
 
 class TestMongoContractClientClock(CacheContract):
@@ -141,24 +117,18 @@ class TestMongoBehaviour(SharedBehaviour):
 # -- statements, clocks, fences ------------------------------------------------------------
 
 
-def test_a_freed_key_keeps_its_document_and_fence(cache: MongoCache, client):
-    """Release sets value to null and keeps the fence; the next grant counts on."""
-    key = unique_key()
-    first = cache.put_if_absent(key, "v1", ttl=30)
-    cache.compare_and_delete(key, version=first.version)
-    doc = client[DB]["locks"].find_one({"_id": key})
-    assert doc["value"] is None
-    assert doc["fence"] == first.fence
-    assert cache.put_if_absent(key, "v2", ttl=30).fence == first.fence + 1
-
-
-def test_fences_start_from_the_server_clock_so_a_collected_key_counts_on(cache: MongoCache, client):
-    """A new document's fence is the server's time in µs: after the TTL monitor deletes a
-    long-dead document, the key's next fence is still larger than every earlier one."""
+def test_a_freed_key_keeps_its_document_and_fences_start_from_the_server_clock(
+    cache: MongoCache, client
+):
+    """Release sets value to null and keeps the fence. A new document's fence is the
+    server's time in µs: after the TTL monitor deletes a long-dead document, the key's
+    next fence is still larger than every earlier one."""
     key = unique_key()
     first = cache.put_if_absent(key, "v1", ttl=30)
     assert abs(first.fence / 1e6 - time.time()) < 5
     cache.compare_and_delete(key, version=first.version)
+    doc = client[DB]["locks"].find_one({"_id": key})
+    assert (doc["value"], doc["fence"]) == (None, first.fence)
     client[DB]["locks"].delete_one({"_id": key})  # what garbage collection does
     assert cache.put_if_absent(key, "v2", ttl=30).fence > first.fence
 

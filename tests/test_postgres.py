@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import procs
 import psycopg
 import pytest
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
-from contract import CacheContract, unique_key
+from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import ConnectionPool
 from servers import free_port
 
@@ -43,7 +44,6 @@ RUN = f"t{uuid.uuid4().hex[:8]}"
 TABLE = f"{RUN}_locks"
 FORK = multiprocessing.get_context("fork")
 POLL_INTERVAL = 5.0  # a notified waiter runs well before its poll would
-WAKE_BOUND = 1.0
 
 
 def connect() -> psycopg.Connection[Any]:
@@ -62,21 +62,12 @@ def admin() -> Iterator[psycopg.Connection[Any]]:
             "--skip-systemctl-redirect 15 main start) or point POSTGRES_URL at one"
         )
     yield conn
-    conn = _reconnect_after_restart(conn)
     rows = conn.execute(
         "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (RUN + "%",)
     ).fetchall()
     for (name,) in rows:
         conn.execute(f'DROP TABLE "{name}"')
     conn.close()
-
-
-def _reconnect_after_restart(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
-    try:
-        conn.execute("SELECT 1")
-        return conn
-    except psycopg.Error:
-        return connect()
 
 
 @pytest.fixture
@@ -86,23 +77,17 @@ def cache(admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
     cache.close()
 
 
-@pytest.fixture
-def mutex(cache: PostgresCache) -> Mutex:
-    return Mutex(cache, lease=30, interval=POLL_INTERVAL)
+class TestPostgresCacheContract(NotifyContract, CacheContract):
+    """The shared contract (a release NOTIFYs waiters), on a cache that opens its own
+    connection."""
+
+    wake_bound = 0.5
 
 
-class TestPostgresCacheContract(CacheContract):
-    """The shared contract, on a cache that opens its own connection."""
-
-    @pytest.fixture
-    def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
-        cache = PostgresCache(POSTGRES_URL, table=TABLE)
-        yield cache
-        cache.close()
-
-
-class TestPostgresCacheContractOnGivenConnection(CacheContract):
+class TestPostgresCacheContractOnGivenConnection(NotifyContract, CacheContract):
     """...on an autocommit psycopg connection the caller passes."""
+
+    wake_bound = 0.5
 
     @pytest.fixture
     def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
@@ -113,8 +98,10 @@ class TestPostgresCacheContractOnGivenConnection(CacheContract):
         conn.close()
 
 
-class TestPostgresCacheContractOnPool(CacheContract):
+class TestPostgresCacheContractOnPool(NotifyContract, CacheContract):
     """...on a psycopg_pool ConnectionPool (transactional connections, a new table)."""
+
+    wake_bound = 0.5
 
     @pytest.fixture
     def cache(self, admin: psycopg.Connection[Any]) -> Iterator[PostgresCache]:
@@ -175,15 +162,6 @@ def test_expiry_is_the_servers_clock(cache: PostgresCache, admin):
     server_now = admin.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
     assert server_now is not None
     assert entry.expires_at == pytest.approx(server_now[0] + left[0], abs=0.05)
-
-
-def test_a_retried_put_returns_our_entry_even_after_a_renewal(cache: PostgresCache):
-    key = unique_key()
-    first = cache.put_if_absent(key, "ours", ttl=30)
-    renewed = cache.compare_and_set(key, "ours", ttl=60, version=first.version)
-    assert cache.put_if_absent(key, "ours", ttl=30) == renewed
-    cache.compare_and_delete(key, version=renewed.version)
-    assert cache.put_if_absent(key, "ours", ttl=30).fence == first.fence + 1
 
 
 def test_constructor_rejects_bad_tables_connections_and_urls():
@@ -255,21 +233,6 @@ def test_a_broken_connection_is_replaced_on_the_next_call(admin, given: bool):
 # -- waiting -------------------------------------------------------------------------------
 
 
-def test_a_release_just_before_the_wait_is_not_missed(cache: PostgresCache):
-    """The lost wake-up race: the release lands between the waiter's failed put and its
-    LISTEN. The check after LISTEN sees the key free, so wait() returns at once."""
-    key = unique_key()
-    entry = cache.put_if_absent(key, "holder", ttl=30)
-    with pytest.raises(SimpleCacheConditionError):
-        cache.put_if_absent(key, "waiter", ttl=30)
-    other = PostgresCache(POSTGRES_URL, table=TABLE)
-    other.compare_and_delete(key, version=entry.version)
-    start = time.monotonic()
-    cache.wait([key], 2.0)
-    assert time.monotonic() - start < 0.5
-    other.close()
-
-
 def test_a_release_wakes_only_waiters_of_that_key_and_nobody_listens_after(
     cache: PostgresCache,
 ):
@@ -294,24 +257,14 @@ def test_a_release_wakes_only_waiters_of_that_key_and_nobody_listens_after(
 # -- processes and the server going away (slow) ---------------------------------------------
 
 
-def _first_use(table: str, barrier: Any) -> None:
-    cache = PostgresCache(POSTGRES_URL, table=table)
-    barrier.wait(10)
-    Mutex(cache, lease=30, interval=POLL_INTERVAL).acquire("k", timeout=10).release()
-
-
 @pytest.mark.slow
-def test_processes_creating_the_table_at_once_all_succeed(admin):
+def test_processes_creating_the_table_at_once_all_succeed(admin, children):
     """CREATE TABLE IF NOT EXISTS racing in several sessions can fail on pg_type's unique
     index; the loser carries on with the winner's table."""
-    table = f"{RUN}_race"
-    barrier = FORK.Barrier(6)
-    procs = [FORK.Process(target=_first_use, args=(table, barrier)) for _ in range(6)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(30)
-    assert [proc.exitcode for proc in procs] == [0] * 6
+    table, barrier = f"{RUN}_race", procs.CTX.Barrier(6)
+    url = with_query(POSTGRES_URL, table=table)
+    children.extend(procs.start(procs.first_use, url, barrier) for _ in range(6))
+    procs.join_all(children, timeout=60)
     assert admin.execute(f'SELECT fence FROM "{table}"').fetchone() == (6,)  # one row, 6 grants
 
 

