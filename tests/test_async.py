@@ -97,14 +97,14 @@ def test_lapsed_lease_cancels_the_coroutine_and_raises(memory_cache):
 
 
 def test_renew_true_keeps_an_async_call_protected(memory_cache):
-    """renew=True keeps a 0.2 s lease alive across a 0.6 s coroutine."""
+    """renew=True keeps a 0.5 s lease alive across a 1.5 s coroutine."""
     probe = Mutex(memory_cache)
 
-    @with_simple_mutex(key="renewed", cache=memory_cache, lease=0.2, renew=True)
+    @with_simple_mutex(key="renewed", cache=memory_cache, lease=0.5, renew=True)
     async def long_call():
         seen = []
         for _ in range(6):
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.25)
             seen.append(probe.locked("renewed"))
         return seen
 

@@ -30,7 +30,6 @@ LONG_WAIT = 5.0
 class TestInMemoryCacheContract(NotifyContract, CacheContract):
     """InMemoryCache passes the shared contract; a release wakes waiters (a condition)."""
 
-
     @pytest.fixture
     def cache(self) -> InMemoryCache:
         return InMemoryCache()
