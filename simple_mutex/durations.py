@@ -67,9 +67,10 @@ def positive_seconds(value: object, name: str) -> float:
     """A lease or interval: in (0, MAX_SECONDS]."""
     seconds = _to_seconds(value, name)
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_SECONDS:
+        hint = "; for longer work use renew=True with a shorter lease" if name == "lease" else ""
         raise ConstraintError(
             f"{name} must be greater than 0 and at most {MAX_SECONDS:.3f} s (about 24.8 days), "
-            f"got {seconds!r}; for longer work use renew=True with a shorter lease"
+            f"got {seconds!r}{hint}"
         )
     return seconds
 

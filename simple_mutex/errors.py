@@ -17,6 +17,7 @@ RQ serialize exceptions to report them: ``__reduce__`` rebuilds from the message
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -40,10 +41,11 @@ def _rebuild(cls: type[SimpleMutexError], message: str, key: str | None) -> Simp
     return cls(message, key=key)
 
 
-class ConstraintError(SimpleMutexError, ValueError):
+class ConstraintError(SimpleMutexError):
     """Something the caller can fix: a bad option, a busy key, a lease too short.
 
-    It is also a ``ValueError`` so code that validates input generically catches it.
+    Not a ``ValueError``: a lock that stayed busy (a subclass) must not vanish into an
+    ``except ValueError`` around unrelated code.
     """
 
 
@@ -70,6 +72,14 @@ class MalfunctionError(SimpleMutexError):
     def __init__(self, message: str, key: str | None = None, *, unsent: bool = False) -> None:
         super().__init__(message, key)
         self.unsent = unsent
+
+    def about(self, key: str, cache_keys: Iterable[str]) -> MalfunctionError:
+        """Name the user's ``key``, verbatim, where the cache named its own keys."""
+        for cache_key in cache_keys:
+            self.message = self.message.replace(repr(cache_key), repr(key))
+        self.key = key
+        self.args = (self.message, key)
+        return self
 
 
 class SimpleCacheConditionError(SimpleMutexError):

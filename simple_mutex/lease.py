@@ -190,7 +190,7 @@ class Lease:
             # Not released: the record may still be ours, so a retry must reach it. Stop
             # renewing, though: we meant to let go, and if nobody retries, it lapses.
             self._renew = False
-            exc.key = self.key
+            exc.about(self.key, [self._cache_key])
             raise
         with self._lock:
             self._released = True
@@ -237,7 +237,7 @@ class Lease:
         try:
             entry = yield from engine.renew(self._cache_key, self._value, version, length)
         except MalfunctionError as exc:
-            exc.key = self.key
+            exc.about(self.key, [self._cache_key])
             raise
         with self._lock:
             if entry is None:

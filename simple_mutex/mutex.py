@@ -200,7 +200,7 @@ class _LockSpace:
     def _unclear(self, claim: _Claim, fault: MalfunctionError) -> None:
         """An acquire failed: our write may have landed all the same (its reply lost).
         Free it in the background, so it does not hold the key for a lease."""
-        fault.key = claim.key  # the user's key, verbatim, for grepping logs
+        fault.about(claim.key, claim.slot_keys)  # the user's key, verbatim, for grepping logs
         if not fault.unsent:
             keeper().submit(run, self.cache, engine.abandon(claim.slot_keys, claim.value))
 
@@ -214,7 +214,7 @@ class _LockSpace:
         try:
             return run(self.cache, flow)
         except MalfunctionError as exc:
-            exc.key = key
+            exc.about(key, self._slot_keys(key))  # the user's key, verbatim
             raise
 
 

@@ -61,7 +61,7 @@ def test_hierarchy_matches_the_design():
     assert issubclass(SimpleMutexAcquireTimeoutError, TimeoutError)
     assert issubclass(SimpleMutexLeaseExpiredError, ConstraintError)
     assert not issubclass(SimpleMutexLeaseExpiredError, TimeoutError)
-    assert issubclass(ConstraintError, ValueError)
+    assert not issubclass(ConstraintError, ValueError)  # "busy" never hides in ValueError
     assert not issubclass(MalfunctionError, ConstraintError)
     assert not issubclass(SimpleCacheConditionError, ConstraintError)
     assert not issubclass(SimpleCacheConditionError, MalfunctionError)

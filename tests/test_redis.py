@@ -39,6 +39,7 @@ from simple_mutex import (
     Mutex,
     Semaphore,
     SimpleCacheConditionError,
+    cache_from_url,
 )
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
 
@@ -515,3 +516,19 @@ class TestRedisCacheContractOnFakeRedis(CacheContract):
         import fakeredis
 
         return RedisCache(fakeredis.FakeRedis(), prefix=PREFIX)
+
+
+@pytest.mark.slow
+def test_unix_socket_urls_in_redis_pys_and_celery_onces_spelling(redis_servers, tmp_path):
+    """``unix:///path?db=2`` (redis-py's form) and ``redis+socket:///path?virtual_host=2``
+    (celery-once's) reach a server on its Unix socket, in the database named; RedisCache's
+    own options ride along in the query."""
+    sock = tmp_path / "redis.sock"
+    server = own_redis(redis_servers, tmp_path, free_port(), "--unixsocket", str(sock))
+    for url in (f"unix://{sock}?db=2", f"redis+socket://{sock}?virtual_host=2&replicas=0"):
+        cache = cache_from_url(url + ("&" if "?" in url else "?") + "allow_eviction=true")
+        assert isinstance(cache, RedisCache)
+        assert cache.allow_eviction
+        lease = Mutex(cache).acquire("unix.k", timeout=0)
+        assert redis.Redis(port=server.port, db=2).exists("{mutex.unix.k}")
+        lease.release()

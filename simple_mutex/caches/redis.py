@@ -26,6 +26,7 @@ Rationale and figures: docs/design/redis.md, bench/README-redis.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -47,7 +48,13 @@ from .common import driver_imports, fault, malformed, ttl_ms
 
 with driver_imports("redis"):
     import redis
-    from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
+    from redis.exceptions import (
+        ConnectionError,
+        NoScriptError,
+        RedisError,
+        ResponseError,
+        TimeoutError,
+    )
 
 _MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 _WAITER_MARK_MS = 3000  # > _MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
@@ -168,6 +175,9 @@ class RedisCache:
             _MAX_BLOCK_S if not socket_timeout else min(_MAX_BLOCK_S, 0.8 * float(socket_timeout))
         )
 
+    def _fault(self, operation: str, key: str, exc: RedisError) -> MalfunctionError:
+        return _fault(operation, key, exc, _where(self.client))
+
     def __repr__(self) -> str:
         return f"RedisCache({self.client!r}, prefix={self.prefix!r})"
 
@@ -186,7 +196,7 @@ class RedisCache:
                 self._shas[script] = self.client.script_load(script)
                 return self._execute("EVALSHA", self._shas[script], *args)
         except RedisError as exc:
-            raise _fault(operation, key, exc) from exc
+            raise self._fault(operation, key, exc) from exc
 
     def _replicated(self, operation: str, key: str) -> bool:
         """After a write: did ``replicas`` replicas take it within ``replica_timeout``?"""
@@ -194,7 +204,7 @@ class RedisCache:
         try:
             acked = self._own("WAIT", self.replicas, ttl_ms(self.replica_timeout))
         except RedisError as exc:
-            raise _fault(operation, key, exc) from exc
+            raise self._fault(operation, key, exc) from exc
         return int(acked) >= self.replicas
 
     def _check_eviction(self, key: str) -> None:
@@ -205,7 +215,7 @@ class RedisCache:
             self._checked = True  # CONFIG is renamed or denied (a managed service): trust it
             return
         except RedisError as exc:
-            raise _fault("put_if_absent", key, exc) from exc
+            raise self._fault("put_if_absent", key, exc) from exc
         policy = _text(config.get("maxmemory-policy", "noeviction"))
         if int(config.get("maxmemory", 0) or 0) and policy != "noeviction":
             raise ConstraintError(
@@ -223,7 +233,7 @@ class RedisCache:
             # serves commands sent with keys=..., and a lock must not read a stale copy.
             payload = self._execute("GET", entry_key)
         except RedisError as exc:
-            raise _fault("get", key, exc) from exc
+            raise self._fault("get", key, exc) from exc
         if payload is None:
             return None
         try:
@@ -309,7 +319,7 @@ class RedisCache:
         try:
             self._execute("BLPOP", *signals, round(block, 3))
         except RedisError as exc:
-            raise _fault("wait", keys[0], exc) from exc
+            raise self._fault("wait", keys[0], exc) from exc
 
 
 def _pooled_executor(client: Any) -> Callable[..., Any] | None:
@@ -436,34 +446,70 @@ def _connection_kwargs(client: Any) -> dict[str, Any]:
     return kwargs if isinstance(kwargs, dict) else {}
 
 
-def _fault(operation: str, key: str, exc: RedisError) -> MalfunctionError:
+def _fault(operation: str, key: str, exc: RedisError, where: str = "") -> MalfunctionError:
     if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
         return malformed("redis", operation, key, "a Redis key of another type")
-    error = fault("redis", operation, key, exc)
+    error = fault("redis", operation, key, exc, where)
+    if isinstance(exc, ConnectionError | TimeoutError):
+        error.message += "; is Redis up and reachable there?"
+        error.args = (error.message, error.key)
     error.unsent = _refused(exc)
     return error
 
 
-def from_url(url: str) -> RedisCache:
-    """A RedisCache from ``redis://``, ``rediss://`` or ``redis+sentinel://`` URL.
+def _where(client: Any) -> str:
+    """`` at redis://host:port/db`` (never a password), for messages; "" if unknown."""
+    kwargs = _connection_kwargs(client)
+    if kwargs.get("path"):
+        return f" at unix://{kwargs['path']}"
+    if kwargs.get("host"):
+        return f" at redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return ""
 
-    ``redis[s]://[[user]:password@]host[:port][/db][?socket_timeout=5&...]`` is passed to
-    ``redis.Redis.from_url``. ``redis+sentinel://[[user]:password@]host:port[,host:port...]
-    /service[/db][?socket_timeout=..&sentinel_password=..]`` asks the sentinels for the
-    master of ``service``; the password is the master's (``sentinel_password`` is the
-    sentinels' own, if they need one).
+
+_OWN_OPTIONS = {"allow_eviction", "replicas", "replica_timeout"}
+
+
+def from_url(url: str) -> RedisCache:
+    """A RedisCache from a ``redis://``, ``rediss://``, ``unix://``, ``redis+socket://`` or
+    ``redis+sentinel://`` URL.
+
+    ``redis[s]://[[user]:password@]host[:port][/db][?socket_timeout=5&...]`` and
+    ``unix:///path/to/redis.sock[?db=2]`` are passed to ``redis.Redis.from_url``;
+    ``redis+socket:///path[?virtual_host=2]`` is celery-once's spelling of a Unix socket.
+    ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
+    [?socket_timeout=..&sentinel_password=..]`` asks the sentinels for the master of
+    ``service``; the password is the master's (``sentinel_password`` is the sentinels'
+    own, if they need one). ``allow_eviction=true``, ``replicas=N`` and
+    ``replica_timeout=S`` in the query go to ``RedisCache``.
     """
     scheme = url.partition(":")[0].lower()
+    head, _, query = url.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    own = {name: value for name, value in pairs if name in _OWN_OPTIONS}
+    rest = "&".join(f"{name}={value}" for name, value in pairs if name not in _OWN_OPTIONS)
+    url = head + (f"?{rest}" if rest else "")
     try:
-        if scheme in ("redis", "rediss"):
-            return RedisCache(redis.Redis.from_url(url))
+        make = functools.partial(
+            RedisCache,
+            allow_eviction=own.get("allow_eviction", "false").lower() in ("1", "true", "yes"),
+            replicas=int(own.get("replicas", "0")),
+            replica_timeout=float(own.get("replica_timeout", "0.5")),
+        )
+        if scheme in ("redis", "rediss", "unix"):
+            return make(redis.Redis.from_url(url))
+        if scheme == "redis+socket":
+            path = unquote(head.partition("://")[2]) or "/"
+            given = dict(parse_qsl(rest))
+            return make(redis.Redis(unix_socket_path=path, db=int(given.get("virtual_host", 0))))
         if scheme == "redis+sentinel":
-            return RedisCache(_sentinel_master(url))
+            return make(_sentinel_master(url))
     except (TypeError, ValueError) as exc:
         # Only the scheme is echoed: the rest of a URL may hold a password.
         raise ConstraintError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
     raise ConstraintError(
-        f"unknown Redis URL scheme {scheme!r}; use redis://, rediss:// or redis+sentinel://"
+        f"unknown Redis URL scheme {scheme!r}; use redis://, rediss://, unix://, "
+        "redis+socket:// or redis+sentinel://"
     )
 
 

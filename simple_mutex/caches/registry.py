@@ -35,7 +35,7 @@ BACKENDS = (
     Backend("memory", "InMemoryCache", ("memory",), (), (), None),
     Backend("disk", "DiskCache", ("file",), (), (), None),
     Backend(
-        "redis", "RedisCache", ("redis", "rediss", "redis+sentinel"),
+        "redis", "RedisCache", ("redis", "rediss", "unix", "redis+socket", "redis+sentinel"),
         ("redis.Redis", "redis.RedisCluster"), ("redis",), "redis",
     ),
     Backend(
