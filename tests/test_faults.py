@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 import redis
 from faults import FaultProxy
-from servers import RedisServer, free_port, own_redis
+from servers import RedisServer, free_port, own_redis, scripts
 
 from simple_mutex import (
     ConstraintError,
@@ -54,6 +55,34 @@ class Tier:
     url: Callable[[int], str]  # port -> a cache URL whose client times out in about 1 s
 
 
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].strip("/").split("/")[0])
+
+
+@pytest.fixture(scope="module")
+def mongo_tier() -> Iterator[Tier]:
+    with scripts.mongo_server() as url:
+        yield Tier(
+            "mongo", _port(url),
+            lambda port: f"mongodb://127.0.0.1:{port}/?directConnection=true"
+            "&serverSelectionTimeoutMS=1000&connectTimeoutMS=1000&socketTimeoutMS=1000",
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def s3_tier() -> Iterator[Tier]:
+    with scripts.s3_server() as endpoint:
+        boto3.client(
+            "s3", endpoint_url=endpoint, region_name="us-east-1",
+            aws_access_key_id=scripts.S3_ACCESS_KEY,
+            aws_secret_access_key=scripts.S3_SECRET_KEY,
+        ).create_bucket(Bucket="faults")  # fmt: skip
+        yield Tier(
+            "s3", _port(endpoint),
+            lambda port: f"s3://faults/locks/?endpoint_url=http://127.0.0.1:{port}&region=us-east-1",
+        )  # fmt: skip
+
+
 TIERS = [
     Tier("redis", 6379, lambda port: f"redis://127.0.0.1:{port}/0?socket_timeout=1"),
     Tier(
@@ -64,9 +93,15 @@ TIERS = [
 ]
 
 
-@pytest.fixture(params=TIERS, ids=[t.name for t in TIERS])
-def tier(request: pytest.FixtureRequest) -> Tier:
-    return request.param  # type: ignore[no-any-return]
+@pytest.fixture(params=["redis", "postgres", "mongo", "s3"])
+def tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Tier:
+    """Every server tier; S3 credentials in boto3's own variables for URL-built caches."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", scripts.S3_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", scripts.S3_SECRET_KEY)
+    named = {t.name: t for t in TIERS}
+    if request.param in named:
+        return named[request.param]
+    return request.getfixturevalue(f"{request.param}_tier")  # type: ignore[no-any-return]
 
 
 @pytest.fixture
