@@ -1,11 +1,14 @@
 """DiskCache: one machine. SQLite from the standard library (WAL), and a futex gate.
 
-Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key ever
-locked (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gate`` holds
+Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key locked
+lately (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gate`` holds
 the wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
 
 * Each operation is one SQL statement, atomic across processes, rolled back if its writer
-  dies mid-write. A freed key keeps its row (value NULL), so its fence only grows.
+  dies mid-write. A grant's fence is max(the row's fence + 1, the clock in µs).
+* A freed key keeps its row (value NULL) for ``gc_after`` seconds (60 by default), then
+  one grant in 64 deletes a batch of such rows, and of rows expired as long: the clock
+  floor keeps fences growing after that, even in a new directory (a tmpfs after a reboot).
 * Expiry is judged by this machine's wall clock, shared by every process on it.
 * ``wait`` marks the held keys' rows and blocks on the gate until a release of a marked
   key, the earliest expiry of the keys (a crashed holder's lock is taken over as its
@@ -28,9 +31,19 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-from .common import CacheBase, fault, malformed, new_version
+from .common import (
+    DEFAULT_GC_AFTER,
+    GC_BATCH,
+    CacheBase,
+    clock_fence,
+    fault,
+    gc_after_seconds,
+    gc_due,
+    malformed,
+    new_version,
+)
 from .gate import open_gate
 
 FILENAME = "simple-mutex.sqlite3"
@@ -39,21 +52,23 @@ GATE_FILENAME = "simple-mutex.gate"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     key TEXT PRIMARY KEY,
-    value TEXT,              -- NULL once freed; the row stays for its fence
+    value TEXT,              -- NULL once freed; the row stays gc_after for its fence
     version TEXT NOT NULL,
     fence INTEGER NOT NULL,
-    expires_at REAL NOT NULL,
+    expires_at REAL NOT NULL, -- the lease's end, or the moment it was freed
     waiting REAL             -- a waiter may block on the key until then: wake it
 ) WITHOUT ROWID
 """
+# Finds the rows to collect without a scan (made on every open: old stores gain it).
+_INDEX = "CREATE INDEX IF NOT EXISTS entries_expiry ON entries (expires_at)"
 
-# Insert, or take over a freed or expired row; the fence counts every grant, and the
-# waiters marked for the last holder must mark again.
+# Insert, or take over a freed or expired row; the fence is max(fence + 1, the clock in
+# µs), and the waiters marked for the last holder must mark again.
 _PUT = """
-INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, 1, ?4)
+INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, ?6, ?4)
 ON CONFLICT (key) DO UPDATE
     SET value = excluded.value, version = excluded.version,
-        fence = entries.fence + 1, expires_at = excluded.expires_at, waiting = NULL
+        fence = max(entries.fence + 1, ?6), expires_at = excluded.expires_at, waiting = NULL
     WHERE entries.value IS NULL OR entries.expires_at <= ?5
 RETURNING fence
 """
@@ -66,10 +81,17 @@ UPDATE entries SET value = ?2, version = ?3, expires_at = ?4
 WHERE key = ?1 AND version = ?5 AND value IS NOT NULL AND expires_at > ?6
 RETURNING fence
 """
+# Free the row, stamped with the moment: it is collected gc_after from now.
 _DELETE = """
-UPDATE entries SET value = NULL
+UPDATE entries SET value = NULL, expires_at = ?3
 WHERE key = ?1 AND version = ?2 AND value IS NOT NULL AND expires_at > ?3
 RETURNING waiting
+"""
+# Rows freed or expired before ?1 (live rows expire after now): the oldest first.
+_COLLECT = """
+DELETE FROM entries WHERE key IN (
+    SELECT key FROM entries WHERE expires_at < ?1 ORDER BY expires_at LIMIT ?2
+)
 """
 # Mark the keys that are held as waited for; each one's expiry.
 _MARK = """
@@ -83,8 +105,14 @@ class DiskCache(CacheBase):
     name = "disk"
 
     def __init__(
-        self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
+        self,
+        path: str | os.PathLike[str],
+        *,
+        gc_after: float | None = DEFAULT_GC_AFTER,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``gc_after``: seconds a freed or expired key's row is kept (None: forever)."""
+        self.gc_after = gc_after_seconds("DiskCache", gc_after)
         if not str(path):
             raise ConstraintError("DiskCache needs a directory path, got an empty one")
         directory = Path(path)
@@ -153,9 +181,14 @@ class DiskCache(CacheBase):
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
         version = new_version()
-        params = (key, value, version, now + ttl, now)
+        params = (key, value, version, now + ttl, now, clock_fence(now))
         won = self._run("put_if_absent", key, _PUT, params).fetchone()
         if won is not None:
+            if self.gc_after is not None and gc_due():
+                # The grant stands whatever the collection meets (a full disk): the next
+                # operation reports a lasting fault itself.
+                with contextlib.suppress(MalfunctionError):
+                    self.collect()
             return Entry(value, version, won[0], now + ttl)
         row = self._run("put_if_absent", key, _GET, (key, now)).fetchone()
         current = None if row is None else self._entry("put_if_absent", key, row)
@@ -181,6 +214,14 @@ class DiskCache(CacheBase):
             return None
         # Only a key marked by a waiter costs a wake-up (a system call).
         return freed[0] is not None and freed[0] > now and self._gate.wake(self._gate.bucket(key))
+
+    def collect(self) -> int:
+        """Delete up to 256 rows of keys freed or expired more than ``gc_after`` ago (run
+        by one grant in 64); how many it deleted. Their next fences come from the clock."""
+        if self.gc_after is None:
+            return 0
+        before = self._clock() - self.gc_after
+        return int(self._run("collect", "", _COLLECT, (before, GC_BATCH)).rowcount)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         if not keys or timeout <= 0:
@@ -218,6 +259,7 @@ def _set_up(conn: sqlite3.Connection) -> None:
             time.sleep(0.005)
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute(_SCHEMA)
+    conn.execute(_INDEX)
     if "waiting" not in {row[1] for row in conn.execute("PRAGMA table_info(entries)")}:
         # A store made before waiters marked rows; another process may add it first.
         with contextlib.suppress(sqlite3.OperationalError):
