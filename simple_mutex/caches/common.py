@@ -71,8 +71,6 @@ def clock_fence(seconds: float) -> int:
 DEFAULT_GC_AFTER = 60.0
 """Seconds a freed or expired key's fence is kept before it may be collected: the clock
 floor covers it after that, for any clock step back smaller than this."""
-GC_BATCH = 256
-"""Rows one collection pass deletes at most: a pass stays short, whatever the backlog."""
 
 
 def gc_after_seconds(owner: str, value: object) -> float | None:

@@ -49,7 +49,6 @@ from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheCo
 
 from .common import (
     DEFAULT_GC_AFTER,
-    GC_BATCH,
     CacheBase,
     driver_imports,
     fault,
@@ -77,6 +76,7 @@ _CONNECT_DEFAULTS = {
     "tcp_user_timeout": "10000",
 }
 _STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+_COLLECT_ROWS = 256  # rows one collection pass deletes at most: 4 per grant on average
 # Errors of a table of another shape under our name: undefined column or function
 # (operator), datatype mismatch, no unique key for ON CONFLICT.
 _OTHER_SHAPE = ("42703", "42883", "42804", "42P10")
@@ -358,7 +358,7 @@ class PostgresCache(CacheBase):
         A role without DELETE on the table collects nothing: a warning says so, once."""
         if self.gc_after is None:
             return 0
-        params = {"after": self.gc_after, "limit": GC_BATCH}
+        params = {"after": self.gc_after, "limit": _COLLECT_ROWS}
         try:
             with self._connection("collect", "") as conn:
                 return conn.execute(self._sql["collect"], params).rowcount
