@@ -263,6 +263,26 @@ class TestDiskFences(CollectedByTheLibrary, PerKeyCounter, FenceBehaviour):
     def set_fence(self, cache: Any, cache_key: str, fence: int) -> None:
         self._sql(cache, "UPDATE entries SET fence = ? WHERE key = ?", fence, cache_key)
 
+    def test_a_pass_looks_at_1024_rows_from_where_the_last_one_stopped(self, tmp_path: Path):
+        """The collection walks the keys a slice at a time, from a cursor kept in the
+        store, round from the first key after the last: every row is looked at in turn,
+        and no pass looks at more than 1024."""
+        now = [2_000_000_000.0]
+        cache = DiskCache(tmp_path / "locks", gc_after=60, clock=lambda: now[0])
+
+        def freed(*keys: str) -> None:
+            for key in keys:
+                cache.compare_and_delete(key, version=cache.put_if_absent(key, "v", ttl=1).version)
+
+        freed(*(f"k{n:04}" for n in range(2000)))
+        now[0] += 61
+        assert cache.collect() == 1024  # k0000..k1023
+        freed(*(f"a{n:03}" for n in range(100)))  # before the cursor, in key order
+        now[0] += 61
+        assert cache.collect() == 976 + 48  # k1024..k1999, then round: a000..a047
+        assert cache.collect() == 52  # a048..a099: every row looked at, the cursor back
+        assert self.footprint(cache) == 0
+
     def test_a_clock_step_back_within_the_window_still_grows_fences(self, tmp_path: Path):
         """While a freed row is kept, a clock stepped back (less than the window) cannot
         undercut it: the row's counter counts on."""
