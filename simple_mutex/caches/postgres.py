@@ -260,7 +260,8 @@ class PostgresCache(CacheBase):
             except errors.InsufficientPrivilege:
                 if statement == "schema":
                     raise
-                # Only the table's owner may index it: collection then scans, bounded.
+                # Only the table's owner may index it: collection then scans the table,
+                # which the collection itself keeps small.
                 log.warning(
                     "PostgresCache: no index on %s.expires_at and this role may not create "
                     "it; garbage collection scans the table. Run once, as its owner: %s",
