@@ -16,9 +16,10 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
 
 ``put_if_absent(key, value, ttl=...)``
     Write ``value`` if the key has no live entry (absent, freed, or expired by the cache's
-    own clock: the server's where it has one). The key's fence counter goes up by one in
-    the same atomic step and survives deletion and expiry (keep a freed tombstone or a
-    separate counter: never restart it). If a live entry already holds exactly ``value``,
+    own clock: the server's where it has one). In the same atomic step the key's fence
+    becomes max(its previous fence + 1, the clock in µs): a freed tombstone keeps the
+    counter for a while, and the clock floor keeps fences growing once it is collected or
+    lost (``caches.common.clock_fence``). If a live entry already holds exactly ``value``,
     return it unchanged: it is our own earlier write whose reply was lost, and values carry
     a unique token, so equality proves ownership. Otherwise raise
     ``SimpleCacheConditionError``.

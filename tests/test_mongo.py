@@ -147,7 +147,7 @@ def test_expiry_is_judged_by_the_servers_clock(client, monkeypatch: pytest.Monke
     again = server.compare_and_set(key, "v1", ttl=30, version=entry.version)
     assert abs(again.expires_at - (time.time() + 30)) < 2
     assert local.get(key) is None  # the fast local clock thinks it expired
-    assert local.put_if_absent(key, "v3", ttl=30).fence == entry.fence + 1
+    assert local.put_if_absent(key, "v3", ttl=30).fence > entry.fence
 
 
 def test_a_value_that_looks_like_an_expression_is_stored_verbatim(cache: MongoCache):

@@ -169,13 +169,14 @@ def test_release_leaves_a_tombstone_that_keeps_the_fence(cache: S3Cache, client:
     key = unique_key()
     entry = cache.put_if_absent(key, "v", ttl=30)
     record = body(client, key)
-    assert record == {"value": "v", "fence": 1, "expires_at": entry.expires_at, "nonce": ANY}
+    fields = {"value": "v", "fence": entry.fence, "expires_at": entry.expires_at}
+    assert record == {**fields, "nonce": ANY}
     assert len(record["nonce"]) == 16
     cache.compare_and_delete(key, version=entry.version)
     tomb = body(client, key)
     assert tomb["value"] is None
-    assert tomb["fence"] == 1
-    assert cache.put_if_absent(key, "w", ttl=30).fence == 2
+    assert tomb["fence"] == entry.fence
+    assert cache.put_if_absent(key, "w", ttl=30).fence > entry.fence
 
 
 def test_a_stale_holder_with_an_identical_body_cannot_release_or_renew(client: Any):
@@ -199,14 +200,14 @@ def test_a_stale_holder_with_an_identical_body_cannot_release_or_renew(client: A
 
 
 def test_a_stale_holder_cannot_release_or_renew_after_an_expiry_takeover(client: Any):
-    """The usual ABA path: the holder's lease lapses, another takes over (fence + 1)."""
+    """The usual ABA path: the holder's lease lapses, another takes over (a larger fence)."""
     now = [1_000_000_000.0]
     cache = S3Cache(client, BUCKET, PREFIX, clock=lambda: now[0])
     key = unique_key()
     stale = cache.put_if_absent(key, "same", ttl=10)
     now[0] += 11
     taker = cache.put_if_absent(key, "same", ttl=10)
-    assert taker.fence == stale.fence + 1
+    assert taker.fence > stale.fence
     now[0] -= 5  # the stale holder's clock still believes in its lease
     assert_refused(cache, key, stale.version, taker)
 
@@ -250,7 +251,7 @@ def test_relocking_a_freed_key_costs_one_request_per_step(client: Any):
         lease = mutex.acquire(key)
         fences.append(lease.fence)
         assert lease.release()
-    assert fences == [1, 2, 3]
+    assert fences == sorted(set(fences))
     assert counting.calls == ["put"] * 6
     # A stale hint (someone else took the key meanwhile) costs a read, nothing more.
     other = S3Cache(client, BUCKET, PREFIX)
@@ -278,7 +279,7 @@ def test_a_stale_hint_to_a_deleted_object_falls_back_to_create(
     counting.calls.clear()
     again = cache.put_if_absent(key, "w", ttl=30)
     assert counting.calls == ["put", "get", "put"]
-    assert again.fence == 1  # the clean-up restarted the fence, as documented
+    assert again.fence > entry.fence  # the clock floor: a clean-up never restarts it
     assert cache.get(key) == again
 
 
@@ -307,20 +308,20 @@ def test_a_retried_write_that_had_landed_is_recognised_as_ours(client: Any):
     assert cache.get(key) == second
     cache.compare_and_delete(key, version=second.version)
     assert cache.get(key) is None
-    assert cache.put_if_absent(key, "w", ttl=30).fence == 2
+    assert cache.put_if_absent(key, "w", ttl=30).fence > second.fence
 
 
 def test_clock_skew_delays_takeover(client: Any):
     now = [1_000_000_000.0]
     cautious = S3Cache(client, BUCKET, PREFIX, clock_skew=5, clock=lambda: now[0])
     key = unique_key()
-    cautious.put_if_absent(key, "a", ttl=10)
+    first = cautious.put_if_absent(key, "a", ttl=10)
     now[0] += 12  # expired by the writer's clock, within the skew
     with pytest.raises(SimpleCacheConditionError):
         cautious.put_if_absent(key, "b", ttl=10)
     assert cautious.get(key) is None  # expired for readers all the same
     now[0] += 4
-    assert cautious.put_if_absent(key, "b", ttl=10).fence == 2
+    assert cautious.put_if_absent(key, "b", ttl=10).fence > first.fence
 
 
 class Unconditional(Counting):

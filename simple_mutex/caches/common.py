@@ -1,5 +1,6 @@
 """What the backends share: the driver-import guard, fault and malformed-entry errors,
-versions, ttl rounding, and a base class with the sleeping wait and the fork hooks."""
+versions, ttl rounding, the clock floor of fences and the garbage-collection knobs, and a
+base class with the sleeping wait and the fork hooks."""
 
 from __future__ import annotations
 
@@ -53,6 +54,41 @@ def malformed(backend: str, operation: str, key: str, detail: str) -> Malfunctio
 def new_version() -> str:
     """A version for one write: 64 random bits, so a stale version never matches again."""
     return f"{random.getrandbits(64):016x}"
+
+
+def clock_fence(seconds: float) -> int:
+    """The clock floor of a fence: Unix time in whole microseconds (about 1.8e15 in 2026,
+    exact in JSON and in a double up to 2**53, the year 2255).
+
+    Every tier grants ``max(previous fence + 1, clock_fence(now))`` in the grant's own
+    atomic step, so a counter that is lost (collected, flushed, restarted without
+    persistence, a failover that missed the last write) never makes a fence go back: the
+    clock has moved past every fence granted before, unless it stepped back further than
+    the time since (docs/guides/leases.md)."""
+    return int(seconds * 1_000_000)
+
+
+DEFAULT_GC_AFTER = 60.0
+"""Seconds a freed or expired key's fence is kept before it may be collected: the clock
+floor covers it after that, for any clock step back smaller than this."""
+
+
+def gc_after_seconds(owner: str, value: object) -> float | None:
+    """A ``gc_after`` option: seconds in [0, 2**31), or None for no garbage collection."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**31:
+        raise ConstraintError(
+            f"{owner} gc_after must be seconds in [0, 2**31) or None (collect nothing), "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def gc_due() -> bool:
+    """Whether this grant also runs a collection pass: one grant in 64, at random, so that
+    many short-lived processes collect as surely as one long-lived one."""
+    return random.getrandbits(6) == 0
 
 
 def ttl_ms(ttl: float) -> int:

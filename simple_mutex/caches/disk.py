@@ -1,11 +1,15 @@
 """DiskCache: one machine. SQLite from the standard library (WAL), and a futex gate.
 
-Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key ever
-locked (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gate`` holds
+Layout, in the directory you pass: ``simple-mutex.sqlite3`` holds one row per key locked
+lately (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gate`` holds
 the wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
 
 * Each operation is one SQL statement, atomic across processes, rolled back if its writer
-  dies mid-write. A freed key keeps its row (value NULL), so its fence only grows.
+  dies mid-write. A grant's fence is max(the row's fence + 1, the clock in µs).
+* A freed key keeps its row (value NULL) for ``gc_after`` seconds (60 by default); one
+  grant in 64 looks at the next 1024 rows (a cursor in the store, shared by every process)
+  and deletes those freed or expired as long ago. The clock floor keeps fences growing
+  after that, even in a new directory (a tmpfs after a reboot).
 * Expiry is judged by this machine's wall clock, shared by every process on it.
 * ``wait`` marks the held keys' rows and blocks on the gate until a release of a marked
   key, the earliest expiry of the keys (a crashed holder's lock is taken over as its
@@ -28,9 +32,18 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-from .common import CacheBase, fault, malformed, new_version
+from .common import (
+    DEFAULT_GC_AFTER,
+    CacheBase,
+    clock_fence,
+    fault,
+    gc_after_seconds,
+    gc_due,
+    malformed,
+    new_version,
+)
 from .gate import open_gate
 
 FILENAME = "simple-mutex.sqlite3"
@@ -39,21 +52,31 @@ GATE_FILENAME = "simple-mutex.gate"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     key TEXT PRIMARY KEY,
-    value TEXT,              -- NULL once freed; the row stays for its fence
+    value TEXT,              -- NULL once freed; the row stays gc_after for its fence
     version TEXT NOT NULL,
     fence INTEGER NOT NULL,
-    expires_at REAL NOT NULL,
+    expires_at REAL NOT NULL, -- the lease's end, or the moment it was freed
     waiting REAL             -- a waiter may block on the key until then: wake it
 ) WITHOUT ROWID
 """
+# Where the collection goes on: the key it last reached, shared by every process (an
+# index on expires_at would find the rows directly, but updating it made every lock
+# cycle a third slower; walking the keys a slice at a time costs nothing on the cycle).
+_SWEEP_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sweep (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    after TEXT NOT NULL      -- the last key the collection looked at
+)
+"""
+_SWEEP_ROWS = 1024  # rows one pass looks at: 16 per grant on average
 
-# Insert, or take over a freed or expired row; the fence counts every grant, and the
-# waiters marked for the last holder must mark again.
+# Insert, or take over a freed or expired row; the fence is max(fence + 1, the clock in
+# µs), and the waiters marked for the last holder must mark again.
 _PUT = """
-INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, 1, ?4)
+INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, ?6, ?4)
 ON CONFLICT (key) DO UPDATE
     SET value = excluded.value, version = excluded.version,
-        fence = entries.fence + 1, expires_at = excluded.expires_at, waiting = NULL
+        fence = max(entries.fence + 1, ?6), expires_at = excluded.expires_at, waiting = NULL
     WHERE entries.value IS NULL OR entries.expires_at <= ?5
 RETURNING fence
 """
@@ -66,11 +89,21 @@ UPDATE entries SET value = ?2, version = ?3, expires_at = ?4
 WHERE key = ?1 AND version = ?5 AND value IS NOT NULL AND expires_at > ?6
 RETURNING fence
 """
+# Free the row, stamped with the moment: it is collected gc_after from now.
 _DELETE = """
-UPDATE entries SET value = NULL
+UPDATE entries SET value = NULL, expires_at = ?3
 WHERE key = ?1 AND version = ?2 AND value IS NOT NULL AND expires_at > ?3
 RETURNING waiting
 """
+# The next slice of keys after ?1 (up to ?3 when given): its last key, its size, and how
+# many of its rows were freed or expired before ?4 (live rows expire after now).
+_SLICE = """
+SELECT max(key), count(*), coalesce(sum(expires_at < ?4), 0) FROM (
+    SELECT key, expires_at FROM entries WHERE key > ?1 AND (?3 IS NULL OR key <= ?3)
+    ORDER BY key LIMIT ?2
+)
+"""
+_COLLECT = "DELETE FROM entries WHERE key > ?1 AND key <= ?2 AND expires_at < ?3"
 # Mark the keys that are held as waited for; each one's expiry.
 _MARK = """
 UPDATE entries SET waiting = ?
@@ -83,8 +116,14 @@ class DiskCache(CacheBase):
     name = "disk"
 
     def __init__(
-        self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
+        self,
+        path: str | os.PathLike[str],
+        *,
+        gc_after: float | None = DEFAULT_GC_AFTER,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``gc_after``: seconds a freed or expired key's row is kept (None: forever)."""
+        self.gc_after = gc_after_seconds("DiskCache", gc_after)
         if not str(path):
             raise ConstraintError("DiskCache needs a directory path, got an empty one")
         directory = Path(path)
@@ -153,9 +192,14 @@ class DiskCache(CacheBase):
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
         version = new_version()
-        params = (key, value, version, now + ttl, now)
+        params = (key, value, version, now + ttl, now, clock_fence(now))
         won = self._run("put_if_absent", key, _PUT, params).fetchone()
         if won is not None:
+            if self.gc_after is not None and gc_due():
+                # The grant stands whatever the collection meets (a full disk): the next
+                # operation reports a lasting fault itself.
+                with contextlib.suppress(MalfunctionError):
+                    self.collect()
             return Entry(value, version, won[0], now + ttl)
         row = self._run("put_if_absent", key, _GET, (key, now)).fetchone()
         current = None if row is None else self._entry("put_if_absent", key, row)
@@ -182,6 +226,22 @@ class DiskCache(CacheBase):
         # Only a key marked by a waiter costs a wake-up (a system call).
         return freed[0] is not None and freed[0] > now and self._gate.wake(self._gate.bucket(key))
 
+    def collect(self) -> int:
+        """One collection pass (run by one grant in 64): look at the next 1024 rows in key
+        order, from where the last pass of any process stopped (round to the first key
+        after the last), and delete those freed or expired more than ``gc_after`` ago; how
+        many it deleted. Their keys' next fences come from the clock."""
+        if self.gc_after is None:
+            return 0
+        before = self._clock() - self.gc_after
+        with self._guard:
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                return _sweep(self._conn, before)
+            except sqlite3.Error as exc:
+                raise fault(self.name, "collect", "", exc, self._place) from exc
+
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         if not keys or timeout <= 0:
             return
@@ -204,6 +264,46 @@ class DiskCache(CacheBase):
             self._gate.block(bucket, counter, pause)
 
 
+def _sweep(conn: sqlite3.Connection, before: float) -> int:
+    """One pass. A look first, without the write lock: most passes find nothing to delete
+    and the cursor where it was, and a write transaction costs a commit. Otherwise the
+    same look again in one transaction, then the deletes and the cursor's move."""
+    _, found, cursor, after = _slices(conn, before)
+    if not found and cursor == after:
+        return 0
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        slices, _, cursor, after = _slices(conn, before)
+        deleted = sum(conn.execute(_COLLECT, (*bounds, before)).rowcount for bounds in slices)
+        if cursor != after:
+            conn.execute("INSERT OR REPLACE INTO sweep (id, after) VALUES (0, ?)", (cursor,))
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):  # a broken connection rolled back already
+            conn.execute("ROLLBACK")
+        raise
+    return deleted
+
+
+def _slices(conn: sqlite3.Connection, before: float) -> tuple[list[tuple[str, str]], int, str, str]:
+    """The pass's slices, from the shared cursor to the last key, then from the first key
+    on if that was short: their bounds, how many old rows they hold, the cursor after
+    (the last slice's end; the start once every row was looked at), and before."""
+    row = conn.execute("SELECT after FROM sweep WHERE id = 0").fetchone()
+    after = row[0] if row is not None else ""
+    slices, found, budget = [], 0, _SWEEP_ROWS
+    for start, end in ((after, None), ("", after or None)):
+        last, seen, old = conn.execute(_SLICE, (start, budget, end, before)).fetchone()
+        if seen:
+            slices.append((start, last))
+            found, budget = found + old, budget - seen
+        if budget == 0:
+            return slices, found, last, after
+        if not after:
+            break  # the first slice began at the first key: every row was looked at
+    return slices, found, "", after
+
+
 def _set_up(conn: sqlite3.Connection) -> None:
     deadline = time.monotonic() + 10.0
     while True:
@@ -218,6 +318,7 @@ def _set_up(conn: sqlite3.Connection) -> None:
             time.sleep(0.005)
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute(_SCHEMA)
+    conn.execute(_SWEEP_SCHEMA)
     if "waiting" not in {row[1] for row in conn.execute("PRAGMA table_info(entries)")}:
         # A store made before waiters marked rows; another process may add it first.
         with contextlib.suppress(sqlite3.OperationalError):

@@ -4,7 +4,8 @@
   their loop (``wait_async``).
 * Fences come from one counter for the whole cache, so they grow per key too, and a freed
   key is dropped (no tombstone): nothing outlives a release. Expired entries are dropped
-  when met and by a sweep every few thousand writes.
+  when met and by a sweep every few thousand writes. The counter starts at the wall clock
+  in µs, so fences keep growing across process restarts (for a store that outlives us).
 * Expiry follows a monotonic clock anchored once to Unix time.
 
 Rationale: docs/design/memory.md.
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 from simple_mutex.contract import Entry
 from simple_mutex.errors import SimpleCacheConditionError
 
-from .common import CacheBase
+from .common import CacheBase, clock_fence
 
 _SWEEP_EVERY = 4096
 
@@ -44,7 +45,10 @@ class InMemoryCache(CacheBase):
         # Enter the lock itself on hot paths: a Condition's own __enter__ is Python code.
         self._cond = threading.Condition(self._guard)
         self._entries: dict[str, Entry] = {}
-        self._counter = itertools.count(1)
+        # Started at the wall clock in µs. Each write (a grant or a renewal) takes more than
+        # a µs, so the counter never outruns that clock, and the cache of the next process
+        # (or a new cache) starts above every fence this one granted.
+        self._counter = itertools.count(clock_fence(time.time()))
         self._writes = 0
         self._sleepers = 0
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()

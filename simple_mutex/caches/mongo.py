@@ -6,13 +6,14 @@ One collection holds every lock, one document per key::
 
 * Each operation is one statement on one document, applied atomically; writes use
   ``w="majority"`` by default. ``value`` is null once freed: the document stays, and its
-  fence counts on. A new document's fence starts at the server's clock in µs, so a key
-  whose document was collected still gets larger fences.
+  fence counts on. A grant's fence is max(fence + 1, the clock in µs), so a key whose
+  document was collected, or lost in a fail-over, still gets larger fences.
 * ``clock="server"`` (default): ``$$NOW`` decides expiry (MongoDB >= 4.2; ``ready()``
   proves it). ``clock="client"``: this machine's clock, for servers without it; every
   client's clock must then agree to well within a lease.
 * ``ready()`` (run on first use) creates a TTL index on ``expires_at`` that deletes
-  documents ``gc_after`` seconds after their lease ended: garbage collection only.
+  documents ``gc_after`` seconds after their lease ended or they were freed: garbage
+  collection only.
 * ``wait`` sleeps: the engine's jittered poll finds releases and expiries.
 * A forked child opens its own client. Every pymongo error is a ``MalfunctionError``
   naming mongo, the operation and the key; a retried put finds its own value.
@@ -32,7 +33,15 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-from .common import CacheBase, driver_imports, fault, malformed, new_version, ttl_ms
+from .common import (
+    CacheBase,
+    driver_imports,
+    fault,
+    gc_after_seconds,
+    malformed,
+    new_version,
+    ttl_ms,
+)
 
 with driver_imports("mongo"):
     import pymongo
@@ -88,12 +97,7 @@ class MongoCache(CacheBase):
     ) -> None:
         if clock not in ("server", "client"):
             raise ConstraintError(f"MongoCache clock must be 'server' or 'client', got {clock!r}")
-        if gc_after is not None and (
-            not isinstance(gc_after, (int, float)) or not 0 <= gc_after < 2**31
-        ):
-            raise ConstraintError(
-                f"MongoCache gc_after must be seconds in [0, 2**31) or None, got {gc_after!r}"
-            )
+        gc_after = gc_after_seconds("MongoCache", gc_after)
         if write_concern is not None and not isinstance(write_concern, (str, int)):
             raise ConstraintError(
                 f"MongoCache write_concern must be 'majority', an int or None, got "
@@ -199,7 +203,7 @@ class MongoCache(CacheBase):
                 time.sleep(0.01)
                 expired = self.get(key) is None
                 second = self.put_if_absent(key, "probe-2", ttl=30)
-                ok = expired and second.fence == first.fence + 1
+                ok = expired and second.fence > first.fence
             finally:
                 self._op("ready", key, lambda c: c.delete_one({"_id": key}))
         except MalfunctionError as exc:
@@ -240,59 +244,81 @@ class MongoCache(CacheBase):
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         ms = ttl_ms(ttl)
         version = new_version()
+        if self.clock == "client":
+            return self._put_by_client_clock(key, value, version, ms)
         try:
-            if self.clock == "server":
-                doc = self._op(
-                    "put_if_absent", key,
-                    lambda c: c.find_one_and_update(
-                        {"_id": key, **_FREE_SERVER},
-                        [{"$set": {
-                            "value": {"$literal": value},
-                            "version": version,
-                            "fence": {"$add": [
-                                {"$ifNull": ["$fence", {"$multiply": [_NOW_MS, 1000]}]}, 1
-                            ]},
-                            "expires_at": {"$add": ["$$NOW", ms]},
-                        }}],
-                        projection=_ENTRY_FIELDS, upsert=True,
-                        return_document=ReturnDocument.AFTER,
-                    ),
-                )  # fmt: skip
-            else:
-                doc = self._put_by_client_clock(key, value, version, ms)
+            doc = self._op(
+                "put_if_absent", key,
+                lambda c: c.find_one_and_update(
+                    {"_id": key, **_FREE_SERVER},
+                    [{"$set": {
+                        "value": {"$literal": value},
+                        "version": version,
+                        "fence": {"$max": [
+                            {"$add": [{"$ifNull": ["$fence", 0]}, 1]},
+                            {"$multiply": [_NOW_MS, 1000]},
+                        ]},
+                        "expires_at": {"$add": ["$$NOW", ms]},
+                    }}],
+                    projection=_ENTRY_FIELDS, upsert=True,
+                    return_document=ReturnDocument.AFTER,
+                ),
+            )  # fmt: skip
         except DuplicateKeyError:
             doc = None  # a live document holds the key (or a racing put created it)
         if doc is not None:
             return _entry(doc, "put_if_absent", key)
-        # Held. Our own earlier write whose reply was lost holds exactly this value.
-        current = self._read("put_if_absent", key)
-        if current is not None and current.value == value:
-            return current
-        raise SimpleCacheConditionError(f"mongo: {key!r} is held")
+        return _ours_or_held(key, value, self._read("put_if_absent", key))
 
-    def _put_by_client_clock(self, key: str, value: str, version: str, ms: int) -> Any:
+    def _put_by_client_clock(self, key: str, value: str, version: str, ms: int) -> Entry:
+        """Plain update operators (servers without pipeline updates), so the fence's
+        max(fence + 1, clock) is reached in steps, each conditional: a take-over when the
+        clock is past the stored fence (one request, the usual case), else an insert, else
+        a read of the document and a take-over of exactly that state."""
         now_ms = _now_ms()
+        floor = now_ms * 1000
         expires_at = _date(now_ms + ms)
-        doc = self._op(
-            "put_if_absent", key,
-            lambda c: c.find_one_and_update(
-                {"_id": key, "$or": [{"value": None}, {"expires_at": {"$lte": _date(now_ms)}}]},
-                {"$set": {"value": value, "version": version, "expires_at": expires_at},
-                 "$inc": {"fence": 1}},
-                # The document before: all else in the reply we wrote ourselves.
-                projection={"_id": 0, "fence": 1}, return_document=ReturnDocument.BEFORE,
-            ),
-        )  # fmt: skip
-        if doc is not None:
-            return {"value": value, "version": version, "fence": doc["fence"] + 1,
-                    "expires_at": expires_at}  # fmt: skip
-        fence = now_ms * 1000 + 1
-        self._op(
-            "put_if_absent", key,
-            lambda c: c.insert_one({"_id": key, "value": value, "version": version,
-                                    "fence": fence, "expires_at": expires_at}),
-        )  # fmt: skip
-        return {"value": value, "version": version, "fence": fence, "expires_at": expires_at}
+        fields = {"value": value, "version": version, "expires_at": expires_at}
+        free = {"$or": [{"value": None}, {"expires_at": {"$lte": _date(now_ms)}}]}
+
+        def take(match: dict[str, Any], fence: int) -> Entry | None:
+            done = self._op(
+                "put_if_absent", key,
+                lambda c: c.find_one_and_update(
+                    {"_id": key, **match, **free}, {"$set": {**fields, "fence": fence}},
+                    projection={"_id": 1},
+                ),
+            )  # fmt: skip
+            return None if done is None else Entry(value, version, fence, _seconds(expires_at))
+
+        taken = take({"fence": {"$lt": floor}}, floor)
+        if taken is not None:
+            return taken
+        try:
+            self._op(
+                "put_if_absent", key,
+                lambda c: c.insert_one({"_id": key, **fields, "fence": floor}),
+            )  # fmt: skip
+            return Entry(value, version, floor, _seconds(expires_at))
+        except DuplicateKeyError:
+            pass
+        doc = self._op("put_if_absent", key, lambda c: c.find_one({"_id": key}, _ENTRY_FIELDS))
+        if doc is None:
+            raise SimpleCacheConditionError(f"mongo: {key!r} was deleted meanwhile")
+        if doc.get("value") is not None:
+            current = _entry(doc, "put_if_absent", key)
+            if current.expires_at * 1000 > now_ms:
+                return _ours_or_held(key, value, current)
+        fence = doc.get("fence")
+        if not isinstance(fence, int):
+            raise malformed(self.name, "put_if_absent", key, f"document: fence {fence!r}")
+        # Free, with a fence at or past this clock (grants within a µs, or this clock
+        # behind another client's): count on from it, if it is still exactly that state.
+        same = {"version": doc.get("version"), "value": doc.get("value"), "fence": fence}
+        taken = take(same, max(fence + 1, floor))
+        if taken is None:
+            raise SimpleCacheConditionError(f"mongo: {key!r} changed meanwhile")
+        return taken
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         ms = ttl_ms(ttl)
@@ -326,9 +352,13 @@ class MongoCache(CacheBase):
 
     def compare_and_delete(self, key: str, *, version: str) -> None:
         match = {"_id": key, "version": version, "value": {"$ne": None}, **self._live()}
-        result = self._op(
-            "compare_and_delete", key, lambda c: c.update_one(match, {"$set": {"value": None}})
+        # Stamped with the moment it was freed: the TTL index collects it gc_after later.
+        freed: Any = (
+            [{"$set": {"value": None, "expires_at": "$$NOW"}}]
+            if self.clock == "server"
+            else {"$set": {"value": None, "expires_at": _date(_now_ms())}}
         )
+        result = self._op("compare_and_delete", key, lambda c: c.update_one(match, freed))
         if result.matched_count != 1:
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
 
@@ -358,6 +388,14 @@ def _collection_of(obj: Any, database: str, collection: str) -> Any:
     raise ConstraintError(
         f"MongoCache needs a pymongo MongoClient, Database or Collection, got {type(obj).__name__}"
     )
+
+
+def _ours_or_held(key: str, value: str, current: Entry | None) -> Entry:
+    """After a put that did not take the key: our own earlier write whose reply was lost
+    holds exactly this value; anything else holds it."""
+    if current is not None and current.value == value:
+        return current
+    raise SimpleCacheConditionError(f"mongo: {key!r} is held")
 
 
 def _entry(doc: Mapping[str, Any], operation: str, key: str) -> Entry:

@@ -5,16 +5,22 @@ tables, run this once (``simple_mutex_locks`` is the default ``table``)::
 
     CREATE TABLE simple_mutex_locks (
         key text PRIMARY KEY,
-        value text,                     -- NULL once freed: the row stays for its fence
+        value text,                     -- NULL once freed: the row stays gc_after
         version text NOT NULL,          -- random per write: the compare-and-set condition
-        fence bigint NOT NULL,          -- +1 on every grant, never restarted
-        expires_at timestamptz NOT NULL -- judged by the server's clock
+        fence bigint NOT NULL,          -- max(fence + 1, the server's clock in µs)
+        expires_at timestamptz NOT NULL -- the lease's end, or when it was freed
     );
-    GRANT SELECT, INSERT, UPDATE ON simple_mutex_locks TO lock_role;
+    CREATE INDEX simple_mutex_locks_gc ON simple_mutex_locks (expires_at);
+    GRANT SELECT, INSERT, UPDATE, DELETE ON simple_mutex_locks TO lock_role;
 
 * Each operation is one statement, atomic on the server, whose ``clock_timestamp()``
-  decides expiry. One row stays per key ever locked; a semaphore slot is a row of its own.
-  Fences and locks are as durable as the server's commits (keep ``synchronous_commit`` on).
+  decides expiry and floors fences: a grant's fence is max(the row's fence + 1, the
+  server's clock in µs), so a lost row never restarts it. A semaphore slot is a row of
+  its own. Fences and locks are as durable as the server's commits (keep
+  ``synchronous_commit`` on).
+* A freed or expired row stays ``gc_after`` seconds (60 by default); then one grant in 64
+  deletes a batch of such rows (``DELETE`` needs the grant above; without it nothing is
+  collected and a warning says so once).
 * A release notifies the key's channel (``pg_notify``); a waiter listens on a connection
   of its own only while it waits. Expiries notify nobody: the poll finds them.
 * One autocommit connection per process (from a conninfo or URL, or the connection you
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 import threading
 import time
@@ -40,13 +47,23 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-from .common import CacheBase, driver_imports, fault, malformed, new_version
+from .common import (
+    DEFAULT_GC_AFTER,
+    CacheBase,
+    driver_imports,
+    fault,
+    gc_after_seconds,
+    gc_due,
+    malformed,
+    new_version,
+)
 
 with driver_imports("postgres"):
     import psycopg
     from psycopg import sql
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+log = logging.getLogger("simple_mutex")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # Set only where the conninfo says nothing: a dead server or a cut network must end a
 # call in seconds (keepalives and tcp_user_timeout), not after the kernel's ~15 minutes.
@@ -59,6 +76,7 @@ _CONNECT_DEFAULTS = {
     "tcp_user_timeout": "10000",
 }
 _STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+_COLLECT_ROWS = 256  # rows one collection pass deletes at most: 4 per grant on average
 # Errors of a table of another shape under our name: undefined column or function
 # (operator), datatype mismatch, no unique key for ON CONFLICT.
 _OTHER_SHAPE = ("42703", "42883", "42804", "42P10")
@@ -72,21 +90,25 @@ CREATE TABLE IF NOT EXISTS {t} (
     expires_at timestamptz NOT NULL
 )
 """
+# Finds the rows to collect without a scan; created with the table, or added to a table
+# of an earlier version by a role that owns it (others collect by a bounded scan).
+_INDEX = "CREATE INDEX IF NOT EXISTS {i} ON {t} (expires_at)"
 _EPOCH = "extract(epoch FROM expires_at)::float8"
 _EXPIRY = "clock_timestamp() + make_interval(secs => %(ttl)s)"
 _LIVE = "value IS NOT NULL AND expires_at > clock_timestamp()"
+_CLOCK_FENCE = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 
-# Insert, or take over a freed or expired row (fence + 1). When the row is live the
-# INSERT returns nothing and the second SELECT reads it (from the statement's snapshot),
-# so the caller can tell our own earlier write (same value: a lost reply) from another
-# holder in the same round trip.
+# Insert, or take over a freed or expired row (max(fence + 1, the clock in µs)). When the
+# row is live the INSERT returns nothing and the second SELECT reads it (from the
+# statement's snapshot), so the caller can tell our own earlier write (same value: a lost
+# reply) from another holder in the same round trip.
 _PUT = f"""
 WITH put AS (
     INSERT INTO {{t}} AS e (key, value, version, fence, expires_at)
-    VALUES (%(key)s, %(value)s, %(version)s, 1, {_EXPIRY})
+    VALUES (%(key)s, %(value)s, %(version)s, {_CLOCK_FENCE}, {_EXPIRY})
     ON CONFLICT (key) DO UPDATE
-        SET value = excluded.value, version = excluded.version, fence = e.fence + 1,
-            expires_at = excluded.expires_at
+        SET value = excluded.value, version = excluded.version,
+            fence = GREATEST(e.fence + 1, {_CLOCK_FENCE}), expires_at = excluded.expires_at
         WHERE e.value IS NULL OR e.expires_at <= clock_timestamp()
     RETURNING value, version, fence, {_EPOCH}
 )
@@ -101,15 +123,26 @@ UPDATE {{t}} SET value = %(value)s, version = %(new)s, expires_at = {_EXPIRY}
 WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
 RETURNING fence, {_EPOCH}
 """
-# Free the row (the fence stays in it) and wake listeners: the notification is sent when
-# the statement commits, so a woken waiter finds the key free.
+# Free the row (the fence stays in it, stamped with the moment: collected gc_after from
+# now) and wake listeners: the notification is sent when the statement commits, so a
+# woken waiter finds the key free.
 _DELETE = f"""
 WITH freed AS (
-    UPDATE {{t}} SET value = NULL
+    UPDATE {{t}} SET value = NULL, expires_at = clock_timestamp()
     WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
     RETURNING key
 )
 SELECT pg_notify(%(channel)s, '') FROM freed
+"""
+# Rows freed or expired more than gc_after ago (a live row expires after now), the oldest
+# first; rows another session has locked are left for a later pass, never waited for.
+_COLLECT = """
+DELETE FROM {t} WHERE key IN (
+    SELECT key FROM {t}
+    WHERE expires_at < clock_timestamp() - make_interval(secs => %(after)s)
+    ORDER BY expires_at LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
 """
 _LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
 
@@ -118,11 +151,19 @@ class PostgresCache(CacheBase):
     """A ConditionalCache in one PostgreSQL table.
 
     ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
-    ``psycopg.Connection``, or a ``psycopg_pool.ConnectionPool``."""
+    ``psycopg.Connection``, or a ``psycopg_pool.ConnectionPool``. ``gc_after``: seconds a
+    freed or expired key's row is kept (None: forever)."""
 
     name = "postgres"
 
-    def __init__(self, conninfo: Any, *, table: str = "simple_mutex_locks") -> None:
+    def __init__(
+        self,
+        conninfo: Any,
+        *,
+        table: str = "simple_mutex_locks",
+        gc_after: float | None = DEFAULT_GC_AFTER,
+    ) -> None:
+        self.gc_after = gc_after_seconds("PostgresCache", gc_after)
         if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
             raise ConstraintError(
                 f"PostgresCache table must be a plain identifier (letters, digits, _; at "
@@ -156,11 +197,14 @@ class PostgresCache(CacheBase):
                 f"psycopg_pool ConnectionPool, got {type(conninfo).__name__}"
             )
         quoted = sql.Identifier(table).as_string(None)
+        self._index = _index_name(table)
+        index = sql.Identifier(self._index).as_string(None)
         self._sql = {
-            name: text.format(t=quoted)
+            name: text.format(t=quoted, i=index)
             for name, text in (
-                ("schema", _SCHEMA), ("put", _PUT), ("get", _GET), ("cas", _CAS),
-                ("delete", _DELETE), ("live", _LIVE_COUNT),
+                ("schema", _SCHEMA), ("index", _INDEX), ("put", _PUT), ("get", _GET),
+                ("cas", _CAS), ("delete", _DELETE), ("live", _LIVE_COUNT),
+                ("collect", _COLLECT),
             )
         }  # fmt: skip
         self._ready = False  # the table is known to exist
@@ -201,15 +245,28 @@ class PostgresCache(CacheBase):
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         # Look before creating: a role without CREATE gets "permission denied" from
         # CREATE TABLE IF NOT EXISTS even when the table is there.
-        name = sql.Identifier(self.table).as_string(None)
-        if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,):
-            # Sessions creating it at the same instant collide in the catalog (a unique
-            # violation on pg_type, or "type ... already exists"): the loser uses the
-            # winner's table. A savepoint keeps a pooled connection's transaction usable.
-            errors = psycopg.errors
-            lost_race = (errors.UniqueViolation, errors.DuplicateObject, errors.DuplicateTable)
-            with contextlib.suppress(*lost_race), conn.transaction():
-                conn.execute(self._sql["schema"])
+        # Sessions creating either at the same instant collide in the catalog (a unique
+        # violation on pg_type, or "type ... already exists"): the loser uses the winner's.
+        # A savepoint keeps a pooled connection's transaction usable.
+        errors = psycopg.errors
+        lost_race = (errors.UniqueViolation, errors.DuplicateObject, errors.DuplicateTable)
+        for name, statement in ((self.table, "schema"), (self._index, "index")):
+            quoted = sql.Identifier(name).as_string(None)
+            if conn.execute("SELECT to_regclass(%s)", (quoted,)).fetchone() != (None,):
+                continue
+            try:
+                with contextlib.suppress(*lost_race), conn.transaction():
+                    conn.execute(self._sql[statement])
+            except errors.InsufficientPrivilege:
+                if statement == "schema":
+                    raise
+                # Only the table's owner may index it: collection then scans the table,
+                # which the collection itself keeps small.
+                log.warning(
+                    "PostgresCache: no index on %s.expires_at and this role may not create "
+                    "it; garbage collection scans the table. Run once, as its owner: %s",
+                    self.table, self._sql["index"],
+                )  # fmt: skip
         self._ready = True
 
     @contextmanager
@@ -269,6 +326,11 @@ class PostgresCache(CacheBase):
         # Ours when just written (our version) or our own earlier write (same value).
         if row is None or (row[1] != params["version"] and row[0] != value):
             raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
+        if self.gc_after is not None and gc_due():
+            # The grant stands whatever the collection meets; the next operation reports
+            # a lasting fault itself.
+            with contextlib.suppress(MalfunctionError):
+                self.collect()
         return Entry(row[0], row[1], row[2], row[3])
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
@@ -290,6 +352,27 @@ class PostgresCache(CacheBase):
             raise SimpleCacheConditionError(
                 f"postgres: {key!r} is not at version {version}", key=key
             )
+
+    def collect(self) -> int:
+        """Delete up to 256 rows of keys freed or expired more than ``gc_after`` ago (run
+        by one grant in 64); how many it deleted. Their next fences come from the clock.
+        A role without DELETE on the table collects nothing: a warning says so, once."""
+        if self.gc_after is None:
+            return 0
+        params = {"after": self.gc_after, "limit": _COLLECT_ROWS}
+        try:
+            with self._connection("collect", "") as conn:
+                return conn.execute(self._sql["collect"], params).rowcount
+        except MalfunctionError as exc:
+            if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege):
+                raise
+        log.warning(
+            "PostgresCache: this role may not DELETE from %s, so freed keys' rows are "
+            "never collected: GRANT DELETE ON %s TO the lock role",
+            self.table, self.table,
+        )  # fmt: skip
+        self.gc_after = None
+        return 0
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -343,6 +426,13 @@ class PostgresCache(CacheBase):
         return fault(self.name, operation, key, exc)
 
 
+def _index_name(table: str) -> str:
+    """``<table>_gc``; for a table name too long for that, its head and a digest."""
+    if len(table) <= 60:
+        return f"{table}_gc"
+    return f"{table[:46]}_gc_{hashlib.blake2b(table.encode(), digest_size=6).hexdigest()}"
+
+
 def _is_pool(obj: object) -> bool:
     try:
         from psycopg_pool import ConnectionPool
@@ -375,7 +465,5 @@ def from_url(url: str) -> PostgresCache:
     query = parse_qsl(parts.query, keep_blank_values=True)
     tables = [value for name, value in query if name == "table"]
     rest = urlencode([(name, value) for name, value in query if name != "table"])
-    return PostgresCache(
-        urlunsplit(parts._replace(query=rest)),
-        **({"table": tables[-1]} if tables else {}),
-    )
+    plain = urlunsplit(parts._replace(query=rest))
+    return PostgresCache(plain, table=tables[-1]) if tables else PostgresCache(plain)

@@ -7,8 +7,9 @@ One object per cache key, ``prefix + key``, whose JSON body is
 * Only ``PUT If-None-Match: *`` (create) and ``PUT If-Match: <etag>`` (replace exactly that
   object) write, so every step is atomic on the server. The version is
   ``"<fence>:<expires_at>:<etag>"``; the random ``nonce`` makes every body's ETag unique.
-* A release writes a tombstone (value null, fence kept): nothing is deleted, so fences only
-  grow. One small object stays per key ever locked.
+* A release writes a tombstone (value null, fence kept). A grant's fence is max(fence + 1,
+  this client's clock in µs), so a deleted object never restarts it: a bucket lifecycle
+  rule may expire objects under the prefix after 30 days or more (docs/guides/s3.md).
 * Expiry is the writer's wall clock plus the ttl, judged by the reader's clock: the clocks
   of every machine sharing a bucket must agree far better than a lease (``clock_skew``
   makes takers wait that much longer past every expiry).
@@ -35,7 +36,15 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
-from .common import CacheBase, driver_imports, fault, malformed, new_version, ttl_ms
+from .common import (
+    CacheBase,
+    clock_fence,
+    driver_imports,
+    fault,
+    malformed,
+    new_version,
+    ttl_ms,
+)
 
 with driver_imports("s3"):
     # No stubs ship with boto3: Any at this boundary (and no complaint if stubs appear).
@@ -143,6 +152,7 @@ class S3Cache(CacheBase):
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
         expires_at = _expiry(now, ttl)
+        floor = clock_fence(now)  # the first fence of a new object; a floor for the next
         hint = self._take_hint(key)
         current: _Object | None = None
         create = hint is None
@@ -150,8 +160,8 @@ class S3Cache(CacheBase):
             if create:
                 nonce = _nonce()
                 try:
-                    etag = self._write("put_if_absent", key, value, 1, expires_at, nonce, None)
-                    return _entry(_Object(etag, value, 1, expires_at, nonce))
+                    etag = self._write("put_if_absent", key, value, floor, expires_at, nonce, None)
+                    return _entry(_Object(etag, value, floor, expires_at, nonce))
                 except _Miss:
                     pass
                 current = self._read("put_if_absent", key)
@@ -168,7 +178,7 @@ class S3Cache(CacheBase):
                     return _entry(current)  # our own earlier write whose reply was lost
                 raise SimpleCacheConditionError(f"s3: {key!r} is held")
             nonce = _nonce()
-            fence = current.fence + 1
+            fence = max(current.fence + 1, floor)
             try:
                 etag = self._write(
                     "put_if_absent", key, value, fence, expires_at, nonce, current.etag
