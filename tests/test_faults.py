@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import psycopg
 import pytest
 import redis
 from faults import FaultProxy
@@ -449,3 +450,44 @@ def test_with_replicas_a_grant_survives_a_failover_and_without_it_may_not(replic
     again = after.acquire(f"{key}.lost", timeout=0)  # the unwaited one did not...
     assert again.fence > unsafe.fence  # ...and yet fences never go back
     assert kept.fence < unsafe.fence
+
+
+# -- PostgreSQL: the server ends our sessions (pg_terminate_backend) ------------------------
+
+
+def terminate_sessions(application_name: str) -> int:
+    """End every server session of this application name (only the test's own)."""
+    with psycopg.connect(TIERS[1].url(5432), autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.mark.slow
+def test_terminated_postgres_sessions_cost_neither_the_lease_nor_the_waiter(key):
+    """A renewing holder and a waiter blocked in LISTEN both lose their sessions: the
+    lease is renewed on a new one, and the waiter still takes the key on release."""
+    name = f"sm-faults-{uuid.uuid4().hex[:8]}"
+    url = TIERS[1].url(5432) + f"&application_name={name}"
+    mutex = Mutex(cache_from_url(url), lease=1.5, interval=30)  # only a wake-up is prompt
+    lease = mutex.acquire(key, renew=True)
+    waiter = Mutex(cache_from_url(url), lease=1.5, interval=30)
+    got: list[float] = []
+    thread = threading.Thread(
+        target=lambda: (waiter.acquire(key, timeout=20).release(), got.append(time.monotonic()))
+    )
+    thread.start()
+    time.sleep(0.5)  # the waiter is listening
+    assert terminate_sessions(name) >= 2
+    time.sleep(2.5)  # past the first lease: renewed on a fresh session
+    assert not lease.lost
+    assert mutex.holder(key) is not None
+    released_at = time.monotonic()
+    assert lease.release() is True
+    thread.join(20)
+    assert got, "the waiter never got the key"
+    print(f"waiter took the key {got[0] - released_at:.3f} s after the release")
+    assert got[0] - released_at < 5  # not the 30 s poll

@@ -64,6 +64,12 @@ with driver_imports("postgres"):
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 log = logging.getLogger("simple_mutex")
+# What a statement on a session the server has ended raises (SQLSTATE 57P01 to 57P03).
+_SESSION_ENDED = (
+    psycopg.errors.AdminShutdown,
+    psycopg.errors.CrashShutdown,
+    psycopg.errors.CannotConnectNow,
+)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # Set only where the conninfo says nothing: a dead server or a cut network must end a
 # call in seconds (keepalives and tcp_user_timeout), not after the kernel's ~15 minutes.
@@ -295,6 +301,19 @@ class PostgresCache(CacheBase):
                 self._drop(None)
                 raise
 
+    def _one(self, operation: str, key: str, sql: str, params: dict[str, Any]) -> Any:
+        """One statement's first row. A session the server ended (a restart, a fail-over,
+        ``pg_terminate_backend``, an idle-session timeout) fails the next statement sent on
+        it, which never ran: that one is sent once more, on a fresh session."""
+        try:
+            with self._connection(operation, key) as conn:
+                return conn.execute(sql, params).fetchone()
+        except MalfunctionError as fault:
+            if not isinstance(fault.__cause__, _SESSION_ENDED):
+                raise
+        with self._connection(operation, key) as conn:
+            return conn.execute(sql, params).fetchone()
+
     def _drop(self, error: psycopg.Error | None) -> None:
         """Forget the connection after a fault, so the next call opens a fresh one; an
         error the server answered (a statement timeout) leaves it usable."""
@@ -315,14 +334,12 @@ class PostgresCache(CacheBase):
     # -- the contract ------------------------------------------------------------------
 
     def get(self, key: str) -> Entry | None:
-        with self._connection("get", key) as conn:
-            row = conn.execute(self._sql["get"], {"key": key}).fetchone()
+        row = self._one("get", key, self._sql["get"], {"key": key})
         return None if row is None else Entry(row[0], row[1], row[2], row[3])
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         params = {"key": key, "value": value, "version": new_version(), "ttl": ttl}
-        with self._connection("put_if_absent", key) as conn:
-            row = conn.execute(self._sql["put"], params).fetchone()
+        row = self._one("put_if_absent", key, self._sql["put"], params)
         # Ours when just written (our version) or our own earlier write (same value).
         if row is None or (row[1] != params["version"] and row[0] != value):
             raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
@@ -336,8 +353,7 @@ class PostgresCache(CacheBase):
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         new = new_version()
         params = {"key": key, "value": value, "new": new, "version": version, "ttl": ttl}
-        with self._connection("compare_and_set", key) as conn:
-            row = conn.execute(self._sql["cas"], params).fetchone()
+        row = self._one("compare_and_set", key, self._sql["cas"], params)
         if row is None:
             raise SimpleCacheConditionError(
                 f"postgres: {key!r} is not at version {version}", key=key
@@ -346,8 +362,7 @@ class PostgresCache(CacheBase):
 
     def compare_and_delete(self, key: str, *, version: str) -> None:
         params = {"key": key, "version": version, "channel": self._channel(key)}
-        with self._connection("compare_and_delete", key) as conn:
-            freed = conn.execute(self._sql["delete"], params).fetchone()
+        freed = self._one("compare_and_delete", key, self._sql["delete"], params)
         if freed is None:
             raise SimpleCacheConditionError(
                 f"postgres: {key!r} is not at version {version}", key=key
