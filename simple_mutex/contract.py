@@ -43,10 +43,15 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
 
 Faults of the driver (connection refused, corrupt file, timeouts) must be raised as
 ``MalfunctionError`` naming the cache and the operation, never as the driver's own error.
+
+An asyncio backend implements :class:`AsyncConditionalCache`: the same five rules, each
+method a coroutine (``redis.asyncio``, psycopg's ``AsyncConnection``, pymongo's
+``AsyncMongoClient``). The engine awaits it directly: no thread per operation or waiter.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -80,3 +85,28 @@ class ConditionalCache(Protocol):
     def compare_and_delete(self, key: str, *, version: str) -> bool | None: ...
 
     def wait(self, keys: Sequence[str], timeout: float) -> None: ...
+
+
+@runtime_checkable
+class AsyncConditionalCache(Protocol):
+    """The contract for asyncio backends: the same five rules, as coroutines."""
+
+    name: str
+
+    async def get(self, key: str) -> Entry | None: ...
+
+    async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry: ...
+
+    async def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry: ...
+
+    async def compare_and_delete(self, key: str, *, version: str) -> bool | None: ...
+
+    async def wait(self, keys: Sequence[str], timeout: float) -> None: ...
+
+
+AnyCache = ConditionalCache | AsyncConditionalCache
+
+
+def is_async(cache: object) -> bool:
+    """Is ``cache`` an asyncio backend (its methods coroutines)?"""
+    return inspect.iscoroutinefunction(getattr(cache, "put_if_absent", None))

@@ -28,12 +28,12 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from .contract import ConditionalCache, Entry
+from .contract import AnyCache, AsyncConditionalCache, ConditionalCache, Entry, is_async
 from .errors import (
     MalfunctionError,
     SimpleCacheConditionError,
@@ -52,6 +52,9 @@ class Get:
     def apply(self, cache: ConditionalCache) -> Entry | None:
         return cache.get(self.key)
 
+    async def apply_async(self, cache: AsyncConditionalCache) -> Entry | None:
+        return await cache.get(self.key)
+
 
 @dataclass(slots=True)
 class PutIfAbsent:
@@ -61,6 +64,9 @@ class PutIfAbsent:
 
     def apply(self, cache: ConditionalCache) -> Entry:
         return cache.put_if_absent(self.key, self.value, ttl=self.ttl)
+
+    async def apply_async(self, cache: AsyncConditionalCache) -> Entry:
+        return await cache.put_if_absent(self.key, self.value, ttl=self.ttl)
 
 
 @dataclass(slots=True)
@@ -73,6 +79,9 @@ class CompareAndSet:
     def apply(self, cache: ConditionalCache) -> Entry:
         return cache.compare_and_set(self.key, self.value, ttl=self.ttl, version=self.version)
 
+    async def apply_async(self, cache: AsyncConditionalCache) -> Entry:
+        return await cache.compare_and_set(self.key, self.value, ttl=self.ttl, version=self.version)
+
 
 @dataclass(slots=True)
 class CompareAndDelete:
@@ -81,6 +90,9 @@ class CompareAndDelete:
 
     def apply(self, cache: ConditionalCache) -> bool:
         return bool(cache.compare_and_delete(self.key, version=self.version))
+
+    async def apply_async(self, cache: AsyncConditionalCache) -> bool:
+        return bool(await cache.compare_and_delete(self.key, version=self.version))
 
 
 @dataclass(slots=True)
@@ -91,6 +103,9 @@ class Wait:
     def apply(self, cache: ConditionalCache) -> None:
         cache.wait(self.keys, self.seconds)
 
+    async def apply_async(self, cache: AsyncConditionalCache) -> None:
+        await cache.wait(self.keys, self.seconds)
+
 
 @dataclass(slots=True)
 class Pause:
@@ -100,6 +115,9 @@ class Pause:
 
     def apply(self, cache: ConditionalCache) -> None:
         time.sleep(self.seconds)
+
+    async def apply_async(self, cache: object) -> None:
+        await asyncio.sleep(self.seconds)
 
 
 Op = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait | Pause
@@ -326,7 +344,7 @@ def execute(cache: ConditionalCache, op: Op) -> Any:
         raise stray(cache, op, exc) from exc
 
 
-def stray(cache: ConditionalCache, op: Op, exc: Exception) -> MalfunctionError:
+def stray(cache: AnyCache, op: Op, exc: Exception) -> MalfunctionError:
     """A driver error the backend forgot to map (backends map their own; this is the net)."""
     where = getattr(op, "key", op)
     return MalfunctionError(
@@ -368,26 +386,60 @@ def run(cache: ConditionalCache, flow: Flow[T]) -> T:
             error.__cause__ = exc
 
 
-async def run_async(cache: ConditionalCache, flow: Flow[T]) -> T:
-    """The asyncio driver: the same flows, blocking cache calls moved off the event loop."""
+async def run_async(cache: AnyCache, flow: Flow[T]) -> T:
+    """The asyncio driver: the same flows. An asyncio cache is awaited directly; a cache
+    that never blocks (InMemoryCache) is called on the loop; others run in threads."""
+    attempt_one: Callable[[Any, Op], Awaitable[Outcome]]
+    if is_async(cache):
+        attempt_one = attempt_native
+    elif vars(type(cache)).get("nonblocking", False):  # declared by the class itself:
+        attempt_one = attempt_inline  # a subclass may block (a test double that sleeps)
+    else:
+        attempt_one = attempt_async
     try:
         op = next(flow)
         while True:
-            result, error = await attempt_async(cache, op)
+            result, error = await attempt_one(cache, op)
             op = flow.send(result) if error is None else flow.throw(error)
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]
 
 
-async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
+async def attempt_native(cache: Any, op: Op) -> Outcome:
+    try:
+        return Outcome(await op.apply_async(cache))
+    except (SimpleCacheConditionError, MalfunctionError) as exc:
+        return Outcome(error=exc)
+    except SimpleMutexError:
+        raise
+    except asyncio.CancelledError:
+        # Cancelled mid-request, the write may still land: free it behind the caller.
+        if isinstance(op, PutIfAbsent):
+            _background(run_async(cache, abandon([op.key], op.value)))
+        raise
+    except Exception as exc:
+        error = stray(cache, op, exc)
+        error.__cause__ = exc
+        return Outcome(error=error)
+
+
+async def attempt_inline(cache: Any, op: Op) -> Outcome:
+    """A cache whose operations never block, on the loop itself; its waits park on a
+    future (``wait_async``)."""
+    if isinstance(op, Pause):
+        await asyncio.sleep(op.seconds)
+    elif isinstance(op, Wait):
+        await cache.wait_async(op.keys, op.seconds)
+    else:
+        return attempt(cache, op)
+    return Outcome()
+
+
+async def attempt_async(cache: Any, op: Op) -> Outcome:
     if isinstance(op, Pause):
         await asyncio.sleep(op.seconds)
         return Outcome()
     if isinstance(op, Wait):
-        wait_async = getattr(cache, "wait_async", None)
-        if wait_async is not None:  # the cache can wake an event loop itself
-            await wait_async(op.keys, op.seconds)
-            return Outcome()
         # A blocking wait (Redis BLPOP, a sleep) in a pool of its own, so that waiters
         # never fill the loop's default executor that the other operations run in.
         loop = asyncio.get_running_loop()
@@ -406,14 +458,20 @@ async def attempt_async(cache: ConditionalCache, op: Op) -> Outcome:
         # nobody would hold the lease: free it before passing the cancellation on. Done
         # in a task of its own, so that a second cancel cannot skip it.
         if isinstance(op, PutIfAbsent):
-            cleanup = asyncio.ensure_future(_free_if_granted(cache, op, call))
-            _cleanups.add(cleanup)
-            cleanup.add_done_callback(_cleanups.discard)
-            await asyncio.shield(cleanup)
+            await asyncio.shield(_background(_free_if_granted(cache, op, call)))
         raise
 
 
 _cleanups: set[asyncio.Future[None]] = set()
+
+
+def _background(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+    """Run clean-up work in a task of its own, kept alive until done: a second cancel of
+    the caller cannot skip it."""
+    task = asyncio.ensure_future(work)
+    _cleanups.add(task)
+    task.add_done_callback(_cleanups.discard)
+    return task
 
 
 async def _free_if_granted(

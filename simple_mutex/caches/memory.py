@@ -38,6 +38,7 @@ def steady_time() -> float:
 
 class InMemoryCache(CacheBase):
     name = "memory"
+    nonblocking = True  # asyncio drivers call it on the loop: no operation ever waits
 
     def __init__(self, *, clock: Callable[[], float] = steady_time) -> None:
         super().__init__()
