@@ -123,6 +123,11 @@ def with_simple_mutex(
                 "or use `with mutex.acquire(key):` inside the generator"
             )
         key_of = key_function(fn, key)
+        if mutex._aio and not _is_coroutine_function(fn):
+            raise ConstraintError(
+                f"with_simple_mutex on {fn.__qualname__}: an asyncio cache guards only "
+                "`async def` functions; pass a blocking cache for a plain function"
+            )
         if _is_coroutine_function(fn):
 
             @functools.wraps(fn)

@@ -415,7 +415,7 @@ async def attempt_native(cache: Any, op: Op) -> Outcome:
     except asyncio.CancelledError:
         # Cancelled mid-request, the write may still land: free it behind the caller.
         if isinstance(op, PutIfAbsent):
-            _background(run_async(cache, abandon([op.key], op.value)))
+            in_background(run_async(cache, abandon([op.key], op.value)))
         raise
     except Exception as exc:
         error = stray(cache, op, exc)
@@ -458,14 +458,14 @@ async def attempt_async(cache: Any, op: Op) -> Outcome:
         # nobody would hold the lease: free it before passing the cancellation on. Done
         # in a task of its own, so that a second cancel cannot skip it.
         if isinstance(op, PutIfAbsent):
-            await asyncio.shield(_background(_free_if_granted(cache, op, call)))
+            await asyncio.shield(in_background(_free_if_granted(cache, op, call)))
         raise
 
 
-_cleanups: set[asyncio.Future[None]] = set()
+_cleanups: set[asyncio.Future[Any]] = set()
 
 
-def _background(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+def in_background(work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
     """Run clean-up work in a task of its own, kept alive until done: a second cancel of
     the caller cannot skip it."""
     task = asyncio.ensure_future(work)

@@ -35,9 +35,9 @@ from datetime import datetime, timezone
 from types import TracebackType
 
 from . import engine
-from .contract import ConditionalCache
+from .contract import AnyCache, ConditionalCache
 from .durations import positive_seconds
-from .engine import Flow, Grant, Handoffs, run, run_async
+from .engine import Flow, Grant, Handoffs, in_background, run, run_async
 from .errors import (
     ConstraintError,
     MalfunctionError,
@@ -90,12 +90,13 @@ class Lease:
     _on_lost: tuple[Callable[[], None], ...] = ()
     _booked: float | None = None  # the keeper's next visit
     _renewing = False  # a background renewal is in flight
+    _loop: asyncio.AbstractEventLoop | None = None
 
     def __init__(
         self,
         *,
         key: str,
-        cache: ConditionalCache,
+        cache: AnyCache,
         cache_key: str,
         value: str,
         token: str,
@@ -103,6 +104,7 @@ class Lease:
         length: float,
         renew: bool,
         handoffs: Handoffs | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -114,6 +116,7 @@ class Lease:
         self._version = grant.entry.version
         self._renew = renew
         self._handoffs = handoffs
+        self._loop = loop  # an asyncio cache's lease: renewed on this loop, never in a thread
         self._lock = threading.Lock()  # guards state only; never held across a cache call
         self._set_deadline(grant.started, length)
         if renew:
@@ -158,12 +161,13 @@ class Lease:
         """Free the lock if it is still ours. Returns False if the lease had lapsed (the
         record is then left alone or, if still ours in the cache, freed all the same).
         Never removes another holder's lock. Calling it again returns False."""
+        self._sync("release")
         try:
-            return run(self._cache, self._release_flow())
+            return run(self._blocking(), self._release_flow())
         except (KeyboardInterrupt, LeaseInterrupt):
             # Landed before or after our delete was sent: make sure it was, or the lock
             # outlives us by a whole lease.
-            run(self._cache, engine.abandon([self._cache_key], self._value))
+            run(self._blocking(), engine.abandon([self._cache_key], self._value))
             self._released = True
             raise
 
@@ -210,9 +214,10 @@ class Lease:
     def renew(self, lease: object = None) -> None:
         """Restart the lease from now (with a new length if given, like dmutex's
         ``extend(ttl)``). Raises ``SimpleMutexLeaseExpiredError`` if it was already lost."""
+        self._sync("renew")
         length = self._length if lease is None else positive_seconds(lease, "lease")
         try:
-            run(self._cache, self._renew_flow(length))
+            run(self._blocking(), self._renew_flow(length))
         finally:
             self._fire()
 
@@ -256,21 +261,46 @@ class Lease:
         raise self._ended_error()
 
     def _renew_in_background(self) -> None:
-        failed = False
+        """The keeper's renewal: in its pool, or on the loop of an asyncio cache's lease."""
+        if self._loop is None:
+            self._renewed(self._outcome_of(self.renew))
+            return
         try:
-            self.renew()
+            self._loop.call_soon_threadsafe(in_background, self._renew_on_loop())
+        except RuntimeError:  # the loop is closed: nobody is left to renew for
+            self._renewed(failed=False)
+
+    async def _renew_on_loop(self) -> None:
+        try:
+            await self.renew_async()
+            failed = False
         except SimpleMutexLeaseExpiredError:
-            pass  # lost (marked, interrupted, called back) or released
+            failed = False
         except MalfunctionError as exc:
-            failed = True
-            log.warning("renewing lease on %r failed, will retry: %s", self.key, exc)
-        finally:
-            with self._lock:
-                self._renewing = False
-                if failed:
-                    # Counted from now, after the call: a stalled call is not retried at once.
-                    self._renew_at = time.monotonic() + retry_renew_after(self._length)
-                self._book_next()
+            failed = self._renewal_failed(exc)
+        self._renewed(failed)
+
+    def _outcome_of(self, renew: Callable[[], None]) -> bool:
+        """Run a renewal; True when it hit a fault worth retrying."""
+        try:
+            renew()
+        except SimpleMutexLeaseExpiredError:
+            return False  # lost (marked, interrupted, called back) or released
+        except MalfunctionError as exc:
+            return self._renewal_failed(exc)
+        return False
+
+    def _renewal_failed(self, exc: MalfunctionError) -> bool:
+        log.warning("renewing lease on %r failed, will retry: %s", self.key, exc)
+        return True
+
+    def _renewed(self, failed: bool) -> None:
+        with self._lock:
+            self._renewing = False
+            if failed:
+                # Counted from now, after the call: a stalled call is not retried at once.
+                self._renew_at = time.monotonic() + retry_renew_after(self._length)
+            self._book_next()
 
     # -- loss ---------------------------------------------------------------------------
 
@@ -368,6 +398,7 @@ class Lease:
     def __enter__(self) -> Lease:
         # A `with` inside a coroutine or generator can be suspended: the thread would then
         # be interrupted while running someone else's code (another task, the event loop).
+        self._sync("__enter__")
         if sys._getframe(1).f_code.co_flags & _SUSPENDABLE:
             raise ConstraintError(
                 f"`with lease:` on {self.key!r} inside a coroutine or generator cannot be "
@@ -449,6 +480,18 @@ class Lease:
             if uncancel is not None:
                 uncancel()
         raise self._expired_error() from exc
+
+    def _blocking(self) -> ConditionalCache:
+        return self._cache  # type: ignore[return-value]  # _sync() refused an asyncio one
+
+    def _sync(self, method: str) -> None:
+        """Refuse a blocking call on an asyncio cache's lease, naming what to await."""
+        if self._loop is not None:
+            instead = "async with lease" if method == "__enter__" else f"await {method}_async()"
+            raise ConstraintError(
+                f"{method}() of a lease on {self.key!r} would block on an asyncio cache: "
+                f"use `{instead}`"
+            )
 
     def _is_ours(self, exc: BaseException | None) -> bool:
         return self._interrupt_sent is not None and type(exc) is self._interrupt_sent

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections.abc
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import TypeVar
+from types import TracebackType
+from typing import Any, TypeVar
 
 from . import engine
 from .caches.adapt import as_cache
-from .contract import Entry
+from .contract import Entry, is_async
 from .durations import Duration, positive_seconds, timeout_seconds
 from .engine import Flow, Grant, Handoffs, run, run_async
 from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
@@ -61,6 +64,7 @@ class _LockSpace:
         self.label = label
         self._handoffs = Handoffs()
         self._encoded: dict[str, list[str]] = {}
+        self._aio = is_async(self.cache)  # an asyncio cache: only the *_async methods
 
     def _slot_keys(self, key: str) -> list[str]:
         # Hot keys recur (a worker locks the same few entities): remember their encoding.
@@ -88,6 +92,7 @@ class _LockSpace:
         ``renew=True`` keeps the lease alive from a background thread while it is held.
         ``token`` is for integrations that need an owner another process can recognize
         (a task id); by default it is 128 random bits."""
+        self._sync("acquire")
         claim = self._claim(key, renew, label, token)
         flow = self._acquiring(claim, timeout, interval)
         try:
@@ -103,7 +108,7 @@ class _LockSpace:
             run(self.cache, engine.abandon(claim.slot_keys, claim.value))
             raise
 
-    async def acquire_async(
+    def acquire_async(
         self,
         key: str,
         *,
@@ -111,18 +116,32 @@ class _LockSpace:
         interval: Duration | None = None,
         renew: bool = False,
         label: str | None = None,
-    ) -> Lease:
-        """``acquire`` for asyncio: waiting does not block the event loop."""
+    ) -> Acquiring:
+        """``acquire`` for asyncio: waiting does not block the event loop, and an asyncio
+        cache is awaited directly (no thread). ``await`` it for the Lease, or use it as
+        it is: ``async with mutex.acquire_async(key) as lease:``."""
         claim = self._claim(key, renew, label, None)
         flow = self._acquiring(claim, timeout, interval)
+        return Acquiring(self._granted_async(claim, flow))
+
+    async def _granted_async(self, claim: _Claim, flow: Flow[Grant]) -> Lease:
         try:
-            return claim.lease(await run_async(self.cache, flow))
+            grant = await run_async(self.cache, flow)
         except MalfunctionError as fault:
             self._unclear(claim, fault)
             raise
+        return claim.lease(grant, asyncio.get_running_loop() if self._aio else None)
+
+    async def try_acquire_async(self, key: str, *, renew: bool = False) -> Lease | None:
+        """One attempt: the Lease, or None if the lock is busy."""
+        try:
+            return await self.acquire_async(key, timeout=0, renew=renew)
+        except SimpleMutexAcquireTimeoutError:
+            return None
 
     def try_acquire(self, key: str, *, renew: bool = False) -> Lease | None:
         """One attempt: the Lease, or None if the lock is busy."""
+        self._sync("try_acquire")
         try:
             return self.acquire(key, timeout=0, renew=renew)
         except SimpleMutexAcquireTimeoutError:
@@ -140,6 +159,7 @@ class _LockSpace:
         """Take over a permit of ``key`` whose holder's token ``owns`` accepts (an earlier
         attempt of the same owner, e.g. a retried task), by compare-and-set: the new lease
         carries ``token`` and the fence stays. None when no such permit is held."""
+        self._sync("take_over")
         claim = self._claim(key, renew, label, token)
         flow = engine.take_over(
             claim.slot_keys, claim.value, self.lease, self._owned(key, owns), time.monotonic
@@ -151,12 +171,20 @@ class _LockSpace:
         """Free every permit of ``key`` whose holder's token ``owns`` accepts, from any
         process (a worker's parent freeing a killed child's lock). A record that changed
         in between is left alone."""
+        self._sync("release_where")
         flow = engine.release_where(self._slot_keys(key), self._owned(key, owns))
         return self._run(key, flow) > 0
 
     def holders(self, key: str) -> list[Holder]:
         """Who holds the key's permits now (never their tokens)."""
-        entries = self._run(key, engine.read(self._slot_keys(key)))
+        self._sync("holders")
+        return self._holders(key, self._run(key, engine.read(self._slot_keys(key))))
+
+    async def holders_async(self, key: str) -> list[Holder]:
+        """``holders`` for asyncio."""
+        return self._holders(key, await self._run_async(key, engine.read(self._slot_keys(key))))
+
+    def _holders(self, key: str, entries: list[Entry | None]) -> list[Holder]:
         return [
             holder_of(entry, self.cache.name, key, slot)
             for slot, entry in enumerate(entries)
@@ -168,9 +196,26 @@ class _LockSpace:
         found = self.holders(key)
         return found[0] if found else None
 
+    async def holder_async(self, key: str) -> Holder | None:
+        """``holder`` for asyncio."""
+        found = await self.holders_async(key)
+        return found[0] if found else None
+
     def locked(self, key: str) -> bool:
         """True if an acquire now would have to wait (every permit is taken)."""
         return len(self.holders(key)) >= self.permits
+
+    async def locked_async(self, key: str) -> bool:
+        """``locked`` for asyncio."""
+        return len(await self.holders_async(key)) >= self.permits
+
+    def _sync(self, method: str) -> None:
+        """Refuse a blocking call on an asyncio cache, naming the method to await."""
+        if self._aio:
+            raise ConstraintError(
+                f"{type(self).__name__}.{method}() cannot run on the asyncio cache "
+                f"{type(self.cache).__name__}: use `await {method}_async(...)`"
+            )
 
     # -- building and running flows -------------------------------------------------------
 
@@ -201,8 +246,13 @@ class _LockSpace:
         """An acquire failed: our write may have landed all the same (its reply lost).
         Free it in the background, so it does not hold the key for a lease."""
         fault.about(claim.key, claim.slot_keys)  # the user's key, verbatim, for grepping logs
-        if not fault.unsent:
-            keeper().submit(run, self.cache, engine.abandon(claim.slot_keys, claim.value))
+        if fault.unsent:
+            return
+        abandon = engine.abandon(claim.slot_keys, claim.value)
+        if self._aio:
+            engine.in_background(run_async(self.cache, abandon))
+        else:
+            keeper().submit(run, self.cache, abandon)
 
     def _owned(self, key: str, owns: Callable[[str], bool]) -> engine.Owns:
         def owned(entry: Entry) -> bool:
@@ -217,6 +267,50 @@ class _LockSpace:
             exc.about(key, self._slot_keys(key))  # the user's key, verbatim
             raise
 
+    async def _run_async(self, key: str, flow: Flow[T]) -> T:
+        try:
+            return await run_async(self.cache, flow)
+        except MalfunctionError as exc:
+            exc.about(key, self._slot_keys(key))
+            raise
+
+
+class Acquiring(collections.abc.Coroutine[Any, Any, Lease]):
+    """What ``acquire_async`` returns: ``await`` it for the Lease, or enter it directly
+    (``async with mutex.acquire_async(key) as lease:``), which acquires on entry and
+    releases on exit. It is a coroutine too (``asyncio.run``, ``create_task`` take it)."""
+
+    __slots__ = ("_granting", "_lease")
+
+    def __init__(self, granting: Coroutine[Any, Any, Lease]) -> None:
+        self._granting = granting
+        self._lease: Lease | None = None
+
+    def __await__(self) -> Generator[Any, None, Lease]:
+        return self._granting.__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._granting.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        return self._granting.throw(*exc)
+
+    def close(self) -> None:
+        self._granting.close()
+
+    async def __aenter__(self) -> Lease:
+        self._lease = await self._granting
+        return await self._lease.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._lease is not None
+        await self._lease.__aexit__(exc_type, exc, tb)
+
 
 @dataclass(slots=True)
 class _Claim:
@@ -229,7 +323,7 @@ class _Claim:
     value: str
     renew: bool
 
-    def lease(self, grant: Grant) -> Lease:
+    def lease(self, grant: Grant, loop: asyncio.AbstractEventLoop | None = None) -> Lease:
         return Lease(
             key=self.key,
             cache=self.space.cache,
@@ -240,6 +334,7 @@ class _Claim:
             length=self.space.lease,
             renew=self.renew,
             handoffs=self.space._handoffs,
+            loop=loop,
         )
 
 
