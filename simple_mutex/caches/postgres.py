@@ -64,12 +64,6 @@ with driver_imports("postgres"):
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 log = logging.getLogger("simple_mutex")
-# What a statement on a session the server has ended raises (SQLSTATE 57P01 to 57P03).
-_SESSION_ENDED = (
-    psycopg.errors.AdminShutdown,
-    psycopg.errors.CrashShutdown,
-    psycopg.errors.CannotConnectNow,
-)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # Set only where the conninfo says nothing: a dead server or a cut network must end a
 # call in seconds (keepalives and tcp_user_timeout), not after the kernel's ~15 minutes.
@@ -278,39 +272,47 @@ class PostgresCache(CacheBase):
     @contextmanager
     def _connection(self, operation: str, key: str) -> Iterator[psycopg.Connection[Any]]:
         if self._pool is not None:
+            broken = False
             try:
                 with self._pool.connection() as conn:
                     if not self._ready:
                         self._create_table(conn)
-                    yield conn
+                    try:
+                        yield conn
+                    finally:
+                        broken = conn.broken
             except psycopg.Error as exc:
-                raise self._fault(operation, key, exc) from exc
+                # A broken pooled session was an idle one the server ended.
+                raise self._fault(operation, key, exc, broken) from exc
             return
         with self._guard:
+            reused = False
             try:
-                if self._conn is None or self._conn.closed:
+                reused = self._conn is not None and not self._conn.closed
+                if self._conn is None or not reused:
                     self._conn = self._connect()
                 if not self._ready:
                     self._create_table(self._conn)
                 yield self._conn
             except psycopg.Error as exc:
+                ended = reused and self._conn is not None and self._conn.broken
                 self._drop(exc)
-                raise self._fault(operation, key, exc) from exc
+                raise self._fault(operation, key, exc, ended) from exc
             except BaseException:
                 # An interrupt mid-statement may leave a reply unread: never reuse it.
                 self._drop(None)
                 raise
 
     def _one(self, operation: str, key: str, sql: str, params: dict[str, Any]) -> Any:
-        """One statement's first row. A session the server ended (a restart, a fail-over,
-        ``pg_terminate_backend``, an idle-session timeout) fails the next statement sent on
-        it, which never ran: that one is sent once more, on a fresh session."""
+        """One statement's first row. A reused session the server ended (a restart, a
+        fail-over, ``pg_terminate_backend``, an idle-session timeout) fails the next
+        statement sent on it, which never ran: that one is sent once more, on a fresh
+        session."""
         try:
             with self._connection(operation, key) as conn:
                 return conn.execute(sql, params).fetchone()
-        except MalfunctionError as fault:
-            if not isinstance(fault.__cause__, _SESSION_ENDED):
-                raise
+        except _SessionEnded:
+            pass
         with self._connection(operation, key) as conn:
             return conn.execute(sql, params).fetchone()
 
@@ -434,11 +436,18 @@ class PostgresCache(CacheBase):
         digest = hashlib.blake2b(f"{self.table}\0{key}".encode(), digest_size=16)
         return "sm_" + digest.hexdigest()
 
-    def _fault(self, operation: str, key: str, exc: psycopg.Error) -> MalfunctionError:
+    def _fault(
+        self, operation: str, key: str, exc: psycopg.Error, ended: bool = False
+    ) -> MalfunctionError:
         if getattr(exc, "sqlstate", None) in _OTHER_SHAPE:
             detail = f"table {self.table!r} is not a lock table: {str(exc).strip()}"
             return malformed(self.name, operation, key, detail)
-        return fault(self.name, operation, key, exc)
+        error = fault(self.name, operation, key, exc)
+        return _SessionEnded(error.message, key) if ended else error
+
+
+class _SessionEnded(MalfunctionError):
+    """A reused session the server had ended: the statement sent on it never ran."""
 
 
 def _index_name(table: str) -> str:

@@ -441,8 +441,10 @@ def _text(value: bytes | str) -> str:
 
 
 def _connection_kwargs(client: Any) -> dict[str, Any]:
-    getter = getattr(client, "get_connection_kwargs", None)
+    getter = getattr(client, "get_connection_kwargs", None)  # redis-py >= 5
     kwargs = getter() if callable(getter) else None
+    if not isinstance(kwargs, dict):  # older redis-py: the pool holds them
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
     return kwargs if isinstance(kwargs, dict) else {}
 
 
