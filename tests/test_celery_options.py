@@ -169,16 +169,35 @@ def test_cache_clients_are_rebuilt_after_fork():
     assert os.read(read, 16) == b"fresh"
 
 
-def test_eager_apply_locks_and_skips():
-    """task.apply() (eager) runs under the lock too: busy skip returns the marker. A
-    direct call is a plain function call, and outside a task there is no lease."""
+def test_eager_apply_and_direct_calls_lock_and_skip():
+    """task.apply() (eager) and a direct call task(1) both run under the lock: busy skip
+    returns the marker, and the body always has its lease (current_lease() is None only
+    outside a body). A direct call nested in a body holding the same key runs inside that
+    hold (re-entrant), instead of waiting for itself."""
     cache = InMemoryCache()
-    task = _task(_app(), key="e.{n}", on_busy="skip", cache=cache)
-    assert task.apply(args=(1,)).get() == "ran"
+    app = _app()
+
+    @app.task(
+        shared=False, base=MutexTask, mutex={"key": "e.{n}", "on_busy": "skip", "cache": cache}
+    )
+    def fenced(n: int) -> int:
+        return current_lease().fence
+
+    @app.task(
+        shared=False, base=MutexTask, mutex={"key": "e.{n}", "on_busy": "wait", "cache": cache}
+    )
+    def outer(n: int) -> tuple[int, int]:
+        return current_lease().fence, fenced(n)
+
+    assert fenced.apply(args=(1,)).get() < fenced(1) < fenced(n=1)
     with Mutex(cache).acquire("e.1"):
-        assert is_skipped(task.apply(args=(1,)).get())
-    assert task(1) == "ran"
+        assert is_skipped(fenced.apply(args=(1,)).get())
+        assert is_skipped(fenced(1))
+        assert fenced(2) >= 1  # another key
+    held, inner = outer(1)
+    assert inner == held
     assert current_lease() is None
+    assert not Mutex(cache).locked("e.1")
 
 
 def test_always_eager_busy_retry_waits_then_fails_within_its_budget():
