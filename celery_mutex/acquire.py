@@ -27,21 +27,21 @@ def before_start(
     task_id: str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    synchronous: bool | None = None,
+    direct: bool = False,
 ) -> None:
     """Leaves on ``task.request`` either ``mutex_lease`` (held, loss interrupt armed for
     this thread) or ``mutex_skipped`` (the marker to return instead of running).
-    ``synchronous``: no queue to retry through (default: ``request.is_eager``)."""
+    ``direct``: a direct call (``task(...)``), synchronous and never a beat's tick."""
     request = task.request
-    if synchronous is None:
-        synchronous = bool(request.is_eager)
+    synchronous = direct or bool(request.is_eager)
     cfg = config_of(task)
     # A worker makes every header a request attribute; apply() and task_always_eager keep
     # them in request.headers. The body reads the tick it belongs to in one place
     # either way (None: not sent by a guarded beat).
     headers = request.headers or {}
-    request.mutex_beat_slot = getattr(request, BEAT_SLOT, None) or headers.get(BEAT_SLOT)
-    if request.mutex_beat_slot is not None:
+    slot = None if direct else getattr(request, BEAT_SLOT, None) or headers.get(BEAT_SLOT)
+    request.mutex_beat_slot = slot
+    if slot is not None:
         from .beat import drop_duplicate_tick
 
         dropped = drop_duplicate_tick(task, cfg.locks.space.cache, cfg.locks.space.prefix, task_id)

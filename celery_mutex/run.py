@@ -1,10 +1,16 @@
 """The task body inside its lease, and the release on every way it ends.
 
-A direct call (``charge(7)``: ``request.called_directly``, no before_start ran) takes
-the lock here, synchronously as ``apply()`` does, unless the class sets
-``lock_direct_calls = False``. A direct call made inside a body that already holds the
-same key (a task calling another as a subroutine) runs inside that hold: waiting for a
-lock our own caller holds could only end in a timeout.
+A direct call (``charge(7)``: no before_start ran) takes the lock here, synchronously as
+``apply()`` does, unless the class sets ``lock_direct_calls = False``. A direct call made
+inside a body that already holds the same key (a task calling another as a subroutine)
+runs inside that hold: waiting for a lock our own caller holds could only end in a
+timeout.
+
+Celery's ``Task.__call__`` pushes a request that copies the current one, so a direct call
+is told apart by what it copied: ``called_directly`` from a task's idle request (a call
+from outside, or from another task), ``mutex_running`` from a body of this same task
+that is running (a recursive call). A custom ``__call__`` that calls ``super()`` on the
+tracer's behalf copies the traced request before its body runs: that is no direct call.
 """
 
 from __future__ import annotations
@@ -59,16 +65,22 @@ def run_body(
     task: Any, body: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     request = task.request
-    if request.called_directly and task.lock_direct_calls:
+    direct = request.called_directly or getattr(request, "mutex_running", False)
+    if direct:
+        if not task.lock_direct_calls:
+            return body()  # a plain function call, as the peers' direct calls were
         if _held_here(task, task.mutex_key(*args, **kwargs)):
             return body()  # a subroutine of the run that holds this key
-        acquire.before_start(task, f"direct-{uuid()}", args, kwargs, synchronous=True)
+        request.mutex_lease = request.mutex_skipped = None  # not the caller's, if copied
+        request.mutex_done = False
+        acquire.before_start(task, f"direct-{uuid()}", args, kwargs, direct=True)
     skipped = getattr(request, "mutex_skipped", None)
     if skipped is not None:
         return skipped
     lease: Lease | None = getattr(request, "mutex_lease", None)
     if lease is None or getattr(request, "mutex_done", False):
-        return body()  # a plain direct call (lock_direct_calls = False)
+        return body()  # no lease was taken for this request: nothing to hold
+    request.mutex_running = True
     with running(lease), _holding(task, lease.key):
         try:
             result = body()

@@ -68,9 +68,7 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
         options = check_options(name, cls.__dict__.get("mutex", cls.mutex))
         fn, bound = (run.__func__, False) if isinstance(run, staticmethod) else (run, True)
-        key_of = make_key_of(
-            name, fn, bound, options.get("key"), permits=options.get("permits", 1)
-        )
+        key_of = make_key_of(name, fn, bound, options.get("key"), permits=options.get("permits", 1))
         cls._mutex_spec = _Spec(options, key_of)
         cls.run = guarded(fn, bound)
 
