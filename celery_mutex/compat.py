@@ -191,7 +191,8 @@ class QueueOnce(MutexTask):
                 "postgresql://, ...)"
             )
         if "default_timeout" in settings:
-            found["enqueue_ttl"] = settings["default_timeout"]
+            timeout = settings["default_timeout"]
+            found["enqueue_ttl"] = positive_seconds(timeout, "app.conf.ONCE default_timeout")
         return found
 
 
@@ -260,6 +261,8 @@ class Singleton(MutexTask):
             value = conf.get(setting)
             if value is not None:
                 _deprecated(f"app.conf.{setting}", f"app.conf.mutex_{option}")
+                if option == "enqueue_ttl":
+                    value = positive_seconds(value, f"app.conf.{setting}")
                 found[option] = value
         for setting in SINGLETON_IGNORED:
             if conf.get(setting) is not None:

@@ -328,7 +328,7 @@ def test_celery_once_settings_are_read_and_deprecated(tmp_path: Path):
     """app.conf.ONCE (Django: CELERY_ONCE) gives the cache (Redis url; the File backend's
     location becomes a DiskCache) and default_timeout the queued record's lifetime, with a
     DeprecationWarning naming mutex_cache; mutex_* settings and the task's timeout win;
-    an unknown backend is refused, naming the fix."""
+    a bad timeout or an unknown backend is refused, naming the setting and the fix."""
     redis_once = {"backend": "celery_once.backends.Redis", "settings": {"url": "memory://"}}
     app = _memory_app(ONCE={**redis_once, "settings": {"url": "memory://", "default_timeout": 42}})
     with pytest.warns(DeprecationWarning, match="app.conf.mutex_cache"):
@@ -351,6 +351,12 @@ def test_celery_once_settings_are_read_and_deprecated(tmp_path: Path):
         cfg = _queue_once(both)._mutex_config()
     assert cfg.locks.space.cache is both.conf.mutex_cache
     assert cfg.markers.space.lease == 5
+    bad = _memory_app(ONCE={"settings": {"url": "memory://", "default_timeout": -1}})
+    with (
+        pytest.warns(DeprecationWarning, match="ONCE"),
+        pytest.raises(ConstraintError, match="ONCE default_timeout must be greater than 0"),
+    ):
+        _queue_once(bad)._mutex_config()
     odd = _memory_app(ONCE={"backend": "myapp.locks.Memcached", "settings": {}})
     with (
         pytest.warns(DeprecationWarning, match="ONCE"),
