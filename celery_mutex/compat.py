@@ -9,11 +9,11 @@
 They take the peers' task options and settings, and keep what their callers see: a
 duplicate ``apply_async`` raises ``AlreadyQueued`` (or, ``graceful``, returns a result of
 None), or returns the queued call's ``AsyncResult`` (or raises ``DuplicateTaskError``).
-Underneath they are ``MutexTask``\\s: the "queued or running" record is cleared on every
-way a call ends (a killed child, a hard time limit, a revoke, ``Ignore``, ``Reject``
-included), a retry keeps it, and besides it the worker takes a renewed lock on the same
-key, so a copy that got past the check (``send_task``, a beat that did not import the
-task, an expired record) never runs beside the first: it is skipped
+Underneath they are ``MutexTask`` subclasses: the "queued or running" record is cleared
+on every way a call ends (a killed child, a hard time limit, a revoke, ``Ignore``,
+``Reject`` included), a retry keeps it, and besides it the worker takes a renewed lock on
+the same key, so a copy that got past the check (``send_task``, a beat that did not
+import the task, an expired record) never runs beside the first: it is skipped
 (``unlock_before_run``: it waits its turn through busy retries).
 
 What differs from the peers, on purpose:
