@@ -174,6 +174,13 @@ class QueueOnce(MutexTask):
         settings = check_known(
             "app.conf.ONCE['settings']", "setting", once.get("settings") or {}, ONCE_SETTINGS
         )
+        if settings.get("blocking"):
+            warnings.warn(
+                "app.conf.ONCE blocking is not supported by celery_mutex.compat: a duplicate "
+                "is refused at once (a MutexTask with on_busy='wait' waits in the worker)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         backend = str(once.get("backend") or "celery_once.backends.Redis")
         found: dict[str, Any] = {}
         kind = backend.rsplit(".", 1)[-1]

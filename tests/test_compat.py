@@ -327,12 +327,15 @@ def _singleton(app: Celery, **options: Any) -> Any:
 def test_celery_once_settings_are_read_and_deprecated(tmp_path: Path):
     """app.conf.ONCE (Django: CELERY_ONCE) gives the cache (Redis url; the File backend's
     location becomes a DiskCache) and default_timeout the queued record's lifetime, with a
-    DeprecationWarning naming mutex_cache; mutex_* settings and the task's timeout win;
-    a bad timeout or an unknown backend is refused, naming the setting and the fix."""
+    DeprecationWarning naming mutex_cache (and one saying blocking is not supported);
+    mutex_* settings and the task's timeout win; a bad timeout or an unknown backend is
+    refused, naming the setting and the fix."""
     redis_once = {"backend": "celery_once.backends.Redis", "settings": {"url": "memory://"}}
-    app = _memory_app(ONCE={**redis_once, "settings": {"url": "memory://", "default_timeout": 42}})
-    with pytest.warns(DeprecationWarning, match="app.conf.mutex_cache"):
+    settings = {"url": "memory://", "default_timeout": 42, "blocking": True}
+    app = _memory_app(ONCE={**redis_once, "settings": settings})
+    with pytest.warns(DeprecationWarning, match="app.conf.mutex_cache") as seen:
         cfg = _queue_once(app)._mutex_config()
+    assert any("blocking is not supported" in str(w.message) for w in seen)
     assert isinstance(cfg.locks.space.cache, InMemoryCache)
     assert cfg.markers.space.lease == 42
     assert _queue_once(app, timeout=7)._mutex_config().markers.space.lease == 7
