@@ -8,7 +8,8 @@
     def charge(order_id, amount=0): ...
 
 The lock is taken when the task starts, owned by the task id, kept alive by renewal
-while the body runs, and released on every way the task ends.
+while the body runs, and released on every way the task ends. Users of celery-once and
+celery-singleton can keep their code: ``celery_mutex.compat`` has drop-in classes.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 from simple_mutex.busy import SKIPPED, current_lease, is_skipped
 
 from . import safety_net, signals
-from .errors import AlreadyQueuedError
+from .errors import AlreadyQueuedError, ConstantKeyWarning
 from .task import MutexTask
 
 __all__ = [
     "SKIPPED",
     "AlreadyQueuedError",
+    "ConstantKeyWarning",
     "MutexTask",
     "current_lease",
     "is_skipped",

@@ -4,8 +4,9 @@ package uses is imported here once (hence the ignores), and is ``Any`` beyond it
 from __future__ import annotations
 
 from billiard.exceptions import WorkerLostError  # type: ignore[import-untyped]
-from celery import Task, current_task  # type: ignore[import-untyped]
+from celery import Task, current_task, states  # type: ignore[import-untyped]
 from celery.exceptions import Retry, TimeLimitExceeded  # type: ignore[import-untyped]
+from celery.result import EagerResult  # type: ignore[import-untyped]
 from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
     task_postrun,
@@ -15,12 +16,14 @@ from celery.utils import uuid  # type: ignore[import-untyped]
 from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
 
 __all__ = [
+    "EagerResult",
     "Retry",
     "Signal",
     "Task",
     "TimeLimitExceeded",
     "WorkerLostError",
     "current_task",
+    "states",
     "task_failure",
     "task_postrun",
     "task_revoked",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from simple_mutex import Lease, Mutex, Semaphore
+from simple_mutex import Holder, Lease, Mutex, Semaphore
 
 _SAFE_OWNER = re.compile(r"[A-Za-z0-9_:-]{1,100}")
 
@@ -66,11 +66,15 @@ class OwnedLocks:
         """Free every permit of ``key`` that ``owner`` holds (from any process)."""
         return self.space.release_where(key, lambda held: _split(held)[0] == owner)
 
-    def holder_label(self, key: str) -> str | None:
-        """The label of a current holder of ``key`` (``task.name[task id]``), if any; None
-        also when it cannot be read (it is for logs, markers and a second try)."""
+    def holder(self, key: str) -> Holder | None:
+        """A current holder of ``key``, if any; None also when it cannot be read (it is
+        for logs, markers and a second try)."""
         try:
-            holder = self.space.holder(key)
+            return self.space.holder(key)
         except Exception:
             return None
+
+    def holder_label(self, key: str) -> str | None:
+        """The label of a current holder of ``key`` (``task.name[task id]``), if any."""
+        holder = self.holder(key)
         return None if holder is None else holder.label

@@ -19,14 +19,29 @@ from .config import Config, config_of
 log = logging.getLogger("celery_mutex")
 
 BUSY_HEADER = "mutex_busy_retries"  # busy re-publishes so far; Task.retry's count stays
+BEAT_SLOT = "mutex_beat_slot"  # the header a guarded beat stamps (beat.HEADER)
 
 
-def before_start(task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def before_start(
+    task: Any,
+    task_id: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    direct: bool = False,
+) -> None:
     """Leaves on ``task.request`` either ``mutex_lease`` (held, loss interrupt armed for
-    this thread) or ``mutex_skipped`` (the marker to return instead of running)."""
+    this thread) or ``mutex_skipped`` (the marker to return instead of running).
+    ``direct``: a direct call (``task(...)``), synchronous and never a beat's tick."""
     request = task.request
+    synchronous = direct or bool(request.is_eager)
     cfg = config_of(task)
-    if getattr(request, "mutex_beat_slot", None) is not None:  # stamped by a guarded beat
+    # A worker makes every header a request attribute; apply() and task_always_eager keep
+    # them in request.headers. The body reads the tick it belongs to in one place
+    # either way (None: not sent by a guarded beat).
+    headers = request.headers or {}
+    slot = None if direct else getattr(request, BEAT_SLOT, None) or headers.get(BEAT_SLOT)
+    request.mutex_beat_slot = slot
+    if slot is not None:
         from .beat import drop_duplicate_tick
 
         dropped = drop_duplicate_tick(task, cfg.locks.space.cache, cfg.locks.space.prefix, task_id)
@@ -40,12 +55,12 @@ def before_start(task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[st
             key,
             owner=owner_of(task_id),
             attempt=request.retries or 0,
-            timeout=cfg.policy.wait_for(synchronous=bool(request.is_eager)),
+            timeout=cfg.policy.wait_for(synchronous=synchronous),
             renew=cfg.policy.renew,
             label=f"{task.name}[{task_id}]",
         )
     except SimpleMutexAcquireTimeoutError as busy:
-        _busy(task, cfg, key, busy, args, kwargs)
+        _busy(task, cfg, key, busy, args, kwargs, synchronous)
         return
     request.mutex_lease = lease
     request.mutex_started = time.monotonic()
@@ -65,6 +80,7 @@ def _busy(
     busy: SimpleMutexAcquireTimeoutError,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    synchronous: bool,
 ) -> None:
     request = task.request
     holder = cfg.locks.holder_label(key)
@@ -72,7 +88,7 @@ def _busy(
     signals.mutex_busy.send(sender=task, task_id=request.id, key=key, policy=policy, holder=holder)
     count = int(getattr(request, BUSY_HEADER, None) or 0)
     try:
-        delay = cfg.policy.after_busy(busy, synchronous=bool(request.is_eager), busy_retries=count)
+        delay = cfg.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
     except SimpleMutexAcquireTimeoutError:
         log.info("%s[%s] failed: %r is busy (held by %s)", task.name, request.id, key, holder)
         raise

@@ -41,6 +41,7 @@ from simple_mutex.durations import positive_seconds
 
 from ._celery import Signal
 from ._owned import OwnedLocks, owner_of
+from .acquire import BEAT_SLOT
 
 # isort: split
 from celery.beat import (  # type: ignore[import-untyped]
@@ -58,8 +59,10 @@ mutex_beat_skipped = Signal(name="mutex_beat_skipped")
 run (``sender`` the task, ``reason`` "duplicate" or "redelivered"); also ``entry``: the
 entry name (beat side) or ``"<entry>@<slot>"`` (worker side). Count it for metrics."""
 
-HEADER = "mutex_beat_slot"
-"""The message header the winning beat stamps: ``"<entry name>@<slot>"``."""
+HEADER = BEAT_SLOT
+"""The message header the winning beat stamps: ``"<entry name>@<slot>"``. A ``MutexTask``
+body reads it as ``self.request.mutex_beat_slot`` (``bind=True``; None when the call did
+not come from a guarded beat)."""
 
 MIN_CLAIM = 10.0  # seconds a claim lives at least (the clock-skew tolerance floor)
 MAX_CLAIM = 7 * 24 * 3600.0

@@ -22,13 +22,14 @@ from simple_mutex.durations import positive_seconds
 
 from ._owned import OwnedLocks
 
-OPTIONS = SHARED | {"key", "cache", "prefix", "enqueue", "enqueue_ttl"}
+OPTIONS = SHARED | {"key", "cache", "prefix", "enqueue", "enqueue_ttl", "enqueue_until"}
 
 DEFAULTS: dict[str, Any] = {  # of the options only Celery has; the shared ones: BusyPolicy
     "cache": None,  # no default: the broker is never used silently
     "prefix": "mutex.",
     "enqueue": None,  # off; "return" or "raise" de-duplicates at apply_async
     "enqueue_ttl": 3600.0,  # how long a queued call blocks duplicates at most
+    "enqueue_until": "end",  # "start": an equal call may be queued once this one runs
 }
 
 
@@ -49,6 +50,8 @@ def check_value(where: str, name: str, value: Any) -> Any:
         check_option(where, name, value)
     elif name == "enqueue" and value not in (None, "return", "raise"):
         raise ConstraintError(f"{where}: enqueue must be None, 'return' or 'raise', got {value!r}")
+    elif name == "enqueue_until" and value not in ("start", "end"):
+        raise ConstraintError(f"{where}: enqueue_until must be 'start' or 'end', got {value!r}")
     elif name == "enqueue_ttl":
         positive_seconds(value, f"{where}: enqueue_ttl")
     elif name == "prefix" and not isinstance(value, str):
@@ -62,6 +65,7 @@ class Config:
     locks: OwnedLocks
     markers: OwnedLocks | None  # "queued or running" records, when enqueue is on
     enqueue: str | None
+    enqueue_until: str
 
 
 def config_of(task: Any) -> Config:
@@ -81,11 +85,18 @@ def settings_of(task: Any) -> dict[str, Any]:
 
 
 def _build(task: Any) -> Config:
+    # defaults < the base class's (celery_mutex.compat: the peers' settings) < the app's
+    # mutex_* settings < the task's mutex={...}
+    below = check_options(task.name, task.mutex_defaults())
     settings = settings_of(task)
     options = task._mutex_spec.options
-    merged = {**DEFAULTS, **settings, **options}
-    # retry fields merge field by field: defaults < app.conf.mutex_retry < the task's
-    merged["retry"] = {**settings.get("retry", {}), **options.get("retry", {})}
+    merged = {**DEFAULTS, **below, **settings, **options}
+    # retry fields merge field by field, in the same order
+    merged["retry"] = {
+        **below.get("retry", {}),
+        **settings.get("retry", {}),
+        **options.get("retry", {}),
+    }
     if merged["cache"] is None:
         raise ConstraintError(
             f"{task.name}: no lock cache configured; set app.conf.mutex_cache "
@@ -99,7 +110,7 @@ def _build(task: Any) -> Config:
         ttl = positive_seconds(merged["enqueue_ttl"], "enqueue_ttl")
         markers = OwnedLocks(Mutex(cache, lease=ttl, prefix=merged["prefix"] + "queued."))
     locks = OwnedLocks(policy.lock_space(cache, merged["prefix"]))
-    return Config(policy, locks, markers, merged["enqueue"])
+    return Config(policy, locks, markers, merged["enqueue"], merged["enqueue_until"])
 
 
 _configs: PerProcess[Config] = PerProcess(_build)

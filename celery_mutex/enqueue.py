@@ -8,14 +8,15 @@ run-time lock still applies: ``send_task`` and beat never pass through here.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from simple_mutex import SimpleMutexAcquireTimeoutError
+from simple_mutex import Holder, Mutex, SimpleMutexAcquireTimeoutError
 
 from ._celery import uuid
-from ._owned import owner_of
+from ._owned import OwnedLocks, owner_of
 from .acquire import BUSY_HEADER
 from .config import config_of
 from .errors import AlreadyQueuedError
@@ -30,8 +31,10 @@ def send_once(
     task_id: str | None,
     options: dict[str, Any],
     send: Callable[..., Any],
+    ttl: float | None = None,
 ) -> Any:
-    """``send(args, kwargs, task_id=..., **options)`` unless an equal call is queued."""
+    """``send(args, kwargs, task_id=..., **options)`` unless an equal call is queued;
+    ``ttl`` (seconds, checked) replaces ``enqueue_ttl`` for this call's record."""
     headers = options.get("headers") or {}
     if (
         (
@@ -43,32 +46,30 @@ def send_once(
     ):
         # off (no cache needed to publish), or a re-publish of a call already let through
         return send(args, kwargs, task_id=task_id, **options)
-    markers = config_of(task).markers
+    cfg = config_of(task)
+    markers = cfg.markers
     if markers is None:
         return send(args, kwargs, task_id=task_id, **options)
+    if ttl is not None:
+        space = markers.space
+        markers = OwnedLocks(Mutex(space.cache, lease=ttl, prefix=space.prefix))
     task_id = task_id or uuid()
     key = task.mutex_key(*(args or ()), **(kwargs or {}))
-    holder: str | None = None
-    for _ in range(3):  # the queued call may end between our try and our read
-        try:
-            markers.acquire(
-                key, owner=owner_of(task_id), attempt=0, timeout=0, renew=False, label=task_id
-            )
-            break
-        except SimpleMutexAcquireTimeoutError:
-            holder = markers.holder_label(key)
-            if holder is not None:
-                break
-    else:
-        holder = "unknown"
-    if holder is not None:
-        log.info("%s: %r is already queued as %s", task.name, key, holder)
-        if config_of(task).enqueue == "raise" or holder == "unknown":
+    marked, queued = _mark(markers, key, task_id)
+    if not marked:
+        holder = None if queued is None else queued.label
+        log.info("%s: %r is already queued as %s", task.name, key, holder or "unknown")
+        if cfg.enqueue == "raise" or holder is None:
+            countdown = None
+            if queued is not None:
+                left = queued.expires_at - dt.datetime.now(dt.timezone.utc)
+                countdown = max(0.0, left.total_seconds())
             raise AlreadyQueuedError(
                 f"{task.name}: a call with key {key!r} is already queued or running "
-                f"(task id {holder})",
+                f"(task id {holder or 'unknown'})",
                 key=key,
-                task_id=None if holder == "unknown" else holder,
+                task_id=holder,
+                countdown=countdown,
             )
         return task.AsyncResult(holder)
     try:
@@ -76,6 +77,22 @@ def send_once(
     except BaseException:
         markers.release_owner(key, owner_of(task_id))
         raise
+
+
+def _mark(markers: OwnedLocks, key: str, task_id: str) -> tuple[bool, Holder | None]:
+    """Mark ``key`` queued by ``task_id``: (True, None) if it now is, else (False, the
+    record of the call that is, or None if it kept ending before it could be read)."""
+    for _ in range(3):  # the queued call may end between our try and our read
+        try:
+            markers.acquire(
+                key, owner=owner_of(task_id), attempt=0, timeout=0, renew=False, label=task_id
+            )
+            return True, None
+        except SimpleMutexAcquireTimeoutError:
+            queued = markers.holder(key)
+            if queued is not None:
+                return False, queued
+    return False, None
 
 
 def unmark(task: Any, task_id: str, args: Any, kwargs: Any) -> None:

@@ -1,7 +1,8 @@
 """Lock keys of tasks, from the task's bound signature with defaults applied, so
 ``charge(7)`` and ``charge(order_id=7)`` lock the same key. An omitted key is the task name
 plus every bound argument in a stable encoding (UUID, datetime, Decimal, Enum, dicts in
-any order).
+any order); a list of argument names, the task name plus those (``[]``: the task name
+alone, celery-once's ``keys=[]`` and celery-singleton's ``unique_on=[]``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import enum
 import inspect
 import json
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from simple_mutex import ConstraintError
 from simple_mutex.decorator import key_function
+from simple_mutex.keys import template_fields
+
+from .errors import ConstantKeyWarning
 
 KeyOf = Callable[[str, tuple[Any, ...], Mapping[str, Any]], str]
 """(task name, args, kwargs) -> lock key."""
@@ -29,8 +34,12 @@ def user_signature(run: Callable[..., Any], bound: bool) -> inspect.Signature:
     return signature.replace(parameters=params[1:]) if bound else signature
 
 
-def make_key_of(task_name: str, run: Callable[..., Any], bound: bool, key: object) -> KeyOf:
-    """The key function of a task; a template naming a missing argument fails here."""
+def make_key_of(
+    task_name: str, run: Callable[..., Any], bound: bool, key: object, *, permits: object = 1
+) -> KeyOf:
+    """The key function of a task; a template naming a missing argument fails here, and a
+    template naming none on a task with arguments warns (ConstantKeyWarning), unless
+    ``permits`` > 1: one semaphore for the whole task is a plain concurrency cap."""
     signature = user_signature(run, bound)
 
     def logic(*args: Any, **kwargs: Any) -> Any: ...
@@ -46,9 +55,9 @@ def make_key_of(task_name: str, run: Callable[..., Any], bound: bool, key: objec
         names = list(key)
         known = set(signature.parameters)
         bad = [n for n in names if not isinstance(n, str) or n not in known]
-        if bad or not names:
+        if bad:
             raise ConstraintError(
-                f"{task_name}: key argument names {bad or names!r} are not arguments of the "
+                f"{task_name}: key argument names {bad!r} are not arguments of the "
                 f"task; its arguments are: {', '.join(sorted(known)) or '(none)'}"
             )
 
@@ -59,10 +68,27 @@ def make_key_of(task_name: str, run: Callable[..., Any], bound: bool, key: objec
         return from_names
     if isinstance(key, str) or callable(key):
         fn = key_function(logic, key)
+        constant = isinstance(key, str) and not template_fields(key)
+        if constant and signature.parameters and permits == 1:
+            _warn_constant(task_name, str(key), signature)
         return lambda name, args, kwargs: fn(*args, **kwargs)
     raise ConstraintError(
         f"{task_name}: mutex key must be a template like 'order.{{order_id}}', a callable, "
         f"a list of argument names, or omitted; got {key!r}"
+    )
+
+
+def _warn_constant(task_name: str, key: str, signature: inspect.Signature) -> None:
+    names = list(signature.parameters)
+    meant = key if key in names else names[0]  # unique_on="c" copied as key: "c"
+    warnings.warn(
+        f"{task_name}: mutex key {key!r} names no argument, so every call of the task "
+        f"shares one lock whatever its arguments ({', '.join(names)}). To lock per "
+        f"argument, name it: key='{{{meant}}}' or key={[meant]!r}. If one lock for "
+        "the whole task is meant, say so with key=[] (the task name) or a callable "
+        f"(key=lambda *args, **kwargs: {key!r})",
+        ConstantKeyWarning,
+        stacklevel=2,  # the task is named: where Celery builds it says little
     )
 
 

@@ -1,18 +1,33 @@
-"""The task body inside its lease, and the release on every way it ends."""
+"""The task body inside its lease, and the release on every way it ends.
+
+A direct call (``charge(7)``: no before_start ran) takes the lock here, synchronously as
+``apply()`` does, unless the class sets ``lock_direct_calls = False``. A direct call made
+inside a body that already holds the same key (a task calling another as a subroutine)
+runs inside that hold: waiting for a lock our own caller holds could only end in a
+timeout.
+
+Celery's ``Task.__call__`` pushes a request that copies the current one, so a direct call
+is told apart by what it copied: ``called_directly`` from a task's idle request (a call
+from outside, or from another task), ``mutex_running`` from a body of this same task
+that is running (a recursive call). A custom ``__call__`` that calls ``super()`` on the
+tracer's behalf copies the traced request before its body runs: that is no direct call.
+"""
 
 from __future__ import annotations
 
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from simple_mutex import Lease, MalfunctionError, SimpleMutexLeaseExpiredError
 from simple_mutex.busy import running
 
-from . import signals
-from ._celery import Retry
+from . import acquire, signals
+from ._celery import Retry, uuid
 from ._owned import owner_of
 from .config import config_of
 from .keys import user_signature
@@ -25,12 +40,12 @@ def guarded(fn: Callable[..., Any], bound: bool) -> Callable[..., Any]:
     if bound:
 
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return run_body(self, lambda: fn(self, *args, **kwargs))
+            return run_body(self, lambda: fn(self, *args, **kwargs), args, kwargs)
 
     else:
 
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return run_body(self, lambda: fn(*args, **kwargs))
+            return run_body(self, lambda: fn(*args, **kwargs), args, kwargs)
 
     signature = user_signature(fn, bound)
     me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
@@ -42,15 +57,31 @@ def guarded(fn: Callable[..., Any], bound: bool) -> Callable[..., Any]:
     return run
 
 
-def run_body(task: Any, body: Callable[[], Any]) -> Any:
+Held = tuple[int, str, str]  # (id of the cache, prefix, key): one lock, in any task
+_held: ContextVar[frozenset[Held]] = ContextVar("celery_mutex_held", default=frozenset())
+
+
+def run_body(
+    task: Any, body: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     request = task.request
+    direct = request.called_directly or getattr(request, "mutex_running", False)
+    if direct:
+        if not task.lock_direct_calls:
+            return body()  # a plain function call, as the peers' direct calls were
+        if _held_here(task, task.mutex_key(*args, **kwargs)):
+            return body()  # a subroutine of the run that holds this key
+        request.mutex_lease = request.mutex_skipped = None  # not the caller's, if copied
+        request.mutex_done = False
+        acquire.before_start(task, f"direct-{uuid()}", args, kwargs, direct=True)
     skipped = getattr(request, "mutex_skipped", None)
     if skipped is not None:
         return skipped
     lease: Lease | None = getattr(request, "mutex_lease", None)
     if lease is None or getattr(request, "mutex_done", False):
-        return body()  # called directly (no tracer): a plain function call
-    with running(lease):
+        return body()  # no lease was taken for this request: nothing to hold
+    request.mutex_running = True
+    with running(lease), _holding(task, lease.key):
         try:
             result = body()
         except BaseException as exc:
@@ -58,6 +89,25 @@ def run_body(task: Any, body: Callable[[], Any]) -> Any:
             raise
         end(task, lease, None)
         return result
+
+
+def _identity(task: Any, key: str) -> Held:
+    space = config_of(task).locks.space
+    return id(space.cache), space.prefix, key
+
+
+def _held_here(task: Any, key: str) -> bool:
+    held = _held.get()
+    return bool(held) and _identity(task, key) in held
+
+
+@contextmanager
+def _holding(task: Any, key: str) -> Iterator[None]:
+    token = _held.set(_held.get() | {_identity(task, key)})
+    try:
+        yield
+    finally:
+        _held.reset(token)
 
 
 def end(task: Any, lease: Lease, exc: BaseException | None) -> None:

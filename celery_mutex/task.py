@@ -6,13 +6,19 @@ Lifecycle of one request (the lock is owned by the task id, see ``_owned``)::
     before_start   key from the bound arguments -> acquire (owner = task id)   (acquire)
                    busy: skip (marker result) | retry (re-publish, same retries count)
                          | wait (block, bounded by timeout) | raise
-                   got it: lease on self.request, loss interrupt armed for this thread
+                   got it: lease on self.request, loss interrupt armed for this thread;
+                   ``enqueue_until="start"``: the "queued" record goes now
     run            the task body; on any exit (return, exception, Retry, Ignore, Reject)
                    the lease is disarmed and released by compare-and-delete; a lost lease
                    turns the outcome into FAILURE with SimpleMutexLeaseExpiredError  (run)
     task_postrun   safety net: releases a lease the run wrapper did not reach
     parent         task_failure (WorkerLostError, hard TimeLimitExceeded) and task_revoked
                    (terminate=True) free the dead child's lock by its task id (safety_net)
+
+A direct call (``charge(7)``: no tracer, no before_start) runs the same way in the
+calling process, like ``apply()`` (run): the body always holds its lock, so
+``current_lease()`` is never None inside it. Set ``lock_direct_calls = False`` on a base
+class for plain direct calls (``celery_mutex.compat`` does, as the peers did).
 
 Options are checked at definition and merged with the app's settings once per process
 (config); what busy means is ``simple_mutex.busy``'s, shared with RQ.
@@ -49,6 +55,7 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
     """
 
     mutex: Mapping[str, Any] | None = None
+    lock_direct_calls = True  # charge(7) takes the lock like charge.apply((7,))
     _mutex_spec: _Spec | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -61,7 +68,8 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
         options = check_options(name, cls.__dict__.get("mutex", cls.mutex))
         fn, bound = (run.__func__, False) if isinstance(run, staticmethod) else (run, True)
-        cls._mutex_spec = _Spec(options, make_key_of(name, fn, bound, options.get("key")))
+        key_of = make_key_of(name, fn, bound, options.get("key"), permits=options.get("permits", 1))
+        cls._mutex_spec = _Spec(options, key_of)
         cls.run = guarded(fn, bound)
 
     def mutex_key(self, *args: Any, **kwargs: Any) -> str:
@@ -69,6 +77,11 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
         if self._mutex_spec is None:
             raise ConstraintError(f"{self.name}: a MutexTask needs a run method")
         return self._mutex_spec.key_of(self.name, args, kwargs)
+
+    def mutex_defaults(self) -> dict[str, Any]:
+        """Options under the app's ``mutex_*`` settings, for a base class to supply
+        (``celery_mutex.compat`` reads the peers' settings here). Called once per process."""
+        return {}
 
     def _mutex_config(self) -> Config:
         """This task's options merged with the app's settings, for this process."""
@@ -84,3 +97,6 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         acquire.before_start(self, task_id, args, kwargs)
+        started = getattr(self.request, "mutex_lease", None) is not None
+        if started and config_of(self).enqueue_until == "start":  # once's unlock_before_run
+            enqueue.unmark(self, task_id, args, kwargs)

@@ -3,9 +3,11 @@
 Lifecycle of one run (the wrapper is the job function RQ imports by name, so it runs
 under every worker class and in ``Queue(is_async=False)``)::
 
+    enqueue    renew=False: job_timeout must be < lease, or ConstraintError right there
+               (``Queue.create_job``, which every enqueue path goes through)
     start      key from the bound arguments; a second copy of an ``rq cron`` tick is
                dropped (skip marker, reason "duplicate tick"; see ``rq_mutex.cron``)
-               renew=False: job_timeout must be < lease
+               renew=False: job_timeout < lease again, for jobs made without create_job
                acquire (label "rq:<job id>")
                busy: skip    -> return {"rq_mutex": "skipped", "key": ...}
                      retry   -> return rq.Retry(max, interval): same job id, rescheduled
@@ -24,6 +26,7 @@ import functools
 import inspect
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -96,6 +99,7 @@ def mutex_job(
                 return fn(*args, **kwargs)
             return run(job, args, kwargs)
 
+        setattr(mutex_job_wrapper, RUN_ATTRIBUTE, run)  # for the check at enqueue
         return mutex_job_wrapper  # type: ignore[return-value]
 
     return decorate
@@ -120,7 +124,7 @@ class _Run:
             log.info("job %s skipped: its cron tick already ran", job.id)
             return skip_marker("rq_mutex", key, reason="duplicate tick")
         if not self.policy.renew:
-            self._check_timeout(job, key)
+            self.check_timeout(job, key)
         synchronous = job.worker_name == SYNC_WORKER
         cache = cache_on(job.connection) if self.cache is None else shared_cache(self.cache)
         try:
@@ -149,17 +153,19 @@ class _Run:
         limit = self.policy.retry.max
         return Retry(max=UNLIMITED_RETRIES if limit is None else limit, interval=interval)
 
-    def _check_timeout(self, job: Job, key: str) -> None:
-        """With a fixed lease, RQ's own timeout must end the job before the lease can."""
+    def check_timeout(self, job: Job, key: str | None) -> None:
+        """With a fixed lease, RQ's own timeout must end the job before the lease can:
+        a job_timeout not below the lease fails every run of a job that outlives it."""
         limit = job.timeout if job.timeout is not None else Queue.DEFAULT_TIMEOUT
         lease = self.policy.lease
         if limit == -1 or float(limit) >= lease:
             shown = "infinite (-1)" if limit == -1 else f"{limit} s"
+            of = "" if key is None else f" of {key!r}"
             raise ConstraintError(
-                f"job {job.id}: job_timeout {shown} is not shorter than the lease "
-                f"({lease:g} s) of {key!r} with renew=False, so the lease could lapse "
-                "while the job runs. Enqueue with a shorter job_timeout, raise lease, or "
-                "use renew=True",
+                f"job {job.id} ({self.fn.__qualname__}): job_timeout {shown} is not shorter "
+                f"than the lease ({lease:g} s){of} with renew=False, so the lease could "
+                "lapse while the job runs. Enqueue with a shorter job_timeout, raise lease, "
+                "or use renew=True",
                 key=key,
             )
 
@@ -182,3 +188,48 @@ def _warn_if_no_scheduler(job: Job) -> None:
     )
     log.error(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+RUN_ATTRIBUTE = "_rq_mutex_run"  # on a mutex_job wrapper: its _Run
+_CHECKING = "_rq_mutex_checks_timeouts"
+
+
+def _decorated_run(job: Job) -> _Run | None:
+    """The ``_Run`` of the mutex_job function ``job`` calls, if its module is loaded
+    (never imported here: a producer need not be able to import every job function)."""
+    module_name, _, name = (job.func_name or "").rpartition(".")
+    target: Any = sys.modules.get(module_name)
+    for part in name.split("."):
+        target = getattr(target, part, None)
+    run = getattr(target, RUN_ATTRIBUTE, None)
+    return run if isinstance(run, _Run) else None
+
+
+def check_timeouts_when_enqueued() -> None:
+    """Refuse, as the job is enqueued, a fixed lease (``renew=False``) not longer than the
+    job's timeout, instead of failing every run of it in the worker.
+
+    RQ has no hook before a job is enqueued, and the decorated function cannot see the
+    enqueue. Every enqueue path (``enqueue``, ``enqueue_call``, ``enqueue_at``/``_in``,
+    ``enqueue_many``, ``@job(...).delay``) builds its Job in ``Queue.create_job``, with
+    the timeout already settled (the queue's default applied), in the caller's process:
+    so that method is wrapped, once per process, to read the new job and raise
+    ``ConstraintError``; it changes nothing else. Jobs built without it
+    (``Job.create`` + ``enqueue_job``) meet the same check when they start."""
+    original = Queue.create_job
+    if getattr(original, _CHECKING, False):
+        return
+
+    @functools.wraps(original)
+    def create_job(self: Queue, *args: Any, **kwargs: Any) -> Job:
+        job = original(self, *args, **kwargs)
+        run = _decorated_run(job)
+        if run is not None and not run.policy.renew:
+            run.check_timeout(job, None)
+        return job
+
+    setattr(create_job, _CHECKING, True)
+    Queue.create_job = create_job  # type: ignore[method-assign]
+
+
+check_timeouts_when_enqueued()

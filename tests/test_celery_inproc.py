@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from celery.contrib.testing.worker import start_worker
 from celery_support import inproc
 from celery_support.inproc import PREFIX, REDIS_URL, RUNS, app
+from celery_support.worker import threaded_worker
 from workers import ReleaseLater, wait_until
 
 # isort: split
@@ -36,10 +35,7 @@ GET = 10  # seconds any single result may take
 @pytest.fixture(scope="module")
 def mutex_worker() -> Iterator[None]:
     """One in-process worker (8 threads) for the module; Redis must be up."""
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    with start_worker(
-        app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=10
-    ):
+    with threaded_worker(app, REDIS_URL):
         yield
 
 

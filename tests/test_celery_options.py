@@ -169,16 +169,44 @@ def test_cache_clients_are_rebuilt_after_fork():
     assert os.read(read, 16) == b"fresh"
 
 
-def test_eager_apply_locks_and_skips():
-    """task.apply() (eager) runs under the lock too: busy skip returns the marker. A
-    direct call is a plain function call, and outside a task there is no lease."""
+def test_eager_apply_and_direct_calls_lock_and_skip():
+    """task.apply() (eager) and a direct call task(1) both run under the lock: busy skip
+    returns the marker, and the body always has its lease (current_lease() is None only
+    outside a body). A direct call nested in a body holding the same key runs inside that
+    hold (re-entrant), instead of waiting for itself; a task calling itself on another key
+    takes that key and leaves its own held."""
     cache = InMemoryCache()
-    task = _task(_app(), key="e.{n}", on_busy="skip", cache=cache)
-    assert task.apply(args=(1,)).get() == "ran"
+    app = _app()
+
+    @app.task(
+        shared=False, base=MutexTask, mutex={"key": "e.{n}", "on_busy": "skip", "cache": cache}
+    )
+    def fenced(n: int) -> int:
+        return current_lease().fence
+
+    @app.task(
+        shared=False, base=MutexTask, mutex={"key": "e.{n}", "on_busy": "wait", "cache": cache}
+    )
+    def outer(n: int, depth: int = 1) -> tuple[Any, ...]:
+        held = current_lease().fence
+        deeper = outer(n + 1, depth - 1) if depth else None  # itself, on another key
+        return held, fenced(n), deeper, Mutex(cache).locked(f"e.{n}")
+
+    assert fenced.apply(args=(1,)).get() < fenced(1) < fenced(n=1)
     with Mutex(cache).acquire("e.1"):
-        assert is_skipped(task.apply(args=(1,)).get())
-    assert task(1) == "ran"
+        assert is_skipped(fenced.apply(args=(1,)).get())
+        assert is_skipped(fenced(1))
+        assert fenced(2) >= 1  # another key
+    held, inner, deeper, still_held = outer(1)
+    assert inner == held
+    assert deeper[0] > held  # its own lock on e.2
+    assert still_held  # and e.1 still ours after it returned
+    first, inner, deeper, still_held = outer.apply(args=(1,)).get()
+    assert inner == first > held  # the same under the tracer
+    assert deeper[0] > first
+    assert still_held
     assert current_lease() is None
+    assert not Mutex(cache).locked("e.1")
 
 
 def test_always_eager_busy_retry_waits_then_fails_within_its_budget():

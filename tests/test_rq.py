@@ -216,16 +216,28 @@ def test_lease_lost_mid_job_fails_and_interrupts(conn, run, queue, worker_class)
 
 
 def test_fixed_lease_refuses_longer_job_timeout(conn, run, queue):
-    """renew=False, lease=5: job_timeout 10 (and the queue default 180) are refused before
-    the lock is taken; job_timeout 2 runs."""
-    too_long = queue.enqueue(jobs.fixed_lease, run, job_timeout=10)
-    default = queue.enqueue(jobs.fixed_lease, run)
+    """renew=False, lease=5: job_timeout 10, the queue default (180), a call by name and a
+    scheduled call are refused as they are enqueued, naming the fix, and nothing is
+    enqueued; a job built without Queue.create_job meets the same check when it starts;
+    job_timeout 2 runs."""
+    refused = [
+        lambda: queue.enqueue(jobs.fixed_lease, run, job_timeout=10),
+        lambda: queue.enqueue(jobs.fixed_lease, run),
+        lambda: queue.enqueue("rq_support.jobs.fixed_lease", run, job_timeout=5),
+        lambda: queue.enqueue_in(timedelta(seconds=30), jobs.fixed_lease, run),
+    ]
+    for enqueue in refused:
+        with pytest.raises(ConstraintError, match=r"not shorter than the lease \(5 s\)"):
+            enqueue()
+    assert len(queue) == 0
+    assert len(ScheduledJobRegistry(queue=queue)) == 0
+    by_hand = Job.create(jobs.fixed_lease, args=(run,), timeout=10, connection=conn)
+    queue.enqueue_job(by_hand)
     fits = queue.enqueue(jobs.fixed_lease, run, job_timeout=2)
     burst(queue)
-    for job in (too_long, default):
-        assert job.get_status(refresh=True) == JobStatus.FAILED
-        assert "ConstraintError" in exc_text(job)
-        assert "shorter job_timeout" in exc_text(job)
+    assert by_hand.get_status(refresh=True) == JobStatus.FAILED
+    assert "ConstraintError" in exc_text(by_hand)
+    assert "shorter job_timeout" in exc_text(by_hand)
     assert fits.get_status(refresh=True) == JobStatus.FINISHED
     assert len(records(conn, run)) == 1
 
