@@ -81,26 +81,32 @@ def mutex_job(
     def decorate(fn: F) -> F:
         if not callable(fn) or inspect.isclass(fn):
             raise ConstraintError(f"mutex_job wraps a job function, got {fn!r}")
-        if (
-            inspect.iscoroutinefunction(fn)
-            or inspect.isgeneratorfunction(fn)
-            or inspect.isasyncgenfunction(fn)
-        ):
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             raise ConstraintError(
-                f"mutex_job does not support {fn.__qualname__}: async and generator job "
-                "functions are not handled yet; use a plain function"
+                f"mutex_job cannot guard the generator function {fn.__qualname__}: its body "
+                "runs after the job returns; return a list, or lock inside the generator"
             )
         run = _Run(fn, key_function(fn, key), policy, cache)
+        wrapper: Callable[..., Any]
+        if inspect.iscoroutinefunction(fn):  # RQ >= 2.? runs what it returns, asyncio.run
 
-        @functools.wraps(fn)
-        def mutex_job_wrapper(*args: Any, **kwargs: Any) -> Any:
-            job = get_current_job()
-            if job is None:  # called directly, not as an RQ job: a plain call
-                return fn(*args, **kwargs)
-            return run(job, args, kwargs)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                job = get_current_job()
+                if job is None:  # called directly, not as an RQ job: a plain call
+                    return await fn(*args, **kwargs)
+                return await run.run_async(job, args, kwargs)
 
-        setattr(mutex_job_wrapper, RUN_ATTRIBUTE, run)  # for the check at enqueue
-        return mutex_job_wrapper  # type: ignore[return-value]
+        else:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                job = get_current_job()
+                if job is None:  # called directly, not as an RQ job: a plain call
+                    return fn(*args, **kwargs)
+                return run(job, args, kwargs)
+
+        wrapper = functools.wraps(fn)(wrapper)
+        setattr(wrapper, RUN_ATTRIBUTE, run)  # for the check at enqueue
+        return wrapper  # type: ignore[return-value]
 
     return decorate
 
@@ -119,30 +125,57 @@ class _Run:
         self.spaces: PerProcess[Mutex | Semaphore] = PerProcess(policy.lock_space, limit=16)
 
     def __call__(self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = self.key_of(*args, **kwargs)
-        if job.meta and META_TICK in job.meta and not first_run_of_tick(job):
-            log.info("job %s skipped: its cron tick already ran", job.id)
-            return skip_marker("rq_mutex", key, reason="duplicate tick")
-        if not self.policy.renew:
-            self.check_timeout(job, key)
-        synchronous = job.worker_name == SYNC_WORKER
-        cache = cache_on(job.connection) if self.cache is None else shared_cache(self.cache)
+        key, skipped = self._before(job, args, kwargs)
+        if skipped is not None:
+            return skipped
         try:
-            held = self.spaces.get(cache).acquire(
-                key,
-                timeout=self.policy.wait_for(synchronous),
-                renew=self.policy.renew,
-                label=f"rq:{job.id}",
-            )
+            held = self._space(job).acquire(key, **self._acquiring(job))
         except SimpleMutexAcquireTimeoutError as busy:
-            return self._busy(job, key, busy, synchronous)
+            return self._busy(job, key, busy)
         with running(held), held:
             return self.fn(*args, **kwargs)
 
-    def _busy(
-        self, job: Job, key: str, busy: SimpleMutexAcquireTimeoutError, synchronous: bool
-    ) -> Any:
+    async def run_async(self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An ``async def`` job: waiting, renewal and release never block the loop, and a
+        lost lease cancels the body."""
+        key, skipped = self._before(job, args, kwargs)
+        if skipped is not None:
+            return skipped
+        try:
+            held = await self._space(job).acquire_async(key, **self._acquiring(job))
+        except SimpleMutexAcquireTimeoutError as busy:
+            return self._busy(job, key, busy)
+        with running(held):
+            async with held:
+                return await self.fn(*args, **kwargs)
+
+    def _before(
+        self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The run's key, and the skip marker of a tick that already ran (else None)."""
+        key = self.key_of(*args, **kwargs)
+        if job.meta and META_TICK in job.meta and not first_run_of_tick(job):
+            log.info("job %s skipped: its cron tick already ran", job.id)
+            return key, skip_marker("rq_mutex", key, reason="duplicate tick")
+        if not self.policy.renew:
+            self.check_timeout(job, key)
+        return key, None
+
+    def _space(self, job: Job) -> Mutex | Semaphore:
+        cache = cache_on(job.connection) if self.cache is None else shared_cache(self.cache)
+        return self.spaces.get(cache)
+
+    def _acquiring(self, job: Job) -> dict[str, Any]:
+        synchronous = job.worker_name == SYNC_WORKER
+        return {
+            "timeout": self.policy.wait_for(synchronous),
+            "renew": self.policy.renew,
+            "label": f"rq:{job.id}",
+        }
+
+    def _busy(self, job: Job, key: str, busy: SimpleMutexAcquireTimeoutError) -> Any:
         count = job.number_of_retries or 0
+        synchronous = job.worker_name == SYNC_WORKER
         delay = self.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
         if delay is None:
             log.info("job %s skipped: %r is busy", job.id, key)

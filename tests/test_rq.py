@@ -90,17 +90,19 @@ def rq_workers(queue: Queue) -> Iterator[Callable[..., subprocess.Popen[bytes]]]
 # -- contention: 20 jobs over 2 keys, busy -> rq.Retry -> scheduler -> run ---------------
 
 
-def test_retry_twenty_jobs_two_keys_never_overlap(conn, run, queue, rq_workers):
+@pytest.mark.parametrize("work", [jobs.serialized, jobs.serialized_async], ids=["def", "async"])
+def test_retry_twenty_jobs_two_keys_never_overlap(conn, run, queue, rq_workers, work):
     """Two real workers (a SimpleWorker and a forking Worker, both with the scheduler)
-    run 20 jobs over 2 keys with on_busy="retry": every job finishes with its own result,
-    the critical sections of a key never overlap, fences grow in run order, and busy jobs
-    were retried under their own id (contention really happened)."""
+    run 20 jobs over 2 keys with on_busy="retry", as plain and as ``async def`` jobs:
+    every job finishes with its own result, the critical sections of a key never
+    overlap, fences grow in run order, and busy jobs were retried under their own id
+    (contention really happened)."""
     simple = rq_workers("--with-scheduler", "-w", "rq.worker.SimpleWorker")
     rq_workers("--with-scheduler")
     enqueued = []
     for item in range(20):
         entity = "a" if (item // 2) % 2 == 0 else "b"  # a a b b a a ...: neighbours clash
-        enqueued.append(queue.enqueue(jobs.serialized, run, entity, item, hold=0.2))
+        enqueued.append(queue.enqueue(work, run, entity, item, hold=0.2))
 
     def all_ended() -> bool:
         statuses = [j.get_status(refresh=True) for j in enqueued]
@@ -203,10 +205,11 @@ def test_wait_blocks_until_free(conn, run, queue, locks):
 
 
 @pytest.mark.parametrize("worker_class", [SimpleWorker, Worker], ids=["simple", "fork"])
-def test_lease_lost_mid_job_fails_and_interrupts(conn, run, queue, worker_class):
+@pytest.mark.parametrize("work", [jobs.lose_lease, jobs.lose_lease_async], ids=["def", "async"])
+def test_lease_lost_mid_job_fails_and_interrupts(conn, run, queue, worker_class, work):
     """The job deletes its own lock record; the next renewal (a third of the 1 s lease)
-    finds it gone, interrupts the busy loop and fails the job."""
-    job = queue.enqueue(jobs.lose_lease, run)
+    finds it gone, interrupts the busy loop (cancels the coroutine) and fails the job."""
+    job = queue.enqueue(work, run)
     started = time.monotonic()
     burst(queue, worker_class)
     assert time.monotonic() - started < 5  # the 8 s loop was cut short
@@ -392,16 +395,17 @@ def test_sigkilled_work_horse_frees_lock_within_lease(conn, run, queue, locks, r
 )
 def test_bad_options_raise_when_decorating(options, match):
     """What only mutex_job takes is checked when decorating (the shared options, for
-    Celery and RQ at once, in test_busy.py); async job functions are refused."""
+    Celery and RQ at once, in test_busy.py); generator job functions are refused."""
 
     def work(order_id: int) -> None: ...
 
-    async def async_work(order_id: int) -> None: ...
+    def generator_work(order_id: int) -> Iterator[int]:
+        yield order_id
 
     with pytest.raises(ConstraintError, match=match):
         mutex_job(**options)(work)
-    with pytest.raises(ConstraintError, match="async"):
-        mutex_job(key="k.{order_id}")(async_work)
+    with pytest.raises(ConstraintError, match="generator"):
+        mutex_job(key="k.{order_id}")(generator_work)
 
 
 # -- rq cron: once per tick ---------------------------------------------------------------

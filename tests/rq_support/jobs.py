@@ -7,6 +7,7 @@ the pid that ran, the fence of its lease.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -55,6 +56,32 @@ FAST_RETRY = {"countdown": 1, "backoff": 1, "jitter": False}
 def serialized(run: str, entity: str, item: int, hold: float = 0.1) -> int:
     _section(run, entity, hold, item=item)
     return item
+
+
+@mutex_job(key="ser.{run}.{entity}", on_busy="retry", retry=FAST_RETRY, lease=10)
+async def serialized_async(run: str, entity: str, item: int, hold: float = 0.1) -> int:
+    """``serialized`` as an ``async def`` job (RQ runs its coroutine)."""
+    conn = _redis()
+    inside = conn.incr(f"rqt:{run}:inside:{entity}")
+    start = time.monotonic()
+    await asyncio.sleep(hold)
+    end = time.monotonic()
+    conn.decr(f"rqt:{run}:inside:{entity}")
+    _record(run, "log", name=entity, start=start, end=end, inside=inside, item=item)
+    return item
+
+
+@mutex_job(key="lose.{run}", lease=1, renew=True)
+async def lose_lease_async(run: str) -> str:
+    """Delete our own lock record, then wait: the next renewal finds it gone, and the
+    coroutine must be cancelled long before its sleep ends."""
+    conn = _redis()
+    for name in conn.scan_iter(match=f"*lose.{run}*"):
+        conn.delete(name)
+    _record(run, "log", stage="deleted")
+    await asyncio.sleep(8)
+    _record(run, "log", stage="finished")  # must never be reached
+    return "ran"
 
 
 @mutex_job(key="ser.{run}.{entity}", on_busy="retry", retry={"max": 0})
