@@ -156,7 +156,7 @@ class MutexSchedulerMixin:
         cache, prefix = self._mutex_beat_cache()
         slot, lease = tick_slot(entry.schedule, time.time() if now is None else now)
         tick = f"{entry.name}@{slot}"
-        claim = Mutex(cache, lease=lease, prefix=prefix, label="beat")
+        claim = Mutex(cache, lease=lease, prefix=prefix, label="beat", name="beat")
         return tick if claim.try_acquire(tick) is not None else None
 
     def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
@@ -229,7 +229,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
         task._get_app().conf.get("mutex_beat_run_ttl") or RUN_TTL, "mutex_beat_run_ttl"
     )
     attempt = int(request.retries or 0) + int(getattr(request, "mutex_busy_retries", None) or 0)
-    runs = OwnedLocks(Mutex(cache, lease=ttl, prefix=prefix + "beat.run."))
+    runs = OwnedLocks(Mutex(cache, lease=ttl, prefix=prefix + "beat.run.", name="beat run"))
     try:
         runs.acquire(
             tick,

@@ -108,8 +108,10 @@ def _build(task: Any) -> Config:
     markers = None
     if merged["enqueue"] is not None:
         ttl = positive_seconds(merged["enqueue_ttl"], "enqueue_ttl")
-        markers = OwnedLocks(Mutex(cache, lease=ttl, prefix=merged["prefix"] + "queued."))
-    locks = OwnedLocks(policy.lock_space(cache, merged["prefix"]))
+        markers = OwnedLocks(
+            Mutex(cache, lease=ttl, prefix=merged["prefix"] + "queued.", name="enqueue")
+        )
+    locks = OwnedLocks(policy.lock_space(cache, merged["prefix"], name=task.name))
     return Config(policy, locks, markers, merged["enqueue"], merged["enqueue_until"])
 
 

@@ -52,7 +52,7 @@ def send_once(
         return send(args, kwargs, task_id=task_id, **options)
     if ttl is not None:
         space = markers.space
-        markers = OwnedLocks(Mutex(space.cache, lease=ttl, prefix=space.prefix))
+        markers = OwnedLocks(Mutex(space.cache, lease=ttl, prefix=space.prefix, name="enqueue"))
     task_id = task_id or uuid()
     key = task.mutex_key(*(args or ()), **(kwargs or {}))
     marked, queued = _mark(markers, key, task_id)

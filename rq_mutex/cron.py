@@ -56,7 +56,10 @@ def once_per_tick() -> None:
 
     def enqueue(self: CronJob, connection: Redis) -> Job | None:
         slot, tick, lifetime = _tick_of(self)
-        claims = Mutex(cache_on(connection), lease=lifetime, prefix=CLAIM_PREFIX, label="rq cron")
+        claims = Mutex(
+            cache_on(connection), lease=lifetime, prefix=CLAIM_PREFIX, label="rq cron",
+            name="rq cron",
+        )  # fmt: skip
         if claims.try_acquire(slot) is None:
             log.info("rq_mutex: cron tick %s already enqueued by another process", tick)
             return None  # CronScheduler.enqueue_jobs ignores it and moves to the next tick
@@ -92,7 +95,10 @@ def first_run_of_tick(job: Job | None = None) -> bool:
     tick = meta.get(META_TICK)
     if not isinstance(tick, str):
         return True
-    runs = Mutex(cache_on(job.connection), lease=CLAIM_TTL, prefix=RAN_PREFIX, label=job.id)
+    runs = Mutex(
+        cache_on(job.connection), lease=CLAIM_TTL, prefix=RAN_PREFIX, label=job.id,
+        name="rq cron run",
+    )  # fmt: skip
     if runs.try_acquire(tick) is not None:
         return True
     first = runs.holder(tick)  # None: the record lapsed meanwhile, so this is not the first

@@ -122,7 +122,10 @@ class _Run:
         self.policy = policy
         self.cache = cache
         # Its Mutex (or Semaphore) per cache, in this process.
-        self.spaces: PerProcess[Mutex | Semaphore] = PerProcess(policy.lock_space, limit=16)
+        name = f"{fn.__module__}.{fn.__qualname__}"  # RQ's own name for the job function
+        self.spaces: PerProcess[Mutex | Semaphore] = PerProcess(
+            functools.partial(policy.lock_space, name=name), limit=16
+        )
 
     def __call__(self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key, skipped = self._before(job, args, kwargs)

@@ -108,7 +108,14 @@ def with_simple_mutex(
     ``interval`` the poll interval where the cache cannot notify. Works on plain and
     ``async def`` functions. Without ``logic`` it returns a decorator."""
     wait = timeout_seconds(timeout)
-    mutex = Mutex(cache, lease=lease, interval=interval, label=label)
+    # The events' name: the template itself (low cardinality), else the function's name.
+    mutex = Mutex(
+        cache,
+        lease=lease,
+        interval=interval,
+        label=label,
+        name=key if isinstance(key, str) and key else "with_simple_mutex",
+    )
     check_renew(renew)
 
     def decorate(fn: F) -> F:
@@ -123,6 +130,8 @@ def with_simple_mutex(
                 "or use `with mutex.acquire(key):` inside the generator"
             )
         key_of = key_function(fn, key)
+        if callable(key):
+            mutex.name = fn.__qualname__
         if mutex._aio and not _is_coroutine_function(fn):
             raise ConstraintError(
                 f"with_simple_mutex on {fn.__qualname__}: an asyncio cache guards only "

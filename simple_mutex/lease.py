@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from types import TracebackType
+from typing import Protocol
 
-from . import engine
-from .contract import AnyCache, ConditionalCache
+from . import engine, events
+from .contract import AnyCache, ConditionalCache, Entry
 from .durations import positive_seconds
 from .engine import Flow, Grant, Handoffs, in_background, run, run_async
 from .errors import (
@@ -45,8 +46,40 @@ from .errors import (
 )
 from .interrupt import LeaseInterrupt, cancel_pending, interrupt_class, raise_in_thread
 from .keeper import keeper
+from .records import holder_of
 
 log = logging.getLogger("simple_mutex")
+
+
+class Space(Protocol):
+    """What a lease needs of its lock space (simple_mutex.mutex)."""
+
+    @property
+    def cache(self) -> AnyCache: ...
+
+    @property
+    def lease(self) -> float: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def _handoffs(self) -> Handoffs: ...
+
+
+class Claim(Protocol):
+    """What one acquire wrote (simple_mutex.mutex): the lease is built from it."""
+
+    @property
+    def space(self) -> Space: ...
+
+    key: str
+    slot_keys: list[str]
+    token: str
+    value: str
+    renew: bool
+    listening: bool
+
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 
@@ -91,35 +124,33 @@ class Lease:
     _booked: float | None = None  # the keeper's next visit
     _renewing = False  # a background renewal is in flight
     _loop: asyncio.AbstractEventLoop | None = None
+    _previous: Entry | None = None  # the holder the acquire found in the way, if watched
+    _loss_reported = False
+    _listening = False  # someone listened to lock events when it was acquired
 
     def __init__(
-        self,
-        *,
-        key: str,
-        cache: AnyCache,
-        cache_key: str,
-        value: str,
-        token: str,
-        grant: Grant,
-        length: float,
-        renew: bool,
-        handoffs: Handoffs | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
+        self, claim: Claim, grant: Grant, loop: asyncio.AbstractEventLoop | None = None
     ) -> None:
-        self.key = key
-        self.token = token
+        space = claim.space
+        self.key = claim.key
+        self.token = claim.token
         self.slot = grant.slot
         self.fence = grant.entry.fence
-        self._cache = cache
-        self._cache_key = cache_key
-        self._value = value
+        self._space = space  # its cache, hand-off marks and name (for events)
+        self._cache = space.cache
+        self._cache_key = claim.slot_keys[grant.slot]
+        self._value = claim.value
         self._version = grant.entry.version
-        self._renew = renew
-        self._handoffs = handoffs
-        self._loop = loop  # an asyncio cache's lease: renewed on this loop, never in a thread
+        self._renew = claim.renew
+        if loop is not None:  # an asyncio cache's lease: renewed on its loop, never a thread
+            self._loop = loop
+        self._granted = grant.started
+        if claim.listening:  # reported from acquire to release or loss, as one story
+            self._listening = True
+            self._previous = grant.previous
         self._lock = threading.Lock()  # guards state only; never held across a cache call
-        self._set_deadline(grant.started, length)
-        if renew:
+        self._set_deadline(grant.started, space.lease)
+        if claim.renew:
             self._book(self._renew_at)
 
     # -- state --------------------------------------------------------------------------
@@ -201,12 +232,16 @@ class Lease:
             if not outcome.freed:
                 self._record_gone = True
                 self._lost_reason = self._lost_reason or "taken over before release"
-                return False
-            if not in_time:
+                in_time = False
+            elif not in_time:
                 self._lost_reason = self._lost_reason or "it lapsed before release"
             self._released_in_time = in_time
-        if outcome.woke and self._handoffs is not None:
-            self._handoffs.woke(self._cache_key)
+        if outcome.woke:
+            self._space._handoffs.woke(self._cache_key)
+        if not in_time:
+            self._report_loss()
+        elif self._listening:
+            self._report("released", held=time.monotonic() - self._granted)
         return in_time
 
     # -- renewal ------------------------------------------------------------------------
@@ -250,11 +285,15 @@ class Lease:
                     self._record_gone = True
                     self._mark_lost("its record was gone or held by another owner at renewal")
                 raise self._ended_error()
-            if not self._done:
+            renewed = not self._done
+            if renewed:
                 self._version = entry.version
                 self._set_deadline(started, length)
                 self._book_next()
-                return
+        if renewed:
+            if self._listening:
+                self._report("renewed")
+            return
         # The renewal landed after this lease was released or declared lost: give back
         # the record it extended, or the key stays held for a lease with nobody in it.
         yield from engine.abandon([self._cache_key], self._value)
@@ -312,7 +351,6 @@ class Lease:
         if self._armed_thread is not None:
             self._interrupt_sent = interrupt_class(self.key, self._message())
             raise_in_thread(self._armed_thread, self._interrupt_sent)
-        log.warning("lease on %r (fence %d) lost: %s", self.key, self.fence, reason)
 
     def on_lost(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from a keeper thread) when the lease is found lost."""
@@ -322,12 +360,42 @@ class Lease:
         self._fire()
 
     def _fire(self) -> None:
-        """Run on-lost callbacks, outside ``_lock`` (they may call back into the lease)."""
-        if self._lost_reason is None or not self._on_lost:
+        """Report a loss and run on-lost callbacks, outside ``_lock`` (they may call back
+        into the lease)."""
+        if self._lost_reason is None:
             return
+        self._report_loss()
         callbacks, self._on_lost = self._on_lost, ()
         for callback in callbacks:
             callback()
+
+    def _report_loss(self) -> None:
+        if self._loss_reported or self._lost_reason is None:
+            return
+        self._loss_reported = True
+        if self._listening or events.wanted("lost"):
+            held = time.monotonic() - self._granted
+            self._report("lost", held=held, reason=self._lost_reason)
+
+    def _report(
+        self,
+        kind: str,
+        *,
+        waited: float | None = None,
+        held: float | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Emit a lock event about this lease (only called when someone listens)."""
+        previous = self._previous
+        record = Entry(self._value, self._version, self.fence, self._expires_wall)
+        events.emit(events.LockEvent(
+            kind, self.key, self._space.name, self._cache.name, events.now(),
+            fence=self.fence, slot=self.slot,
+            holder=holder_of(record, self._cache.name, self.key, self.slot),
+            waited=waited, held=held, reason=reason,
+            took_over=kind == "acquired" and previous is not None
+            and time.time() >= previous.expires_at,
+        ))  # fmt: skip
 
     def _message(self) -> str:
         return (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import engine
+from . import engine, events
 from .caches.adapt import as_cache
 from .contract import Entry, is_async
 from .durations import Duration, positive_seconds, timeout_seconds
@@ -46,6 +46,7 @@ class _LockSpace:
         prefix: str,
         interval: Duration,
         label: str | None,
+        name: str,
     ) -> None:
         if (
             isinstance(permits, bool)
@@ -56,6 +57,9 @@ class _LockSpace:
                 f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
             )
         check_label(label)
+        if not isinstance(name, str) or not name:
+            raise ConstraintError(f"name must be a non-empty str (a metrics label), got {name!r}")
+        self.name = name
         self.cache = as_cache(cache)
         self.permits = permits
         self.lease = positive_seconds(lease, "lease")
@@ -96,8 +100,10 @@ class _LockSpace:
         claim = self._claim(key, renew, label, token)
         flow = self._acquiring(claim, timeout, interval)
         try:
-            return claim.lease(run(self.cache, flow))
-        except SimpleMutexAcquireTimeoutError:
+            lease = claim.lease(run(self.cache, flow))
+        except SimpleMutexAcquireTimeoutError as busy:
+            if claim.listening or events.wanted("timed_out"):
+                self._busy(claim, busy, self.holder(key) if events.subscribers else None)
             raise
         except MalfunctionError as fault:
             self._unclear(claim, fault)
@@ -107,6 +113,9 @@ class _LockSpace:
             # write succeeded: free what we may have written, or it stays held for a lease.
             run(self.cache, engine.abandon(claim.slot_keys, claim.value))
             raise
+        if claim.listening:
+            lease._report("acquired", waited=time.monotonic() - claim.started)
+        return lease
 
     def acquire_async(
         self,
@@ -127,10 +136,27 @@ class _LockSpace:
     async def _granted_async(self, claim: _Claim, flow: Flow[Grant]) -> Lease:
         try:
             grant = await run_async(self.cache, flow)
+        except SimpleMutexAcquireTimeoutError as busy:
+            if claim.listening or events.wanted("timed_out"):
+                held = await self.holder_async(claim.key) if events.subscribers else None
+                self._busy(claim, busy, held)
+            raise
         except MalfunctionError as fault:
             self._unclear(claim, fault)
             raise
-        return claim.lease(grant, asyncio.get_running_loop() if self._aio else None)
+        lease = claim.lease(grant, asyncio.get_running_loop() if self._aio else None)
+        if claim.listening:
+            lease._report("acquired", waited=time.monotonic() - claim.started)
+        return lease
+
+    def _busy(
+        self, claim: _Claim, busy: SimpleMutexAcquireTimeoutError, held: Holder | None
+    ) -> None:
+        kind = "busy" if claim.timeout == 0 else "timed_out"
+        events.emit(events.LockEvent(
+            kind, claim.key, self.name, self.cache.name, events.now(),
+            holder=held, waited=time.monotonic() - claim.started if claim.started else None,
+        ))  # fmt: skip
 
     async def try_acquire_async(self, key: str, *, renew: bool = False) -> Lease | None:
         """One attempt: the Lease, or None if the lock is busy."""
@@ -225,21 +251,26 @@ class _LockSpace:
         slot_keys = self._slot_keys(key)
         token = new_token() if token is None else check_token(token)
         value = encode_record(token, self.label if label is None else label, time.time())
-        return _Claim(self, key, slot_keys, token, value, renew)
+        # Does anyone listen to lock events? Decided once per acquire, for the whole lease.
+        if events.subscribers:
+            return _Claim(self, key, slot_keys, token, value, renew, time.monotonic(), True)
+        return _Claim(self, key, slot_keys, token, value, renew, 0.0, False)
 
     def _acquiring(
         self, claim: _Claim, timeout: Duration | None, interval: Duration | None
     ) -> Flow[Grant]:
+        claim.timeout = timeout_seconds(timeout)
         return engine.acquire(
             key=claim.key,
             slot_keys=claim.slot_keys,
             value=claim.value,
             lease=self.lease,
-            timeout=timeout_seconds(timeout),
+            timeout=claim.timeout,
             interval=self.interval if interval is None else positive_seconds(interval, "interval"),
             now=time.monotonic,
             rng=_rng,
             courtesy=self._handoffs.courtesy(claim.slot_keys),
+            observe=claim.listening and bool(events.subscribers),
         )
 
     def _unclear(self, claim: _Claim, fault: MalfunctionError) -> None:
@@ -322,20 +353,12 @@ class _Claim:
     token: str
     value: str
     renew: bool
+    started: float  # monotonic, for the event's ``waited`` (0 when nobody listens)
+    listening: bool
+    timeout: float | None = None
 
     def lease(self, grant: Grant, loop: asyncio.AbstractEventLoop | None = None) -> Lease:
-        return Lease(
-            key=self.key,
-            cache=self.space.cache,
-            cache_key=self.slot_keys[grant.slot],
-            value=self.value,
-            token=self.token,
-            grant=grant,
-            length=self.space.lease,
-            renew=self.renew,
-            handoffs=self.space._handoffs,
-            loop=loop,
-        )
+        return Lease(self, grant, loop)
 
 
 def check_label(label: object) -> None:
@@ -359,10 +382,12 @@ class Mutex(_LockSpace):
         prefix: str = "mutex.",
         interval: Duration = DEFAULT_INTERVAL,
         label: str | None = None,
+        name: str = "mutex",
     ) -> None:
         super().__init__(
-            cache, permits=1, lease=lease, prefix=prefix, interval=interval, label=label
-        )
+            cache, permits=1, lease=lease, prefix=prefix, interval=interval, label=label,
+            name=name,
+        )  # fmt: skip
 
 
 class Semaphore(_LockSpace):
@@ -377,7 +402,9 @@ class Semaphore(_LockSpace):
         prefix: str = "semaphore.",
         interval: Duration = DEFAULT_INTERVAL,
         label: str | None = None,
+        name: str = "semaphore",
     ) -> None:
         super().__init__(
-            cache, permits=permits, lease=lease, prefix=prefix, interval=interval, label=label
-        )
+            cache, permits=permits, lease=lease, prefix=prefix, interval=interval, label=label,
+            name=name,
+        )  # fmt: skip

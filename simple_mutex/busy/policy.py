@@ -110,16 +110,23 @@ class BusyPolicy:
             raise busy
         return self.retry.next_delay(busy_retries, busy)
 
-    def lock_space(self, cache: object, prefix: str | None = None) -> Mutex | Semaphore:
+    def lock_space(
+        self, cache: object, prefix: str | None = None, name: str | None = None
+    ) -> Mutex | Semaphore:
         """A Mutex for one permit, a Semaphore for more; without ``prefix``, under their
-        own defaults (``mutex.``, ``semaphore.``)."""
+        own defaults (``mutex.``, ``semaphore.``). ``name`` labels its lock events (the
+        task or job name)."""
         if self.permits == 1:
-            return Mutex(cache, lease=self.lease, prefix="mutex." if prefix is None else prefix)
+            return Mutex(
+                cache, lease=self.lease, prefix="mutex." if prefix is None else prefix,
+                name=name or "mutex",
+            )  # fmt: skip
         return Semaphore(
             cache,
             permits=self.permits,
             lease=self.lease,
             prefix="semaphore." if prefix is None else prefix,
+            name=name or "semaphore",
         )
 
 

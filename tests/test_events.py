@@ -1,0 +1,159 @@
+"""The event stream (simple_mutex.events): every lock reports what happened to it, once,
+with the fields operators need and never a token; a failing subscriber breaks nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+from workers import spin
+
+from simple_mutex import (
+    InMemoryCache,
+    Mutex,
+    Semaphore,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+    events,
+    with_simple_mutex,
+)
+from simple_mutex.events import LockEvent
+
+
+@pytest.fixture
+def seen() -> Iterator[list[LockEvent]]:
+    """Every event emitted while the test runs."""
+    got: list[LockEvent] = []
+    unsubscribe = events.subscribe(got.append)
+    yield got
+    unsubscribe()
+
+
+def kinds(seen: list[LockEvent]) -> list[str]:
+    return [event.kind for event in seen]
+
+
+def test_a_cycle_reports_acquired_then_released_with_every_field(seen):
+    """acquired carries waited, fence, slot and the holder (never the token); released
+    carries how long it was held."""
+    mutex = Mutex(InMemoryCache(), name="orders")
+    lease = mutex.acquire("order.7", label="worker-1")
+    time.sleep(0.02)
+    lease.release()
+    acquired, released = seen
+    assert (acquired.kind, released.kind) == ("acquired", "released")
+    for event in seen:
+        assert (event.key, event.name, event.cache) == ("order.7", "orders", "memory")
+        assert event.fence == lease.fence
+        assert event.slot == 0
+        assert event.holder is not None
+        assert event.holder.label == "worker-1"
+        assert event.at.tzinfo is not None
+        assert lease.token not in repr(event)
+    assert 0 <= acquired.waited < 1
+    assert released.held >= 0.02
+    assert acquired.took_over is False
+
+
+def test_busy_timed_out_renewed_and_lost(seen):
+    """A try-once on a held key is busy (with the holder in the way), a longer wait
+    times out, a renewal is reported, and a lapse is lost with its reason and hold."""
+    cache = InMemoryCache()
+    mutex = Mutex(cache, lease=0.3)
+    held = mutex.acquire("k", label="first")
+    assert mutex.try_acquire("k") is None
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        mutex.acquire("k", timeout=0.05)
+    held.renew()
+    with pytest.raises(SimpleMutexLeaseExpiredError), held:
+        spin(5)
+    assert kinds(seen) == ["acquired", "busy", "timed_out", "renewed", "lost"]
+    busy, timed_out, lost = seen[1], seen[2], seen[4]
+    assert busy.holder is not None
+    assert busy.holder.label == "first"
+    assert timed_out.waited >= 0.05
+    assert "lapsed" in lost.reason
+    assert lost.held >= 0.25
+
+
+def test_a_takeover_of_a_lapsed_holder_says_so(seen):
+    """A waiter that gets the key after its holder lapsed reports took_over; one that
+    gets it from a release does not."""
+    mutex = Mutex(InMemoryCache(), lease=0.2)
+    mutex.acquire("crashed")  # never released: it lapses
+    mutex.acquire("crashed", timeout=2, interval=0.05).release()
+    first = mutex.acquire("polite")
+    first.release()
+    mutex.acquire("polite").release()
+    grants = [e for e in seen if e.kind == "acquired"]
+    assert [(e.key, e.took_over) for e in grants] == [
+        ("crashed", False), ("crashed", True), ("polite", False), ("polite", False)
+    ]  # fmt: skip
+
+
+def test_names_come_from_the_template_the_class_or_the_caller(seen):
+    """with_simple_mutex names its events by its template; Semaphore by default
+    "semaphore"; async acquires report the same events."""
+    cache = InMemoryCache()
+
+    @with_simple_mutex(key="phone.{phone}", cache=cache)
+    def assign(phone: str) -> None: ...
+
+    assign("+1555")
+    Semaphore(cache, permits=2).acquire("pool").release()
+
+    async def main() -> None:
+        async with Mutex(cache, name="api").acquire_async("k"):
+            pass
+
+    asyncio.run(main())
+    assert [(e.kind, e.name, e.key) for e in seen] == [
+        ("acquired", "phone.{phone}", "phone.+1555"), ("released", "phone.{phone}", "phone.+1555"),
+        ("acquired", "semaphore", "pool"), ("released", "semaphore", "pool"),
+        ("acquired", "api", "k"), ("released", "api", "k"),
+    ]  # fmt: skip
+
+
+def test_a_failing_subscriber_is_logged_and_never_breaks_the_lock(seen, caplog):
+    """A subscriber that raises is logged; the lock works and later subscribers still hear."""
+
+    def broken(event: LockEvent) -> None:
+        raise RuntimeError("dashboard down")
+
+    stop = events.subscribe(broken)
+    try:
+        Mutex(InMemoryCache()).acquire("k").release()
+    finally:
+        stop()
+    assert kinds(seen) == ["acquired", "released"]
+    assert "dashboard down" in caplog.text
+
+
+def test_log_records_carry_the_events_fields(caplog):
+    """subscribe(log_event) makes each event a record whose extra holds its fields; a
+    lost lease is a WARNING record even with nobody subscribed."""
+    caplog.set_level(logging.DEBUG, logger="simple_mutex")
+    stop = events.subscribe(events.log_event)
+    try:
+        Mutex(InMemoryCache(), name="orders").acquire("order.7").release()
+    finally:
+        stop()
+    mutex = Mutex(InMemoryCache(), lease=0.2)
+    with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire("k"):
+        spin(5)
+    records = [r for r in caplog.records if hasattr(r, "mutex_kind")]
+    assert [r.mutex_kind for r in records] == ["acquired", "released", "lost"]
+    assert records[0].mutex_key == "order.7"
+    assert records[0].mutex_name == "orders"
+    assert records[-1].levelno == logging.WARNING
+
+
+def test_unsubscribed_nothing_is_built():
+    """With nobody listening, a lease takes no event state at all (the hot path)."""
+    assert events.subscribers == ()
+    lease = Mutex(InMemoryCache()).acquire("k")
+    assert lease._listening is False
+    lease.release()
