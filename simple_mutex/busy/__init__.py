@@ -11,7 +11,7 @@ the other, and nothing here imports either.
 
 from __future__ import annotations
 
-from .per_process import PerProcess, shared_cache
+from .per_process import PerProcess, reset, shared_cache
 from .policy import SHARED, BusyPolicy, check_known, check_option
 from .running import SKIPPED, current_lease, is_skipped, running, skip_marker
 
@@ -24,6 +24,7 @@ __all__ = [
     "check_option",
     "current_lease",
     "is_skipped",
+    "reset",
     "running",
     "shared_cache",
     "skip_marker",

@@ -53,12 +53,15 @@ class PerProcess(Generic[V]):
 _every: weakref.WeakSet[PerProcess[Any]] = weakref.WeakSet()
 
 
-def _forget_all() -> None:
+def reset() -> None:
+    """Forget every per-process memo: Celery tasks and RQ jobs read their settings
+    (``app.conf.mutex_*``) and build their caches again on their next call. For tests
+    that change settings; a forked child does this by itself."""
     for memo in list(_every):
         memo._forget()
 
 
-os.register_at_fork(after_in_child=_forget_all)
+os.register_at_fork(after_in_child=reset)
 
 
 def _build_cache(spec: object) -> object:
