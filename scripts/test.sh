@@ -26,4 +26,10 @@ if [[ "${SIMPLE_MUTEX_LINT:-1}" == 1 ]]; then
 fi
 
 say "pytest $*"
-exec "$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest "$@"
+if [[ $# -eq 0 ]]; then
+    # A user's project, tested as its CI would: a pytest session of its own, on nothing but
+    # the public testing kit (the plugin's fixtures, FaultyCache).
+    say "pytest examples/sample_project (a separate session)"
+    (cd examples/sample_project && "$VENV/bin/python" -m pytest -q)
+fi
