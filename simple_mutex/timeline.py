@@ -95,7 +95,7 @@ def parse_line(text: str) -> Record:
     """The record of one journal line; ``CorruptLine`` saying why it is not one."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise CorruptLine(f"not JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(data, dict):
         raise CorruptLine("not a JSON object")
@@ -288,7 +288,7 @@ svg .axis text { fill: #666; font-size: 11px; }
 .row { fill: #f7f7f7; }
 .hold { stroke: #0003; }
 .hold:hover, .wait:hover { stroke: #000; stroke-width: 2; }
-.hold.open { stroke: #333; stroke-dasharray: 4 3; fill-opacity: 0.45; }
+.hold.open, p.symbols .open { stroke: #333; stroke-dasharray: 4 3; fill-opacity: 0.45; }
 .wait { fill: #9a9a9a; }
 .tick.busy { stroke: #e08a00; stroke-width: 2; }
 .tick.timed_out { stroke: #c62828; stroke-width: 2.5; }
@@ -364,8 +364,9 @@ def _chart(timeline: Timeline, colours: dict[str, tuple[str, str]]) -> str:
         y += lanes[key] * LANE_H + WAIT_H + 4 + ROW_GAP
     height = y
     width = LABEL_W + CHART_W + 20
-    out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height:.0f}" '
-           f'viewBox="0 0 {width} {height:.0f}" role="img" aria-label="lock timeline">']  # fmt: skip
+    size = f'width="{width}" height="{height:.0f}" viewBox="0 0 {width} {height:.0f}"'
+    out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" {size} role="img" '
+           'aria-label="lock timeline">']  # fmt: skip
     out.append(_axis(seconds, height))
     for key in timeline.keys:
         top, row_h = tops[key], lanes[key] * LANE_H + WAIT_H + 4
@@ -408,8 +409,9 @@ def _secs(wait: Wait) -> float:
     return (wait.end - wait.start).total_seconds()
 
 
-def _hold(hold: Hold, x: Callable[[datetime], float], top: float,
-          colours: dict[str, tuple[str, str]]) -> str:
+def _hold(
+    hold: Hold, x: Callable[[datetime], float], top: float, colours: dict[str, tuple[str, str]]
+) -> str:
     assert hold.end is not None
     left, right = x(hold.start), x(hold.end)
     held = (hold.end - hold.start).total_seconds()
@@ -467,7 +469,7 @@ def _axis(seconds: float, height: float) -> str:
 
 def _nice_step(rough: float) -> float:
     """1, 2 or 5 times a power of ten, at least ``rough``."""
-    power = 10 ** math.floor(math.log10(rough))
+    power = 10.0 ** math.floor(math.log10(rough))
     return next(m * power for m in (1, 2, 5, 10) if m * power >= rough)
 
 
@@ -497,7 +499,7 @@ KEY_TO_SYMBOLS = (
     '<p class="symbols">'
     '<svg width="28" height="12"><rect x="1" y="1" width="26" height="10" fill="#5a8"/></svg>'
     " a hold (its holder's colour) "
-    '<svg width="28" height="12"><rect class="hold open" x="1" y="1" width="26" height="10" '
+    '<svg width="28" height="12"><rect class="open" x="1" y="1" width="26" height="10" '
     'fill="#5a8"/></svg> never released in the journal, drawn to its expiry '
     '<svg width="28" height="12"><rect class="wait" x="1" y="4" width="26" height="4"/></svg>'
     " a wait "

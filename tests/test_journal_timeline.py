@@ -253,7 +253,7 @@ def test_the_page_in_a_real_browser(journal_dir, page_path, tmp_path):
             page.on("request", lambda r: requests.append(r.url))
             page.goto(page_path.as_uri())
             bars = page.eval_on_selector_all(
-                "svg .hold",
+                ".hold",
                 "els => els.map(e => [e.dataset.key, e.dataset.fence, e.dataset.pid,"
                 " e.querySelector('title').textContent])",
             )
