@@ -234,7 +234,7 @@ def build(records: Iterable[Record | LockEvent]) -> Timeline:
         pid = holder.pid if holder is not None else record.pid
         ident = (event.key, event.fence, event.slot or 0, pid)
         hold = open_holds.get(ident)
-        if event.kind == "acquired" or hold is None:
+        if hold is None:  # a grant, or a close or renewal whose grant is not in the journal
             began = event.at
             if event.kind != "acquired":  # its opening line is not in the journal
                 began = datetime.fromtimestamp(event.at.timestamp() - (event.held or 0),

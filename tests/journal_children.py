@@ -8,6 +8,8 @@ Roles:
   rescuer          waits for KEY (held by a stuck one), takes it over, releases it
   timeout          one acquire of KEY with a 0.1 s timeout (KEY is held: it times out)
   forker           acquires and releases KEY, forks; the child does the same
+  loser            takes KEY with a 0.3 s lease and overruns it: the lease is lost
+  permit N         N times: one of 2 permits of the semaphore KEY, held 50 ms
 """
 
 from __future__ import annotations
@@ -17,13 +19,19 @@ import os
 import sys
 import time
 
-from simple_mutex import DiskCache, Mutex, SimpleMutexAcquireTimeoutError
+from simple_mutex import (
+    DiskCache,
+    Mutex,
+    Semaphore,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+)
 
 
 def main(role: str, cache_dir: str, key: str, *rest: str) -> None:
     label = rest[1] if role == "worker" else role
-    mutex = Mutex(DiskCache(cache_dir), lease=3.0 if role == "stuck" else 10.0,
-                  interval=0.005, label=label)  # fmt: skip
+    lease = {"stuck": 3.0, "loser": 0.3}.get(role, 10.0)
+    mutex = Mutex(DiskCache(cache_dir), lease=lease, interval=0.005, label=label)
     if role == "worker":
         for _ in range(int(rest[0])):
             lease = mutex.try_acquire(key) or mutex.acquire(key, timeout=30)
@@ -56,6 +64,20 @@ def main(role: str, cache_dir: str, key: str, *rest: str) -> None:
         _, status = os.waitpid(child, 0)
         mutex.acquire(key, timeout=30).release()  # the parent's file again, not the child's
         sys.exit(os.waitstatus_to_exitcode(status))
+    elif role == "loser":
+        try:
+            with mutex.acquire(key, timeout=30):
+                started = time.monotonic()
+                while time.monotonic() - started < 5:  # Python code: the interrupt lands here
+                    pass
+        except SimpleMutexLeaseExpiredError:
+            return
+        raise SystemExit("the lease was not lost")
+    elif role == "permit":
+        pool = Semaphore(DiskCache(cache_dir), permits=2, lease=10.0, interval=0.005)
+        for _ in range(int(rest[0])):
+            with pool.acquire(key, timeout=30, label="permit"):
+                time.sleep(0.05)
     else:
         raise SystemExit(f"unknown role {role!r}")
 

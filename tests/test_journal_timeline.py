@@ -23,7 +23,7 @@ from servers import ROOT
 from simple_mutex import InMemoryCache, Mutex, journal, timeline
 
 CHILD = ROOT / "tests" / "journal_children.py"
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")  # scripts/lib.sh installs it
 HOSTILE_KEY = "<script>alert('key')</script>&\"x"
 WORKERS, CYCLES = 3, 8
 
@@ -48,12 +48,15 @@ def lines_of(directory: Path) -> list[dict[str, Any]]:
 def journal_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A journal written by processes that only had the variable set: WORKERS contending
     on one key (with busy try-onces), a holder SIGKILLed and taken over while another
-    waiter times out, a hostile key, and a process that forks."""
+    waiter times out, a hostile key, a lease overrun and lost, three processes sharing a
+    semaphore of two permits, and a process that forks."""
     base = tmp_path_factory.mktemp("journal")
     jdir, cache = base / "journal", base / "locks"
     workers = [spawn(jdir, cache, "worker", "account.alice", str(CYCLES), f"worker-{n}")
                for n in range(WORKERS)]  # fmt: skip
     hostile = spawn(jdir, cache, "worker", HOSTILE_KEY, "2", "<b>bold</b>")
+    loser = spawn(jdir, cache, "loser", "import.feed")
+    permits = [spawn(jdir, cache, "permit", "api.quota", "3") for _ in range(3)]
     marker = base / "stuck.json"
     stuck = spawn(jdir, cache, "stuck", "report.daily", str(marker))
     try:
@@ -63,11 +66,11 @@ def journal_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         time.sleep(0.3)  # both are waiting now
         os.kill(stuck.pid, signal.SIGKILL)
         assert stuck.wait(10) == -signal.SIGKILL
-        finish(*workers, hostile, rescuer, waiter)
+        finish(*workers, hostile, rescuer, waiter, loser, *permits)
         forker = spawn(jdir, cache, "forker", "migrate")
         finish(forker)
     finally:
-        for proc in (*workers, hostile, stuck):
+        for proc in (*workers, hostile, stuck, loser, *permits):
             if proc.poll() is None:
                 proc.kill()
     return {"dir": jdir, "stuck": json.loads(marker.read_text()), "forker": forker.pid}
@@ -78,8 +81,8 @@ def test_every_process_writes_its_own_file_of_complete_lines(journal_dir):
     LockEvent field with `at` in ISO-8601 UTC, and never a token."""
     jdir = journal_dir["dir"]
     files = sorted(jdir.glob("*.jsonl"))
-    # workers, hostile, stuck, rescuer, timeout, the forker and its child
-    assert len(files) == WORKERS + 6
+    # workers, hostile, stuck, rescuer, timeout, loser, permits, the forker and its child
+    assert len(files) == WORKERS + 10
     for path in files:
         pid = int(path.stem.rsplit("-", 1)[1])
         for line in path.read_text().splitlines():
@@ -122,6 +125,18 @@ def test_a_killed_holder_loses_no_line_and_its_takeover_is_marked(journal_dir):
     timed_out = [r for r in records if r["kind"] == "timed_out"]
     assert len(timed_out) == 1
     assert timed_out[0]["waited"] >= 0.1
+
+
+def test_a_lost_lease_and_semaphore_slots_are_journaled(journal_dir):
+    """The overrun lease is journaled as lost with its reason and how long it was held;
+    the semaphore's grants carry their slot, and both slots were used."""
+    records = lines_of(journal_dir["dir"])
+    lost = [r for r in records if r["key"] == "import.feed" and r["kind"] == "lost"]
+    assert len(lost) == 1
+    assert lost[0]["reason"]
+    assert lost[0]["held"] >= 0.2
+    slots = {r["slot"] for r in records if r["key"] == "api.quota" and r["kind"] == "acquired"}
+    assert slots == {0, 1}
 
 
 def test_a_forked_child_writes_its_own_file(journal_dir):
@@ -259,6 +274,7 @@ def test_the_page_in_a_real_browser(journal_dir, page_path, tmp_path):
             )
             labels = page.eval_on_selector_all("svg > text", "els => els.map(e => e.textContent)")
             scripts = page.eval_on_selector_all("script", "els => els.length")
+            lost_marks = page.eval_on_selector_all("svg.chart .lost", "els => els.length")
             page.screenshot(path=str(page_path.with_suffix(".png")), full_page=True)
         finally:
             browser.close()
@@ -272,3 +288,5 @@ def test_the_page_in_a_real_browser(journal_dir, page_path, tmp_path):
     assert any(HOSTILE_KEY in label for label in labels)
     assert any("took over" in title for *_, title in bars)
     assert any("never released" in title for *_, title in bars)  # the killed holder
+    assert any("LOST" in title for key, *_, title in bars if key == "import.feed")
+    assert lost_marks == 1
