@@ -173,6 +173,19 @@ def test_start_from_code_and_stop(tmp_path):
     assert [r["kind"] for r in lines_of(tmp_path / "j")] == ["acquired", "released"]
 
 
+def test_a_journal_directory_that_cannot_be_made_is_a_warning_not_a_failed_import(tmp_path):
+    """The journal must never take the application down: a path that is a file is one
+    warning on stderr, and the process locks as usual."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, journal.ENV: str(blocker / "journal")}
+    code = "import simple_mutex as m; m.Mutex(m.InMemoryCache()).acquire('k').release()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "cannot create the journal directory" in done.stderr
+    assert "not journaling" in done.stderr
+
+
 def run_timeline(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "simple_mutex.timeline", *args],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
