@@ -76,6 +76,7 @@ def journal_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"dir": jdir, "stuck": json.loads(marker.read_text()), "forker": forker.pid}
 
 
+@pytest.mark.slow
 def test_every_process_writes_its_own_file_of_complete_lines(journal_dir):
     """One <host>-<pid>.jsonl per process that locked, every line JSON carrying every
     LockEvent field with `at` in ISO-8601 UTC, and never a token."""
@@ -96,6 +97,7 @@ def test_every_process_writes_its_own_file_of_complete_lines(journal_dir):
     assert journal_dir["stuck"]["token"] not in "".join(p.read_text() for p in files)
 
 
+@pytest.mark.slow
 def test_contending_processes_hold_in_turn_with_rising_fences(journal_dir):
     """Every grant on the shared key is matched by its release, fences rise in the order
     of the grants, and the try-onces that found it held are journaled as busy."""
@@ -111,6 +113,7 @@ def test_contending_processes_hold_in_turn_with_rising_fences(journal_dir):
         assert busy["holder"]["pid"] != busy["pid"]  # the one in the way, not the waiter
 
 
+@pytest.mark.slow
 def test_a_killed_holder_loses_no_line_and_its_takeover_is_marked(journal_dir):
     """The SIGKILLed holder's grant is in its file; the rescuer's grant of the same key
     says took_over with a higher fence; the other waiter timed out with its wait."""
@@ -127,6 +130,7 @@ def test_a_killed_holder_loses_no_line_and_its_takeover_is_marked(journal_dir):
     assert timed_out[0]["waited"] >= 0.1
 
 
+@pytest.mark.slow
 def test_a_lost_lease_and_semaphore_slots_are_journaled(journal_dir):
     """The overrun lease is journaled as lost with its reason and how long it was held;
     the semaphore's grants carry their slot, and both slots were used."""
@@ -139,6 +143,7 @@ def test_a_lost_lease_and_semaphore_slots_are_journaled(journal_dir):
     assert slots == {0, 1}
 
 
+@pytest.mark.slow
 def test_a_forked_child_writes_its_own_file(journal_dir):
     """After fork() the child opens a file named by its own pid; the parent goes on
     writing to its own file."""
@@ -250,6 +255,7 @@ def page_path(journal_dir: dict[str, Any], tmp_path_factory: pytest.TempPathFact
     return out
 
 
+@pytest.mark.slow
 def test_the_page_needs_nothing_but_itself(page_path):
     """No script, no stylesheet or image from anywhere: the file is the whole page."""
     page = page_path.read_text()
@@ -259,6 +265,7 @@ def test_the_page_needs_nothing_but_itself(page_path):
         assert outside not in page
 
 
+@pytest.mark.slow
 def test_the_page_in_a_real_browser(journal_dir, page_path, tmp_path):
     """Chromium loads the page offline with no console error and no request but the file;
     there is one .hold per hold in the journal, each titled with its holder and fence;
