@@ -310,3 +310,35 @@ def test_the_page_in_a_real_browser(journal_dir, page_path, tmp_path):
     assert any("never released" in title for *_, title in bars)  # the killed holder
     assert any("LOST" in title for key, *_, title in bars if key == "import.feed")
     assert lost_marks == 1
+
+
+def test_holds_are_built_from_partial_journals():
+    """A release whose grant is not in the journal starts at ``at - held``; a grant never
+    released ends at its lease's expiry when a later event comes after it; the same line
+    read twice counts once."""
+    from datetime import datetime, timedelta, timezone
+
+    from simple_mutex.events import LockEvent
+    from simple_mutex.records import Holder
+
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def holder(pid: int, fence: int, lease: float) -> Holder:
+        return Holder("h", pid, None, t0, t0 + timedelta(seconds=lease), fence)
+
+    def event(kind: str, seconds: float, pid: int, fence: int, **more: Any) -> str:
+        lease = more.pop("lease", 10.0)
+        e = LockEvent(kind, "k", "mutex", "memory", t0 + timedelta(seconds=seconds),
+                      fence=fence, slot=0, holder=holder(pid, fence, lease), **more)  # fmt: skip
+        return journal.to_json(e, "h", pid)
+
+    lines = [
+        event("released", 5, 1, 1, held=2.0),  # its grant at 3 s is not in the journal
+        event("acquired", 6, 2, 2, lease=8.0),  # killed: never released, lease ends at 8 s
+        event("acquired", 9, 3, 3, took_over=True),
+        event("released", 10, 3, 3, held=1.0),
+    ]
+    records = [timeline.parse_line(line) for line in [*lines, lines[1]]]
+    spans = [((h.start - t0).total_seconds(), (h.end - t0).total_seconds(), h.ending, h.took_over)
+             for h in timeline.build(records).holds]  # fmt: skip
+    assert spans == [(3, 5, "released", False), (6, 8, "open", False), (9, 10, "released", True)]
