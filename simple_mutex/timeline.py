@@ -17,158 +17,24 @@ journal (keys are user input) is escaped.
 
 Holds are matched by key, fence, slot and the holder's pid: an ``acquired`` line opens
 one, the ``released`` or ``lost`` line of the same holder closes it (a close whose opening
-line is missing starts at ``at - held``). Lines that are not journal lines are reported as
-``file:line: why`` and skipped; identical lines (a process that journals twice into the
-same directory) count once.
+line is missing starts at ``at - held``). The files are read by ``journal.read``: lines
+that are not journal lines are reported as ``file:line: why`` and skipped; identical lines
+(a process that journals twice into the same directory) count once.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-from .events import KINDS, LockEvent
-from .journal import SUFFIX
-from .records import Holder
-
-# -- reading the journal ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Record:
-    """A journal line: the event, and the process that wrote it (when known)."""
-
-    event: LockEvent
-    host: str | None = None
-    pid: int | None = None
-
-
-class CorruptLine(ValueError):
-    """A line that is not a journal line; the message says why."""
-
-
-def journal_files(paths: Iterable[str | Path]) -> list[Path]:
-    """The files named, and the ``*.jsonl`` files of the directories named (sorted).
-    A path that does not exist raises ``FileNotFoundError``."""
-    found: list[Path] = []
-    for name in paths:
-        path = Path(name)
-        if path.is_dir():
-            found += sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
-        elif path.exists():
-            found.append(path)
-        else:
-            raise FileNotFoundError(name)
-    return found
-
-
-def read(paths: Iterable[str | Path]) -> tuple[list[Record], list[str]]:
-    """Every record in the journal files and directories named, and a ``file:line: why``
-    for each line that was skipped."""
-    records: list[Record] = []
-    problems: list[str] = []
-    seen: set[str] = set()
-    for path in journal_files(paths):
-        with open(path, encoding="utf-8", errors="replace") as lines:
-            for number, line in enumerate(lines, 1):
-                text = line.strip()
-                if not text or text in seen:
-                    continue
-                try:
-                    records.append(parse_line(text))
-                except CorruptLine as exc:
-                    problems.append(f"{path}:{number}: {exc}")
-                else:
-                    seen.add(text)
-    return records, problems
-
-
-def parse_line(text: str) -> Record:
-    """The record of one journal line; ``CorruptLine`` saying why it is not one."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CorruptLine(f"not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise CorruptLine("not a JSON object")
-    kind = _get(data, "kind", str)
-    if kind not in KINDS:
-        raise CorruptLine(f"unknown kind {kind!r}")
-    holder = data.get("holder")
-    if holder is not None and not isinstance(holder, dict):
-        raise CorruptLine("field 'holder' is not an object")
-    event = LockEvent(
-        kind=kind,
-        key=_get(data, "key", str),
-        name=_get(data, "name", str),
-        cache=_get(data, "cache", str),
-        at=_time(data, "at"),
-        fence=_get(data, "fence", int, optional=True),
-        slot=_get(data, "slot", int, optional=True),
-        holder=None if holder is None else _holder(holder),
-        waited=_seconds(data, "waited"),
-        held=_seconds(data, "held"),
-        took_over=bool(_get(data, "took_over", bool, optional=True)),
-        reason=_get(data, "reason", str, optional=True),
-    )
-    host = _get(data, "host", str, optional=True)
-    return Record(event, host, _get(data, "pid", int, optional=True))
-
-
-def _holder(data: dict[str, Any]) -> Holder:
-    try:
-        return Holder(
-            host=_get(data, "host", str),
-            pid=_get(data, "pid", int),
-            label=_get(data, "label", str, optional=True),
-            acquired_at=_time(data, "acquired_at"),
-            expires_at=_time(data, "expires_at"),
-            fence=_get(data, "fence", int),
-            slot=_get(data, "slot", int, optional=True) or 0,
-        )
-    except CorruptLine as exc:
-        raise CorruptLine(f"holder: {exc}") from None
-
-
-def _get(data: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
-    value = data.get(name)
-    if value is None and optional:
-        return None
-    # bool is an int in Python, never in a journal
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        want = {str: "a string", int: "an integer", bool: "true or false"}[kind]
-        raise CorruptLine(f"field {name!r} is missing" if value is None else
-                          f"field {name!r} is not {want}")  # fmt: skip
-    return value
-
-
-def _seconds(data: dict[str, Any], name: str) -> float | None:
-    value = data.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise CorruptLine(f"field {name!r} is not a number of seconds")
-    return float(value)
-
-
-def _time(data: dict[str, Any], name: str) -> datetime:
-    text = _get(data, name, str)
-    try:
-        at = datetime.fromisoformat(text)
-    except ValueError:
-        raise CorruptLine(f"field {name!r} is not an ISO-8601 time") from None
-    if at.tzinfo is None:
-        raise CorruptLine(f"field {name!r} has no UTC offset")
-    return at
-
+from .events import LockEvent
+from .journal import Record, read
 
 # -- what happened: holds, waits, ticks ---------------------------------------------------
 

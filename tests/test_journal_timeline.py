@@ -338,7 +338,7 @@ def test_holds_are_built_from_partial_journals():
         event("acquired", 9, 3, 3, took_over=True),
         event("released", 10, 3, 3, held=1.0),
     ]
-    records = [timeline.parse_line(line) for line in [*lines, lines[1]]]
+    records = [journal.parse_line(line) for line in [*lines, lines[1]]]
     spans = [((h.start - t0).total_seconds(), (h.end - t0).total_seconds(), h.ending, h.took_over)
              for h in timeline.build(records).holds]  # fmt: skip
     assert spans == [(3, 5, "released", False), (6, 8, "open", False), (9, 10, "released", True)]
