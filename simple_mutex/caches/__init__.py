@@ -7,6 +7,7 @@ InMemoryCache  one process   none
 DiskCache      one machine   none
 RedisCache     every machine ``simple-mutex[redis]``
 PostgresCache  every machine ``simple-mutex[postgres]``
+(asyncio)      every machine AsyncPostgresCache, same extra
 MongoCache     every machine ``simple-mutex[mongo]``
 S3Cache        every machine ``simple-mutex[s3]``
 =============  ============  =========================================
@@ -28,10 +29,12 @@ from .url import cache_from_url
 if TYPE_CHECKING:
     from .mongo import MongoCache
     from .postgres import PostgresCache
+    from .postgres_async import AsyncPostgresCache
     from .redis import RedisCache
     from .s3 import S3Cache
 
 __all__ = [
+    "AsyncPostgresCache",
     "DiskCache",
     "InMemoryCache",
     "MongoCache",

@@ -1,48 +1,17 @@
-"""PostgresCache: every machine that reaches one PostgreSQL (psycopg 3).
-
-One table holds every lock, created on first use; where the lock role may not create
-tables, run this once (``simple_mutex_locks`` is the default ``table``)::
-
-    CREATE TABLE simple_mutex_locks (
-        key text PRIMARY KEY,
-        value text,                     -- NULL once freed: the row stays gc_after
-        version text NOT NULL,          -- random per write: the compare-and-set condition
-        fence bigint NOT NULL,          -- max(fence + 1, the server's clock in µs)
-        expires_at timestamptz NOT NULL -- the lease's end, or when it was freed
-    );
-    CREATE INDEX simple_mutex_locks_gc ON simple_mutex_locks (expires_at);
-    GRANT SELECT, INSERT, UPDATE, DELETE ON simple_mutex_locks TO lock_role;
-
-* Each operation is one statement, atomic on the server, whose ``clock_timestamp()``
-  decides expiry and floors fences: a grant's fence is max(the row's fence + 1, the
-  server's clock in µs), so a lost row never restarts it. A semaphore slot is a row of
-  its own. Fences and locks are as durable as the server's commits (keep
-  ``synchronous_commit`` on).
-* A freed or expired row stays ``gc_after`` seconds (60 by default); then one grant in 64
-  deletes a batch of such rows (``DELETE`` needs the grant above; without it nothing is
-  collected and a warning says so once).
-* A release notifies the key's channel (``pg_notify``); a waiter listens on a connection
-  of its own only while it waits. Expiries notify nobody: the poll finds them.
-* One autocommit connection per process (from a conninfo or URL, or the connection you
-  pass; or a pool's), with timeouts so no call hangs on a dead server; replaced when
-  broken and after fork. Every psycopg error is a ``MalfunctionError`` naming postgres,
-  the operation and the key.
-
-Rationale: docs/design/postgres.md.
+"""What PostgresCache and AsyncPostgresCache share: the table, every statement, its
+parameters and the meaning of its rows, conninfo defaults and fault mapping. No I/O here:
+``postgres.py`` runs the statements on psycopg's blocking connections,
+``postgres_async.py`` on its asyncio ones. Rationale: docs/design/postgres.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import re
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
 
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
@@ -147,14 +116,30 @@ DELETE FROM {t} WHERE key IN (
 _LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
 
 
-class PostgresCache(CacheBase):
-    """A ConditionalCache in one PostgreSQL table.
+T = TypeVar("T")
 
-    ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
-    ``psycopg.Connection``, or a ``psycopg_pool.ConnectionPool``. ``gc_after``: seconds a
-    freed or expired key's row is kept (None: forever)."""
+
+@dataclass(frozen=True, slots=True)
+class Statement(Generic[T]):
+    """One operation as both drivers run it: the SQL and its parameters, and what the
+    first row it returns (or None) means."""
+
+    operation: str
+    key: str
+    sql: str
+    params: dict[str, Any]
+    finish: Callable[[Any], T]
+
+
+class PostgresCore(CacheBase):
+    """Everything PostgresCache and AsyncPostgresCache share: options, SQL, parameters,
+    row parsing and fault mapping. Subclasses only do the I/O."""
 
     name = "postgres"
+    _connection_type: ClassVar[Any] = type(None)
+    """psycopg's Connection or AsyncConnection: the kind of session a subclass accepts."""
+    _pool_type: ClassVar[str] = ""
+    """psycopg_pool's ConnectionPool or AsyncConnectionPool, by name."""
 
     def __init__(
         self,
@@ -163,22 +148,23 @@ class PostgresCache(CacheBase):
         table: str = "simple_mutex_locks",
         gc_after: float | None = DEFAULT_GC_AFTER,
     ) -> None:
-        self.gc_after = gc_after_seconds("PostgresCache", gc_after)
+        owner = type(self).__name__
+        self.gc_after = gc_after_seconds(owner, gc_after)
         if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
             raise ConstraintError(
-                f"PostgresCache table must be a plain identifier (letters, digits, _; at "
+                f"{owner} table must be a plain identifier (letters, digits, _; at "
                 f"most 63), got {table!r}; create it in a schema on the role's search_path"
             )
         self.table = table
         self._pool: Any = None
-        self._conn: psycopg.Connection[Any] | None = None
-        self._given: object = conninfo  # never closed here
+        self._conn: Any = None
+        self._given: Any = conninfo  # never closed here
         if isinstance(conninfo, str):
             self._conninfo = _with_defaults(conninfo)
-        elif isinstance(conninfo, psycopg.Connection):
+        elif isinstance(conninfo, self._connection_type):
             if not conninfo.autocommit:
                 raise ConstraintError(
-                    "PostgresCache needs an autocommit connection (psycopg.connect(..., "
+                    f"{owner} needs an autocommit connection (connect(..., "
                     "autocommit=True)): a lock written inside your transaction would stay "
                     "invisible until you commit; or pass a conninfo string or a pool"
                 )
@@ -186,15 +172,16 @@ class PostgresCache(CacheBase):
             self._conninfo = _with_defaults(
                 make_conninfo(conninfo.info.dsn, password=conninfo.info.password or None)
             )
-        elif _is_pool(conninfo):
+        elif _is_pool(conninfo, self._pool_type):
             self._pool = conninfo
             known = {d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()}
             options = {k: v for k, v in (conninfo.kwargs or {}).items() if k in known}
             self._conninfo = _with_defaults(make_conninfo(conninfo.conninfo, **options))
         else:
             raise ConstraintError(
-                f"PostgresCache needs a conninfo string or URL, a psycopg Connection or a "
-                f"psycopg_pool ConnectionPool, got {type(conninfo).__name__}"
+                f"{owner} needs a conninfo string or URL, a psycopg "
+                f"{self._connection_type.__name__} or a psycopg_pool {self._pool_type}, got "
+                f"{type(conninfo).__name__}"
             )
         quoted = sql.Identifier(table).as_string(None)
         self._index = _index_name(table)
@@ -208,228 +195,134 @@ class PostgresCache(CacheBase):
             )
         }  # fmt: skip
         self._ready = False  # the table is known to exist
-        self._listen_guard = threading.Lock()
-        self._listener: psycopg.Connection[Any] | None = None
         super().__init__()
 
     def __repr__(self) -> str:
-        return f"PostgresCache(table={self.table!r})"
+        return f"{type(self).__name__}(table={self.table!r})"
 
-    def close(self) -> None:
-        """Close the connections this cache opened (a given connection or pool stays open)."""
-        with self._guard, self._listen_guard:
-            for conn in (self._conn, self._listener):
-                if conn is not None and conn is not self._given:
-                    conn.close()
-            self._conn = self._listener = None
+    # -- sessions ----------------------------------------------------------------------
 
-    # -- connections -------------------------------------------------------------------
-
-    def _after_fork(self) -> None:
-        # The parent's sockets are not ours: drop them unclosed (psycopg never sends a
-        # Terminate from a process that did not open the connection) and open our own.
+    def _forget_sessions(self) -> None:
+        """In a forked child: the parent's sockets are not ours. Drop them unclosed
+        (psycopg never sends a Terminate from a process that did not open the connection)
+        and open our own. A pool's workers and connections stay in the parent: borrowing
+        from it here would wait forever, so the child uses one connection of its own,
+        opened from the pool's parameters."""
         self._conn = None
-        self._listener = None
-        self._listen_guard = threading.Lock()  # a waiting thread did not come along
-        # A pool's worker threads and connections stay in the parent: borrowing from it
-        # here would wait forever. The child uses one connection of its own, opened from
-        # the pool's parameters.
         self._pool = None
 
-    def _connect(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self._conninfo, autocommit=True)
-        if "statement_timeout" not in str(conninfo_to_dict(self._conninfo).get("options", "")):
-            conn.execute(f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}")
-        return conn
+    def _session_setup(self) -> str | None:
+        """The statement a session this cache opens runs first, if any: a statement
+        timeout, unless the conninfo sets its own."""
+        if "statement_timeout" in str(conninfo_to_dict(self._conninfo).get("options", "")):
+            return None
+        return f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}"
 
-    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
-        # Look before creating: a role without CREATE gets "permission denied" from
-        # CREATE TABLE IF NOT EXISTS even when the table is there.
-        # Sessions creating either at the same instant collide in the catalog (a unique
-        # violation on pg_type, or "type ... already exists"): the loser uses the winner's.
-        # A savepoint keeps a pooled connection's transaction usable.
-        errors = psycopg.errors
-        lost_race = (errors.UniqueViolation, errors.DuplicateObject, errors.DuplicateTable)
+    def _setup_steps(self) -> Iterator[tuple[str, str, str]]:
+        """The table, then its index: (statement, name, how to look for it). Look before
+        creating: a role without CREATE gets "permission denied" from CREATE TABLE IF NOT
+        EXISTS even when the table is there. Drivers run each creation in a transaction
+        (a savepoint on a pooled connection's), suppress ``LOST_RACE`` (sessions creating
+        at the same instant collide in the catalog: the loser uses the winner's) and pass
+        InsufficientPrivilege to ``_denied``."""
         for name, statement in ((self.table, "schema"), (self._index, "index")):
-            quoted = sql.Identifier(name).as_string(None)
-            if conn.execute("SELECT to_regclass(%s)", (quoted,)).fetchone() != (None,):
-                continue
-            try:
-                with contextlib.suppress(*lost_race), conn.transaction():
-                    conn.execute(self._sql[statement])
-            except errors.InsufficientPrivilege:
-                if statement == "schema":
-                    raise
-                # Only the table's owner may index it: collection then scans the table,
-                # which the collection itself keeps small.
-                log.warning(
-                    "PostgresCache: no index on %s.expires_at and this role may not create "
-                    "it; garbage collection scans the table. Run once, as its owner: %s",
-                    self.table, self._sql["index"],
-                )  # fmt: skip
-        self._ready = True
+            yield statement, sql.Identifier(name).as_string(None), "SELECT to_regclass(%s)"
 
-    @contextmanager
-    def _connection(self, operation: str, key: str) -> Iterator[psycopg.Connection[Any]]:
-        if self._pool is not None:
-            broken = False
-            try:
-                with self._pool.connection() as conn:
-                    if not self._ready:
-                        self._create_table(conn)
-                    try:
-                        yield conn
-                    finally:
-                        broken = conn.broken
-            except psycopg.Error as exc:
-                # A broken pooled session was an idle one the server ended.
-                raise self._fault(operation, key, exc, broken) from exc
-            return
-        with self._guard:
-            reused = False
-            try:
-                reused = self._conn is not None and not self._conn.closed
-                if self._conn is None or not reused:
-                    self._conn = self._connect()
-                if not self._ready:
-                    self._create_table(self._conn)
-                yield self._conn
-            except psycopg.Error as exc:
-                ended = reused and self._conn is not None and self._conn.broken
-                self._drop(exc)
-                raise self._fault(operation, key, exc, ended) from exc
-            except BaseException:
-                # An interrupt mid-statement may leave a reply unread: never reuse it.
-                self._drop(None)
-                raise
+    def _denied(self, statement: str, exc: BaseException) -> None:
+        if statement == "schema":
+            raise exc
+        # Only the table's owner may index it: collection then scans the table, which the
+        # collection itself keeps small.
+        log.warning(
+            "%s: no index on %s.expires_at and this role may not create it; garbage "
+            "collection scans the table. Run once, as its owner: %s",
+            type(self).__name__, self.table, self._sql["index"],
+        )  # fmt: skip
 
-    def _one(self, operation: str, key: str, sql: str, params: dict[str, Any]) -> Any:
-        """One statement's first row. A reused session the server ended (a restart, a
-        fail-over, ``pg_terminate_backend``, an idle-session timeout) fails the next
-        statement sent on it, which never ran: that one is sent once more, on a fresh
-        session."""
-        try:
-            with self._connection(operation, key) as conn:
-                return conn.execute(sql, params).fetchone()
-        except _SessionEnded:
-            pass
-        with self._connection(operation, key) as conn:
-            return conn.execute(sql, params).fetchone()
-
-    def _drop(self, error: psycopg.Error | None) -> None:
-        """Forget the connection after a fault, so the next call opens a fresh one; an
-        error the server answered (a statement timeout) leaves it usable."""
-        conn = self._conn
-        if conn is None:
-            return
-        if (
+    def _keeps(self, conn: Any, error: BaseException | None) -> bool:
+        """May a connection that raised ``error`` be used again? Only after an error the
+        server answered (a statement timeout); never after an interrupt mid-statement,
+        which may leave a reply unread."""
+        return (
             isinstance(error, psycopg.errors.DatabaseError)
             and error.sqlstate is not None
             and not error.sqlstate.startswith("08")  # connection exceptions
             and not conn.broken
-        ):
-            return
-        self._conn = None
-        with contextlib.suppress(Exception):  # it is broken already
-            conn.close()
+        )
 
-    # -- the contract ------------------------------------------------------------------
+    # -- the statements ----------------------------------------------------------------
 
-    def get(self, key: str) -> Entry | None:
-        row = self._one("get", key, self._sql["get"], {"key": key})
-        return None if row is None else Entry(row[0], row[1], row[2], row[3])
+    def _get(self, key: str) -> Statement[Entry | None]:
+        return Statement("get", key, self._sql["get"], {"key": key}, _entry_or_none)
 
-    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
-        params = {"key": key, "value": value, "version": new_version(), "ttl": ttl}
-        row = self._one("put_if_absent", key, self._sql["put"], params)
-        # Ours when just written (our version) or our own earlier write (same value).
-        if row is None or (row[1] != params["version"] and row[0] != value):
-            raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
-        if self.gc_after is not None and gc_due():
-            # The grant stands whatever the collection meets; the next operation reports
-            # a lasting fault itself.
-            with contextlib.suppress(MalfunctionError):
-                self.collect()
-        return Entry(row[0], row[1], row[2], row[3])
+    def _put(self, key: str, value: str, ttl: float) -> Statement[Entry]:
+        version = new_version()
 
-    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        def finish(row: Any) -> Entry:
+            # Ours when just written (our version) or our own earlier write (same value).
+            if row is None or (row[1] != version and row[0] != value):
+                raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
+            return Entry(row[0], row[1], row[2], row[3])
+
+        params = {"key": key, "value": value, "version": version, "ttl": ttl}
+        return Statement("put_if_absent", key, self._sql["put"], params, finish)
+
+    def _cas(self, key: str, value: str, ttl: float, version: str) -> Statement[Entry]:
         new = new_version()
+
+        def finish(row: Any) -> Entry:
+            if row is None:
+                raise SimpleCacheConditionError(
+                    f"postgres: {key!r} is not at version {version}", key=key
+                )
+            return Entry(value, new, row[0], row[1])
+
         params = {"key": key, "value": value, "new": new, "version": version, "ttl": ttl}
-        row = self._one("compare_and_set", key, self._sql["cas"], params)
-        if row is None:
-            raise SimpleCacheConditionError(
-                f"postgres: {key!r} is not at version {version}", key=key
-            )
-        return Entry(value, new, row[0], row[1])
+        return Statement("compare_and_set", key, self._sql["cas"], params, finish)
 
-    def compare_and_delete(self, key: str, *, version: str) -> None:
+    def _delete(self, key: str, version: str) -> Statement[None]:
+        def finish(row: Any) -> None:
+            if row is None:
+                raise SimpleCacheConditionError(
+                    f"postgres: {key!r} is not at version {version}", key=key
+                )
+
         params = {"key": key, "version": version, "channel": self._channel(key)}
-        freed = self._one("compare_and_delete", key, self._sql["delete"], params)
-        if freed is None:
-            raise SimpleCacheConditionError(
-                f"postgres: {key!r} is not at version {version}", key=key
-            )
+        return Statement("compare_and_delete", key, self._sql["delete"], params, finish)
 
-    def collect(self) -> int:
-        """Delete up to 256 rows of keys freed or expired more than ``gc_after`` ago (run
-        by one grant in 64); how many it deleted. Their next fences come from the clock.
-        A role without DELETE on the table collects nothing: a warning says so, once."""
-        if self.gc_after is None:
-            return 0
-        params = {"after": self.gc_after, "limit": _COLLECT_ROWS}
-        try:
-            with self._connection("collect", "") as conn:
-                return conn.execute(self._sql["collect"], params).rowcount
-        except MalfunctionError as exc:
-            if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege):
-                raise
+    def _collect_due(self) -> bool:
+        """Does this grant also collect? The grant stands whatever the collection meets
+        (drivers suppress its MalfunctionError); the next operation reports a lasting
+        fault itself."""
+        return self.gc_after is not None and gc_due()
+
+    def _collect_params(self) -> dict[str, Any]:
+        return {"after": self.gc_after, "limit": _COLLECT_ROWS}
+
+    def _collect_failed(self, exc: MalfunctionError) -> int:
+        """A collection's fault: a role without DELETE collects nothing from now on (a
+        warning says so, once); any other fault is raised."""
+        if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege):
+            raise exc
         log.warning(
-            "PostgresCache: this role may not DELETE from %s, so freed keys' rows are "
-            "never collected: GRANT DELETE ON %s TO the lock role",
-            self.table, self.table,
+            "%s: this role may not DELETE from %s, so freed keys' rows are never "
+            "collected: GRANT DELETE ON %s TO the lock role",
+            type(self).__name__, self.table, self.table,
         )  # fmt: skip
         self.gc_after = None
         return 0
 
-    def wait(self, keys: Sequence[str], timeout: float) -> None:
-        deadline = time.monotonic() + max(timeout, 0.0)
-        if timeout < 0.001 or not keys:
-            time.sleep(max(timeout, 0.0))
-            return
-        if not self._listen_guard.acquire(timeout=timeout):
-            return  # another thread of ours listens; we waited out our timeout for it
-        try:
-            self._listen_once(keys, deadline)
-        except psycopg.Error as exc:
-            listener, self._listener = self._listener, None
-            if listener is not None:
-                listener.close()
-            raise self._fault("wait", keys[0], exc) from exc
-        finally:
-            self._listen_guard.release()
-
-    def _listen_once(self, keys: Sequence[str], deadline: float) -> None:
-        if self._listener is None or self._listener.closed:
-            self._listener = self._connect()
-        conn = self._listener
+    def _listen(self, keys: Sequence[str]) -> tuple[set[str], str, dict[str, Any]]:
+        """The channels to wait on, the LISTEN statement, and the parameters of the check
+        run after it: LISTEN commits before the check reads, so a release is either seen
+        as a free key by the check or delivered to us: none falls between the two."""
         channels = {self._channel(key) for key in keys}
-        # LISTEN commits before the check reads, so a release is either seen as a free
-        # key by the check or delivered to us: none falls between the two.
-        conn.execute("".join(f'LISTEN "{channel}";' for channel in channels))
-        try:
-            live = conn.execute(self._sql["live"], {"keys": list(set(keys))}).fetchone()
-            if live is None or live[0] < len(set(keys)):
-                return  # a key is free already
-            remaining = deadline - time.monotonic()
-            if remaining > 0:
-                for note in conn.notifies(timeout=remaining):
-                    if note.channel in channels:
-                        return
-        finally:
-            if not conn.broken:
-                # Listen only while waiting: an idle listening session that reads nothing
-                # would hold back the server's notification queue for every database user.
-                conn.execute("UNLISTEN *")
+        return channels, "".join(f'LISTEN "{c}";' for c in channels), {"keys": list(set(keys))}
+
+    @staticmethod
+    def _any_free(live: Any, keys: Sequence[str]) -> bool:
+        """Given the check's row: is one of ``keys`` free already?"""
+        return live is None or live[0] < len(set(keys))
 
     def _channel(self, key: str) -> str:
         # Channel names are identifiers of at most 63 bytes: a digest of table and key.
@@ -443,10 +336,20 @@ class PostgresCache(CacheBase):
             detail = f"table {self.table!r} is not a lock table: {str(exc).strip()}"
             return malformed(self.name, operation, key, detail)
         error = fault(self.name, operation, key, exc)
-        return _SessionEnded(error.message, key) if ended else error
+        return SessionEnded(error.message, key) if ended else error
 
 
-class _SessionEnded(MalfunctionError):
+def _entry_or_none(row: Any) -> Entry | None:
+    return None if row is None else Entry(row[0], row[1], row[2], row[3])
+
+
+LOST_RACE = (
+    psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable
+)  # fmt: skip
+"""Errors of a table or index created by another session at the same instant."""
+
+
+class SessionEnded(MalfunctionError):
     """A reused session the server had ended: the statement sent on it never ran."""
 
 
@@ -457,12 +360,12 @@ def _index_name(table: str) -> str:
     return f"{table[:46]}_gc_{hashlib.blake2b(table.encode(), digest_size=6).hexdigest()}"
 
 
-def _is_pool(obj: object) -> bool:
+def _is_pool(obj: object, kind: str) -> bool:
     try:
-        from psycopg_pool import ConnectionPool
+        import psycopg_pool
     except ImportError:
         return False
-    return isinstance(obj, ConnectionPool)
+    return isinstance(obj, getattr(psycopg_pool, kind))
 
 
 def _with_defaults(conninfo: str) -> str:
@@ -476,18 +379,3 @@ def _with_defaults(conninfo: str) -> str:
         ) from None
     extra = {name: value for name, value in _CONNECT_DEFAULTS.items() if name not in given}
     return make_conninfo(conninfo, **extra)
-
-
-def from_url(url: str) -> PostgresCache:
-    """A PostgresCache from ``postgresql://`` or ``postgres://`` URL; libpq's own query
-    options pass through, and ``?table=name`` picks the table."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() not in ("postgresql", "postgres"):
-        raise ConstraintError(
-            f"unknown PostgreSQL URL scheme {parts.scheme!r}; use postgresql:// or postgres://"
-        )
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    tables = [value for name, value in query if name == "table"]
-    rest = urlencode([(name, value) for name, value in query if name != "table"])
-    plain = urlunsplit(parts._replace(query=rest))
-    return PostgresCache(plain, table=tables[-1]) if tables else PostgresCache(plain)

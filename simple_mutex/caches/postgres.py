@@ -1,0 +1,248 @@
+"""PostgresCache: every machine that reaches one PostgreSQL (psycopg 3).
+
+One table holds every lock, created on first use; where the lock role may not create
+tables, run this once (``simple_mutex_locks`` is the default ``table``)::
+
+    CREATE TABLE simple_mutex_locks (
+        key text PRIMARY KEY,
+        value text,                     -- NULL once freed: the row stays gc_after
+        version text NOT NULL,          -- random per write: the compare-and-set condition
+        fence bigint NOT NULL,          -- max(fence + 1, the server's clock in µs)
+        expires_at timestamptz NOT NULL -- the lease's end, or when it was freed
+    );
+    CREATE INDEX simple_mutex_locks_gc ON simple_mutex_locks (expires_at);
+    GRANT SELECT, INSERT, UPDATE, DELETE ON simple_mutex_locks TO lock_role;
+
+* Each operation is one statement, atomic on the server, whose ``clock_timestamp()``
+  decides expiry and floors fences: a grant's fence is max(the row's fence + 1, the
+  server's clock in µs), so a lost row never restarts it. A semaphore slot is a row of
+  its own. Fences and locks are as durable as the server's commits (keep
+  ``synchronous_commit`` on).
+* A freed or expired row stays ``gc_after`` seconds (60 by default); then one grant in 64
+  deletes a batch of such rows (``DELETE`` needs the grant above; without it nothing is
+  collected and a warning says so once).
+* A release notifies the key's channel (``pg_notify``); a waiter listens on a connection
+  of its own only while it waits. Expiries notify nobody: the poll finds them.
+* One autocommit connection per process (from a conninfo or URL, or the connection you
+  pass; or a pool's), with timeouts so no call hangs on a dead server; replaced when
+  broken and after fork. Every psycopg error is a ``MalfunctionError`` naming postgres,
+  the operation and the key.
+
+The statements and what they mean are shared with ``AsyncPostgresCache`` (psycopg's
+asyncio connections) in ``postgres_core.py``. Rationale: docs/design/postgres.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintError, MalfunctionError
+
+from .common import DEFAULT_GC_AFTER, driver_imports
+from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement
+
+with driver_imports("postgres"):
+    import psycopg
+
+T = TypeVar("T")
+
+
+class PostgresCache(PostgresCore):
+    """A ConditionalCache in one PostgreSQL table.
+
+    ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
+    ``psycopg.Connection``, or a ``psycopg_pool.ConnectionPool``. ``gc_after``: seconds a
+    freed or expired key's row is kept (None: forever)."""
+
+    _connection_type = psycopg.Connection
+    _pool_type = "ConnectionPool"
+
+    def __init__(
+        self,
+        conninfo: Any,
+        *,
+        table: str = "simple_mutex_locks",
+        gc_after: float | None = DEFAULT_GC_AFTER,
+    ) -> None:
+        super().__init__(conninfo, table=table, gc_after=gc_after)
+        self._listen_guard = threading.Lock()
+        self._listener: psycopg.Connection[Any] | None = None
+
+    def close(self) -> None:
+        """Close the connections this cache opened (a given connection or pool stays open)."""
+        with self._guard, self._listen_guard:
+            for conn in (self._conn, self._listener):
+                if conn is not None and conn is not self._given:
+                    conn.close()
+            self._conn = self._listener = None
+
+    # -- connections -------------------------------------------------------------------
+
+    def _after_fork(self) -> None:
+        self._forget_sessions()
+        self._listener = None
+        self._listen_guard = threading.Lock()  # a waiting thread did not come along
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(self._conninfo, autocommit=True)
+        setup = self._session_setup()
+        if setup is not None:
+            conn.execute(setup)
+        return conn
+
+    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
+        for statement, name, lookup in self._setup_steps():
+            if conn.execute(lookup, (name,)).fetchone() != (None,):
+                continue
+            try:
+                with contextlib.suppress(*LOST_RACE), conn.transaction():
+                    conn.execute(self._sql[statement])
+            except psycopg.errors.InsufficientPrivilege as exc:
+                self._denied(statement, exc)
+        self._ready = True
+
+    @contextmanager
+    def _connection(self, operation: str, key: str) -> Iterator[psycopg.Connection[Any]]:
+        if self._pool is not None:
+            broken = False
+            try:
+                with self._pool.connection() as conn:
+                    if not self._ready:
+                        self._create_table(conn)
+                    try:
+                        yield conn
+                    finally:
+                        broken = conn.broken
+            except psycopg.Error as exc:
+                # A broken pooled session was an idle one the server ended.
+                raise self._fault(operation, key, exc, broken) from exc
+            return
+        with self._guard:
+            reused = False
+            try:
+                reused = self._conn is not None and not self._conn.closed
+                if self._conn is None or not reused:
+                    self._conn = self._connect()
+                if not self._ready:
+                    self._create_table(self._conn)
+                yield self._conn
+            except psycopg.Error as exc:
+                ended = reused and self._conn is not None and self._conn.broken
+                self._drop(exc)
+                raise self._fault(operation, key, exc, ended) from exc
+            except BaseException:
+                self._drop(None)
+                raise
+
+    def _run(self, statement: Statement[T]) -> T:
+        """One statement, its first row read by ``statement.finish``. A reused session
+        the server ended (a restart, a fail-over, ``pg_terminate_backend``, an idle-session
+        timeout) fails the next statement sent on it, which never ran: that one is sent
+        once more, on a fresh session."""
+        try:
+            return self._run_once(statement)
+        except SessionEnded:
+            return self._run_once(statement)
+
+    def _run_once(self, statement: Statement[T]) -> T:
+        with self._connection(statement.operation, statement.key) as conn:
+            row = conn.execute(statement.sql, statement.params).fetchone()
+        return statement.finish(row)
+
+    def _drop(self, error: psycopg.Error | None) -> None:
+        """Forget the connection after a fault, so the next call opens a fresh one."""
+        conn = self._conn
+        if conn is None or self._keeps(conn, error):
+            return
+        self._conn = None
+        with contextlib.suppress(Exception):  # it is broken already
+            conn.close()
+
+    # -- the contract ------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        return self._run(self._get(key))
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        entry = self._run(self._put(key, value, ttl))
+        if self._collect_due():
+            with contextlib.suppress(MalfunctionError):
+                self.collect()
+        return entry
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        return self._run(self._cas(key, value, ttl, version))
+
+    def compare_and_delete(self, key: str, *, version: str) -> None:
+        self._run(self._delete(key, version))
+
+    def collect(self) -> int:
+        """Delete up to 256 rows of keys freed or expired more than ``gc_after`` ago (run
+        by one grant in 64); how many it deleted. Their next fences come from the clock.
+        A role without DELETE on the table collects nothing: a warning says so, once."""
+        if self.gc_after is None:
+            return 0
+        try:
+            with self._connection("collect", "") as conn:
+                return conn.execute(self._sql["collect"], self._collect_params()).rowcount
+        except MalfunctionError as exc:
+            return self._collect_failed(exc)
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if timeout < 0.001 or not keys:
+            time.sleep(max(timeout, 0.0))
+            return
+        if not self._listen_guard.acquire(timeout=timeout):
+            return  # another thread of ours listens; we waited out our timeout for it
+        try:
+            self._listen_once(keys, deadline)
+        except psycopg.Error as exc:
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.close()
+            raise self._fault("wait", keys[0], exc) from exc
+        finally:
+            self._listen_guard.release()
+
+    def _listen_once(self, keys: Sequence[str], deadline: float) -> None:
+        if self._listener is None or self._listener.closed:
+            self._listener = self._connect()
+        conn = self._listener
+        channels, listen, check = self._listen(keys)
+        conn.execute(listen)
+        try:
+            if self._any_free(conn.execute(self._sql["live"], check).fetchone(), keys):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                for note in conn.notifies(timeout=remaining):
+                    if note.channel in channels:
+                        return
+        finally:
+            if not conn.broken:
+                # Listen only while waiting: an idle listening session that reads nothing
+                # would hold back the server's notification queue for every database user.
+                conn.execute("UNLISTEN *")
+
+
+def from_url(url: str) -> PostgresCache:
+    """A PostgresCache from ``postgresql://`` or ``postgres://`` URL; libpq's own query
+    options pass through, and ``?table=name`` picks the table."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("postgresql", "postgres"):
+        raise ConstraintError(
+            f"unknown PostgreSQL URL scheme {parts.scheme!r}; use postgresql:// or postgres://"
+        )
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    tables = [value for name, value in query if name == "table"]
+    rest = urlencode([(name, value) for name, value in query if name != "table"])
+    plain = urlunsplit(parts._replace(query=rest))
+    return PostgresCache(plain, table=tables[-1]) if tables else PostgresCache(plain)
