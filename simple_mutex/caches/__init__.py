@@ -9,6 +9,7 @@ RedisCache     every machine ``simple-mutex[redis]``
 PostgresCache  every machine ``simple-mutex[postgres]``
 (asyncio)      every machine AsyncPostgresCache, same extra
 MongoCache     every machine ``simple-mutex[mongo]``
+(asyncio)      every machine AsyncMongoCache, pymongo >= 4.13
 S3Cache        every machine ``simple-mutex[s3]``
 =============  ============  =========================================
 
@@ -28,12 +29,14 @@ from .url import cache_from_url
 
 if TYPE_CHECKING:
     from .mongo import MongoCache
+    from .mongo_async import AsyncMongoCache
     from .postgres import PostgresCache
     from .postgres_async import AsyncPostgresCache
     from .redis import RedisCache
     from .s3 import S3Cache
 
 __all__ = [
+    "AsyncMongoCache",
     "AsyncPostgresCache",
     "DiskCache",
     "InMemoryCache",

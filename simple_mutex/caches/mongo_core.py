@@ -1,33 +1,18 @@
-"""MongoCache: every machine that reaches one MongoDB (replica set, sharded or standalone).
-
-One collection holds every lock, one document per key::
-
-    {_id: key, value: str | null, version: str, fence: int, expires_at: Date}
-
-* Each operation is one statement on one document, applied atomically; writes use
-  ``w="majority"`` by default. ``value`` is null once freed: the document stays, and its
-  fence counts on. A grant's fence is max(fence + 1, the clock in µs), so a key whose
-  document was collected, or lost in a fail-over, still gets larger fences.
-* ``clock="server"`` (default): ``$$NOW`` decides expiry (MongoDB >= 4.2; ``ready()``
-  proves it). ``clock="client"``: this machine's clock, for servers without it; every
-  client's clock must then agree to well within a lease.
-* ``ready()`` (run on first use) creates a TTL index on ``expires_at`` that deletes
-  documents ``gc_after`` seconds after their lease ended or they were freed: garbage
-  collection only.
-* ``wait`` sleeps: the engine's jittered poll finds releases and expiries.
-* A forked child opens its own client. Every pymongo error is a ``MalfunctionError``
-  naming mongo, the operation and the key; a retried put finds its own value.
-
-Rationale: docs/design/mongo.md.
+"""What MongoCache and AsyncMongoCache share: options, the statements and the order they
+run in, and the meaning of their replies. No I/O here: each operation is a *flow*, a
+generator that yields the collection calls it needs (``Call``) and pauses (``Pause``) and
+is sent each reply; ``mongo.py`` runs flows on pymongo's ``MongoClient``,
+``mongo_async.py`` on its ``AsyncMongoClient``. Rationale: docs/design/mongo.md.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from simple_mutex.contract import Entry
@@ -46,8 +31,6 @@ from .common import (
 with driver_imports("mongo"):
     import pymongo
     from pymongo import ReturnDocument
-    from pymongo.collection import Collection
-    from pymongo.database import Database
     from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
     from pymongo.write_concern import WriteConcern
 
@@ -74,14 +57,34 @@ _FREE_SERVER: dict[str, Any] = {
 _ENTRY_FIELDS = {"_id": 0, "value": 1, "version": 1, "fence": 1, "expires_at": 1}
 
 
-class MongoCache(CacheBase):
-    """A ConditionalCache over a pymongo ``MongoClient``, ``Database`` or ``Collection``.
+T = TypeVar("T")
 
-    A client or database gets the collection ``database`` / ``collection``; a collection
-    is used as it is. ``write_concern`` ("majority", an int, or None to keep the
-    collection's own) applies to every write; ``clock`` is "server" or "client" (module
-    docstring); ``gc_after`` is the TTL index's delay in seconds, or None for no index.
-    """
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One collection method call a flow needs: ``collection.<method>(*args, **kwargs)``.
+    Drivers throw its failure back into the flow: ``DuplicateKeyError`` as it is, any
+    other ``PyMongoError`` as the ``MalfunctionError`` of ``operation`` on ``key``."""
+
+    operation: str
+    key: str
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """A flow's sleep (the clock check lets its probe expire)."""
+
+    seconds: float
+
+
+Flow = Generator[Call | Pause, Any, T]
+
+
+class MongoCore(CacheBase):
+    """Everything MongoCache and AsyncMongoCache share; subclasses only do the I/O."""
 
     name = "mongo"
 
@@ -95,15 +98,15 @@ class MongoCache(CacheBase):
         clock: str = "server",
         gc_after: float | None = DEFAULT_GC_AFTER,
     ) -> None:
+        owner = type(self).__name__
         if clock not in ("server", "client"):
-            raise ConstraintError(f"MongoCache clock must be 'server' or 'client', got {clock!r}")
-        gc_after = gc_after_seconds("MongoCache", gc_after)
+            raise ConstraintError(f"{owner} clock must be 'server' or 'client', got {clock!r}")
+        gc_after = gc_after_seconds(owner, gc_after)
         if write_concern is not None and not isinstance(write_concern, (str, int)):
             raise ConstraintError(
-                f"MongoCache write_concern must be 'majority', an int or None, got "
-                f"{write_concern!r}"
+                f"{owner} write_concern must be 'majority', an int or None, got {write_concern!r}"
             )
-        coll = _collection_of(client_or_collection, database, collection)
+        coll = self._collection_of(client_or_collection, database, collection)
         super().__init__()
         self.database = coll.database.name
         self.collection_name = coll.name
@@ -118,11 +121,36 @@ class MongoCache(CacheBase):
 
     def __repr__(self) -> str:
         return (
-            f"MongoCache(database={self.database!r}, collection={self.collection_name!r}, "
-            f"clock={self.clock!r})"
+            f"{type(self).__name__}(database={self.database!r}, "
+            f"collection={self.collection_name!r}, clock={self.clock!r})"
         )
 
     # -- connections ---------------------------------------------------------------------
+
+    def _collection_of(self, obj: Any, database: str, collection: str) -> Any:
+        owner = type(self).__name__
+        if not isinstance(database, str) or not database:
+            raise ConstraintError(f"{owner} database must be a non-empty str, got {database!r}")
+        if not isinstance(collection, str) or not collection:
+            raise ConstraintError(f"{owner} collection must be a non-empty str, got {collection!r}")
+        client_type, database_type, collection_type = self._kinds()
+        # Types first: pymongo's Database and Collection answer any attribute.
+        if isinstance(obj, collection_type):
+            return obj
+        if isinstance(obj, database_type):
+            return obj[collection]
+        if isinstance(obj, client_type):
+            return obj[database][collection]
+        if all(callable(getattr(obj, method, None)) for method in _COLLECTION_METHODS):
+            return obj  # collection-like: a wrapper of one
+        raise ConstraintError(
+            f"{owner} needs a pymongo {client_type.__name__}, {database_type.__name__} or "
+            f"{collection_type.__name__}, got {type(obj).__name__}"
+        )
+
+    def _kinds(self) -> tuple[Any, Any, Any]:
+        """pymongo's client, database and collection classes this cache accepts."""
+        raise NotImplementedError
 
     def _with_options(self, coll: Any) -> Any:
         if self.write_concern is None:
@@ -149,7 +177,7 @@ class MongoCache(CacheBase):
     def _reopen(self) -> Any:
         """The collection on a client of this (forked) process's own."""
         if self._url is not None:
-            client = _client_from_url(self._url)
+            client = self._kinds()[0](self._url, **url_options(self._url))
         else:
             duplicate = getattr(self._given.database.client, "_duplicate", None)
             if not callable(duplicate):
@@ -158,54 +186,53 @@ class MongoCache(CacheBase):
         self._client = client
         return client[self.database][self.collection_name]
 
-    def close(self) -> None:
-        """Close the client this cache opened itself (from a URL, or in a forked child)."""
-        client, self._client = self._client, None
-        if client is not None:
-            self._coll = None
-            client.close()
+    def _failed(self, call: Call, exc: Exception) -> Exception:
+        """What a driver throws into the flow for a failed call."""
+        if isinstance(exc, DuplicateKeyError):
+            return exc
+        error = fault(self.name, call.operation, call.key, exc)
+        error.__cause__ = exc
+        return error
 
     # -- ready: index and clock check ----------------------------------------------------
 
-    def ready(self, operation: str = "ready", key: str = "") -> None:
+    def _readying(self, operation: str = "ready", key: str = "") -> Flow[None]:
         """Create the TTL index and check the server's clock statements; raises
         ``MalfunctionError`` (server unreachable, rights, conflicting index) or
         ``ConstraintError`` (a server that cannot evaluate ``$$NOW``: use clock="client")."""
-        coll = self._collection()
         if self.gc_after is not None:
             try:
-                coll.create_index(
-                    [("expires_at", pymongo.ASCENDING)],
-                    expireAfterSeconds=int(self.gc_after),
-                    name=_INDEX_NAME,
-                )
-            except OperationFailure as exc:
+                yield Call(
+                    operation, key, "create_index", ([("expires_at", pymongo.ASCENDING)],),
+                    {"expireAfterSeconds": int(self.gc_after), "name": _INDEX_NAME},
+                )  # fmt: skip
+            except MalfunctionError as exc:
+                if not isinstance(exc.__cause__, OperationFailure):
+                    raise
                 raise MalfunctionError(
                     f"mongo cache could not create its TTL index on "
                     f"{self.database}.{self.collection_name}.expires_at "
-                    f"(expireAfterSeconds={int(self.gc_after)}): {exc!r}; drop or align "
-                    "an existing index on expires_at, or pass gc_after=None"
-                ) from exc
-            except PyMongoError as exc:
-                raise fault(self.name, operation, key, exc) from exc
+                    f"(expireAfterSeconds={int(self.gc_after)}): {exc.__cause__!r}; drop or "
+                    "align an existing index on expires_at, or pass gc_after=None"
+                ) from exc.__cause__
         self._ready = True
         if self.clock == "server":
-            self._check_server_clock()
+            yield from self._checking_server_clock()
 
-    def _check_server_clock(self) -> None:
+    def _checking_server_clock(self) -> Flow[None]:
         """Take over an entry that expired a moment ago: proves the server evaluates the
         ``$$NOW`` statements (a server that silently compares wrongly would otherwise
         never let an abandoned lock go before the TTL monitor deletes it)."""
         key = f"simple-mutex.ready-probe.{random.getrandbits(64):016x}"
         try:
             try:
-                first = self.put_if_absent(key, "probe-1", ttl=0.001)
-                time.sleep(0.01)
-                expired = self.get(key) is None
-                second = self.put_if_absent(key, "probe-2", ttl=30)
+                first = yield from self._putting(key, "probe-1", ttl=0.001)
+                yield Pause(0.01)
+                expired = (yield from self._reading("ready", key)) is None
+                second = yield from self._putting(key, "probe-2", ttl=30)
                 ok = expired and second.fence > first.fence
             finally:
-                self._op("ready", key, lambda c: c.delete_one({"_id": key}))
+                yield Call("ready", key, "delete_one", ({"_id": key},))
         except MalfunctionError as exc:
             cause = exc.__cause__
             if isinstance(cause, PyMongoError) and not isinstance(cause, OperationFailure):
@@ -221,35 +248,22 @@ class MongoCache(CacheBase):
                 "pass clock='client' to judge expiry by this machine's clock"
             )
 
-    def _op(self, operation: str, key: str, call: Any) -> Any:
-        if not self._ready:
-            self.ready(operation, key)  # idempotent: threads racing here do no harm
-        try:
-            return call(self._collection())
-        except DuplicateKeyError:
-            raise
-        except PyMongoError as exc:
-            raise fault(self.name, operation, key, exc) from exc
+    # -- the contract, as flows ------------------------------------------------------------
 
-    # -- the contract --------------------------------------------------------------------
-
-    def get(self, key: str) -> Entry | None:
-        return self._read("get", key)
-
-    def _read(self, operation: str, key: str) -> Entry | None:
+    def _reading(self, operation: str, key: str) -> Flow[Entry | None]:
         match = {"_id": key, "value": {"$ne": None}, **self._live()}
-        doc = self._op(operation, key, lambda c: c.find_one(match, _ENTRY_FIELDS))
+        doc = yield Call(operation, key, "find_one", (match, _ENTRY_FIELDS))
         return None if doc is None else _entry(doc, operation, key)
 
-    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+    def _putting(self, key: str, value: str, *, ttl: float) -> Flow[Entry]:
         ms = ttl_ms(ttl)
         version = new_version()
         if self.clock == "client":
-            return self._put_by_client_clock(key, value, version, ms)
+            return (yield from self._putting_by_client_clock(key, value, version, ms))
         try:
-            doc = self._op(
-                "put_if_absent", key,
-                lambda c: c.find_one_and_update(
+            doc = yield Call(
+                "put_if_absent", key, "find_one_and_update",
+                (
                     {"_id": key, **_FREE_SERVER},
                     [{"$set": {
                         "value": {"$literal": value},
@@ -260,17 +274,17 @@ class MongoCache(CacheBase):
                         ]},
                         "expires_at": {"$add": ["$$NOW", ms]},
                     }}],
-                    projection=_ENTRY_FIELDS, upsert=True,
-                    return_document=ReturnDocument.AFTER,
                 ),
+                {"projection": _ENTRY_FIELDS, "upsert": True,
+                 "return_document": ReturnDocument.AFTER},
             )  # fmt: skip
         except DuplicateKeyError:
             doc = None  # a live document holds the key (or a racing put created it)
         if doc is not None:
             return _entry(doc, "put_if_absent", key)
-        return _ours_or_held(key, value, self._read("put_if_absent", key))
+        return _ours_or_held(key, value, (yield from self._reading("put_if_absent", key)))
 
-    def _put_by_client_clock(self, key: str, value: str, version: str, ms: int) -> Entry:
+    def _putting_by_client_clock(self, key: str, value: str, version: str, ms: int) -> Flow[Entry]:
         """Plain update operators (servers without pipeline updates), so the fence's
         max(fence + 1, clock) is reached in steps, each conditional: a take-over when the
         clock is past the stored fence (one request, the usual case), else an insert, else
@@ -281,28 +295,25 @@ class MongoCache(CacheBase):
         fields = {"value": value, "version": version, "expires_at": expires_at}
         free = {"$or": [{"value": None}, {"expires_at": {"$lte": _date(now_ms)}}]}
 
-        def take(match: dict[str, Any], fence: int) -> Entry | None:
-            done = self._op(
-                "put_if_absent", key,
-                lambda c: c.find_one_and_update(
-                    {"_id": key, **match, **free}, {"$set": {**fields, "fence": fence}},
-                    projection={"_id": 1},
-                ),
+        def taking(match: dict[str, Any], fence: int) -> Flow[Entry | None]:
+            done = yield Call(
+                "put_if_absent", key, "find_one_and_update",
+                ({"_id": key, **match, **free}, {"$set": {**fields, "fence": fence}}),
+                {"projection": {"_id": 1}},
             )  # fmt: skip
             return None if done is None else Entry(value, version, fence, _seconds(expires_at))
 
-        taken = take({"fence": {"$lt": floor}}, floor)
+        taken = yield from taking({"fence": {"$lt": floor}}, floor)
         if taken is not None:
             return taken
         try:
-            self._op(
-                "put_if_absent", key,
-                lambda c: c.insert_one({"_id": key, **fields, "fence": floor}),
-            )  # fmt: skip
+            yield Call(
+                "put_if_absent", key, "insert_one", ({"_id": key, **fields, "fence": floor},)
+            )
             return Entry(value, version, floor, _seconds(expires_at))
         except DuplicateKeyError:
             pass
-        doc = self._op("put_if_absent", key, lambda c: c.find_one({"_id": key}, _ENTRY_FIELDS))
+        doc = yield Call("put_if_absent", key, "find_one", ({"_id": key}, _ENTRY_FIELDS))
         if doc is None:
             raise SimpleCacheConditionError(f"mongo: {key!r} was deleted meanwhile")
         if doc.get("value") is not None:
@@ -315,33 +326,29 @@ class MongoCache(CacheBase):
         # Free, with a fence at or past this clock (grants within a µs, or this clock
         # behind another client's): count on from it, if it is still exactly that state.
         same = {"version": doc.get("version"), "value": doc.get("value"), "fence": fence}
-        taken = take(same, max(fence + 1, floor))
+        taken = yield from taking(same, max(fence + 1, floor))
         if taken is None:
             raise SimpleCacheConditionError(f"mongo: {key!r} changed meanwhile")
         return taken
 
-    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+    def _setting(self, key: str, value: str, *, ttl: float, version: str) -> Flow[Entry]:
         ms = ttl_ms(ttl)
         new = new_version()
         match = {"_id": key, "version": version, "value": {"$ne": None}, **self._live()}
         if self.clock == "server":
-            doc = self._op(
-                "compare_and_set", key,
-                lambda c: c.find_one_and_update(
-                    match,
-                    [{"$set": {"value": {"$literal": value}, "version": new,
-                               "expires_at": {"$add": ["$$NOW", ms]}}}],
-                    projection=_ENTRY_FIELDS, return_document=ReturnDocument.AFTER,
-                ),
+            doc = yield Call(
+                "compare_and_set", key, "find_one_and_update",
+                (match, [{"$set": {"value": {"$literal": value}, "version": new,
+                                   "expires_at": {"$add": ["$$NOW", ms]}}}]),
+                {"projection": _ENTRY_FIELDS, "return_document": ReturnDocument.AFTER},
             )  # fmt: skip
         else:
             expires_at = _date(_now_ms() + ms)
-            doc = self._op(
-                "compare_and_set", key,
-                lambda c: c.find_one_and_update(
-                    match, {"$set": {"value": value, "version": new, "expires_at": expires_at}},
-                    projection={"_id": 0, "fence": 1}, return_document=ReturnDocument.BEFORE,
-                ),
+            doc = yield Call(
+                "compare_and_set", key, "find_one_and_update",
+                (match, {"$set": {"value": value, "version": new, "expires_at": expires_at}}),
+                {"projection": {"_id": 0, "fence": 1},
+                 "return_document": ReturnDocument.BEFORE},
             )  # fmt: skip
             if doc is not None:
                 doc = {"value": value, "version": new, "fence": doc["fence"],
@@ -350,7 +357,7 @@ class MongoCache(CacheBase):
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
         return _entry(doc, "compare_and_set", key)
 
-    def compare_and_delete(self, key: str, *, version: str) -> None:
+    def _deleting(self, key: str, *, version: str) -> Flow[None]:
         match = {"_id": key, "version": version, "value": {"$ne": None}, **self._live()}
         # Stamped with the moment it was freed: the TTL index collects it gc_after later.
         freed: Any = (
@@ -358,7 +365,7 @@ class MongoCache(CacheBase):
             if self.clock == "server"
             else {"$set": {"value": None, "expires_at": _date(_now_ms())}}
         )
-        result = self._op("compare_and_delete", key, lambda c: c.update_one(match, freed))
+        result = yield Call("compare_and_delete", key, "update_one", (match, freed))
         if result.matched_count != 1:
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
 
@@ -369,25 +376,6 @@ class MongoCache(CacheBase):
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def _collection_of(obj: Any, database: str, collection: str) -> Any:
-    if not isinstance(database, str) or not database:
-        raise ConstraintError(f"MongoCache database must be a non-empty str, got {database!r}")
-    if not isinstance(collection, str) or not collection:
-        raise ConstraintError(f"MongoCache collection must be a non-empty str, got {collection!r}")
-    # Types first: pymongo's Database and Collection answer any attribute (a sub-collection).
-    if isinstance(obj, Collection):
-        return obj
-    if isinstance(obj, Database):
-        return obj[collection]
-    if isinstance(obj, pymongo.MongoClient):
-        return obj[database][collection]
-    if all(callable(getattr(obj, method, None)) for method in _COLLECTION_METHODS):
-        return obj  # collection-like: a wrapper of one
-    raise ConstraintError(
-        f"MongoCache needs a pymongo MongoClient, Database or Collection, got {type(obj).__name__}"
-    )
 
 
 def _ours_or_held(key: str, value: str, current: Entry | None) -> Entry:
@@ -424,55 +412,46 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _client_from_url(url: str) -> Any:
-    parts = urlsplit(url)
-    given = {name.lower() for name, _ in parse_qsl(parts.query)}
-    options: dict[str, Any] = {k: v for k, v in _URL_TIMEOUTS.items() if k.lower() not in given}
+def url_options(url: str) -> dict[str, Any]:
+    """Timeouts for a client made from ``url``, unless it sets its own: nothing may hang
+    on a dead server."""
+    given = {name.lower() for name, _ in parse_qsl(urlsplit(url).query)}
     if "timeoutms" in given:
-        options = {}  # client-side operation timeout (CSOT) set: it governs everything
-    return pymongo.MongoClient(url, **options)
+        return {}  # client-side operation timeout (CSOT) set: it governs everything
+    return {k: v for k, v in _URL_TIMEOUTS.items() if k.lower() not in given}
 
 
-def from_url(url: str) -> MongoCache:
-    """A MongoCache from a ``mongodb://`` or ``mongodb+srv://`` URL.
+def split_url(url: str) -> tuple[str, dict[str, Any]]:
+    """A ``mongodb://`` or ``mongodb+srv://`` URL: the URL for the client (with our own
+    options removed) and the cache's options (database, collection, write_concern, clock).
 
     ``mongodb[+srv]://[user:password@]host[:port][,host...]/[database][?options]``: the
     database defaults to ``simple_mutex``; three options are read here, not by pymongo:
     ``collection`` (default ``locks``), ``clock`` (``server`` or ``client``) and
     ``w`` (default ``majority``). Everything else (replicaSet, tls, authSource,
-    timeouts...) goes to ``pymongo.MongoClient``.
+    timeouts...) goes to the client.
     """
     scheme = url.partition(":")[0].lower()
     if scheme not in ("mongodb", "mongodb+srv"):
         raise ConstraintError(
             f"unknown MongoDB URL scheme {scheme!r}; use mongodb:// or mongodb+srv://"
         )
-    try:
-        parts = urlsplit(url)
-        ours: dict[str, str] = {}
-        kept = []
-        for piece in parts.query.split("&") if parts.query else []:
-            name, _, value = piece.partition("=")
-            if name in ("collection", "clock"):
-                ours[name] = unquote(value)
-            else:
-                kept.append(piece)  # verbatim: pymongo decodes its own options
-                if name == "w":
-                    ours["w"] = unquote(value)
-        w = ours.get("w", "majority")
-        database = unquote(parts.path.lstrip("/").split("/")[0]) or "simple_mutex"
-        plain = urlunsplit(parts._replace(query="&".join(kept)))
-        client = _client_from_url(plain)
-    except (PyMongoError, TypeError, ValueError) as exc:
-        # Only the scheme is echoed: the rest of a URL may hold a password.
-        raise ConstraintError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
-    cache = MongoCache(
-        client,
-        database=database,
-        collection=ours.get("collection", "locks") or "locks",
-        write_concern=int(w) if w.isdigit() else w,
-        clock=ours.get("clock", "server"),
-    )
-    cache._url = plain
-    cache._client = client
-    return cache
+    parts = urlsplit(url)
+    ours: dict[str, str] = {}
+    kept = []
+    for piece in parts.query.split("&") if parts.query else []:
+        name, _, value = piece.partition("=")
+        if name in ("collection", "clock"):
+            ours[name] = unquote(value)
+        else:
+            kept.append(piece)  # verbatim: pymongo decodes its own options
+            if name == "w":
+                ours["w"] = unquote(value)
+    w = ours.get("w", "majority")
+    options = {
+        "database": unquote(parts.path.lstrip("/").split("/")[0]) or "simple_mutex",
+        "collection": ours.get("collection", "locks") or "locks",
+        "write_concern": int(w) if w.isdigit() else w,
+        "clock": ours.get("clock", "server"),
+    }
+    return urlunsplit(parts._replace(query="&".join(kept))), options

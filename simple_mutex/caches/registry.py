@@ -56,6 +56,11 @@ BACKENDS = (
         "mongo",
     ),
     Backend(
+        "mongo_async", "AsyncMongoCache", (),
+        ("pymongo.AsyncMongoClient", "pymongo.AsyncDatabase", "pymongo.AsyncCollection"),
+        ("pymongo", "bson"), "mongo",
+    ),
+    Backend(
         "s3", "S3Cache", ("s3",), ("botocore.BaseClient",), ("boto3", "botocore"), "s3",
         needs="a bucket: pass S3Cache(client, 'bucket', 'prefix/')",
     ),

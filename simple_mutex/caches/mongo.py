@@ -1,0 +1,122 @@
+"""MongoCache: every machine that reaches one MongoDB (replica set, sharded or standalone).
+
+One collection holds every lock, one document per key::
+
+    {_id: key, value: str | null, version: str, fence: int, expires_at: Date}
+
+* Each operation is one statement on one document, applied atomically; writes use
+  ``w="majority"`` by default. ``value`` is null once freed: the document stays, and its
+  fence counts on. A grant's fence is max(fence + 1, the clock in µs), so a key whose
+  document was collected, or lost in a fail-over, still gets larger fences.
+* ``clock="server"`` (default): ``$$NOW`` decides expiry (MongoDB >= 4.2; ``ready()``
+  proves it). ``clock="client"``: this machine's clock, for servers without it; every
+  client's clock must then agree to well within a lease.
+* ``ready()`` (run on first use) creates a TTL index on ``expires_at`` that deletes
+  documents ``gc_after`` seconds after their lease ended or they were freed: garbage
+  collection only.
+* ``wait`` sleeps: the engine's jittered poll finds releases and expiries.
+* A forked child opens its own client. Every pymongo error is a ``MalfunctionError``
+  naming mongo, the operation and the key; a retried put finds its own value.
+
+The statements, as flows, are shared with ``AsyncMongoCache`` (pymongo's
+``AsyncMongoClient``) in ``mongo_core.py``. Rationale: docs/design/mongo.md.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintError
+
+from .common import driver_imports
+from .mongo_core import Call, Flow, MongoCore, split_url, url_options
+
+with driver_imports("mongo"):
+    import pymongo
+    from pymongo.collection import Collection
+    from pymongo.database import Database
+    from pymongo.errors import PyMongoError
+
+T = TypeVar("T")
+
+
+class MongoCache(MongoCore):
+    """A ConditionalCache over a pymongo ``MongoClient``, ``Database`` or ``Collection``.
+
+    A client or database gets the collection ``database`` / ``collection``; a collection
+    is used as it is. ``write_concern`` ("majority", an int, or None to keep the
+    collection's own) applies to every write; ``clock`` is "server" or "client" (module
+    docstring); ``gc_after`` is the TTL index's delay in seconds, or None for no index.
+    """
+
+    def _kinds(self) -> tuple[Any, Any, Any]:
+        return pymongo.MongoClient, Database, Collection
+
+    def close(self) -> None:
+        """Close the client this cache opened itself (from a URL, or in a forked child)."""
+        client, self._client = self._client, None
+        if client is not None:
+            self._coll = None
+            client.close()
+
+    def ready(self, operation: str = "ready", key: str = "") -> None:
+        """Create the TTL index and check the server's clock statements; raises
+        ``MalfunctionError`` (server unreachable, rights, conflicting index) or
+        ``ConstraintError`` (a server that cannot evaluate ``$$NOW``: use clock="client")."""
+        self._drive(self._readying(operation, key))
+
+    def _run(self, operation: str, key: str, flow: Flow[T]) -> T:
+        if not self._ready:
+            self.ready(operation, key)  # idempotent: threads racing here do no harm
+        return self._drive(flow)
+
+    def _drive(self, flow: Flow[T]) -> T:
+        """Run a flow: each call on the collection, each pause a sleep."""
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                step = flow.send(reply) if error is None else flow.throw(error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            reply, error = None, None
+            if not isinstance(step, Call):
+                time.sleep(step.seconds)
+                continue
+            try:
+                reply = getattr(self._collection(), step.method)(*step.args, **step.kwargs)
+            except PyMongoError as exc:
+                error = self._failed(step, exc)
+
+    # -- the contract --------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        return self._run("get", key, self._reading("get", key))
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        return self._run("put_if_absent", key, self._putting(key, value, ttl=ttl))
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        flow = self._setting(key, value, ttl=ttl, version=version)
+        return self._run("compare_and_set", key, flow)
+
+    def compare_and_delete(self, key: str, *, version: str) -> None:
+        self._run("compare_and_delete", key, self._deleting(key, version=version))
+
+
+def from_url(url: str) -> MongoCache:
+    """A MongoCache from a ``mongodb://`` or ``mongodb+srv://`` URL (``split_url`` says
+    which options are the cache's; the rest go to ``pymongo.MongoClient``)."""
+    scheme = url.partition(":")[0].lower()
+    try:
+        plain, options = split_url(url)
+        client = pymongo.MongoClient(plain, **url_options(plain))
+    except (PyMongoError, TypeError, ValueError) as exc:
+        # Only the scheme is echoed: the rest of a URL may hold a password.
+        raise ConstraintError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
+    cache = MongoCache(client, **options)
+    cache._url = plain
+    cache._client = client
+    return cache
