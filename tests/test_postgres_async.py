@@ -11,8 +11,6 @@ the tests fail: they never skip.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import os
 import threading
 import time
 import uuid
@@ -21,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from async_crowds import LIMIT, contend, count_under_lock, os_threads
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import AsyncConnectionPool
@@ -34,8 +33,6 @@ from simple_mutex.contract import AsyncConditionalCache, is_async
 
 RUN = f"a{uuid.uuid4().hex[:8]}"
 TABLE = f"{RUN}_locks"
-FORK = multiprocessing.get_context("fork")
-LIMIT = 60.0  # a hang fails the test instead of blocking the run
 
 
 def run(coro: Any) -> Any:
@@ -161,25 +158,11 @@ def test_async_and_blocking_caches_on_one_table_exclude_each_other(
 
 
 def _contend(url: str, table: str, key: str, tasks: int, rounds: int, shared: Any) -> None:
-    """One OS process: ``tasks`` coroutines each take ``key`` ``rounds`` times and bump
-    the shared counters inside the lock, with an await between read and write."""
-    inside, total, overlaps = shared
-
-    async def worker(mutex: Mutex) -> None:
-        for _ in range(rounds):
-            async with mutex.acquire_async(key, timeout=LIMIT, interval=0.02):
-                inside.value += 1
-                if inside.value != 1:
-                    overlaps.value += 1
-                seen = total.value
-                await asyncio.sleep(0.001)  # another holder would interleave here
-                total.value = seen + 1
-                inside.value -= 1
+    """One OS process of coroutines counting under one lock."""
 
     async def main() -> None:
         cache = AsyncPostgresCache(url, table=table)
-        mutex = Mutex(cache, lease=30)
-        await asyncio.gather(*(worker(mutex) for _ in range(tasks)))
+        await count_under_lock(Mutex(cache, lease=30), key, tasks, rounds, shared)
         await cache.close()
 
     asyncio.run(main())
@@ -191,26 +174,12 @@ def test_processes_of_many_coroutines_exclude_each_other_exactly(
     """3 processes x 20 coroutines x 4 rounds on one key: every increment counted, never
     two holders inside at once."""
     procs, tasks, rounds = 3, 20, 4
-    shared = tuple(FORK.RawValue("i", 0) for _ in range(3))
     key = unique_key("contend")
-    children = [
-        FORK.Process(target=_contend, args=(POSTGRES_URL, TABLE, key, tasks, rounds, shared))
-        for _ in range(procs)
-    ]
-    for child in children:
-        child.start()
-    for child in children:
-        child.join(LIMIT)
-        if child.exitcode is None:
-            child.kill()
-    assert [child.exitcode for child in children] == [0] * procs
-    inside, total, overlaps = (value.value for value in shared)
+    *exits, total, overlaps, inside = contend(
+        _contend, (POSTGRES_URL, TABLE, key, tasks, rounds), procs
+    )
+    assert exits == [0] * procs
     assert (total, overlaps, inside) == (procs * tasks * rounds, 0, 0)
-
-
-def _threads() -> int:
-    """OS threads of this process (asyncio's executor and psycopg's would show here)."""
-    return len(os.listdir("/proc/self/task"))
 
 
 def test_500_waiting_coroutines_start_no_thread(admin: psycopg.Connection[Any]) -> None:
@@ -226,7 +195,7 @@ def test_500_waiting_coroutines_start_no_thread(admin: psycopg.Connection[Any]) 
         # The connection, the table, and the process's one lease keeper, before counting.
         async with mutex.acquire_async(unique_key("warm-up")):
             pass
-        before = _threads()
+        before = os_threads()
         lease = await mutex.acquire_async(key)
 
         async def waiter() -> None:
@@ -238,11 +207,11 @@ def test_500_waiting_coroutines_start_no_thread(admin: psycopg.Connection[Any]) 
         crowd = [asyncio.ensure_future(waiter()) for _ in range(500)]
         for _ in range(10):
             await asyncio.sleep(0.05)
-            seen_threads.append(_threads() - before)
+            seen_threads.append(os_threads() - before)
         assert not any(task.done() for task in crowd)
         await lease.release_async()
         await asyncio.gather(*crowd)
-        seen_threads.append(_threads() - before)
+        seen_threads.append(os_threads() - before)
         await cache.close()
 
     run(main())
