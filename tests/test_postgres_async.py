@@ -258,3 +258,19 @@ def test_a_session_ended_mid_wait_is_answered_promptly(
     holder.close()
     assert outcome == "lock" or outcome.startswith("fault: postgres cache failed"), outcome
     assert took < 5.0  # the poll interval is 5 s: a notification or a fault came first
+
+
+def test_one_cache_serves_one_loop_after_another(admin: psycopg.Connection[Any]) -> None:
+    """asyncio.run twice with one cache (a script, a test suite): the second loop gets
+    sessions and locks of its own instead of waiting on the first, closed one."""
+    cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+    mutex = Mutex(cache, lease=30)
+    key = unique_key("loops")
+
+    async def cycle() -> int:
+        async with mutex.acquire_async(key, timeout=5) as lease:
+            return lease.fence
+
+    first = run(cycle())
+    assert run(cycle()) > first
+    run(cache.close())

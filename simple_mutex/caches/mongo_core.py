@@ -224,22 +224,28 @@ class MongoCore(CacheBase):
         ``$$NOW`` statements (a server that silently compares wrongly would otherwise
         never let an abandoned lock go before the TTL monitor deletes it)."""
         key = f"simple-mutex.ready-probe.{random.getrandbits(64):016x}"
+        ok = False
+        failure: MalfunctionError | None = None
         try:
-            try:
-                first = yield from self._putting(key, "probe-1", ttl=0.001)
-                yield Pause(0.01)
-                expired = (yield from self._reading("ready", key)) is None
-                second = yield from self._putting(key, "probe-2", ttl=30)
-                ok = expired and second.fence > first.fence
-            finally:
-                yield Call("ready", key, "delete_one", ({"_id": key},))
-        except MalfunctionError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, PyMongoError) and not isinstance(cause, OperationFailure):
-                raise  # unreachable, timed out...: not a question of the clock
-            ok = False  # the server refused the statements, or wrote nonsense
+            first = yield from self._putting(key, "probe-1", ttl=0.001)
+            yield Pause(0.01)
+            expired = (yield from self._reading("ready", key)) is None
+            second = yield from self._putting(key, "probe-2", ttl=30)
+            ok = expired and second.fence > first.fence
         except SimpleCacheConditionError:
-            ok = False
+            pass
+        except MalfunctionError as exc:
+            failure = exc
+        # Not in a ``finally``: a flow closed mid-way (its caller cancelled) must not yield.
+        try:
+            yield Call("ready", key, "delete_one", ({"_id": key},))
+        except MalfunctionError as exc:
+            failure = failure or exc
+        if failure is not None:
+            cause = failure.__cause__
+            if isinstance(cause, PyMongoError) and not isinstance(cause, OperationFailure):
+                raise failure  # unreachable, timed out...: not a question of the clock
+            ok = False  # the server refused the statements, or wrote nonsense
         if not ok:
             self._ready = False
             raise ConstraintError(
