@@ -1,17 +1,17 @@
 """The caches a lock can live in; the one you pass sets who the lock excludes.
 
-=============  ============  =========================================
-cache          scope         extra
-=============  ============  =========================================
-InMemoryCache  one process   none
-DiskCache      one machine   none
-RedisCache     every machine ``simple-mutex[redis]``
-PostgresCache  every machine ``simple-mutex[postgres]``
-(asyncio)      every machine AsyncPostgresCache, same extra
-MongoCache     every machine ``simple-mutex[mongo]``
-(asyncio)      every machine AsyncMongoCache, pymongo >= 4.13
-S3Cache        every machine ``simple-mutex[s3]``
-=============  ============  =========================================
+==================  ============  =========================================
+cache               scope         extra
+==================  ============  =========================================
+InMemoryCache       one process   none
+DiskCache           one machine   none
+RedisCache          every machine ``simple-mutex[redis]``
+PostgresCache       every machine ``simple-mutex[postgres]``
+AsyncPostgresCache  every machine ``simple-mutex[postgres]`` (asyncio)
+MongoCache          every machine ``simple-mutex[mongo]``
+AsyncMongoCache     every machine ``simple-mutex[mongo]``, pymongo >= 4.13
+S3Cache             every machine ``simple-mutex[s3]``
+==================  ============  =========================================
 
 Backends with a driver are imported on first use (``registry.py``), so
 ``import simple_mutex`` needs nothing beyond the standard library.
