@@ -25,7 +25,7 @@ from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import AsyncConnectionPool
 from test_postgres import POSTGRES_URL, tables_of_run
 
-from simple_mutex import ConstraintError, MalfunctionError, Mutex
+from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
 from simple_mutex.caches import as_cache
 from simple_mutex.caches.postgres import PostgresCache
 from simple_mutex.caches.postgres_async import AsyncPostgresCache
@@ -274,3 +274,32 @@ def test_one_cache_serves_one_loop_after_another(admin: psycopg.Connection[Any])
     first = run(cycle())
     assert run(cycle()) > first
     run(cache.close())
+
+
+def test_a_semaphore_on_the_async_cache_caps_its_holders(admin: psycopg.Connection[Any]) -> None:
+    """Semaphore(AsyncConnection, permits=2): 12 coroutines, never more than 2 inside, and
+    every one gets in (a waiter watches every slot)."""
+    inside: list[int] = []
+    peak = 0
+    done = 0
+
+    async def main() -> None:
+        nonlocal peak, done
+        conn = await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True)
+        semaphore = Semaphore(conn, permits=2, lease=30)
+        key = unique_key("permits")
+
+        async def worker() -> None:
+            nonlocal peak, done
+            async with semaphore.acquire_async(key, timeout=LIMIT, interval=0.05):
+                inside.append(1)
+                peak = max(peak, len(inside))
+                await asyncio.sleep(0.02)
+                inside.pop()
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(12)))
+        await conn.close()
+
+    run(main())
+    assert (peak, done) == (2, 12)
