@@ -192,9 +192,10 @@ def test_500_waiting_coroutines_start_no_thread(admin: psycopg.Connection[Any]) 
     async def main() -> None:
         cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
         mutex = Mutex(cache, lease=30)
-        # The connection, the table, and the process's one lease keeper, before counting.
-        async with mutex.acquire_async(unique_key("warm-up")):
-            pass
+        # The connections (a host name is resolved in the loop's default executor), the
+        # table, and the process's one lease keeper, before counting.
+        async with mutex.acquire_async(unique_key("warm-up")) as warm:
+            await cache.wait([f"mutex.{warm.key}"], 0.01)  # opens the listening session
         before = os_threads()
         lease = await mutex.acquire_async(key)
 
