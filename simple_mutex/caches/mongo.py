@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
@@ -40,6 +40,7 @@ from .common import (
     gc_after_seconds,
     malformed,
     new_version,
+    prefix_end,
     ttl_ms,
 )
 
@@ -240,6 +241,20 @@ class MongoCache(CacheBase):
         match = {"_id": key, "value": {"$ne": None}, **self._live()}
         doc = self._op(operation, key, lambda c: c.find_one(match, _ENTRY_FIELDS))
         return None if doc is None else _entry(doc, operation, key)
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """A range on ``_id`` (its index; strings compare by UTF-8 bytes, code point
+        order), so no pattern is parsed and every character of the prefix is literal."""
+        end = prefix_end(prefix)
+        ids: dict[str, Any] = {"$gte": prefix} if end is None else {"$gte": prefix, "$lt": end}
+        match = {"_id": ids, "value": {"$ne": None}, **self._live()}
+        docs = self._op("scan", prefix, lambda c: list(c.find(match, {**_ENTRY_FIELDS, "_id": 1})))
+        found = []
+        for doc in docs:
+            key = doc.pop("_id")
+            if isinstance(key, str) and key.startswith(prefix):
+                found.append((key, _entry(doc, "scan", key)))
+        return iter(found)
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         ms = ttl_ms(ttl)

@@ -144,6 +144,13 @@ DELETE FROM {t} WHERE key IN (
     FOR UPDATE SKIP LOCKED
 )
 """
+# Live rows under a prefix. LIKE with its wildcards escaped matches exactly that prefix;
+# the primary key's index serves it when the key column's collation is "C" (elsewhere the
+# table is read through, which garbage collection keeps to the keys of the last minutes).
+_SCAN = f"""
+SELECT key, value, version, fence, {_EPOCH} FROM {{t}}
+WHERE key LIKE %(pattern)s ESCAPE '\\' AND {_LIVE}
+"""
 _LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
 
 
@@ -204,7 +211,7 @@ class PostgresCache(CacheBase):
             for name, text in (
                 ("schema", _SCHEMA), ("index", _INDEX), ("put", _PUT), ("get", _GET),
                 ("cas", _CAS), ("delete", _DELETE), ("live", _LIVE_COUNT),
-                ("collect", _COLLECT),
+                ("collect", _COLLECT), ("scan", _SCAN),
             )
         }  # fmt: skip
         self._ready = False  # the table is known to exist
@@ -339,6 +346,12 @@ class PostgresCache(CacheBase):
         row = self._one("get", key, self._sql["get"], {"key": key})
         return None if row is None else Entry(row[0], row[1], row[2], row[3])
 
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        pattern = like_prefix(prefix)
+        with self._connection("scan", prefix) as conn:
+            rows = conn.execute(self._sql["scan"], {"pattern": pattern}).fetchall()
+        return iter([(row[0], Entry(row[1], row[2], row[3], row[4])) for row in rows])
+
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         params = {"key": key, "value": value, "version": new_version(), "ttl": ttl}
         row = self._one("put_if_absent", key, self._sql["put"], params)
@@ -448,6 +461,12 @@ class PostgresCache(CacheBase):
 
 class _SessionEnded(MalfunctionError):
     """A reused session the server had ended: the statement sent on it never ran."""
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``\\``) for the strings that start with ``prefix``."""
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
 
 
 def _index_name(table: str) -> str:
