@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from .contract import ConditionalCache
-from .inspect import LiveLock, live_locks, locks_of, release
+from .inspect import LiveLock, live_locks, locks_of, release, waited_on
 
 Ask = Callable[[str], str]
 
@@ -136,9 +136,10 @@ def watch_locks(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Redraw the table every ``interval`` seconds until Ctrl-C (status 0) or
-    ``refreshes`` frames: holders, how long each has held, and takeovers (a permit seen
-    under a new grant, its fence, at the next refresh without being seen free between:
-    the old holder's lease lapsed or it was freed and taken at once)."""
+    ``refreshes`` frames: holders, how long each has held, whether a waiter is blocked on
+    the key (where the cache can tell), and takeovers (a permit seen under a new grant,
+    its fence, at the next refresh without being seen free between: the old holder's
+    lease lapsed or it was freed and taken at once)."""
     seen: dict[tuple[str, int], LiveLock] = {}
     takeovers: dict[str, int] = {}
     news: list[str] = []
@@ -156,12 +157,13 @@ def watch_locks(
                     news.append(f"{stamp(now())} takeover of {lock.key!r} slot {lock.slot}: "
                                 f"{who(before)} -> {who(lock)} (fence {lock.fence})")  # fmt: skip
             seen = current
+            waiting = waiters(cache, locks)
             moment = now()
             head = (
                 f"simple-mutex watch: prefix {prefix!r}, {len(locks)} held, "
                 f"refreshed {stamp(moment)} every {interval:g} s (Ctrl-C ends)"
             )
-            body = table(locks, moment, takeovers) if locks else "(no live locks)"
+            body = table(locks, moment, takeovers, waiting) if locks else "(no live locks)"
             recent = "\n".join(news[-5:])
             out.write((_CLEAR if clear else "") + f"{head}\n{body}\n{recent}\n".rstrip() + "\n\n")
             out.flush()
@@ -209,12 +211,26 @@ def clip(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def waiters(cache: object, locks: Sequence[LiveLock]) -> dict[str, bool | None]:
+    """Per key: is a waiter blocked on it (None: the cache cannot tell)?"""
+    found: dict[str, bool | None] = {}
+    for lock in locks:
+        if not found.get(lock.key):  # one slot that says yes is enough
+            found[lock.key] = waited_on(cache, lock)
+    return found
+
+
 def table(
-    locks: Sequence[LiveLock], moment: datetime, takeovers: dict[str, int] | None = None
+    locks: Sequence[LiveLock],
+    moment: datetime,
+    takeovers: dict[str, int] | None = None,
+    waiting: dict[str, bool | None] | None = None,
 ) -> str:
     heads = ["KEY", "SLOT", "HOLDER", "ACQUIRED", "HELD FOR", "EXPIRES IN", "FENCE"]
     if takeovers is not None:
         heads.append("TAKEOVERS")
+    if waiting is not None:
+        heads.append("WAITERS")
     rows = [heads]
     for lock in locks:
         held = lock.holder
@@ -224,6 +240,9 @@ def table(
         ]  # fmt: skip
         if takeovers is not None:
             row.append(str(takeovers.get(lock.key, 0)))
+        if waiting is not None:
+            told = waiting.get(lock.key)
+            row.append("?" if told is None else "yes" if told else "no")
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
     lines = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)

@@ -51,6 +51,12 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     runs may or may not show. Operators' tools (``simple_mutex.inspect``, the
     ``simple-mutex`` command) need it; locking never calls it.
 
+``waited_on(key)`` (optional)
+    True if a waiter is blocked on ``key`` now (or was within the last few seconds), as
+    far as the cache's own wake-up bookkeeping tells (Redis's waiter mark, the disk
+    store's marked rows). Shown by ``simple-mutex watch``; a cache that cannot tell has
+    no such method.
+
 Faults of the driver (connection refused, corrupt file, timeouts) must be raised as
 ``MalfunctionError`` naming the cache and the operation, never as the driver's own error.
 

@@ -78,6 +78,12 @@ def locks_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> list[Live
     return _sorted(lock for lock in _decoded(cache, prefix, found) if lock.key == key)
 
 
+def waited_on(cache: object, lock: LiveLock) -> bool | None:
+    """Is a waiter blocked on the lock's key? None where the cache cannot tell."""
+    ask = getattr(cache, "waited_on", None)
+    return None if ask is None else bool(ask(lock.cache_key))
+
+
 def release(
     cache: ConditionalCache, lock: LiveLock, *, by: str = "an operator", attempts: int = 3
 ) -> bool:

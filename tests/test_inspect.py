@@ -4,12 +4,13 @@ exactly, semaphore slots are separate holders, and release frees exactly the hol
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
 
-from simple_mutex import ConstraintError, InMemoryCache, Mutex, Semaphore
-from simple_mutex.inspect import live_locks, locks_of, release
+from simple_mutex import ConstraintError, DiskCache, InMemoryCache, Mutex, Semaphore
+from simple_mutex.inspect import live_locks, locks_of, release, waited_on
 from simple_mutex.keys import MAX_KEY_CHARS, decode_key, encode_key
 
 ODD_KEYS = [
@@ -117,6 +118,26 @@ def test_release_still_frees_the_same_holder_after_a_renewal(any_cache) -> None:
     lease.renew()
     assert release(any_cache, lock)
     assert mutex.holder("k") is None
+
+
+def test_waited_on_tells_a_blocked_waiter_where_the_cache_can(tmp_path) -> None:
+    """DiskCache marks rows its waiters block on; InMemoryCache cannot tell (None)."""
+    disk = DiskCache(tmp_path / "locks")
+    mutex = Mutex(disk)
+    held = mutex.acquire("k", timeout=0)
+    (lock,) = locks_of(disk, "k")
+    assert waited_on(disk, lock) is False
+    waiter = threading.Thread(target=lambda: mutex.acquire("k", timeout=10).release())
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not waited_on(disk, lock) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waited_on(disk, lock) is True
+    held.release()
+    waiter.join(10)
+    memory = InMemoryCache()
+    Mutex(memory).acquire("k", timeout=0)
+    assert waited_on(memory, live_locks(memory)[0]) is None
 
 
 def test_a_cache_without_scan_is_refused_with_the_caches_that_can() -> None:

@@ -91,6 +91,7 @@ _SCAN = """
 SELECT key, value, version, fence, expires_at FROM entries
 WHERE key >= ?1 AND (?2 IS NULL OR key < ?2) AND value IS NOT NULL AND expires_at > ?3
 """
+_WAITED_ON = "SELECT waiting FROM entries WHERE key = ?1 AND waiting > ?2"
 _CAS = """
 UPDATE entries SET value = ?2, version = ?3, expires_at = ?4
 WHERE key = ?1 AND version = ?5 AND value IS NOT NULL AND expires_at > ?6
@@ -200,6 +201,10 @@ class DiskCache(CacheBase):
         rows = self._run("scan", prefix, _SCAN, (prefix, prefix_end(prefix), self._clock()))
         found = rows.fetchall()  # read at once: the connection serves the next call
         return iter([(row[0], self._entry("scan", row[0], row[1:])) for row in found])
+
+    def waited_on(self, key: str) -> bool:
+        """Is a waiter blocked on ``key``? Its ``wait`` marked the row until its timeout."""
+        return self._run("waited_on", key, _WAITED_ON, (key, self._clock())).fetchone() is not None
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()

@@ -259,6 +259,15 @@ class RedisCache:
                 if entry is not None:
                     yield key, entry
 
+    def waited_on(self, key: str) -> bool:
+        """Did a put on ``key`` (any slot) fail within the last few seconds, i.e. is a
+        waiter blocked on it? The waiter mark (``{base}:w``) says so."""
+        _, stem = self._keys(key)
+        try:
+            return bool(self._execute("EXISTS", stem + ":w"))
+        except RedisError as exc:
+            raise self._fault("waited_on", key, exc) from exc
+
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         if not self._checked:
             self._check_eviction(key)
