@@ -4,7 +4,7 @@
 
 Acquires ``KEY`` (a Mutex when PERMITS is 1, else a Semaphore of PERMITS), waiting up to
 WAIT seconds (default: try once) with a short poll, and writes ``DIR/NAME.held.json``
-(pid, slot, fence). Then it holds until ``DIR/NAME.stop`` appears (it releases) or the
+(pid, slot, fence, token). Then it holds until ``DIR/NAME.stop`` appears (it releases) or the
 lease is lost (a failed renewal interrupts it), and writes ``DIR/NAME.done.json`` with
 the outcome: ``released``, ``release-missed`` (release() found it gone) or ``lost``.
 Reports are written whole (renamed into place), so a reader never sees half a file.
@@ -38,7 +38,9 @@ def main() -> None:
     out = Path(folder)
     timeout = float(wait[0]) if wait else 0
     held = space.acquire(key, timeout=timeout, interval=0.01, renew=renew == "renew")
-    report(out / f"{name}.held.json", {"pid": os.getpid(), "slot": held.slot, "fence": held.fence})
+    # The token is reported only so the test can prove the command never prints it.
+    mine = {"pid": os.getpid(), "slot": held.slot, "fence": held.fence, "token": held.token}
+    report(out / f"{name}.held.json", mine)
     outcome = "released"
     try:
         with held:

@@ -127,6 +127,14 @@ def test_list_json_shows_exactly_the_held_locks(holders: Holders, three: dict[st
          "pool-b"),
     }  # fmt: skip
     assert len(rows) == 3
+    assert_no_token(three, done.stdout, done.stderr)
+
+
+def assert_no_token(held: dict[str, dict[str, Any]], *outputs: str) -> None:
+    """No holder's secret token appears in what the command printed or logged."""
+    for info in held.values():
+        for text in outputs:
+            assert info["token"] not in text
 
 
 def test_list_table_and_show(holders: Holders, three: dict[str, Any]) -> None:
@@ -150,6 +158,7 @@ def test_list_table_and_show(holders: Holders, three: dict[str, Any]) -> None:
     for name in ("pool-a", "pool-b"):
         assert f"pid:         {three[name]['pid']}\n" in shown.stdout
         assert f"fence:       {three[name]['fence']}\n" in shown.stdout
+    assert_no_token(three, done.stdout, shown.stdout)
     free = cli("show", holders.url, "report.weekly", "--prefix", holders.prefix)
     assert free.returncode == 1
     assert "is free" in free.stdout
@@ -166,6 +175,7 @@ def test_release_frees_exactly_that_holder_which_then_loses_its_lease(
     assert f"pid {three['daily']['pid']}" in done.stdout
     assert done.stdout.startswith("freed 'report.daily' slot 0")
     assert "freed lock 'report.daily'" in done.stderr  # the log record
+    assert_no_token(three, done.stdout, done.stderr)
     assert holders.outcome("daily") == "lost"
     left = json.loads(cli("list", holders.url, "--prefix", holders.prefix, "--json").stdout)
     assert sorted(row["pid"] for row in left) == sorted(
