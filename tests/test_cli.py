@@ -5,12 +5,16 @@ semaphore. And ``celery -A proj mutex ...`` against a real Celery app."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,6 +287,42 @@ def test_watch_shows_a_takeover_and_ends_cleanly_on_sigint(holders: Holders) -> 
     # tell (Redis's waiter mark, the disk store's marked rows); PostgreSQL cannot.
     told = "?" if holders.url.startswith("postgresql") else "yes"
     assert any(f"pid {old['pid']}" in line and line.rstrip().endswith(f" {told}") for line in lines)
+
+
+def test_watch_in_a_terminal_redraws_and_ctrl_c_ends_it(tmp_path: Path) -> None:
+    """In a terminal (a pty) the table is redrawn in place, and the terminal's Ctrl-C
+    (the byte 0x03, turned into SIGINT by the line discipline) ends it with status 0."""
+    holders = Holders(f"file://{tmp_path / 'locks'}", tmp_path)
+    try:
+        info = holders.hold("held", "in.a.terminal")
+        argv = [str(BIN / "simple-mutex"), "watch", holders.url, "--prefix", holders.prefix,
+                "--interval", "0.2"]  # fmt: skip
+        pid, master = pty.fork()
+        if pid == 0:  # the child: the pty is its controlling terminal
+            os.execv(argv[0], argv)
+        seen = b""
+        deadline = time.monotonic() + 30
+        while f"pid {info['pid']}".encode() not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                seen += os.read(master, 65536)
+        os.write(master, b"\x03")
+        end = time.monotonic() + 30
+        status = None
+        while status is None and time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                with contextlib.suppress(OSError):  # EIO once the child is gone
+                    seen += os.read(master, 65536)
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(code) if done else None
+        os.close(master)
+    finally:
+        holders.close()
+    assert status == 0, seen.decode(errors="replace")
+    assert b"\x1b[H\x1b[2J" in seen  # redrawn in place
+    assert f"pid {info['pid']}".encode() in seen
+    assert b"Traceback" not in seen
 
 
 # -- faults: exit status 2, one line naming the fix -----------------------------------
