@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from .contract import ConditionalCache
+from .errors import MalfunctionError
 from .inspect import LiveLock, live_locks, locks_of, release, waited_on
 
 Ask = Callable[[str], str]
@@ -139,7 +140,8 @@ def watch_locks(
     ``refreshes`` frames: holders, how long each has held, whether a waiter is blocked on
     the key (where the cache can tell), and takeovers (a permit seen under a new grant,
     its fence, at the next refresh without being seen free between: the old holder's
-    lease lapsed or it was freed and taken at once)."""
+    lease lapsed or it was freed and taken at once). A server that fails after the first
+    refresh is reported in a line and watched on; one that fails the first is raised."""
     seen: dict[tuple[str, int], LiveLock] = {}
     takeovers: dict[str, int] = {}
     news: list[str] = []
@@ -148,7 +150,16 @@ def watch_locks(
     try:
         while refreshes is None or frame < refreshes:
             frame += 1
-            locks = live_locks(cache, prefix)
+            try:
+                locks = live_locks(cache, prefix)
+            except MalfunctionError as exc:
+                if frame == 1:
+                    raise  # a wrong URL or a server that is down: the caller's status 2
+                # A blip of a server that answered before: say so, keep watching.
+                out.write(f"{stamp(now())} refresh failed: {one_line(exc)}\n")
+                out.flush()
+                sleep(interval)
+                continue
             current = {(lock.key, lock.slot): lock for lock in locks}
             for place, lock in current.items():
                 before = seen.get(place)

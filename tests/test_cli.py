@@ -350,8 +350,10 @@ def test_a_bad_url_is_one_line_and_status_2() -> None:
     ],
 )
 def test_an_unreachable_server_is_one_line_and_status_2(url: str, needle: str) -> None:
-    """A refused port names the backend and the address problem, in one line."""
+    """A refused port names the backend and the address problem, in one line; watch
+    too ends at once instead of watching a server that never answered."""
     assert_one_line_fault(cli("list", url), needle)
+    assert_one_line_fault(cli("watch", url, "--interval", "0.2"), needle)
 
 
 def test_a_missing_driver_names_the_extra_to_install(tmp_path: Path) -> None:
