@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     if args.command == "timeline":
         return timeline(args.files, args.output)
     if args.command == "watch" and not 0 < args.interval <= 3600:
@@ -74,7 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SimpleMutexError as exc:
         return fail(exc)
     except Exception as exc:  # a driver's own complaint about the URL: still one line
-        return fail(f"could not open {args.url.partition(':')[0]}:// cache: {exc}")
+        # Only the scheme and the error's kind: the rest of a URL may hold a password.
+        scheme = args.url.partition(":")[0]
+        return fail(f"could not open the {scheme}:// cache ({type(exc).__name__}); check the URL")
     return run(cache, args)
 
 
