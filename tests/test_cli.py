@@ -365,17 +365,39 @@ def test_a_missing_driver_names_the_extra_to_install(tmp_path: Path) -> None:
     assert_one_line_fault(done, "pip install 'simple-mutex[redis]'")
 
 
-def test_timeline_without_its_module_or_with_it_delegates(tmp_path: Path) -> None:
-    """``timeline`` hands its files and output to simple_mutex.timeline.cli_main; where
-    that module is missing it says so in one line with status 2."""
+def test_timeline_delegates_to_the_timeline_module(tmp_path: Path) -> None:
+    """``simple-mutex timeline DIR -o OUT`` draws a journal written by a process (here, by
+    ``journal.start``) into the page; a missing path is status 2 in one line."""
+    from simple_mutex import InMemoryCache, Mutex, journal
+
+    stop = journal.start(tmp_path / "journal")
     try:
-        import simple_mutex.timeline  # type: ignore[import-not-found, unused-ignore] # noqa: F401
-    except ImportError:
-        done = cli("timeline", str(tmp_path), "-o", str(tmp_path / "t.html"))
-        assert_one_line_fault(done, "timeline")
-        return
-    done = cli("timeline", str(tmp_path), "-o", str(tmp_path / "t.html"))
-    assert "Traceback" not in done.stderr
+        with Mutex(InMemoryCache()).acquire("drawn"):
+            pass
+    finally:
+        stop()
+    page = tmp_path / "t.html"
+    done = cli("timeline", str(tmp_path / "journal"), "-o", str(page))
+    assert done.returncode == 0, done.stderr
+    assert str(page) in done.stdout
+    assert page.read_text().count('class="hold"') == 1
+    assert_one_line_fault(cli("timeline", str(tmp_path / "nowhere"), "-o", str(page)), "nowhere")
+
+
+def test_timeline_without_its_module_is_one_line_and_status_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The subcommand imports simple_mutex.timeline only when run: where it is missing,
+    one line and status 2 (the other commands never needed it)."""
+    import simple_mutex
+    from simple_mutex import cli as command
+
+    monkeypatch.setitem(sys.modules, "simple_mutex.timeline", None)  # import fails
+    monkeypatch.delattr(simple_mutex, "timeline", raising=False)  # even once imported
+    assert command.main(["timeline", "somewhere", "-o", "out.html"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "timeline command is not available" in err
 
 
 # -- celery -A proj mutex ... ----------------------------------------------------------
