@@ -25,13 +25,14 @@ The statements, as flows, are shared with ``AsyncMongoCache`` (pymongo's
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError
 
 from .common import driver_imports
-from .mongo_core import Call, Flow, MongoCore, split_url, url_options
+from .mongo_core import Call, Flow, MongoCore, scanned, split_url, url_options
 
 with driver_imports("mongo"):
     import pymongo
@@ -94,6 +95,16 @@ class MongoCache(MongoCore):
 
     def get(self, key: str) -> Entry | None:
         return self._run("get", key, self._reading("get", key))
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        if not self._ready:
+            self.ready("scan", prefix)
+        call = self._scanning(prefix)
+        try:  # the cursor is read here, inside the fault mapping
+            docs = list(getattr(self._collection(), call.method)(*call.args))
+        except PyMongoError as exc:
+            raise self._failed(call, exc) from exc
+        return iter(scanned(docs, prefix))
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         return self._run("put_if_absent", key, self._putting(key, value, ttl=ttl))

@@ -25,6 +25,7 @@ from .common import (
     gc_after_seconds,
     malformed,
     new_version,
+    prefix_end,
     ttl_ms,
 )
 
@@ -375,6 +376,15 @@ class MongoCore(CacheBase):
         if result.matched_count != 1:
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
 
+    def _scanning(self, prefix: str) -> Call:
+        """The find of the live entries under ``prefix``: a range on ``_id`` (its index;
+        strings compare by UTF-8 bytes, code point order), so no pattern is parsed and
+        every character of the prefix is literal."""
+        end = prefix_end(prefix)
+        ids: dict[str, Any] = {"$gte": prefix} if end is None else {"$gte": prefix, "$lt": end}
+        match = {"_id": ids, "value": {"$ne": None}, **self._live()}
+        return Call("scan", prefix, "find", (match, {**_ENTRY_FIELDS, "_id": 1}))
+
     def _live(self) -> dict[str, Any]:
         if self.clock == "server":
             return _LIVE_SERVER
@@ -390,6 +400,16 @@ def _ours_or_held(key: str, value: str, current: Entry | None) -> Entry:
     if current is not None and current.value == value:
         return current
     raise SimpleCacheConditionError(f"mongo: {key!r} is held")
+
+
+def scanned(docs: list[dict[str, Any]], prefix: str) -> list[tuple[str, Entry]]:
+    """The (key, entry) pairs of the scan's documents."""
+    found = []
+    for doc in docs:
+        key = doc.pop("_id")
+        if isinstance(key, str) and key.startswith(prefix):
+            found.append((key, _entry(doc, "scan", key)))
+    return found
 
 
 def _entry(doc: Mapping[str, Any], operation: str, key: str) -> Entry:

@@ -46,7 +46,7 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
 from .common import DEFAULT_GC_AFTER, driver_imports
-from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement
+from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
 
 with driver_imports("postgres"):
     import psycopg
@@ -169,6 +169,11 @@ class PostgresCache(PostgresCore):
 
     def get(self, key: str) -> Entry | None:
         return self._run(self._get(key))
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        params = {"pattern": like_prefix(prefix)}
+        with self._connection("scan", prefix) as conn:
+            return iter(scanned(conn.execute(self._sql["scan"], params).fetchall()))
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry = self._run(self._put(key, value, ttl))

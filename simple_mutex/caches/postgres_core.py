@@ -113,6 +113,13 @@ DELETE FROM {t} WHERE key IN (
     FOR UPDATE SKIP LOCKED
 )
 """
+# Live rows under a prefix. LIKE with its wildcards escaped matches exactly that prefix;
+# the primary key's index serves it when the key column's collation is "C" (elsewhere the
+# table is read through, which garbage collection keeps to the keys of the last minutes).
+_SCAN = f"""
+SELECT key, value, version, fence, {_EPOCH} FROM {{t}}
+WHERE key LIKE %(pattern)s ESCAPE '\\' AND {_LIVE}
+"""
 _LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
 
 
@@ -191,7 +198,7 @@ class PostgresCore(CacheBase):
             for name, text in (
                 ("schema", _SCHEMA), ("index", _INDEX), ("put", _PUT), ("get", _GET),
                 ("cas", _CAS), ("delete", _DELETE), ("live", _LIVE_COUNT),
-                ("collect", _COLLECT),
+                ("collect", _COLLECT), ("scan", _SCAN),
             )
         }  # fmt: skip
         self._ready = False  # the table is known to exist
@@ -337,6 +344,17 @@ class PostgresCore(CacheBase):
             return malformed(self.name, operation, key, detail)
         error = fault(self.name, operation, key, exc)
         return SessionEnded(error.message, key) if ended else error
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``\\``) for the strings that start with ``prefix``."""
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
+
+
+def scanned(rows: Any) -> list[tuple[str, Entry]]:
+    """The (key, entry) pairs of the scan statement's rows."""
+    return [(row[0], Entry(row[1], row[2], row[3], row[4])) for row in rows]
 
 
 def _entry_or_none(row: Any) -> Entry | None:

@@ -35,7 +35,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
@@ -242,6 +242,32 @@ class RedisCache:
         except ValueError:
             raise malformed(self.name, "get", key, f"{entry_key!r} is not an entry") from None
 
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """``SCAN`` (never ``KEYS``: it would stall the server) with a ``MATCH`` whose glob
+        characters are escaped, then each entry read as ``get`` reads it. Only entry keys
+        (``{base}``, ``{base}#N``) are cache keys; the side keys (``:f``, ``:w``,
+        ``:signal``) are skipped. A key that lapses between the two steps is skipped."""
+        pattern = _glob_escape(f"{self.prefix}{{") + _glob_escape(prefix) + "*"
+        try:
+            names = [_text(name) for name in self.client.scan_iter(match=pattern, count=1000)]
+        except RedisError as exc:
+            raise self._fault("scan", prefix, exc) from exc
+        for name in dict.fromkeys(names):  # SCAN may return a key twice
+            key = _cache_key(name[len(self.prefix) :])
+            if key is not None and key.startswith(prefix):
+                entry = self.get(key)
+                if entry is not None:
+                    yield key, entry
+
+    def waited_on(self, key: str) -> bool:
+        """Did a put on ``key`` (any slot) fail within the last few seconds, i.e. is a
+        waiter blocked on it? The waiter mark (``{base}:w``) says so."""
+        _, stem = self._keys(key)
+        try:
+            return bool(self._execute("EXISTS", stem + ":w"))
+        except RedisError as exc:
+            raise self._fault("waited_on", key, exc) from exc
+
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         if not self._checked:
             self._check_eviction(key)
@@ -320,6 +346,24 @@ class RedisCache:
             self._execute("BLPOP", *signals, round(block, 3))
         except RedisError as exc:
             raise self._fault("wait", keys[0], exc) from exc
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern."""
+    return "".join("\\" + c if c in "*?[]^\\" else c for c in text)
+
+
+def _cache_key(name: str) -> str | None:
+    """The cache key of an entry's Redis key (after our prefix), or None for a side key:
+    ``{base}`` is ``base``, ``{base}#N`` is ``base#N`` (a base never holds ``#``)."""
+    if not name.startswith("{"):
+        return None
+    base, tagged, slot = name[1:].partition("}#")
+    if tagged and "#" not in base:
+        return f"{base}#{slot}"
+    if name.endswith("}") and "#" not in name:
+        return name[1:-1]
+    return None
 
 
 def _pooled_executor(client: Any) -> Callable[..., Any] | None:

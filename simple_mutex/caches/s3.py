@@ -29,7 +29,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -148,6 +148,27 @@ class S3Cache(CacheBase):
         if obj is None or not self._live(obj, taker=False):
             return None
         return _entry(obj)
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """ListObjectsV2 with ``Prefix`` (literal: S3 has no pattern language), then each
+        object read as ``get`` reads it: tombstones and lapsed leases are skipped. Names
+        with a ``/`` after ours belong to a cache with a longer prefix."""
+        if "/" in prefix:
+            return
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix
+        )
+        try:
+            names = [item["Key"] for page in pages for item in page.get("Contents", ())]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._fault("scan", prefix, exc) from exc
+        for name in names:
+            key = name[len(self.prefix) :]
+            if "/" in key or key in (".", ".."):
+                continue
+            entry = self.get(key)
+            if entry is not None:
+                yield key, entry
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
