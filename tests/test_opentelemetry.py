@@ -1,0 +1,153 @@
+"""``simple_mutex.contrib.opentelemetry`` with the real OpenTelemetry SDK: spans in an
+in-memory exporter and metrics in an in-memory reader equal what the callers of a
+contention run saw; spans nest under the caller's span; a lost lease is an ERROR."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from contention import contend
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from simple_mutex import InMemoryCache, Mutex
+from simple_mutex.contrib import opentelemetry
+
+
+@dataclass
+class Telemetry:
+    spans: InMemorySpanExporter
+    reader: InMemoryMetricReader
+    tracer_provider: TracerProvider
+
+    def finished(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.spans.get_finished_spans() if s.name == name]
+
+    def points(self, metric: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        assert data is not None
+        return [
+            point
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for found in scope.metrics
+            if found.name == metric
+            for point in found.data.data_points
+        ]
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    """SDK providers of our own (the global ones untouched), instrumented."""
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    uninstrument = opentelemetry.instrument(tracer_provider, meter_provider)
+    yield Telemetry(spans, reader, tracer_provider)
+    uninstrument()
+    meter_provider.shutdown()
+    tracer_provider.shutdown()
+
+
+def test_spans_and_metrics_equal_what_the_contention_run_saw(telemetry):
+    """One mutex.acquire span per acquire, by outcome; one mutex.hold span per grant,
+    released or lost (lost: status ERROR with the reason); every span a child of the
+    caller's span; the metrics count the same."""
+    name = f"orders-{uuid.uuid4().hex[:6]}"
+    tracer = telemetry.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("job") as job:
+        seen = contend(InMemoryCache(), name, "order.7")
+    acquires = telemetry.finished("mutex.acquire")
+    holds = telemetry.finished("mutex.hold")
+    outcomes = Counter(s.attributes["mutex.outcome"] for s in acquires)
+    assert outcomes == {"acquired": seen.acquired, "busy": seen.busy, "timed_out": seen.timed_out}
+    assert Counter(s.attributes["mutex.outcome"] for s in holds) == {
+        "released": seen.released, "lost": seen.lost
+    }  # fmt: skip
+    # The caller's thread nests under its span; the racing threads were started without
+    # a copy of its context (threading does not copy contextvars), so theirs are roots.
+    job_id = job.get_span_context().span_id
+    parents = {s.parent.span_id for s in acquires + holds if s.parent is not None}
+    assert parents == {job_id}
+    in_caller = [
+        s for s in acquires + holds if s.attributes["mutex.outcome"] in ("timed_out", "lost")
+    ]
+    assert len(in_caller) == seen.timed_out + seen.lost
+    assert all(s.parent is not None and s.parent.span_id == job_id for s in in_caller)
+    for span in holds:
+        assert span.attributes["mutex.name"] == name
+        assert span.attributes["mutex.key"].startswith("order.7")
+        assert isinstance(span.attributes["mutex.fence"], int)
+        assert span.end_time >= span.start_time
+        if span.attributes["mutex.outcome"] == "lost":
+            assert span.status.status_code is StatusCode.ERROR
+            assert "lapsed" in span.status.description
+            assert span.attributes["mutex.held"] >= 0.15  # a 0.2 s lease, less its margin
+        else:
+            assert span.status.status_code is StatusCode.UNSET
+    timed_out = next(s for s in acquires if s.attributes["mutex.outcome"] == "timed_out")
+    assert timed_out.status.status_code is StatusCode.ERROR
+    assert timed_out.attributes["mutex.waited"] >= 0.05
+    assert (timed_out.end_time - timed_out.start_time) / 1e9 == pytest.approx(
+        timed_out.attributes["mutex.waited"], abs=0.01
+    )  # the span covers the wait, though recorded when it ended
+
+    def total(metric: str, **attributes: str) -> float:
+        wanted = {"mutex.name": name, **attributes}
+        return sum(
+            getattr(p, "value", getattr(p, "count", 0))
+            for p in telemetry.points(metric)
+            if dict(p.attributes) == wanted
+        )
+
+    assert total("simple_mutex.acquires", **{"mutex.outcome": "acquired"}) == seen.acquired
+    assert total("simple_mutex.acquires", **{"mutex.outcome": "busy"}) == seen.busy
+    assert total("simple_mutex.acquires", **{"mutex.outcome": "timed_out"}) == seen.timed_out
+    assert total("simple_mutex.lost") == seen.lost
+    assert total("simple_mutex.wait") == seen.acquired + seen.busy + seen.timed_out
+    assert total("simple_mutex.hold") == seen.acquired
+    assert total("simple_mutex.held") == 0
+    for point in telemetry.points("simple_mutex.acquires"):
+        assert "mutex.key" not in point.attributes  # no key in metric attributes
+
+
+def test_spans_without_a_caller_span_are_roots_and_hold_ends_at_release(telemetry):
+    """With no current span the acquire and hold spans are roots; the hold span runs from
+    the grant to the release (it is not the current span inside the block)."""
+    mutex = Mutex(InMemoryCache(), name="plain")
+    with mutex.acquire("k") as lease:
+        assert telemetry.finished("mutex.hold") == []  # still open while held
+    (acquire,) = telemetry.finished("mutex.acquire")
+    (hold,) = telemetry.finished("mutex.hold")
+    assert acquire.parent is None
+    assert hold.parent is None
+    assert hold.attributes["mutex.fence"] == lease.fence
+    assert hold.start_time >= acquire.end_time - 1_000_000  # within a millisecond
+
+
+def test_uninstrument_ends_open_hold_spans_and_stops_reporting():
+    """After uninstrument nothing more is recorded, and a hold span still open is ended
+    (outcome "held"), so it is exported rather than lost."""
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    uninstrument = opentelemetry.instrument(provider, MeterProvider())
+    mutex = Mutex(InMemoryCache(), name="open")
+    lease = mutex.acquire("k")
+    uninstrument()
+    mutex.acquire("other").release()
+    lease.release()
+    names = [(s.name, s.attributes["mutex.key"], s.attributes["mutex.outcome"])
+             for s in spans.get_finished_spans()]  # fmt: skip
+    assert names == [("mutex.acquire", "k", "acquired"), ("mutex.hold", "k", "held")]
