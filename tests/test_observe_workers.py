@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.events.state import State
 from celery_support.processes import Processes
 from rq import Queue
 from rq.job import JobStatus
@@ -37,15 +38,21 @@ APP = "celery_support.metrics_app"
 
 
 class EventsSeen:
-    """An ``app.events.Receiver`` in a thread of its own, keeping the events of one type."""
+    """An ``app.events.Receiver`` in a thread of its own, keeping the events of one type
+    and feeding every event to a ``celery.events.state.State``, the model Flower keeps."""
 
     def __init__(self, app: Any, event_type: str) -> None:
         self.events: list[dict[str, Any]] = []
+        self.state = State()
         self.ready = threading.Event()
         self._connection = app.connection_for_read()
-        self.receiver = app.events.Receiver(
-            self._connection, handlers={event_type: self.events.append}
-        )
+
+        def on_event(event: dict[str, Any]) -> None:
+            self.state.event(event)
+            if event["type"] == event_type:
+                self.events.append(event)
+
+        self.receiver = app.events.Receiver(self._connection, handlers={"*": on_event})
         consume_ready = self.receiver.on_consume_ready
 
         def on_consume_ready(*args: Any, **kwargs: Any) -> None:
@@ -116,6 +123,12 @@ def test_prefork_metrics_and_skipped_events_equal_what_ran(worker):
         assert len(ran) + len(skipped) == 12
         assert skipped, "no run found the key held: the test did not contend"
         wait_until(lambda: len(seen.events) >= len(skipped), 20, "the skipped events")
+
+        def succeeded() -> bool:
+            tasks = [seen.state.tasks.get(task_id) for task_id in skipped]
+            return all(t is not None and t.state == "SUCCESS" for t in tasks)
+
+        wait_until(succeeded, 20, "task-succeeded of the skipped runs")
     finally:
         seen.close()
 
@@ -139,6 +152,10 @@ def test_prefork_metrics_and_skipped_events_equal_what_ran(worker):
         assert event["reason"] == "busy"
         assert event["holder"].startswith(f"{APP}.hold[")
     assert Counter(e["uuid"] for e in seen.events).most_common(1)[0][1] == 1
+    for task_id in skipped:  # what a monitor's model of the task shows: SUCCESS, and why
+        task = seen.state.tasks[task_id]
+        assert (task.state, task.key, task.reason) == ("SUCCESS", "hold", "busy")
+        assert task.holder.startswith(f"{APP}.hold[")
 
 
 def test_rq_worker_flags_a_skipped_job_in_its_meta():
