@@ -4,6 +4,7 @@ contention run saw; spans nest under the caller's span; a lost lease is an ERROR
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from contention import contend
+from opentelemetry import metrics
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -21,6 +23,7 @@ from opentelemetry.trace import StatusCode
 
 from simple_mutex import InMemoryCache, Mutex
 from simple_mutex.contrib import opentelemetry
+from simple_mutex.contrib._common import WAIT_BUCKETS
 
 
 @dataclass
@@ -120,6 +123,15 @@ def test_spans_and_metrics_equal_what_the_contention_run_saw(telemetry):
     assert total("simple_mutex.held") == 0
     for point in telemetry.points("simple_mutex.acquires"):
         assert "mutex.key" not in point.attributes  # no key in metric attributes
+    advises = (
+        "explicit_bucket_boundaries_advisory"
+        in inspect.signature(metrics.Meter.create_histogram).parameters
+    )  # opentelemetry-api 1.30 on
+    if advises:  # seconds-scale buckets, not the SDK's millisecond defaults
+        (wait,) = [
+            p for p in telemetry.points("simple_mutex.wait") if p.attributes == {"mutex.name": name}
+        ]
+        assert tuple(wait.explicit_bounds) == WAIT_BUCKETS
 
 
 def test_spans_without_a_caller_span_are_roots_and_hold_ends_at_release(telemetry):

@@ -44,11 +44,13 @@ def endpoint() -> Iterator[tuple[CollectorRegistry, int]]:
     registry = CollectorRegistry()
     uninstrument = prometheus.instrument(registry)
     port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    started = start_http_server(port, addr="127.0.0.1", registry=registry)
     yield registry, port
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    if started is not None:  # (server, thread) from 0.20 on; a daemon thread before
+        server, thread = started
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
     uninstrument()
 
 

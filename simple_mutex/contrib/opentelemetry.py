@@ -61,6 +61,19 @@ def _attributes(event: events.LockEvent, outcome: str) -> dict[str, Any]:
     return {name: value for name, value in found.items() if value is not None}
 
 
+def _histogram(
+    meter: metrics.Meter, name: str, description: str, buckets: tuple[float, ...]
+) -> metrics.Histogram:
+    """A histogram in seconds that advises second-scale buckets (the SDK's defaults suit
+    milliseconds). The advice arrived in opentelemetry-api 1.30; before, a View sets them."""
+    try:
+        return meter.create_histogram(
+            name, "s", description, explicit_bucket_boundaries_advisory=list(buckets)
+        )
+    except TypeError:  # opentelemetry-api < 1.30: no advisory parameter
+        return meter.create_histogram(name, "s", description)
+
+
 class _Sink:
     """One subscriber: spans from a tracer, the five metrics from a meter."""
 
@@ -70,13 +83,13 @@ class _Sink:
             "simple_mutex.acquires", "{acquire}", "Lock acquires by outcome"
         )
         self.lost = meter.create_counter("simple_mutex.lost", "{lease}", "Leases lost while held")
-        self.wait = meter.create_histogram(
-            "simple_mutex.wait", "s", "Seconds each acquire took, whatever its outcome",
-            explicit_bucket_boundaries_advisory=list(WAIT_BUCKETS),
+        self.wait = _histogram(
+            meter, "simple_mutex.wait", "Seconds each acquire took, whatever its outcome",
+            WAIT_BUCKETS,
         )  # fmt: skip
-        self.hold = meter.create_histogram(
-            "simple_mutex.hold", "s", "Seconds each lease was held, grant to release or loss",
-            explicit_bucket_boundaries_advisory=list(HOLD_BUCKETS),
+        self.hold = _histogram(
+            meter, "simple_mutex.hold", "Seconds each lease was held, grant to release or loss",
+            HOLD_BUCKETS,
         )  # fmt: skip
         self.held = meter.create_up_down_counter("simple_mutex.held", "{lease}", "Leases held now")
         self.holding: Granted[Span] = Granted()
