@@ -31,7 +31,7 @@ import servers  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
 DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq")
-SINKS = ("prometheus_client", "opentelemetry")  # of simple_mutex.contrib: never imported by the core
+SINKS = ("prometheus_client", "opentelemetry")  # simple_mutex.contrib only, never the core
 
 
 class CheckFailed(Exception):
