@@ -46,7 +46,7 @@ def endpoint() -> Iterator[tuple[CollectorRegistry, int]]:
     port = free_port()
     started = start_http_server(port, addr="127.0.0.1", registry=registry)
     yield registry, port
-    if started is not None:  # (server, thread) from 0.20 on; a daemon thread before
+    if started is not None:  # (server, thread) in newer releases; 0.17 returns None
         server, thread = started
         server.shutdown()
         server.server_close()
