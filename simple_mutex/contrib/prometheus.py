@@ -6,18 +6,13 @@
 
     uninstrument = prometheus.instrument()  # the default registry, or instrument(registry)
 
-=================================================  =========  ==============================
-metric                                             type       labels
-=================================================  =========  ==============================
-``simple_mutex_acquires_total``                    counter    ``name``, ``outcome``
-                                                              (acquired, busy, timed_out)
-``simple_mutex_wait_seconds``                      histogram  ``name``: every acquire, any
-                                                              outcome (its ``_count`` is the
-                                                              sum of acquires_total)
-``simple_mutex_hold_seconds``                      histogram  ``name``: grant to release/loss
-``simple_mutex_lost_total``                        counter    ``name``
-``simple_mutex_held``                              gauge      ``name``: leases held now
-=================================================  =========  ==============================
+* ``simple_mutex_acquires_total{name, outcome}``: counter; outcome = acquired, busy,
+  timed_out
+* ``simple_mutex_wait_seconds{name}``: histogram of every acquire's duration, any outcome
+  (its ``_count`` is the sum of acquires_total)
+* ``simple_mutex_hold_seconds{name}``: histogram, grant to release or loss
+* ``simple_mutex_lost_total{name}``: counter
+* ``simple_mutex_held{name}``: gauge, leases held now
 
 ``name`` is the event's low-cardinality name (a ``with_simple_mutex`` template, a task or
 job name, ``Mutex(name=...)``); labels never carry the key, whose values are unbounded.
