@@ -132,6 +132,8 @@ def test_prefork_metrics_and_skipped_events_equal_what_ran(worker):
     finally:
         seen.close()
 
+    lost = ("simple_mutex_lost_total", (("name", f"{APP}.lapse"),))
+    wait_until(lambda: scrape(port).get(lost) == 2, 10, "both losses reported")  # keeper thread
     got = scrape(port)
 
     def value(sample: str, task: str, **labels: str) -> float:

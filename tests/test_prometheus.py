@@ -5,6 +5,7 @@ carry the key. (A real prefork Celery worker in multiprocess mode: test_observe_
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -13,10 +14,10 @@ import pytest
 from contention import contend
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
-from workers import spin
+from workers import spin, wait_until
 
 from simple_mutex import ConstraintError, InMemoryCache, Mutex, SimpleMutexLeaseExpiredError
-from simple_mutex.contrib import prometheus
+from simple_mutex.contrib import _common, prometheus
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -61,6 +62,10 @@ def test_scraped_counts_equal_what_the_contention_run_saw(endpoint):
     _, port = endpoint
     name = f"orders-{uuid.uuid4().hex[:6]}"
     seen = contend(InMemoryCache(), name, "order.7")
+    lost = ("simple_mutex_lost_total", (("name", name),))
+    # A loss is reported from the keeper thread, which may finish a moment after the
+    # block it interrupted has exited.
+    wait_until(lambda: scrape(port).get(lost) == seen.lost, 5, "every loss reported")
     got = scrape(port)
 
     def value(sample: str, **labels: str) -> float:
@@ -99,7 +104,7 @@ def test_the_held_gauge_follows_leases_and_ignores_ones_granted_before():
         assert sample("simple_mutex_held") == 1
         with pytest.raises(SimpleMutexLeaseExpiredError), before:
             spin(5)
-        assert sample("simple_mutex_lost_total") == 1
+        wait_until(lambda: sample("simple_mutex_lost_total") == 1, 5, "the loss reported")
         assert sample("simple_mutex_held") == 1
         second.release()
         assert sample("simple_mutex_held") == 0
@@ -124,3 +129,24 @@ def test_instrument_twice_on_one_registry_names_the_fix():
     assert registry.get_sample_value("simple_mutex_held", {"name": "twice"}) is None
     again = prometheus.instrument(registry)
     again()
+
+
+def test_a_lease_left_to_lapse_unreported_stops_counting_as_held(monkeypatch):
+    """A lease nobody releases or watches (a throttle left to lapse) reports no end: once
+    it has been expired for the grace period, the next grant forgets it, so held is
+    right again and the process keeps nothing for it."""
+    monkeypatch.setattr(_common, "SWEEP_GRACE", 0.0)
+    monkeypatch.setattr(_common, "SWEEP_EVERY", 0.0)
+    registry = CollectorRegistry()
+    uninstrument = prometheus.instrument(registry)
+    try:
+        name = f"throttle-{uuid.uuid4().hex[:6]}"
+        mutex = Mutex(InMemoryCache(), name=name, lease=0.1)
+        throttle = mutex.try_acquire("daily-report")  # never released: lapses by design
+        assert throttle is not None
+        assert registry.get_sample_value("simple_mutex_held", {"name": name}) == 1
+        time.sleep(0.2)
+        mutex.acquire("other").release()  # any later grant sweeps
+        assert registry.get_sample_value("simple_mutex_held", {"name": name}) == 0
+    finally:
+        uninstrument()

@@ -92,34 +92,48 @@ class _Sink:
             HOLD_BUCKETS,
         )  # fmt: skip
         self.held = meter.create_up_down_counter("simple_mutex.held", "{lease}", "Leases held now")
-        self.holding: Granted[Span] = Granted()
+        self.holding: Granted[tuple[Span, str]] = Granted()  # each hold span, its name
 
     def __call__(self, event: events.LockEvent) -> None:
         kind = event.kind
+        if kind in ACQUIRE_OUTCOMES:
+            self._acquire(event)
+        elif kind == "renewed":
+            self.holding.renew(event)
+        elif kind in ("released", "lost"):
+            self._end(event)
+
+    def _acquire(self, event: events.LockEvent) -> None:
         name = {"mutex.name": event.name}
         at = event.at.timestamp()
-        if kind in ACQUIRE_OUTCOMES:
-            self.acquires.add(1, {**name, "mutex.outcome": kind})
-            waited = event.waited or 0.0
-            if event.waited is not None:
-                self.wait.record(event.waited, name)
-            self._acquire_span(event, start=at - waited, end=at)
-            if kind == "acquired":
-                self.held.add(1, name)
-                self.holding.add(event, self._hold_span(event, start=at))
-        elif kind in ("released", "lost"):
-            if kind == "lost":
-                self.lost.add(1, name)
-            if event.held is not None:
-                self.hold.record(event.held, name)
-            span = self.holding.pop(event)
-            if span is not None:
-                self.held.add(-1, name)
-            elif kind == "lost" and event.held is not None:
-                # Granted before instrument(): a loss is worth a span all the same.
-                span = self._hold_span(event, start=at - event.held)
-            if span is not None:
-                self._end_hold(span, event, at)
+        self.acquires.add(1, {**name, "mutex.outcome": event.kind})
+        if event.waited is not None:
+            self.wait.record(event.waited, name)
+        self._acquire_span(event, start=at - (event.waited or 0.0), end=at)
+        if event.kind != "acquired":
+            return
+        self.held.add(1, name)
+        hold = self._hold_span(event, start=at)
+        for (span, was), expiry in self.holding.add(event, (hold, event.name)):
+            # Never released nor reported lost: it lapsed with nobody looking.
+            span.set_attribute("mutex.outcome", "expired")
+            span.end(end_time=_ns(expiry))
+            self.held.add(-1, {"mutex.name": was})
+
+    def _end(self, event: events.LockEvent) -> None:
+        name = {"mutex.name": event.name}
+        at = event.at.timestamp()
+        if event.kind == "lost":
+            self.lost.add(1, name)
+        if event.held is not None:
+            self.hold.record(event.held, name)
+        kept = self.holding.pop(event)
+        if kept is not None:
+            self.held.add(-1, name)
+            self._end_hold(kept[0], event, at)
+        elif event.kind == "lost" and event.held is not None:
+            # Granted before instrument(): a loss is worth a span all the same.
+            self._end_hold(self._hold_span(event, start=at - event.held), event, at)
 
     def _hold_span(self, event: events.LockEvent, start: float) -> Span:
         attributes = _attributes(event, "held")
@@ -144,7 +158,7 @@ class _Sink:
 
     def close(self) -> None:
         """End the hold spans still open: a span never ended is never exported."""
-        for span in self.holding.drain():
+        for span, _ in self.holding.drain():
             span.end()
 
 

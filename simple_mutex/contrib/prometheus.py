@@ -76,7 +76,7 @@ class _Metrics:
             multiprocess_mode="livesum",
         )
         self.collectors = (self.acquires, self.wait, self.hold, self.lost, self.held)
-        self._granted: Granted[bool] = Granted()
+        self._granted: Granted[str] = Granted()  # the name of each lease counted held
 
     def register(self, registry: CollectorRegistry) -> None:
         done = []
@@ -100,14 +100,17 @@ class _Metrics:
             if event.waited is not None:
                 self.wait.labels(name).observe(event.waited)
             if kind == "acquired":
-                self._granted.add(event, True)
                 self.held.labels(name).inc()
+                for lapsed, _ in self._granted.add(event, name):  # never released nor lost
+                    self.held.labels(lapsed).dec()
+        elif kind == "renewed":
+            self._granted.renew(event)
         elif kind in ("released", "lost"):
             if kind == "lost":
                 self.lost.labels(name).inc()
             if event.held is not None:
                 self.hold.labels(name).observe(event.held)
-            if self._granted.pop(event):  # a lease granted before instrument() is not counted
+            if self._granted.pop(event) is not None:  # not granted before instrument()
                 self.held.labels(name).dec()
 
 
