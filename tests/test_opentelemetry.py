@@ -172,7 +172,8 @@ def test_uninstrument_ends_open_hold_spans_and_stops_reporting():
 
 def test_a_hold_span_of_a_lease_left_to_lapse_ends_at_its_expiry(telemetry, monkeypatch):
     """A lease nobody releases or watches has no end event: its hold span is ended at the
-    lease's expiry, outcome "expired", when a later grant finds it long lapsed."""
+    lease's expiry, outcome "expired", when a later grant finds it long lapsed; a grant
+    that waited out a lapsed holder says it took over."""
     monkeypatch.setattr(_common, "SWEEP_GRACE", 0.0)
     monkeypatch.setattr(_common, "SWEEP_EVERY", 0.0)
     mutex = Mutex(InMemoryCache(), name="throttle", lease=0.1)
@@ -184,6 +185,12 @@ def test_a_hold_span_of_a_lease_left_to_lapse_ends_at_its_expiry(telemetry, monk
         s for s in telemetry.finished("mutex.hold") if s.attributes["mutex.key"] == "daily-report"
     ]
     assert expired.attributes["mutex.outcome"] == "expired"
+    mutex.acquire("crashed")  # never released; a waiter gets it once it lapses
+    mutex.acquire("crashed", timeout=2, interval=0.02).release()
+    grants = [
+        s for s in telemetry.finished("mutex.acquire") if s.attributes["mutex.key"] == "crashed"
+    ]
+    assert [s.attributes.get("mutex.took_over", False) for s in grants] == [False, True]
     assert expired.end_time == pytest.approx(throttle.expires_at.timestamp() * 1e9, abs=60e6)
     assert total_held(telemetry, "throttle") == 0
 

@@ -20,7 +20,9 @@ span when its instrumentation is on):
 Attributes: ``mutex.key``, ``mutex.name``, ``mutex.outcome`` (acquired, busy, timed_out;
 released, lost), ``mutex.fence``, ``mutex.waited`` (seconds), and ``mutex.cache``,
 ``mutex.slot``, ``mutex.held`` (seconds, on hold spans), ``mutex.holder`` (the label of
-the holder in the way, on busy and timed-out acquires; never a token).
+the holder in the way, on busy and timed-out acquires; never a token), ``mutex.took_over``
+(on a grant over a holder that had lapsed). A hold span of a lease nobody released or saw
+lost (left to lapse) ends at its expiry, outcome "expired", once a later grant finds it.
 
 Metrics, the Prometheus sink's under OpenTelemetry names (an OTel Prometheus exporter
 shows them as ``simple_mutex_acquires_total``, ``simple_mutex_wait_seconds``, ...):
@@ -143,6 +145,8 @@ class _Sink:
         attributes = _attributes(event, event.kind)
         if event.kind != "acquired" and event.holder is not None and event.holder.label:
             attributes["mutex.holder"] = event.holder.label
+        if event.took_over:  # granted over a holder that had lapsed: a crash, a stall
+            attributes["mutex.took_over"] = True
         span = self.tracer.start_span("mutex.acquire", start_time=_ns(start), attributes=attributes)
         if event.kind == "timed_out":
             span.set_status(Status(StatusCode.ERROR, "timed out waiting for the lock"))
