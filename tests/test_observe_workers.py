@@ -3,12 +3,13 @@ prometheus-client's multiprocess mode serves metrics equal to what its runs did,
 sends a ``task-mutex-skipped`` task event per skipped run (as Flower receives it); an
 ``rq worker`` flags a skipped job in its ``meta``.
 
-Needs Redis at 127.0.0.1:6379 (broker, results, locks). A missing server fails the
-tests; it never skips them.
+Needs Redis at 127.0.0.1:6379 (broker, results, locks) and RabbitMQ at 127.0.0.1:5672
+(the other broker). A missing server fails the tests; it never skips them.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections import Counter
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 from celery.events.state import State
-from celery_support.processes import Processes
+from celery_support.processes import REDIS_URL, Processes
 from rq import Queue
 from rq.job import JobStatus
 from rq_support import jobs
@@ -35,6 +36,7 @@ from simple_mutex.caches import RedisCache
 pytestmark = pytest.mark.slow
 
 APP = "celery_support.metrics_app"
+AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
 class EventsSeen:
@@ -72,14 +74,15 @@ class EventsSeen:
         self._connection.release()
 
 
-@pytest.fixture
-def worker(tmp_path: Path) -> Iterator[tuple[Processes, int]]:
+@pytest.fixture(params=["redis", "amqp"])
+def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Processes, int]]:
     """One ``celery worker -P prefork -c 4 -E`` of metrics_app, in multiprocess mode,
-    serving its metrics on a free port."""
+    serving its metrics on a free port; on Redis or RabbitMQ as the broker (task events
+    travel differently on each)."""
     metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
     port = free_port()
-    procs = Processes(APP, tmp_path)
+    procs = Processes(APP, tmp_path, REDIS_URL if request.param == "redis" else AMQP_URL)
     procs.start(
         "w",
         [
