@@ -201,3 +201,33 @@ def total_held(telemetry: Telemetry, name: str) -> float:
         for p in telemetry.points("simple_mutex.held")
         if p.attributes == {"mutex.name": name}
     )
+
+
+def test_with_the_celery_instrumentation_spans_nest_under_the_task_span(telemetry):
+    """opentelemetry-instrumentation-celery starts the task's span at task_prerun, which
+    Celery sends before before_start: the lock's spans are its children."""
+    from celery import Celery
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+    from celery_mutex import MutexTask
+
+    app = Celery("otel_nesting", set_as_current=False)
+    app.conf.mutex_cache = InMemoryCache()
+
+    @app.task(base=MutexTask, mutex={"key": "order.{order_id}"}, name="shop.charge")
+    def charge(order_id: int) -> int:
+        return order_id
+
+    instrumentor = CeleryInstrumentor()
+    instrumentor.instrument(tracer_provider=telemetry.tracer_provider)
+    try:
+        assert charge.apply((7,)).get() == 7
+    finally:
+        instrumentor.uninstrument()
+    (task,) = [s for s in telemetry.spans.get_finished_spans() if "shop.charge" in s.name]
+    (acquire,) = telemetry.finished("mutex.acquire")
+    (hold,) = telemetry.finished("mutex.hold")
+    assert acquire.parent.span_id == hold.parent.span_id == task.context.span_id
+    assert (acquire.attributes["mutex.name"], acquire.attributes["mutex.key"]) == (
+        "shop.charge", "order.7"
+    )  # fmt: skip
