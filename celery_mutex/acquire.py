@@ -11,7 +11,7 @@ from typing import Any
 from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import skip_marker
 
-from . import signals
+from . import per_call, signals
 from ._celery import Retry
 from ._owned import owner_of
 from .config import Config, config_of
@@ -34,7 +34,8 @@ def before_start(
     ``direct``: a direct call (``task(...)``), synchronous and never a beat's tick."""
     request = task.request
     synchronous = direct or bool(request.is_eager)
-    cfg = config_of(task)
+    call = per_call.of_request(request)
+    cfg = per_call.applied(config_of(task), call)
     # A worker makes every header a request attribute; apply() and task_always_eager keep
     # them in request.headers. The body reads the tick it belongs to in one place
     # either way (None: not sent by a guarded beat).
@@ -49,7 +50,7 @@ def before_start(
             reason = f"{dropped.get('reason', 'duplicate')} tick"  # duplicate | redelivered
             _skip(task, dropped, reason=reason, holder=dropped.get("holder"))
             return
-    key = task.mutex_key(*args, **kwargs)
+    key = per_call.key_of(task, args, kwargs, call)
     started = time.monotonic()
     try:
         lease = cfg.locks.acquire(
@@ -99,7 +100,8 @@ def _busy(
         return
     # Our own re-publish, not Task.retry: ``retries`` stays as it was, so waiting for a
     # busy key never uses up the task's max_retries (nor counts as a new attempt).
-    headers = {**(request.headers or {}), BUSY_HEADER: count + 1}
+    call = per_call.of_request(request)  # a worker keeps it as an attribute, not a header
+    headers = {**(request.headers or {}), per_call.HEADER: call, BUSY_HEADER: count + 1}
     sig = task.signature_from_request(
         request, args, kwargs, countdown=delay, retries=request.retries or 0, headers=headers
     )

@@ -18,7 +18,10 @@ lock once the lease has lapsed, with a higher fence.
 
 At the end the demo prints what it saw, with the metrics the workers gathered from the
 lock event stream (``simple_mutex.events``: every grant, release and loss, and how long
-each acquire waited), and exits non-zero if any check failed.
+each acquire waited), and exits non-zero if any check failed. Every process journals its
+lock events (``SIMPLE_MUTEX_JOURNAL``, set here for the workers: no code of theirs
+changes), and the demo draws them as ``timeline.html``, one page that any browser opens:
+who held which key when, the waits, the takeover after the kill.
 
 The decorator form does the same in one line when the work does not need the fence::
 
@@ -42,7 +45,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from simple_mutex import DiskCache, Mutex, SimpleMutexLeaseExpiredError, events
+from simple_mutex import (
+    DiskCache,
+    Mutex,
+    SimpleMutexLeaseExpiredError,
+    events,
+    journal,
+    timeline,
+)
 
 WORKERS = 4
 SECTIONS = 30  # per worker
@@ -362,6 +372,9 @@ def main() -> int:
     began = time.monotonic()
     checks: list[Check] = []
     summary: list[str] = []
+    # Kept after the run (the lock directory is not): the journal and its picture.
+    journal_dir = Path(tempfile.mkdtemp(prefix="simple-mutex-journal-"))
+    os.environ[journal.ENV] = str(journal_dir)  # the spawned workers inherit it
     with tempfile.TemporaryDirectory(prefix="simple-mutex-demo-") as tmp:
         workdir = Path(tmp)
         for key in KEYS:
@@ -372,6 +385,9 @@ def main() -> int:
         print()
         part_one(workdir, checks, summary)
         part_two(workdir, checks, summary)
+    print()
+    drawn = timeline.cli_main([str(journal_dir)], str(journal_dir / "timeline.html"))
+    checks.append(Check(drawn == 0, "the journal was drawn as timeline.html"))
     print()
     print("Summary:")
     for line in summary:

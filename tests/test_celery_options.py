@@ -225,3 +225,35 @@ def test_always_eager_busy_retry_waits_then_fails_within_its_budget():
         assert 0.25 <= time.monotonic() - started < 3
     with pytest.raises(SimpleMutexAcquireTimeoutError, match="synchronous call cannot be"):
         result.get()
+
+
+def test_apply_async_mutex_overrides_key_on_busy_and_timeout_for_one_call():
+    """``apply_async(..., mutex={...})`` changes the key, on_busy and timeout of that call
+    only (here under task_always_eager); an option that describes the task's locks as a
+    whole, or a bad value, raises ConstraintError instead of being ignored."""
+    cache = InMemoryCache()
+    task = _task(_app(task_always_eager=True), key="e.{n}", cache=cache, on_busy="raise")
+    with Mutex(cache).acquire("e.1"):
+        assert task.apply_async((1,), mutex={"key": "own"}).get() == "ran"  # another key
+        assert is_skipped(task.apply_async((1,), mutex={"on_busy": "skip"}).get())
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            task.apply_async((1,)).get()  # the next call has the task's options again
+        with Mutex(cache).acquire("own"), pytest.raises(SimpleMutexAcquireTimeoutError):
+            task.apply_async((2,), mutex={"key": "own"}).get()
+    holder = Mutex(cache).acquire("e.1")
+    ReleaseLater(0.2, holder.release)
+    started = time.monotonic()
+    waited = task.apply_async((1,), mutex={"on_busy": "wait", "timeout": 5})
+    assert waited.get() == "ran"
+    assert time.monotonic() - started >= 0.15
+    for given, fragment in [
+        ({"lease": 5}, "'lease' cannot change per call"),
+        ({"cache": "memory://", "prefix": "x."}, "'cache', 'prefix' cannot change per call"),
+        ({"on_busy": "later"}, "on_busy must be one of"),
+        ({"timeout": -1}, "timeout"),
+        ({"key": ""}, "key must be a non-empty str"),
+        ({"on_bussy": "skip"}, r"unknown mutex option\(s\) 'on_bussy'"),
+        ("skip", "expected a dict of mutex options"),
+    ]:
+        with pytest.raises(ConstraintError, match=fragment):
+            task.apply_async((1,), mutex=given)

@@ -443,7 +443,10 @@ def client_config(**overrides: Any) -> Any:
     settings: dict[str, Any] = {
         "connect_timeout": 5,
         "read_timeout": 10,
-        "retries": {"max_attempts": 3, "mode": "standard"},
+        # Two attempts in all: standard mode backs off up to 2**n s before retry n, and
+        # botocore 1.35 retries a refused connection too, so its default (3) held a
+        # timed acquire for 5 s on a dead endpoint (measured); the engine retries itself.
+        "retries": {"total_max_attempts": 2, "mode": "standard"},
     }
     settings.update(overrides)
     return Config(**settings)
