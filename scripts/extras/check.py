@@ -13,6 +13,7 @@ on the first failure, with what went wrong.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,27 @@ def round_trip(cache: Any, label: str) -> None:
     ok(f"{label}: acquired and released {key} (fence {lease.fence})")
 
 
+def async_round_trip(open_cache: Callable[[], Awaitable[tuple[Any, Any]]], label: str) -> None:
+    """The round trip through the ``_async`` methods, on a loop of its own; ``open_cache``
+    opens a client on that loop and returns what ``Mutex`` takes, and the client."""
+
+    async def main() -> None:
+        cache, client = await open_cache()
+        mutex = Mutex(cache, lease=10)
+        key = f"check-extras.{RUN}.{label}"
+        async with mutex.acquire_async(key, timeout=10) as lease:
+            holder = await mutex.holder_async(key)
+            require(holder is not None and holder.fence == lease.fence, f"holder gave {holder}")
+            require(await mutex.try_acquire_async(key) is None, "a second holder got the lock")
+        require(not await mutex.locked_async(key), "the lock stayed held after release")
+        await client.close()
+        ok(f"{label}: acquired and released {key} on the event loop (fence {lease.fence})")
+
+    from simple_mutex import Mutex
+
+    asyncio.run(main())
+
+
 def check_core() -> None:
     import simple_mutex
     from simple_mutex import DiskCache, InMemoryCache, cache_from_url
@@ -100,7 +122,7 @@ def check_postgres() -> None:
     from psycopg_pool import ConnectionPool
 
     from simple_mutex import cache_from_url
-    from simple_mutex.caches import PostgresCache
+    from simple_mutex.caches import AsyncPostgresCache, PostgresCache
 
     url = env("POSTGRES_URL")
     table = f"check_extras_{RUN}"
@@ -108,6 +130,12 @@ def check_postgres() -> None:
     with ConnectionPool(url, kwargs={"autocommit": True}, min_size=1, max_size=2) as pool:
         round_trip(PostgresCache(pool, table=table), "PostgresCache(ConnectionPool)")
     round_trip(cache_from_url(f"{url}?table={table}"), "cache_from_url(postgresql://)")
+
+    async def connection() -> tuple[Any, Any]:
+        conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        return AsyncPostgresCache(conn, table=table), conn
+
+    async_round_trip(connection, "AsyncPostgresCache(AsyncConnection)")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
@@ -123,6 +151,12 @@ def check_mongo() -> None:
     database = f"check_extras_{RUN}"
     round_trip(MongoCache(client, database=database), "MongoCache")
     round_trip(cache_from_url(f"{url.rstrip('/')}/{database}"), "cache_from_url(mongodb://)")
+
+    async def async_client() -> tuple[Any, Any]:
+        aio = pymongo.AsyncMongoClient(url, serverSelectionTimeoutMS=5000)
+        return aio[database], aio
+
+    async_round_trip(async_client, "Mutex(AsyncDatabase)")
     client.drop_database(database)
 
 
