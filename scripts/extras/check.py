@@ -32,6 +32,7 @@ import servers  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
 DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq")
+SINKS = ("prometheus_client", "opentelemetry")  # simple_mutex.contrib only, never the core
 
 
 class CheckFailed(Exception):
@@ -94,7 +95,7 @@ def check_core() -> None:
     import simple_mutex
     from simple_mutex import DiskCache, InMemoryCache, cache_from_url
 
-    loaded = sorted(name for name in DRIVERS if name in sys.modules)
+    loaded = sorted(name for name in DRIVERS + SINKS if name in sys.modules)
     require(not loaded, f"import simple_mutex pulled in {loaded}")
     ok(f"import simple_mutex {simple_mutex.__version__}: standard library only")
     round_trip(InMemoryCache(), "InMemoryCache")
@@ -256,6 +257,45 @@ def check_rq() -> None:
     ok(f"rq worker ran a mutex_job (key order.7, fence {seen['fence']})")
 
 
+def check_prometheus() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from simple_mutex import InMemoryCache
+    from simple_mutex.contrib import prometheus
+
+    registry = CollectorRegistry()
+    uninstrument = prometheus.instrument(registry)
+    try:
+        round_trip(InMemoryCache(), "InMemoryCache, instrumented")
+        labels = {"name": "mutex", "outcome": "acquired"}
+        counted = registry.get_sample_value("simple_mutex_acquires_total", labels)
+        require(counted == 1, f"simple_mutex_acquires_total{labels} = {counted}, not 1")
+        labels["outcome"] = "busy"
+        busy = registry.get_sample_value("simple_mutex_acquires_total", labels)
+        require(busy == 1, f"the busy try was counted {busy} times, not once")
+    finally:
+        uninstrument()
+    ok("simple_mutex.contrib.prometheus: one grant and one busy try counted")
+
+
+def check_otel() -> None:
+    # The API alone (no SDK): the providers are no-ops, and instrumenting must cost nothing
+    # more than that. Spans themselves are tested with the SDK in tests/test_opentelemetry.py.
+    from opentelemetry import trace
+
+    from simple_mutex import InMemoryCache
+    from simple_mutex.contrib import opentelemetry
+
+    require("opentelemetry.sdk" not in sys.modules, "the otel extra pulled in the SDK")
+    uninstrument = opentelemetry.instrument()
+    try:
+        with trace.get_tracer("check").start_as_current_span("check"):
+            round_trip(InMemoryCache(), "InMemoryCache, instrumented (API only)")
+    finally:
+        uninstrument()
+    ok("simple_mutex.contrib.opentelemetry: instruments on opentelemetry-api alone")
+
+
 def main(spec: str) -> None:
     extras = [name for name in spec.split(",") if name]
     checks: dict[str, Callable[[], None]] = {
@@ -265,6 +305,8 @@ def main(spec: str) -> None:
         "s3": check_s3,
         "celery": lambda: check_celery(extras),
         "rq": check_rq,
+        "prometheus": check_prometheus,
+        "otel": check_otel,
     }
     unknown = set(extras) - set(checks)
     if unknown:
