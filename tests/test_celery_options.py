@@ -47,6 +47,9 @@ def _task(app: Celery | None = None, **mutex: Any) -> Any:
         ({"enqueue": "maybe"}, "enqueue must be None, 'return' or 'raise'"),
         ({"enqueue_ttl": 0}, "enqueue_ttl must be greater than 0"),
         ({"prefix": 3}, "prefix must be a str"),
+        ({"prefix": "queued.jobs."}, "could meet the records celery_mutex keeps under queued."),
+        ({"prefix": ""}, "could meet the records .* under queued., beat., ticks."),
+        ({"prefix": "p" * 60}, "prefix must be at most 57 characters"),
     ],
 )
 def test_bad_options_fail_when_the_task_is_defined(options, fragment):
@@ -257,3 +260,24 @@ def test_apply_async_mutex_overrides_key_on_busy_and_timeout_for_one_call():
     ]:
         with pytest.raises(ConstraintError, match=fragment):
             task.apply_async((1,), mutex=given)
+
+
+def test_a_key_that_looks_like_a_marker_is_still_a_task_lock():
+    """The enqueue markers live beside the prefix ("queued.mutex.<key>"), never under it:
+    a task whose key is "queued.{n}" neither blocks nor is blocked by another task's
+    marker for key "{n}"."""
+    cache = InMemoryCache()
+    app = _app(mutex_cache=cache, task_always_eager=False)
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "{n}", "enqueue": "raise"})
+    def plain(n: int) -> str:
+        return "ran"
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "queued.{n}", "on_busy": "raise"})
+    def looks_alike(n: int) -> str:
+        return "ran"
+
+    plain.apply_async((5,), task_id="t-5")  # sent to the in-memory broker, marks "5"
+    assert Mutex(cache, prefix="queued.mutex.").locked("5")
+    assert not Mutex(cache, prefix="mutex.").locked("queued.5")
+    assert looks_alike.apply((5,)).get() == "ran"  # not taken for the marker
