@@ -63,6 +63,7 @@ Faults of the driver (connection refused, corrupt file, timeouts) must be raised
 An asyncio backend implements :class:`AsyncConditionalCache`: the same five rules, each
 method a coroutine (``redis.asyncio``, psycopg's ``AsyncConnection``, pymongo's
 ``AsyncMongoClient``). The engine awaits it directly: no thread per operation or waiter.
+Its optional ``scan(prefix)`` is a coroutine that returns the whole listing as a list.
 """
 
 from __future__ import annotations

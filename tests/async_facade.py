@@ -12,7 +12,7 @@ import asyncio
 import os
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from simple_mutex.contract import Entry, is_async
@@ -70,6 +70,10 @@ class BlockingFace:
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         self.call(self.cache.wait(keys, timeout))
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """The optional capability: an asyncio cache's ``scan`` returns a list."""
+        return iter(self.call(self.cache.scan(prefix)))
 
     def close(self, *more: Any) -> None:
         """Close the cache (if it closes) and ``more`` (connections, pools) on the loop,

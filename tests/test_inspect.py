@@ -148,3 +148,19 @@ def test_a_cache_without_scan_is_refused_with_the_caches_that_can() -> None:
 
     with pytest.raises(ConstraintError, match="RedisCache"):
         live_locks(Plain())
+
+
+def test_an_asyncio_cache_is_refused_naming_the_blocking_one():
+    """The operators' tools read blocking caches; an asyncio cache (whose scan is a
+    coroutine) gets a ConstraintError naming what to pass, not a coroutine never awaited."""
+
+    class AsyncOnly:
+        name = "async-only"
+
+        async def put_if_absent(self, key: str, value: str, *, ttl: float) -> None: ...
+
+        async def scan(self, prefix: str) -> list[tuple[str, object]]:
+            return []
+
+    with pytest.raises(ConstraintError, match=r"asyncio cache.*blocking cache"):
+        live_locks(AsyncOnly())

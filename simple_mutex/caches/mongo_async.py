@@ -22,7 +22,7 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError
 
 from .common import driver_imports
-from .mongo_core import Call, Flow, MongoCore
+from .mongo_core import Call, Flow, MongoCore, scanned
 
 with driver_imports("mongo"):
     import pymongo
@@ -92,6 +92,17 @@ class AsyncMongoCache(MongoCore):
 
     async def get(self, key: str) -> Entry | None:
         return await self._run("get", key, self._reading("get", key))
+
+    async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
+        """As ``MongoCache.scan``, awaited: the whole listing at once."""
+        if not self._ready:
+            await self.ready("scan", prefix)
+        call = self._scanning(prefix)
+        try:  # the cursor is read here, inside the fault mapping
+            docs = await getattr(self._collection(), call.method)(*call.args).to_list(None)
+        except PyMongoError as exc:
+            raise self._failed(call, exc) from exc
+        return scanned(docs, prefix)
 
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         return await self._run("put_if_absent", key, self._putting(key, value, ttl=ttl))

@@ -25,7 +25,7 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import MalfunctionError
 
 from .common import DEFAULT_GC_AFTER, driver_imports
-from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement
+from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
 
 with driver_imports("postgres"):
     import psycopg
@@ -165,6 +165,12 @@ class AsyncPostgresCache(PostgresCore):
 
     async def get(self, key: str) -> Entry | None:
         return await self._run(self._get(key))
+
+    async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
+        """As ``PostgresCache.scan``, awaited: the whole listing at once."""
+        params = {"pattern": like_prefix(prefix)}
+        async with self._connection("scan", prefix) as conn:
+            return scanned(await (await conn.execute(self._sql["scan"], params)).fetchall())
 
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry = await self._run(self._put(key, value, ttl))
