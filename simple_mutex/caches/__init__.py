@@ -11,6 +11,8 @@ MongoCache     every machine ``simple-mutex[mongo]``
 S3Cache        every machine ``simple-mutex[s3]``
 =============  ============  =========================================
 
+``AsyncRedisCache`` is RedisCache for ``redis.asyncio`` clients (same extra).
+
 Backends with a driver are imported on first use (``registry.py``), so
 ``import simple_mutex`` needs nothing beyond the standard library.
 """
@@ -29,9 +31,11 @@ if TYPE_CHECKING:
     from .mongo import MongoCache
     from .postgres import PostgresCache
     from .redis import RedisCache
+    from .redis_async import AsyncRedisCache
     from .s3 import S3Cache
 
 __all__ = [
+    "AsyncRedisCache",
     "DiskCache",
     "InMemoryCache",
     "MongoCache",
