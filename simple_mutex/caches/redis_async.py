@@ -108,7 +108,10 @@ class AsyncRedisCache(RedisLayout):
 
     async def _check_eviction(self, key: str) -> None:
         try:
-            config = await self.client.config_get("maxmemory*")
+            if self._own is None:
+                config = await self.client.config_get("maxmemory*")
+            else:  # the lean path: no retry policy with backoff sleeps for a dead server
+                config = _pairs(await self._own.call("CONFIG", "GET", "maxmemory*"))
         except ResponseError:
             self._checked = True  # CONFIG is renamed or denied (a managed service): trust it
             return
@@ -251,6 +254,13 @@ class _Listeners:
                 await _give_back(self._pool, conn)
 
 
+def _pairs(reply: Any) -> dict[Any, Any]:
+    """CONFIG GET's raw reply as a dict: a flat list in RESP2, a map in RESP3."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
+
+
 def _settle(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
@@ -313,7 +323,7 @@ class _OwnConnections:
         if not self._mine():
             if self._pid != os.getpid():
                 self._pid = os.getpid()
-                self.pool.reset()
+                _forget_inherited(self.pool, self._idle)
             self._loop = asyncio.get_running_loop()
             self._idle, self._opened, self._queue = [], 0, deque()
         if self._idle:
@@ -349,6 +359,20 @@ class _OwnConnections:
         if self._mine():
             for conn in idle:
                 await _give_back(self.pool, conn)
+
+
+_inherited: list[Any] = []  # in a forked child: the parent's connections, never closed here
+
+
+def _forget_inherited(pool: Any, idle: list[Any]) -> None:
+    """In a forked child: start the pool afresh, keeping the parent's connections out of
+    reach of the garbage collector. Closing one here would unregister its socket from the
+    parent's epoll set (a forked child shares it), and the parent would never hear its
+    replies again."""
+    _inherited.extend(idle)
+    _inherited.extend(getattr(pool, "_available_connections", ()))
+    _inherited.extend(getattr(pool, "_in_use_connections", ()))
+    pool.reset()
 
 
 async def _run(conn: Any, args: tuple[Any, ...]) -> Any:

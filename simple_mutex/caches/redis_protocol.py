@@ -261,6 +261,7 @@ class RedisLayout:
 
     def _judge_eviction(self, config: dict[Any, Any]) -> None:
         """Refuse a server that may evict lock keys: an evicted lock is held twice."""
+        config = {text(name): value for name, value in config.items()}  # a raw reply: bytes
         policy = text(config.get("maxmemory-policy", "noeviction"))
         if int(config.get("maxmemory", 0) or 0) and policy != "noeviction":
             raise ConstraintError(
