@@ -237,6 +237,35 @@ def test_a_release_wakes_one_waiter_on_the_loop_not_its_poll():
         assert after - before < 0.3 + WAKE_BOUND  # handed on, not polled
 
 
+def test_a_waiter_parked_past_the_marks_life_is_still_woken():
+    """A waiter with a 20 s poll parks on the loop for all of it: it puts once before
+    parking and once when woken, no re-put every BLPOP. Its listener keeps the 3 s waiter
+    mark alive, so a release after 4 s still signals it within WAKE_BOUND."""
+    mutex = new_mutex(interval=20)
+    key = unique_key()
+    puts = 0
+    put = mutex.cache.put_if_absent
+
+    async def counted(*args: Any, **kwargs: Any) -> Entry:
+        nonlocal puts
+        puts += 1
+        return await put(*args, **kwargs)  # type: ignore[no-any-return, misc]
+
+    mutex.cache.put_if_absent = counted  # type: ignore[method-assign]
+
+    async def main() -> float:
+        lease = await mutex.acquire_async(key)
+        waiter = asyncio.ensure_future(mutex.acquire_async(key, timeout=30))
+        await asyncio.sleep(4.0)
+        released = time.monotonic()
+        await lease.release_async()
+        await (await waiter).release_async()
+        return time.monotonic() - released
+
+    assert run(main()) < WAKE_BOUND
+    assert puts == 3  # the holder's, the waiter's refused one, the waiter's winning one
+
+
 def _release_later(key: str, version: str, delay: float) -> None:
     time.sleep(delay)
     RedisCache(redis.Redis.from_url(REDIS_URL), prefix=PREFIX).compare_and_delete(

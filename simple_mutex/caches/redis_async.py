@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import time
 import types
 import weakref
 from collections import deque
@@ -35,7 +36,16 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
 from .common import driver_imports, ttl_ms
-from .redis_protocol import CAS, DELETE, PUT, SIGNAL_MS, RedisLayout, Request, refused
+from .redis_protocol import (
+    CAS,
+    DELETE,
+    PUT,
+    SIGNAL_MS,
+    WAITER_MARK_MS,
+    RedisLayout,
+    Request,
+    refused,
+)
 
 with driver_imports("redis"):
     import redis.asyncio
@@ -178,7 +188,9 @@ class AsyncRedisCache(RedisLayout):
         if listeners is None or listeners.pid != os.getpid():
             listeners = self._listeners[loop] = _Listeners(self, self._own.pool)
         try:
-            await listeners.wait(signals, block)
+            # Not cut to one BLPOP's length: the listener blocks again and again, and keeps
+            # the waiter mark alive while anyone here waits, so a release still signals.
+            await listeners.wait(signals, timeout)
         except RedisError as exc:
             raise self._fault("wait", keys[0], exc) from exc
 
@@ -199,14 +211,14 @@ class _Listeners:
         self._waiters: dict[str, dict[asyncio.Future[None], None]] = {}  # ordered sets
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    async def wait(self, signals: list[str], block: float) -> None:
+    async def wait(self, signals: list[str], timeout: float) -> None:
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
         for signal in signals:
             self._waiters.setdefault(signal, {})[woken] = None
             if signal not in self._tasks and len(self._tasks) < _MAX_LISTENERS:
                 self._tasks[signal] = loop.create_task(self._listen(signal))
-        timer = loop.call_later(block, _settle, woken)
+        timer = loop.call_later(timeout, _settle, woken)
         try:
             await woken  # raises the listener's fault, if it failed
         finally:
@@ -221,9 +233,16 @@ class _Listeners:
     async def _listen(self, signal: str) -> None:
         conn = None
         block = round(self._cache._max_block, 3)
+        mark = self._cache._mark_of(signal)
+        marked = time.monotonic()  # the waiter's failed put has just set the mark
         try:
             conn = await self._pool.get_connection()
             while True:
+                if time.monotonic() - marked > WAITER_MARK_MS / 3000:
+                    # Waiters here may park past the mark's life (a long poll interval):
+                    # keep it, or releases would stop pushing tokens.
+                    marked = time.monotonic()
+                    await _run(conn, ("SET", mark, 1, "PX", WAITER_MARK_MS))
                 if not self._waiters.get(signal):
                     # Checked and forgotten with no await in between: a waiter that comes
                     # later finds no task and starts one.

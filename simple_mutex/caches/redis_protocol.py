@@ -32,7 +32,7 @@ with driver_imports("redis"):
     from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
 MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
-_WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
+WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
 SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
 _MIN_KEEP_MS = 60_000  # a freed key's last fence is kept at least this long
 
@@ -60,7 +60,7 @@ if type(cur) == 'table' then return 0 end
 local head, value = string.match(cur or '', '^(%d+%.%d+ %d+) (.*)$')
 if cur and not head then return 0 end
 if value and value == string.match(ARGV[1], '^%d+ (.*)$') then return head end
-redis.call('SET', KEYS[3], 1, 'PX', {_WAITER_MARK_MS})
+redis.call('SET', KEYS[3], 1, 'PX', {WAITER_MARK_MS})
 return nil
 """
 
@@ -252,6 +252,10 @@ class RedisLayout:
         """How long one BLPOP may block; below 1 ms, sleep instead (BLPOP counts whole
         milliseconds, and 0 would mean "block forever")."""
         return min(timeout, self._max_block)
+
+    def _mark_of(self, signal: str) -> str:
+        """The waiter mark beside a signal list."""
+        return signal.removesuffix(":signal") + ":w"
 
     def _signals(self, keys: Sequence[str]) -> list[str]:
         """The signal lists of ``keys`` (a semaphore's slots share one)."""
