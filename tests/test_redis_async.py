@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ import redis
 import redis.asyncio
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
+from servers import own_cluster
 
 from simple_mutex import (
     ConstraintError,
@@ -514,3 +516,36 @@ def test_one_cache_serves_successive_event_loops():
 
     first = run(cycle())
     assert run(cycle()) > first
+
+
+def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[Any], tmp_path: Path):
+    """A three-master Redis Cluster through redis.asyncio.RedisCluster: scripts and BLPOP
+    run on the masters that own each lock's hash tag, a semaphore spans its slots, a
+    waiter wakes on release (by a BLPOP of its own: a cluster client keeps its path)."""
+    ports = own_cluster(redis_servers, tmp_path)
+    cluster = redis.asyncio.RedisCluster(host="127.0.0.1", port=ports[0], socket_timeout=5)
+    cache = as_cache(cluster)
+    assert type(cache) is AsyncRedisCache
+    mutex = Mutex(cache, lease=30, interval=POLL)
+    semaphore = Semaphore(cache, permits=2, lease=30, interval=POLL)
+    keys = [f"order.{n}" for n in range(20)]
+
+    async def main() -> float:
+        await cluster.initialize()
+        nodes = {cluster.get_node_from_key(f"{{mutex.{k}}}").port for k in keys}
+        assert len(nodes) > 1  # the locks really are spread over several masters
+        for key in keys:
+            await (await mutex.acquire_async(key, timeout=0)).release_async()
+        leases = [await semaphore.acquire_async("pool", timeout=0) for _ in range(2)]
+        waiter = asyncio.ensure_future(semaphore.acquire_async("pool", timeout=POLL * 2))
+        await asyncio.sleep(0.3)
+        released = time.monotonic()
+        await leases[0].release_async()
+        taken = await waiter
+        woke = time.monotonic() - released
+        for lease in (taken, leases[1]):
+            assert await lease.release_async()
+        await cluster.aclose()
+        return woke
+
+    assert run(main()) < WAKE_BOUND
