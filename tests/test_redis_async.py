@@ -549,3 +549,23 @@ def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[Any], tmp_path
         return woke
 
     assert run(main()) < WAKE_BOUND
+
+
+def test_a_connection_the_server_closed_is_reopened_at_once(client: redis.Redis):
+    """The server drops the cache's idle connections (a restart, an idle timeout): the
+    next command finds its socket closed and is retried once, at once, on a new one."""
+    name = f"aio-kill-{uuid.uuid4().hex[:8]}"
+    aio = redis.asyncio.Redis.from_url(REDIS_URL, client_name=name)
+    cache = AsyncRedisCache(aio, prefix=PREFIX)
+    key = unique_key()
+
+    async def main() -> None:
+        entry = await cache.put_if_absent(key, "v", ttl=30)
+        for info in client.client_list():
+            if info.get("name") == name:
+                client.client_kill(info["addr"])
+        await asyncio.sleep(0.05)
+        assert await cache.get(key) == entry
+        assert await cache.compare_and_delete(key, version=entry.version) is False
+
+    run(main())

@@ -49,7 +49,13 @@ from .redis_protocol import (
 
 with driver_imports("redis"):
     import redis.asyncio
-    from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
+    from redis.exceptions import (
+        ConnectionError,
+        NoScriptError,
+        RedisError,
+        ResponseError,
+        TimeoutError,
+    )
 
 _MAX_OWN = 16  # connections per cache and loop for the short commands
 _MAX_LISTENERS = 256  # signal lists one cache listens to at once; past that, waiters poll
@@ -253,6 +259,7 @@ class _Listeners:
                     woken = next((w for w in self._waiters.get(signal, ()) if not w.done()), None)
                     if woken is not None:
                         woken.set_result(None)
+                        await asyncio.sleep(0)  # its put goes out before our next BLPOP
                     else:
                         # Its waiter gave up meanwhile: put the token back for a waiter in
                         # another process (one release must wake someone).
@@ -411,11 +418,26 @@ async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
     except BaseException:
         await conn.disconnect(nowait=True)
         raise
-    if conn.should_reconnect():  # the server announced maintenance
+    if getattr(conn, "should_reconnect", bool)():  # the server announced maintenance
         await conn.disconnect()
     return reply
 
 
 async def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
-    await conn.send_command(*args)
+    writer = getattr(conn, "_writer", None)
+    if writer is None or not getattr(conn, "is_connected", False):
+        await conn.send_command(*args)  # (re)connects first
+        return await conn.read_response()
+    # redis-py sends every command under asyncio.wait_for(..., socket_timeout), which
+    # starts a task per command: the bytes leave one loop iteration late, a tenth of a
+    # loopback round trip. A write the socket takes at once needs no timeout; one it does
+    # not (a full buffer) drains under the socket timeout, as redis-py's would.
+    try:
+        writer.writelines(conn.pack_command(*args))
+        if writer.transport.get_write_buffer_size():
+            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        raise ConnectionError(f"Error while writing to socket: {exc}") from exc
     return await conn.read_response()
