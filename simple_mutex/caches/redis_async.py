@@ -242,7 +242,7 @@ class _Listeners:
         mark = self._cache._mark_of(signal)
         marked = time.monotonic()  # the waiter's failed put has just set the mark
         try:
-            conn = await self._pool.get_connection()
+            conn = await _check_out(self._pool)
             while True:
                 if time.monotonic() - marked > WAITER_MARK_MS / 3000:
                     # Waiters here may park past the mark's life (a long poll interval):
@@ -290,6 +290,13 @@ def _pairs(reply: Any) -> dict[Any, Any]:
 def _settle(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
+
+
+async def _check_out(pool: Any) -> Any:
+    try:
+        return await pool.get_connection()
+    except TypeError:  # redis-py < 5.3 wants a command name (5.3 deprecated it)
+        return await pool.get_connection("EVALSHA")
 
 
 async def _give_back(pool: Any, conn: Any) -> None:
@@ -357,7 +364,7 @@ class _OwnConnections:
         if self._opened < _MAX_OWN:
             self._opened += 1
             try:
-                return await self.pool.get_connection()
+                return await _check_out(self.pool)
             except BaseException:
                 self._opened -= 1
                 raise
