@@ -244,17 +244,18 @@ class _Listeners:
         try:
             conn = await _check_out(self._pool)
             while True:
-                if time.monotonic() - marked > WAITER_MARK_MS / 3000:
-                    # Waiters here may park past the mark's life (a long poll interval):
-                    # keep it, or releases would stop pushing tokens.
-                    marked = time.monotonic()
-                    await _run(conn, ("SET", mark, 1, "PX", WAITER_MARK_MS))
                 if not self._waiters.get(signal):
                     # Checked and forgotten with no await in between: a waiter that comes
                     # later finds no task and starts one.
                     self._waiters.pop(signal, None)
                     del self._tasks[signal]
                     return
+                if time.monotonic() - marked > WAITER_MARK_MS / 3000:
+                    # Waiters here may park past the mark's life (a long poll interval):
+                    # keep it, or releases would stop pushing tokens.
+                    marked = time.monotonic()
+                    await _run(conn, ("SET", mark, 1, "PX", WAITER_MARK_MS))
+                    continue  # the waiters may have left meanwhile
                 if await _run(conn, ("BLPOP", signal, block)) is not None:
                     woken = next((w for w in self._waiters.get(signal, ()) if not w.done()), None)
                     if woken is not None:
