@@ -30,7 +30,7 @@ import redis
 import redis.asyncio
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
-from servers import own_cluster
+from servers import free_port, own_cluster, own_redis
 
 from simple_mutex import (
     ConstraintError,
@@ -567,5 +567,28 @@ def test_a_connection_the_server_closed_is_reopened_at_once(client: redis.Redis)
         await asyncio.sleep(0.05)
         assert await cache.get(key) == entry
         assert await cache.compare_and_delete(key, version=entry.version) is False
+
+    run(main())
+
+
+def test_a_redis_that_may_evict_lock_keys_is_refused_unless_allowed(
+    redis_servers: list[Any], tmp_path: Path
+):
+    """The eviction check of RedisCache, on the asyncio cache's own command path, in RESP2
+    and RESP3 (CONFIG GET answers a flat list in one, a map in the other): refused at
+    first use with the fix named; allow_eviction=True proceeds."""
+    port = free_port()
+    own_redis(
+        redis_servers, tmp_path, port, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"
+    )
+
+    async def main() -> None:
+        for protocol in (2, 3):
+            aio = redis.asyncio.Redis(port=port, protocol=protocol)
+            with pytest.raises(ConstraintError, match="maxmemory-policy noeviction"):
+                await Mutex(aio).acquire_async("k", timeout=0)
+            allowed = Mutex(AsyncRedisCache(aio, allow_eviction=True))
+            await (await allowed.acquire_async("k", timeout=0)).release_async()
+            await aio.aclose()
 
     run(main())

@@ -85,14 +85,8 @@ class RedisCache(RedisLayout):
         return int(acked) >= self.replicas
 
     def _check_eviction(self, key: str) -> None:
-        try:
-            config = self.client.config_get("maxmemory*")
-        except ResponseError:
-            self._checked = True  # CONFIG is renamed or denied (a managed service): trust it
-            return
-        except RedisError as exc:
-            raise self._fault("put_if_absent", key, exc) from exc
-        self._judge_eviction(config)
+        with self._eviction_check(key) as config:
+            config.update(self.client.config_get("maxmemory*"))
 
     def get(self, key: str) -> Entry | None:
         try:

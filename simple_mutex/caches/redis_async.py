@@ -123,17 +123,11 @@ class AsyncRedisCache(RedisLayout):
         return reply, int(acked) >= self.replicas
 
     async def _check_eviction(self, key: str) -> None:
-        try:
+        with self._eviction_check(key) as config:
             if self._own is None:
-                config = await self.client.config_get("maxmemory*")
+                config.update(await self.client.config_get("maxmemory*"))
             else:  # the lean path: no retry policy with backoff sleeps for a dead server
-                config = _pairs(await self._own.call("CONFIG", "GET", "maxmemory*"))
-        except ResponseError:
-            self._checked = True  # CONFIG is renamed or denied (a managed service): trust it
-            return
-        except RedisError as exc:
-            raise self._fault("put_if_absent", key, exc) from exc
-        self._judge_eviction(config)
+                config.update(_pairs(await self._own.call("CONFIG", "GET", "maxmemory*")))
 
     async def get(self, key: str) -> Entry | None:
         try:

@@ -15,10 +15,11 @@ one of them expires::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from simple_mutex.contract import Entry
@@ -262,6 +263,20 @@ class RedisLayout:
         return list(dict.fromkeys(self._keys(key)[1] + ":signal" for key in keys))
 
     # -- the eviction check -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _eviction_check(self, key: str) -> Iterator[dict[Any, Any]]:
+        """Around reading ``CONFIG GET maxmemory*`` into the dict it yields: judge it, or
+        trust a server that renamed or denied CONFIG (a managed service)."""
+        config: dict[Any, Any] = {}
+        try:
+            yield config
+        except ResponseError:
+            self._checked = True
+            return
+        except RedisError as exc:
+            raise self._fault("put_if_absent", key, exc) from exc
+        self._judge_eviction(config)
 
     def _judge_eviction(self, config: dict[Any, Any]) -> None:
         """Refuse a server that may evict lock keys: an evicted lock is held twice."""
