@@ -592,3 +592,28 @@ def test_a_redis_that_may_evict_lock_keys_is_refused_unless_allowed(
             await aio.aclose()
 
     run(main())
+
+
+def test_replicas_counts_a_grant_only_once_replicas_have_it(client: redis.Redis):
+    """replicas=1 against a server with no replica: WAIT (on the write's own connection)
+    times out, so the grant is withdrawn and reported as a MalfunctionError naming the
+    fix; the key is free again. A renewal is refused the same way."""
+    aio = redis.asyncio.Redis.from_url(REDIS_URL)
+    cache = AsyncRedisCache(aio, prefix=PREFIX, replicas=1, replica_timeout=0.1)
+    plain = AsyncRedisCache(aio, prefix=PREFIX)
+    key = unique_key()
+
+    async def main() -> None:
+        with pytest.raises(MalfunctionError, match="withdrawn") as info:
+            await cache.put_if_absent(key, "v", ttl=30)
+        assert info.value.unsent
+        assert await plain.get(key) is None
+        entry = await plain.put_if_absent(key, "v", ttl=30)
+        with pytest.raises(MalfunctionError, match="renewal"):
+            await cache.compare_and_set(key, "v", ttl=30, version=entry.version)
+        with pytest.raises(ConstraintError, match="same connection"):
+            AsyncRedisCache(
+                redis.asyncio.Redis.from_url(REDIS_URL, single_connection_client=True), replicas=1
+            )
+
+    run(main())
