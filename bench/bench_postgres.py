@@ -16,12 +16,17 @@ on all of them alike; the median round and the fastest, each with its ratio to t
   size, no Mutex around them (the backend alone).
 * Mutex(PostgresCache): the whole library.
 
+A second table, on asyncio: the same two statements bare on a psycopg ``AsyncConnection``
+(the async floor) against ``Mutex(AsyncPostgresCache)``; each cycle is one
+``run_until_complete`` on one loop, for both alike.
+
 Everything lives in one table ``bench_<random>``, dropped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import secrets
 from collections.abc import Callable
@@ -31,8 +36,9 @@ import psycopg
 from rounds import interleaved_rounds, print_ratio_table
 
 from simple_mutex import Mutex
-from simple_mutex.caches import postgres
+from simple_mutex.caches import postgres_core as postgres
 from simple_mutex.caches.postgres import PostgresCache
+from simple_mutex.caches.postgres_async import AsyncPostgresCache
 
 URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 TABLE = f"bench_{secrets.token_hex(4)}"
@@ -84,6 +90,37 @@ def mutex_cycle() -> Callable[[], None]:
     return cycle
 
 
+def async_contenders() -> dict[str, Callable[[], None]]:
+    """The async floor and Mutex(AsyncPostgresCache), each cycle run on one loop."""
+    loop = asyncio.new_event_loop()
+    conn = loop.run_until_complete(psycopg.AsyncConnection.connect(URL, autocommit=True))
+    quoted = f'"{TABLE}"'
+    put, release = postgres._PUT.format(t=quoted), postgres._DELETE.format(t=quoted)
+    mutex = Mutex(AsyncPostgresCache(URL, table=TABLE), lease=30)
+
+    async def bare_cycle() -> None:
+        version = secrets.token_hex(8)
+        params = {"key": "bench.afloor", "value": RECORD % secrets.token_hex(16),
+                  "version": version, "ttl": 30.0}  # fmt: skip
+        row = await (await conn.execute(put, params)).fetchone()
+        assert row is not None
+        assert row[1] == version
+        freed = await conn.execute(
+            release, {"key": "bench.afloor", "version": version, "channel": "sm_bench"}
+        )
+        assert freed.rowcount == 1
+
+    async def mutex_cycle() -> None:
+        await (await mutex.acquire_async("bench.amutex")).release_async()
+
+    return {
+        "async floor (same 2 statements, AsyncConnection)": lambda: loop.run_until_complete(
+            bare_cycle()
+        ),
+        "Mutex(AsyncPostgresCache)": lambda: loop.run_until_complete(mutex_cycle()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cycles", type=int, default=2000)
@@ -96,8 +133,10 @@ def main() -> None:
         "PostgresCache ops": cache_ops(),
         "Mutex(PostgresCache)": mutex_cycle(),
     }
+    aio = async_contenders()
     try:
         rounds = interleaved_rounds(contenders, cycles=args.cycles, repeats=args.repeats, warmup=50)
+        aio_rounds = interleaved_rounds(aio, cycles=args.cycles, repeats=args.repeats, warmup=50)
     finally:
         with psycopg.connect(URL, autocommit=True) as conn:
             conn.execute(f'DROP TABLE IF EXISTS "{TABLE}"')
@@ -105,6 +144,11 @@ def main() -> None:
         f"acquire + release, uncontended; {args.repeats} rounds x {args.cycles} cycles",
         rounds,
         floor="floor (same 2 statements, bare psycopg)",
+    )
+    print_ratio_table(
+        f"asyncio: acquire + release, uncontended; {args.repeats} rounds x {args.cycles} cycles",
+        aio_rounds,
+        floor="async floor (same 2 statements, AsyncConnection)",
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import skip_marker
 
-from . import signals
+from . import per_call, signals
 from ._celery import Retry
 from ._owned import owner_of
 from .config import Config, config_of
@@ -34,7 +34,8 @@ def before_start(
     ``direct``: a direct call (``task(...)``), synchronous and never a beat's tick."""
     request = task.request
     synchronous = direct or bool(request.is_eager)
-    cfg = config_of(task)
+    call = per_call.of_request(request)
+    cfg = per_call.applied(config_of(task), call)
     # A worker makes every header a request attribute; apply() and task_always_eager keep
     # them in request.headers. The body reads the tick it belongs to in one place
     # either way (None: not sent by a guarded beat).
@@ -46,9 +47,10 @@ def before_start(
 
         dropped = drop_duplicate_tick(task, cfg.locks.space.cache, cfg.locks.space.prefix, task_id)
         if dropped is not None:  # this tick already started: run nothing
-            request.mutex_skipped = dropped
+            reason = f"{dropped.get('reason', 'duplicate')} tick"  # duplicate | redelivered
+            _skip(task, dropped, reason=reason, holder=dropped.get("holder"))
             return
-    key = task.mutex_key(*args, **kwargs)
+    key = per_call.key_of(task, args, kwargs, call)
     started = time.monotonic()
     try:
         lease = cfg.locks.acquire(
@@ -94,11 +96,12 @@ def _busy(
         raise
     if delay is None:
         log.info("skipped %s[%s]: %r is held by %s", task.name, request.id, key, holder)
-        request.mutex_skipped = skip_marker("celery_mutex", key, holder=holder)
+        _skip(task, skip_marker("celery_mutex", key, holder=holder), reason="busy", holder=holder)
         return
     # Our own re-publish, not Task.retry: ``retries`` stays as it was, so waiting for a
     # busy key never uses up the task's max_retries (nor counts as a new attempt).
-    headers = {**(request.headers or {}), BUSY_HEADER: count + 1}
+    call = per_call.of_request(request)  # a worker keeps it as an attribute, not a header
+    headers = {**(request.headers or {}), per_call.HEADER: call, BUSY_HEADER: count + 1}
     sig = task.signature_from_request(
         request, args, kwargs, countdown=delay, retries=request.retries or 0, headers=headers
     )
@@ -113,6 +116,26 @@ def _busy(
         delay,
     )
     raise Retry(exc=busy, when=delay, sig=sig)
+
+
+SKIPPED_EVENT = "task-mutex-skipped"
+
+
+def _skip(task: Any, marker: dict[str, Any], *, reason: str, holder: str | None) -> None:
+    """Return ``marker`` instead of running, and say so where monitors look: the run
+    itself ends SUCCESS, so Flower and event consumers get a ``task-mutex-skipped`` task
+    event (fields ``key``, ``reason`` "busy" | "duplicate tick" | "redelivered tick",
+    ``holder``)."""
+    request = task.request
+    request.mutex_skipped = marker
+    if request.is_eager or not request.hostname or not getattr(task, "send_events", True):
+        return  # no worker: no event stream to send to
+    try:
+        task.send_event(
+            SKIPPED_EVENT, key=marker.get("key"), reason=reason, holder=holder, retry=False
+        )
+    except Exception as exc:  # a monitoring message must never fail the run
+        log.warning("%s[%s]: could not send %s: %r", task.name, request.id, SKIPPED_EVENT, exc)
 
 
 def _lost(task: Any, task_id: str, lease: Lease) -> None:

@@ -22,7 +22,7 @@ when *they* say, so only crontab ticks are exact.
 A slot goes out at most once; exactly once unless the winner dies between its claim and
 its publish. An unreachable cache sends nothing (``SchedulingError``: fails closed).
 Settings: ``mutex_beat_cache`` (default ``mutex_cache``), ``mutex_prefix`` (claims live
-under ``<prefix>beat.``), ``mutex_beat_run_ttl`` (worker side: ``drop_duplicate_tick``).
+under ``beat.<prefix>``), ``mutex_beat_run_ttl`` (worker side: ``drop_duplicate_tick``).
 The README's "Several beats, each tick once" says more.
 """
 
@@ -42,6 +42,7 @@ from simple_mutex.durations import positive_seconds
 from ._celery import Signal
 from ._owned import OwnedLocks, owner_of
 from .acquire import BEAT_SLOT
+from .config import beside
 
 # isort: split
 from celery.beat import (  # type: ignore[import-untyped]
@@ -145,7 +146,7 @@ class MutexSchedulerMixin:
                 "celery_mutex.beat: no cache for beat claims; set app.conf.mutex_cache or "
                 "app.conf.mutex_beat_cache (e.g. 'redis://host:6379/0'), shared by every beat"
             )
-        return shared_cache(cache), (conf.get("mutex_prefix") or "mutex.") + "beat."
+        return shared_cache(cache), beside("beat.", conf.get("mutex_prefix") or "mutex.")
 
     def setup_schedule(self) -> None:
         self._mutex_beat_cache()  # no cache configured: fail as beat starts, not at each tick
@@ -229,7 +230,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
         task._get_app().conf.get("mutex_beat_run_ttl") or RUN_TTL, "mutex_beat_run_ttl"
     )
     attempt = int(request.retries or 0) + int(getattr(request, "mutex_busy_retries", None) or 0)
-    runs = OwnedLocks(Mutex(cache, lease=ttl, prefix=prefix + "beat.run.", name="beat run"))
+    runs = OwnedLocks(Mutex(cache, lease=ttl, prefix=beside("ticks.", prefix), name="beat run"))
     try:
         runs.acquire(
             tick,

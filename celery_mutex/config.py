@@ -33,6 +33,35 @@ DEFAULTS: dict[str, Any] = {  # of the options only Celery has; the shared ones:
 }
 
 
+# The records celery_mutex keeps beside task locks live in spaces named *before* the
+# prefix ("queued.mutex.<key>"), never under it: no user key can then equal one (a key
+# "queued.x" under "mutex." stays a task lock), and listing "mutex." shows task locks only.
+# A prefix that begins one of these names (or is begun by one) could still meet them.
+BESIDE = ("queued.", "beat.", "ticks.")
+
+
+def beside(kind: str, prefix: str) -> str:
+    """The prefix of ``kind``'s records ("queued.", "beat." or "ticks.") beside ``prefix``."""
+    assert kind in BESIDE
+    return kind + prefix
+
+
+def check_prefix_room(where: str, prefix: str) -> str:
+    clash = [name for name in BESIDE if prefix.startswith(name) or name.startswith(prefix)]
+    if clash:
+        raise ConstraintError(
+            f"{where}: prefix {prefix!r} could meet the records celery_mutex keeps under "
+            f"{', '.join(clash)}; choose one that starts otherwise, e.g. 'mutex.'"
+        )
+    longest = max(map(len, BESIDE))
+    if len(prefix) > 64 - longest:
+        raise ConstraintError(
+            f"{where}: prefix must be at most {64 - longest} characters (its records get "
+            f"up to {longest} more), got {len(prefix)}"
+        )
+    return prefix
+
+
 def check_options(task_name: str, options: object) -> dict[str, Any]:
     """Validate the per-task dict (unknown names and bad values fail at definition)."""
     if options is None:
@@ -54,8 +83,10 @@ def check_value(where: str, name: str, value: Any) -> Any:
         raise ConstraintError(f"{where}: enqueue_until must be 'start' or 'end', got {value!r}")
     elif name == "enqueue_ttl":
         positive_seconds(value, f"{where}: enqueue_ttl")
-    elif name == "prefix" and not isinstance(value, str):
-        raise ConstraintError(f"{where}: prefix must be a str, got {value!r}")
+    elif name == "prefix":
+        if not isinstance(value, str):
+            raise ConstraintError(f"{where}: prefix must be a str, got {value!r}")
+        check_prefix_room(where, value)
     return value
 
 
@@ -109,7 +140,7 @@ def _build(task: Any) -> Config:
     if merged["enqueue"] is not None:
         ttl = positive_seconds(merged["enqueue_ttl"], "enqueue_ttl")
         markers = OwnedLocks(
-            Mutex(cache, lease=ttl, prefix=merged["prefix"] + "queued.", name="enqueue")
+            Mutex(cache, lease=ttl, prefix=beside("queued.", merged["prefix"]), name="enqueue")
         )
     locks = OwnedLocks(policy.lock_space(cache, merged["prefix"], name=task.name))
     return Config(policy, locks, markers, merged["enqueue"], merged["enqueue_until"])

@@ -15,6 +15,7 @@ from typing import Any
 
 from simple_mutex import Holder, Mutex, SimpleMutexAcquireTimeoutError
 
+from . import per_call
 from ._celery import uuid
 from ._owned import OwnedLocks, owner_of
 from .acquire import BUSY_HEADER
@@ -54,7 +55,7 @@ def send_once(
         space = markers.space
         markers = OwnedLocks(Mutex(space.cache, lease=ttl, prefix=space.prefix, name="enqueue"))
     task_id = task_id or uuid()
-    key = task.mutex_key(*(args or ()), **(kwargs or {}))
+    key = per_call.key_of(task, args, kwargs, headers.get(per_call.HEADER) or {})
     marked, queued = _mark(markers, key, task_id)
     if not marked:
         holder = None if queued is None else queued.label
@@ -95,13 +96,13 @@ def _mark(markers: OwnedLocks, key: str, task_id: str) -> tuple[bool, Holder | N
     return False, None
 
 
-def unmark(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
-    """The call is over (not retrying): let an equal call be queued again."""
+def unmark(task: Any, task_id: str, args: Any, kwargs: Any, request: Any = None) -> None:
+    """The call is over (not retrying): let an equal call be queued again. ``request``:
+    the call's, when at hand (its per-call key)."""
     try:
         markers = config_of(task).markers
         if markers is not None:
-            markers.release_owner(
-                task.mutex_key(*(args or ()), **(kwargs or {})), owner_of(task_id)
-            )
+            key = per_call.key_of(task, args, kwargs, per_call.of_request(request))
+            markers.release_owner(key, owner_of(task_id))
     except Exception as exc:  # from a signal handler: log, never raise into Celery
         log.warning("%s[%s]: could not clear its enqueue marker: %r", task.name, task_id, exc)

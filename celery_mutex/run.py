@@ -26,7 +26,7 @@ from typing import Any
 from simple_mutex import Lease, MalfunctionError, SimpleMutexLeaseExpiredError
 from simple_mutex.busy import running
 
-from . import acquire, signals
+from . import acquire, per_call, signals
 from ._celery import Retry, uuid
 from ._owned import owner_of
 from .config import config_of
@@ -135,10 +135,13 @@ def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
         )
 
 
-def release_owner(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
-    """Free the lock ``task_id`` holds, from any process (the worker's parent)."""
+def release_owner(
+    task: Any, task_id: str, args: Any, kwargs: Any, reason: str, request: Any = None
+) -> bool:
+    """Free the lock ``task_id`` holds, from any process (the worker's parent).
+    ``request``: the call's, when at hand (its per-call key)."""
     try:
-        key = task.mutex_key(*(args or ()), **(kwargs or {}))
+        key = per_call.key_of(task, args, kwargs, per_call.of_request(request))
         freed = config_of(task).locks.release_owner(key, owner_of(task_id))
     except Exception as exc:  # a signal handler: log, never raise into Celery
         log.warning("%s[%s]: could not free its lock after %s: %r", task.name, task_id, reason, exc)

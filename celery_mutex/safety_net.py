@@ -35,9 +35,9 @@ def _release_leftover(
 ) -> None:
     if not isinstance(sender, MutexTask):
         return
-    if task_id and state != "RETRY":
-        unmark(sender, task_id, args, kwargs)
     request = sender.request
+    if task_id and state != "RETRY":
+        unmark(sender, task_id, args, kwargs, request)
     lease = getattr(request, "mutex_lease", None)
     if lease is None or getattr(request, "mutex_done", False):
         return
@@ -67,8 +67,8 @@ def _release_after_revoke(
         return
     args, kwargs = getattr(request, "args", ()), getattr(request, "kwargs", {})
     if terminated:
-        release_owner(sender, request.id, args, kwargs, "revoke")
-    unmark(sender, request.id, args, kwargs)
+        release_owner(sender, request.id, args, kwargs, "revoke", request)
+    unmark(sender, request.id, args, kwargs, request)
 
 
 task_postrun.connect(_release_leftover, weak=False)

@@ -32,7 +32,7 @@ from typing import Any
 
 from simple_mutex import ConstraintError
 
-from . import acquire, enqueue
+from . import acquire, enqueue, per_call
 from ._celery import Task
 from .config import Config, check_options, config_of
 from .keys import KeyOf, make_key_of
@@ -92,11 +92,17 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
     ) -> Any:
         """With ``enqueue`` set, a call while an equal one is queued or running returns
         that call's AsyncResult (``"return"``) or raises AlreadyQueuedError (``"raise"``).
-        The run-time lock still applies: ``send_task`` and beat cannot bypass it."""
+        The run-time lock still applies: ``send_task`` and beat cannot bypass it.
+        ``mutex={"key": ..., "on_busy": ..., "timeout": ...}`` changes them for this call
+        (``per_call``); any other option there raises ConstraintError."""
+        given = options.pop("mutex", None)
+        if given is not None:
+            call = per_call.check(self.name, given)
+            options["headers"] = {**(options.get("headers") or {}), per_call.HEADER: call}
         return enqueue.send_once(self, args, kwargs, task_id, options, super().apply_async)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         acquire.before_start(self, task_id, args, kwargs)
         started = getattr(self.request, "mutex_lease", None) is not None
         if started and config_of(self).enqueue_until == "start":  # once's unlock_before_run
-            enqueue.unmark(self, task_id, args, kwargs)
+            enqueue.unmark(self, task_id, args, kwargs, self.request)

@@ -16,7 +16,12 @@ Part 2, a crash. A process takes ``account.alice`` with a 2 s lease and is kille
 SIGKILL while holding it: it never releases. Another process, already waiting, gets the
 lock once the lease has lapsed, with a higher fence.
 
-At the end the demo prints what it saw, and exits non-zero if any check failed.
+At the end the demo prints what it saw, with the metrics the workers gathered from the
+lock event stream (``simple_mutex.events``: every grant, release and loss, and how long
+each acquire waited), and exits non-zero if any check failed. Every process journals its
+lock events (``SIMPLE_MUTEX_JOURNAL``, set here for the workers: no code of theirs
+changes), and the demo draws them as ``timeline.html``, one page that any browser opens:
+who held which key when, the waits, the takeover after the kill.
 
 The decorator form does the same in one line when the work does not need the fence::
 
@@ -40,7 +45,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from simple_mutex import DiskCache, Mutex, SimpleMutexLeaseExpiredError
+from simple_mutex import (
+    DiskCache,
+    Mutex,
+    SimpleMutexLeaseExpiredError,
+    events,
+    journal,
+    timeline,
+)
 
 WORKERS = 4
 SECTIONS = 30  # per worker
@@ -94,6 +106,8 @@ def worker(workdir: Path, number: int, barrier: Any) -> None:
     mutex = open_mutex(workdir, LEASE, f"worker-{number}")
     rng = random.Random()
     log = []
+    seen: list[events.LockEvent] = []
+    events.subscribe(seen.append)  # this process's lock events, for the metrics below
     barrier.wait(60)  # everyone starts together, so they really contend
     for _ in range(SECTIONS):
         key = rng.choice(KEYS)
@@ -116,7 +130,10 @@ def worker(workdir: Path, number: int, barrier: Any) -> None:
             }
         )
         time.sleep(rng.uniform(0, 0.01))  # some work outside the lock
-    write_report(workdir / f"worker-{number}.json", {"sections": log})
+    metrics = {kind: sum(e.kind == kind for e in seen) for kind in ("acquired", "released", "lost")}
+    waits = [e.waited for e in seen if e.waited is not None]
+    metrics.update(waited_total=sum(waits), waited_max=max(waits, default=0.0))
+    write_report(workdir / f"worker-{number}.json", {"sections": log, "metrics": metrics})
 
 
 def stuck_holder(workdir: Path) -> None:
@@ -200,10 +217,15 @@ def part_one(workdir: Path, checks: list[Check], summary: list[str]) -> None:
     )
 
     sections: list[dict[str, Any]] = []
+    metrics: dict[str, float] = {}
     for n in range(WORKERS):
         report = workdir / f"worker-{n}.json"
         if report.exists():
-            sections += json.loads(report.read_text())["sections"]
+            found = json.loads(report.read_text())
+            sections += found["sections"]
+            for name, value in found["metrics"].items():
+                merge = max if name == "waited_max" else sum
+                metrics[name] = merge((metrics.get(name, 0), value))
     expected = WORKERS * SECTIONS
     print()
     print(
@@ -246,6 +268,19 @@ def part_one(workdir: Path, checks: list[Check], summary: list[str]) -> None:
     )
     lost = sum(1 for s in sections if s["lost"])
     checks.append(Check(lost == 0, f"{lost} leases lost inside a critical section"))
+    print(
+        f"  lock events seen by the workers: acquired {metrics.get('acquired', 0):.0f}, "
+        f"released {metrics.get('released', 0):.0f}, lost {metrics.get('lost', 0):.0f}; "
+        f"waited {metrics.get('waited_total', 0):.2f} s in all, at most "
+        f"{metrics.get('waited_max', 0) * 1000:.0f} ms"
+    )
+    checks.append(
+        Check(
+            metrics.get("acquired") == metrics.get("released") == len(sections),
+            "the event stream reported every grant and release "
+            f"({metrics.get('acquired', 0):.0f} / {metrics.get('released', 0):.0f})",
+        )
+    )
     summary.insert(0, f"critical sections run: {len(sections)} (by {WORKERS} processes)")
     summary.insert(1, f"overlapping sections on the same key: {total_overlaps} (must be 0)")
 
@@ -337,6 +372,9 @@ def main() -> int:
     began = time.monotonic()
     checks: list[Check] = []
     summary: list[str] = []
+    # Kept after the run (the lock directory is not): the journal and its picture.
+    journal_dir = Path(tempfile.mkdtemp(prefix="simple-mutex-journal-"))
+    os.environ[journal.ENV] = str(journal_dir)  # the spawned workers inherit it
     with tempfile.TemporaryDirectory(prefix="simple-mutex-demo-") as tmp:
         workdir = Path(tmp)
         for key in KEYS:
@@ -347,6 +385,9 @@ def main() -> int:
         print()
         part_one(workdir, checks, summary)
         part_two(workdir, checks, summary)
+    print()
+    drawn = timeline.cli_main([str(journal_dir)], str(journal_dir / "timeline.html"))
+    checks.append(Check(drawn == 0, "the journal was drawn as timeline.html"))
     print()
     print("Summary:")
     for line in summary:

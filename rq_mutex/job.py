@@ -7,6 +7,9 @@ under every worker class and in ``Queue(is_async=False)``)::
                (``Queue.create_job``, which every enqueue path goes through)
     start      key from the bound arguments; a second copy of an ``rq cron`` tick is
                dropped (skip marker, reason "duplicate tick"; see ``rq_mutex.cron``)
+               A skipped run is flagged in ``job.meta`` (saved), for dashboards:
+               ``rq_mutex_skipped`` True, ``rq_mutex_skip_reason`` ("busy" |
+               "duplicate tick"), ``rq_mutex_holder`` (the holder's label, when known)
                renew=False: job_timeout < lease again, for jobs made without create_job
                acquire (label "rq:<job id>")
                busy: skip    -> return {"rq_mutex": "skipped", "key": ...}
@@ -34,8 +37,15 @@ from typing import Any, TypeVar
 from rq import Queue, Retry, get_current_job
 from rq.job import Job
 
-from simple_mutex import ConstraintError, Mutex, Semaphore, SimpleMutexAcquireTimeoutError
+from simple_mutex import (
+    ConstraintError,
+    MalfunctionError,
+    Mutex,
+    Semaphore,
+    SimpleMutexAcquireTimeoutError,
+)
 from simple_mutex.busy import BusyPolicy, PerProcess, running, shared_cache, skip_marker
+from simple_mutex.contract import is_async
 from simple_mutex.decorator import key_function
 from simple_mutex.durations import Duration
 
@@ -159,6 +169,7 @@ class _Run:
         key = self.key_of(*args, **kwargs)
         if job.meta and META_TICK in job.meta and not first_run_of_tick(job):
             log.info("job %s skipped: its cron tick already ran", job.id)
+            flag_skipped(job, "duplicate tick", None)
             return key, skip_marker("rq_mutex", key, reason="duplicate tick")
         if not self.policy.renew:
             self.check_timeout(job, key)
@@ -181,13 +192,25 @@ class _Run:
         synchronous = job.worker_name == SYNC_WORKER
         delay = self.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
         if delay is None:
-            log.info("job %s skipped: %r is busy", job.id, key)
+            holder = self._holder_label(job, key)
+            log.info("job %s skipped: %r is busy (held by %s)", job.id, key, holder)
+            flag_skipped(job, "busy", holder)
             return skip_marker("rq_mutex", key)
         interval = max(1, math.ceil(delay))  # RQ schedules by the second; Retry takes ints
         _warn_if_no_scheduler(job)
         log.info("job %s: %r is busy, retrying in %d s", job.id, key, interval)
         limit = self.policy.retry.max
         return Retry(max=UNLIMITED_RETRIES if limit is None else limit, interval=interval)
+
+    def _holder_label(self, job: Job, key: str) -> str | None:
+        """Who was in the way, for the job's meta: best effort, never failing the skip."""
+        try:
+            space = self._space(job)
+            holder = None if is_async(space.cache) else space.holder(key)
+        except MalfunctionError as fault:
+            log.warning("job %s: could not read who holds %r: %s", job.id, key, fault)
+            return None
+        return None if holder is None else holder.label
 
     def check_timeout(self, job: Job, key: str | None) -> None:
         """With a fixed lease, RQ's own timeout must end the job before the lease can:
@@ -204,6 +227,18 @@ class _Run:
                 "or use renew=True",
                 key=key,
             )
+
+
+META_SKIPPED = "rq_mutex_skipped"
+META_SKIP_REASON = "rq_mutex_skip_reason"
+META_HOLDER = "rq_mutex_holder"
+
+
+def flag_skipped(job: Job, reason: str, holder: str | None) -> None:
+    """Mark a skipped run in ``job.meta`` where dashboards and ``Job.fetch`` see it: the
+    job itself ends FINISHED, like any run that returned."""
+    job.meta.update({META_SKIPPED: True, META_SKIP_REASON: reason, META_HOLDER: holder})
+    job.save_meta()  # type: ignore[no-untyped-call]
 
 
 def _warn_if_no_scheduler(job: Job) -> None:

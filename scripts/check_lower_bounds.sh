@@ -15,11 +15,12 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
-USER_EXTRAS="redis,postgres,mongo,s3,celery,rq"
+USER_EXTRAS="redis,postgres,mongo,s3,celery,rq,prometheus,otel"
 # One file per tier and integration; the slowest process tests are left to the main run.
 INTEGRATION_TESTS=(
     tests/test_redis.py tests/test_postgres.py tests/test_mongo.py tests/test_s3.py
     tests/test_celery_inproc.py tests/test_celery_prefork.py tests/test_rq.py
+    tests/test_prometheus.py tests/test_opentelemetry.py tests/test_observe_workers.py
 )
 
 python="${PYTHON:-$(python_for 3.10)}" \
@@ -55,7 +56,7 @@ pip_install "$VENV" -e ".[test,$USER_EXTRAS]" -c "$constraints" \
 pip_install "$VENV" --pre -r scripts/test-servers.txt -c "$constraints" \
     || die "pip install of the test servers failed"
 say "installed: $("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
-    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|boto3|botocore)==' \
+    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|boto3|botocore|prometheus.client|opentelemetry-(api|sdk))==' \
     | paste -sd' ')"
 
 ensure_services

@@ -260,6 +260,17 @@ ensure_rabbitmq() {  # the Celery tests run their prefork workers on RabbitMQ to
     SERVICE_WAIT="${SERVICE_WAIT:-60}" ensure_service "rabbitmq ($AMQP_URL)" rabbitmq_ping rabbitmq_start
 }
 
+# The timeline page is tested in a real browser: Debian's Chromium at /usr/bin/chromium
+# (Playwright drives it; its own browser download cannot be relied on).
+CHROMIUM="${CHROMIUM:-/usr/bin/chromium}"
+ensure_chromium() {
+    if [[ -x "$CHROMIUM" ]]; then
+        return 0
+    fi
+    say "chromium is missing; installing it with apt-get"
+    apt_install chromium || die "cannot install chromium (no apt-get or no root): install it by hand at $CHROMIUM"
+}
+
 # Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
 ensure_services() {
     # Every tier's tests run by default; SIMPLE_MUTEX_SERVICES="" starts none.

@@ -6,6 +6,8 @@ The cache you pass sets who the lock excludes: ``InMemoryCache`` one process,
 
 from __future__ import annotations
 
+import os as _os
+
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it
 
 from .caches import DiskCache, InMemoryCache, cache_from_url
@@ -22,6 +24,11 @@ from .errors import (
 from .lease import Lease
 from .mutex import Mutex, Semaphore
 from .records import Holder
+
+if _os.environ.get("SIMPLE_MUTEX_JOURNAL"):  # opt-in; unset costs this one look-up
+    from .journal import start_from_environment as _start_journal
+
+    _start_journal()
 
 __all__ = [
     "ConditionalCache",

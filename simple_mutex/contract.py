@@ -41,6 +41,22 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     fine: the engine retries and keeps its own deadline. A cache with no notification
     simply sleeps.
 
+``scan(prefix)`` (optional: the :class:`Scannable` capability)
+    Yield ``(key, entry)`` for every live entry whose key starts with ``prefix``, each as
+    ``get`` would have returned it at some moment during the scan, in no particular
+    order. Absent, freed and expired keys are never yielded, nor the cache's own side
+    records (fence counters, waiter marks). Every character of ``prefix`` is literal: a
+    ``*``, ``%``, ``_``, ``[`` or ``.`` matches only itself (escape it for the backend's
+    pattern language, or use a range on the key). A key written or freed while the scan
+    runs may or may not show. Operators' tools (``simple_mutex.inspect``, the
+    ``simple-mutex`` command) need it; locking never calls it.
+
+``waited_on(key)`` (optional)
+    True if a waiter is blocked on ``key`` now (or was within the last few seconds), as
+    far as the cache's own wake-up bookkeeping tells (Redis's waiter mark, the disk
+    store's marked rows). Shown by ``simple-mutex watch``; a cache that cannot tell has
+    no such method.
+
 Faults of the driver (connection refused, corrupt file, timeouts) must be raised as
 ``MalfunctionError`` naming the cache and the operation, never as the driver's own error.
 
@@ -52,7 +68,7 @@ method a coroutine (``redis.asyncio``, psycopg's ``AsyncConnection``, pymongo's
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 
@@ -85,6 +101,13 @@ class ConditionalCache(Protocol):
     def compare_and_delete(self, key: str, *, version: str) -> bool | None: ...
 
     def wait(self, keys: Sequence[str], timeout: float) -> None: ...
+
+
+@runtime_checkable
+class Scannable(Protocol):
+    """The optional capability to list live entries by key prefix (module docstring)."""
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]: ...
 
 
 @runtime_checkable

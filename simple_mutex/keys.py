@@ -15,6 +15,7 @@ import re
 import string
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote
 
 from .errors import ConstraintError
 
@@ -54,6 +55,34 @@ def encode_key(key: str) -> str:
         return encoded
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{encoded[:_HEAD_CHARS]}~{digest}"
+
+
+def is_hashed(encoded: str) -> bool:
+    """Was this encoded key too long, its tail replaced by a digest? (Only those are
+    longer than MAX_KEY_CHARS.)"""
+    return len(encoded) > MAX_KEY_CHARS
+
+
+def decode_key(encoded: str) -> str | None:
+    """The user's key that ``encode_key`` turned into ``encoded``, exactly; None when the
+    key was hashed (its record carries it) or ``encode_key`` could not have made it."""
+    if is_hashed(encoded) or not encoded:
+        return None
+    try:
+        key = unquote(encoded, errors="surrogatepass") if "%" in encoded else encoded
+    except UnicodeDecodeError:
+        return None
+    return key if encode_key(key) == encoded else None
+
+
+def split_slot(cache_key: str) -> tuple[str, int] | None:
+    """``base#N`` as (base, N), a plain base as (base, 0); None for a malformed slot."""
+    base, sep, slot = cache_key.partition("#")
+    if not sep:
+        return base, 0
+    if not slot.isdigit() or slot != str(int(slot)) or int(slot) == 0:
+        return None
+    return base, int(slot)
 
 
 def slot_key(base: str, slot: int) -> str:

@@ -82,6 +82,7 @@ class Claim(Protocol):
 
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+_LOSS_REPORTS = threading.RLock()  # see Lease._report_loss
 
 
 def lapse_margin(length: float) -> float:
@@ -370,12 +371,16 @@ class Lease:
             callback()
 
     def _report_loss(self) -> None:
-        if self._loss_reported or self._lost_reason is None:
-            return
-        self._loss_reported = True
-        if self._listening or events.wanted("lost"):
-            held = time.monotonic() - self._granted
-            self._report("lost", held=held, reason=self._lost_reason)
+        # The keeper's pool and the holder's own release may both get here; whoever comes
+        # second waits until the event is out, so once the holder sees its error, the
+        # "lost" event has reached every subscriber. Losses are rare: one lock for all.
+        with _LOSS_REPORTS:
+            if self._loss_reported or self._lost_reason is None:
+                return
+            self._loss_reported = True
+            if self._listening or events.wanted("lost"):
+                held = time.monotonic() - self._granted
+                self._report("lost", held=held, reason=self._lost_reason)
 
     def _report(
         self,

@@ -19,7 +19,7 @@ from .durations import Duration, positive_seconds, timeout_seconds
 from .engine import Flow, Grant, Handoffs, run, run_async
 from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
 from .keeper import keeper
-from .keys import check_key, check_prefix, encode_key, slot_key
+from .keys import check_key, check_prefix, encode_key, is_hashed, slot_key
 from .lease import Lease
 from .records import Holder, check_token, encode_record, holder_of, new_token, record_token
 
@@ -250,7 +250,9 @@ class _LockSpace:
         check_label(label)
         slot_keys = self._slot_keys(key)
         token = new_token() if token is None else check_token(token)
-        value = encode_record(token, self.label if label is None else label, time.time())
+        # A hashed cache key cannot be read back as the user's key: the record carries it.
+        spelled = key if is_hashed(slot_keys[0][len(self.prefix) :]) else None
+        value = encode_record(token, self.label if label is None else label, time.time(), spelled)
         # Does anyone listen to lock events? Decided once per acquire, for the whole lease.
         if events.subscribers:
             return _Claim(self, key, slot_keys, token, value, renew, time.monotonic(), True)

@@ -41,14 +41,23 @@ def check_token(token: object) -> str:
     return token
 
 
-def encode_record(token: str, label: str | None, acquired_at: float) -> str:
+def encode_record(token: str, label: str | None, acquired_at: float, key: str | None = None) -> str:
     """The JSON record. Formatted by hand (json.dumps was a third of an in-memory cycle):
-    the token is hex and the pid an int, so only host and label need escaping."""
+    the token is hex and the pid an int, so only host and label need escaping. ``key`` is
+    the user's key, written only when its cache key was hashed (too long to decode back):
+    ``simple_mutex.inspect`` then reads it from here."""
     # The pid is read at call time: a forked child is a different holder.
+    tail = "" if key is None else f',"key":{json.dumps(key)}'
     return (
         f'{{"v":1,"token":"{token}","host":{_HOST_JSON},"pid":{os.getpid()},'
-        f'"label":{_json_str(label)},"acquired_at":{acquired_at:.6f}}}'
+        f'"label":{_json_str(label)},"acquired_at":{acquired_at:.6f}{tail}}}'
     )
+
+
+def record_key(entry: Entry, cache_name: str, key: str) -> str | None:
+    """The user's key a record carries (only records of hashed keys carry one)."""
+    found = _decode(entry, cache_name, key).get("key")
+    return found if isinstance(found, str) else None
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,6 +17,8 @@ Knobs a subclass may override for a slow or remote backend:
     How far ``expires_at`` may sit from ``time.time() + ttl`` (clock skew to a server).
 ``wait_slack``
     How far past its timeout ``wait()`` may return (scheduling and round trips).
+``foreign_key_chars``
+    Characters the server does not keep verbatim in a key (the scan tests skip them).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pytest
 from workers import ReleaseLater
 
 from simple_mutex import ConditionalCache, SimpleCacheConditionError
-from simple_mutex.contract import Entry
+from simple_mutex.contract import Entry, Scannable
 
 FORK = multiprocessing.get_context("fork")
 
@@ -38,6 +40,11 @@ def _use_inherited_cache(cache: ConditionalCache, key: str) -> None:
     for _ in range(20):
         entry = cache.put_if_absent(key, "child", ttl=30)
         cache.compare_and_delete(key, version=entry.version)
+
+
+def scannable(cache: ConditionalCache) -> Scannable:
+    assert isinstance(cache, Scannable)
+    return cache
 
 
 def unique_key(name: str = "k") -> str:
@@ -76,6 +83,7 @@ class CacheContract:
     expiry_slack: float = 0.1
     clock_tolerance: float = 1.0
     wait_slack: float = 0.15
+    foreign_key_chars: str = ""
 
     def let_expire(self) -> None:
         time.sleep(self.short_ttl + self.expiry_slack)
@@ -357,6 +365,55 @@ class CacheContract:
             if child.exitcode is None:
                 child.kill()
         assert [child.exitcode for child in children] == [0, 0, 0]
+
+    # -- scan (the optional Scannable capability, which every cache here has) ------------
+
+    def test_cache_can_scan(self, cache: ConditionalCache) -> None:
+        """The cache offers the optional scan capability (operators' tools need it)."""
+        assert isinstance(cache, Scannable)
+
+    def test_scan_lists_exactly_the_live_entries_under_the_prefix(
+        self, cache: ConditionalCache
+    ) -> None:
+        """Live entries under the prefix (semaphore slots included) are listed, each as get
+        returns it; freed keys, keys under a sibling prefix and other keys are not."""
+        base = unique_key("scan") + "."
+        held_keys = [base + "a", base + "b.c", base + "d#1"]
+        for key in held_keys:
+            cache.put_if_absent(key, f"value of {key}", ttl=30)
+        freed = base + "freed"
+        cache.compare_and_delete(freed, version=cache.put_if_absent(freed, "f", ttl=30).version)
+        cache.put_if_absent(base[:-1] + "-sibling", "s", ttl=30)
+        cache.put_if_absent(unique_key(), "elsewhere", ttl=30)
+        waited_on(cache, base + "waited")  # side records (waiter marks, fences) stay hidden
+        listed = dict(scannable(cache).scan(base))
+        assert set(listed) == {*held_keys, base + "waited"}
+        for key, entry in listed.items():
+            assert cache.get(key) == entry
+
+    def test_scan_never_lists_expired_entries(self, cache: ConditionalCache) -> None:
+        """An entry whose ttl ran out is not listed, though a live neighbour is."""
+        base = unique_key("scan") + "."
+        cache.put_if_absent(base + "short", "v", ttl=self.short_ttl)
+        cache.put_if_absent(base + "long", "v", ttl=30)
+        self.let_expire()
+        assert [key for key, _ in scannable(cache).scan(base)] == [base + "long"]
+
+    @pytest.mark.parametrize("special", ["*", "?", "[x]", "%", "_", ".", "^", "$", "\\", "(", "+"])
+    def test_scan_prefix_characters_are_literal(
+        self, cache: ConditionalCache, special: str
+    ) -> None:
+        """Glob (Redis), LIKE (SQL) and regex characters in the prefix match only
+        themselves: the decoys match the prefix read as a pattern, never literally."""
+        if special in self.foreign_key_chars:
+            pytest.skip(f"this server does not keep {special!r} in a key verbatim")
+        base = unique_key("scan") + "."
+        ours = [base + "a" + special, base + "a" + special + "tail", base + "a" + special + "#1"]
+        decoys = [base + "aX", base + "aXtail", base + "a", base + "ab" + special]
+        for key in ours + decoys:
+            cache.put_if_absent(key, "v", ttl=30)
+        listed = sorted(key for key, _ in scannable(cache).scan(base + "a" + special))
+        assert listed == sorted(ours)
 
 
 class NotifyContract:

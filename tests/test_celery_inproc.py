@@ -269,3 +269,23 @@ def test_enqueue_keeps_a_busy_retrying_call_and_its_retries_get_through(
     finally:
         timer.join()
     assert RUNS.count(("queued_retry", order_id)) == 1
+
+
+def test_per_call_key_and_on_busy_survive_a_busy_republish(mutex_worker, mutex_locks, order_id):
+    """``apply_async(mutex={"key": ..., "on_busy": "retry"})`` on a skip task, in a real
+    worker: the call locks its own key, and its busy re-publish keeps both options (the
+    worker turns the header into a request attribute), so it runs once the key is free."""
+    own = f"custom.{order_id}"
+    timer = ReleaseLater(0.6, mutex_locks.acquire(own).release)
+    started = time.monotonic()
+    try:
+        result = inproc.skip_task.apply_async(
+            (order_id,), mutex={"key": own, "on_busy": "retry", "timeout": 0}
+        )
+        assert result.get(timeout=GET) == "ran"
+    finally:
+        timer.join()
+    assert time.monotonic() - started >= 0.5  # it waited for the holder of its own key
+    assert RUNS.count(("skip_task", order_id)) == 1
+    with mutex_locks.acquire(f"order.{order_id}"):  # its template's key is not the one
+        assert inproc.skip_task.apply_async((order_id,), mutex={"key": own}).get(GET) == "ran"

@@ -47,6 +47,9 @@ def _task(app: Celery | None = None, **mutex: Any) -> Any:
         ({"enqueue": "maybe"}, "enqueue must be None, 'return' or 'raise'"),
         ({"enqueue_ttl": 0}, "enqueue_ttl must be greater than 0"),
         ({"prefix": 3}, "prefix must be a str"),
+        ({"prefix": "queued.jobs."}, "could meet the records celery_mutex keeps under queued."),
+        ({"prefix": ""}, "could meet the records .* under queued., beat., ticks."),
+        ({"prefix": "p" * 60}, "prefix must be at most 57 characters"),
     ],
 )
 def test_bad_options_fail_when_the_task_is_defined(options, fragment):
@@ -225,3 +228,56 @@ def test_always_eager_busy_retry_waits_then_fails_within_its_budget():
         assert 0.25 <= time.monotonic() - started < 3
     with pytest.raises(SimpleMutexAcquireTimeoutError, match="synchronous call cannot be"):
         result.get()
+
+
+def test_apply_async_mutex_overrides_key_on_busy_and_timeout_for_one_call():
+    """``apply_async(..., mutex={...})`` changes the key, on_busy and timeout of that call
+    only (here under task_always_eager); an option that describes the task's locks as a
+    whole, or a bad value, raises ConstraintError instead of being ignored."""
+    cache = InMemoryCache()
+    task = _task(_app(task_always_eager=True), key="e.{n}", cache=cache, on_busy="raise")
+    with Mutex(cache).acquire("e.1"):
+        assert task.apply_async((1,), mutex={"key": "own"}).get() == "ran"  # another key
+        assert is_skipped(task.apply_async((1,), mutex={"on_busy": "skip"}).get())
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            task.apply_async((1,)).get()  # the next call has the task's options again
+        with Mutex(cache).acquire("own"), pytest.raises(SimpleMutexAcquireTimeoutError):
+            task.apply_async((2,), mutex={"key": "own"}).get()
+    holder = Mutex(cache).acquire("e.1")
+    ReleaseLater(0.2, holder.release)
+    started = time.monotonic()
+    waited = task.apply_async((1,), mutex={"on_busy": "wait", "timeout": 5})
+    assert waited.get() == "ran"
+    assert time.monotonic() - started >= 0.15
+    for given, fragment in [
+        ({"lease": 5}, "'lease' cannot change per call"),
+        ({"cache": "memory://", "prefix": "x."}, "'cache', 'prefix' cannot change per call"),
+        ({"on_busy": "later"}, "on_busy must be one of"),
+        ({"timeout": -1}, "timeout"),
+        ({"key": ""}, "key must be a non-empty str"),
+        ({"on_bussy": "skip"}, r"unknown mutex option\(s\) 'on_bussy'"),
+        ("skip", "expected a dict of mutex options"),
+    ]:
+        with pytest.raises(ConstraintError, match=fragment):
+            task.apply_async((1,), mutex=given)
+
+
+def test_a_key_that_looks_like_a_marker_is_still_a_task_lock():
+    """The enqueue markers live beside the prefix ("queued.mutex.<key>"), never under it:
+    a task whose key is "queued.{n}" neither blocks nor is blocked by another task's
+    marker for key "{n}"."""
+    cache = InMemoryCache()
+    app = _app(mutex_cache=cache, task_always_eager=False)
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "{n}", "enqueue": "raise"})
+    def plain(n: int) -> str:
+        return "ran"
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "queued.{n}", "on_busy": "raise"})
+    def looks_alike(n: int) -> str:
+        return "ran"
+
+    plain.apply_async((5,), task_id="t-5")  # sent to the in-memory broker, marks "5"
+    assert Mutex(cache, prefix="queued.mutex.").locked("5")
+    assert not Mutex(cache, prefix="mutex.").locked("queued.5")
+    assert looks_alike.apply((5,)).get() == "ran"  # not taken for the marker

@@ -42,7 +42,7 @@ import pytest
 from servers import OwnServer, free_port
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, Mutex
-from simple_mutex.caches import disk, postgres
+from simple_mutex.caches import disk, postgres_core
 from simple_mutex.caches.mongo import MongoCache
 from simple_mutex.caches.postgres import PostgresCache
 from simple_mutex.caches.s3 import S3Cache, client_config
@@ -356,7 +356,7 @@ class TestPostgresFences(CollectedByTheLibrary, PerKeyCounter, FenceBehaviour):
         """A table made before collection existed (no index, small fences, freed rows
         stamped with their lease's end) gains the index, has its old rows collected,
         and its keys' fences jump to the clock."""
-        monkeypatch.setattr(postgres, "gc_due", lambda: False)  # only the passes below
+        monkeypatch.setattr(postgres_core, "gc_due", lambda: False)  # only the passes below
         table = f"{RUN}_old"
         admin.execute(
             f'CREATE TABLE "{table}" (key text PRIMARY KEY, value text, version text NOT NULL, '

@@ -31,7 +31,7 @@ from contract import CacheContract, unique_key
 from servers import free_port, scripts
 
 from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
-from simple_mutex.caches import mongo
+from simple_mutex.caches import mongo_core
 from simple_mutex.caches.mongo import MongoCache, from_url
 
 DB = f"smx_test_{uuid.uuid4().hex[:8]}"
@@ -140,7 +140,7 @@ def test_expiry_is_judged_by_the_servers_clock(client, monkeypatch: pytest.Monke
     local = MongoCache(client, database=DB, clock="client")
     key = unique_key()
     entry = server.put_if_absent(key, "v1", ttl=30)
-    monkeypatch.setattr(mongo, "_now_ms", lambda: int((time.time() + 3600) * 1000))
+    monkeypatch.setattr(mongo_core, "_now_ms", lambda: int((time.time() + 3600) * 1000))
     assert server.get(key) == entry
     with pytest.raises(SimpleCacheConditionError):
         server.put_if_absent(key, "v2", ttl=30)

@@ -50,10 +50,10 @@ def connect() -> psycopg.Connection[Any]:
     return psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
 
 
-@pytest.fixture(scope="module")
-def admin() -> Iterator[psycopg.Connection[Any]]:
+@contextlib.contextmanager
+def tables_of_run(run: str) -> Iterator[psycopg.Connection[Any]]:
     """A connection to the server; fails (never skips) when it does not answer. Drops
-    every table of this run at the end."""
+    every table whose name starts with ``run`` at the end."""
     try:
         conn = connect()
     except psycopg.Error as exc:
@@ -63,11 +63,17 @@ def admin() -> Iterator[psycopg.Connection[Any]]:
         )
     yield conn
     rows = conn.execute(
-        "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (RUN + "%",)
+        "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (run + "%",)
     ).fetchall()
     for (name,) in rows:
         conn.execute(f'DROP TABLE "{name}"')
     conn.close()
+
+
+@pytest.fixture(scope="module")
+def admin() -> Iterator[psycopg.Connection[Any]]:
+    with tables_of_run(RUN) as conn:
+        yield conn
 
 
 @pytest.fixture

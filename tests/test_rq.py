@@ -449,4 +449,7 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     assert not first_run_of_tick(duplicate)
     assert duplicate.return_value()["reason"] == "duplicate tick"
     assert is_skipped(duplicate.return_value())
+    duplicate.refresh()
+    assert duplicate.meta["rq_mutex_skipped"] is True  # what a dashboard sees
+    assert duplicate.meta["rq_mutex_skip_reason"] == "duplicate tick"
     assert len(records(conn, f"{run}-1", "ticks")) == len(ticks)

@@ -130,6 +130,8 @@ def cache(client: Any) -> S3Cache:
 class TestS3CacheContractSeaweedFS(CacheContract):
     """S3Cache passes the shared contract against SeaweedFS."""
 
+    foreign_key_chars = "\\"  # SeaweedFS does not keep a backslash in an object name as written
+
 
 class TestS3CacheContractMoto(CacheContract):
     """...and against moto's server (AWS's error codes)."""

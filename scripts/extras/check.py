@@ -13,6 +13,7 @@ on the first failure, with what went wrong.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import servers  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
 DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq")
+SINKS = ("prometheus_client", "opentelemetry")  # simple_mutex.contrib only, never the core
 
 
 class CheckFailed(Exception):
@@ -68,11 +70,32 @@ def round_trip(cache: Any, label: str) -> None:
     ok(f"{label}: acquired and released {key} (fence {lease.fence})")
 
 
+def async_round_trip(open_cache: Callable[[], Awaitable[tuple[Any, Any]]], label: str) -> None:
+    """The round trip through the ``_async`` methods, on a loop of its own; ``open_cache``
+    opens a client on that loop and returns what ``Mutex`` takes, and the client."""
+
+    async def main() -> None:
+        cache, client = await open_cache()
+        mutex = Mutex(cache, lease=10)
+        key = f"check-extras.{RUN}.{label}"
+        async with mutex.acquire_async(key, timeout=10) as lease:
+            holder = await mutex.holder_async(key)
+            require(holder is not None and holder.fence == lease.fence, f"holder gave {holder}")
+            require(await mutex.try_acquire_async(key) is None, "a second holder got the lock")
+        require(not await mutex.locked_async(key), "the lock stayed held after release")
+        await client.close()
+        ok(f"{label}: acquired and released {key} on the event loop (fence {lease.fence})")
+
+    from simple_mutex import Mutex
+
+    asyncio.run(main())
+
+
 def check_core() -> None:
     import simple_mutex
     from simple_mutex import DiskCache, InMemoryCache, cache_from_url
 
-    loaded = sorted(name for name in DRIVERS if name in sys.modules)
+    loaded = sorted(name for name in DRIVERS + SINKS if name in sys.modules)
     require(not loaded, f"import simple_mutex pulled in {loaded}")
     ok(f"import simple_mutex {simple_mutex.__version__}: standard library only")
     round_trip(InMemoryCache(), "InMemoryCache")
@@ -99,7 +122,7 @@ def check_postgres() -> None:
     from psycopg_pool import ConnectionPool
 
     from simple_mutex import cache_from_url
-    from simple_mutex.caches import PostgresCache
+    from simple_mutex.caches import AsyncPostgresCache, PostgresCache
 
     url = env("POSTGRES_URL")
     table = f"check_extras_{RUN}"
@@ -107,6 +130,12 @@ def check_postgres() -> None:
     with ConnectionPool(url, kwargs={"autocommit": True}, min_size=1, max_size=2) as pool:
         round_trip(PostgresCache(pool, table=table), "PostgresCache(ConnectionPool)")
     round_trip(cache_from_url(f"{url}?table={table}"), "cache_from_url(postgresql://)")
+
+    async def connection() -> tuple[Any, Any]:
+        conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        return AsyncPostgresCache(conn, table=table), conn
+
+    async_round_trip(connection, "AsyncPostgresCache(AsyncConnection)")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
@@ -122,6 +151,12 @@ def check_mongo() -> None:
     database = f"check_extras_{RUN}"
     round_trip(MongoCache(client, database=database), "MongoCache")
     round_trip(cache_from_url(f"{url.rstrip('/')}/{database}"), "cache_from_url(mongodb://)")
+
+    async def async_client() -> tuple[Any, Any]:
+        aio = pymongo.AsyncMongoClient(url, serverSelectionTimeoutMS=5000)
+        return aio[database], aio
+
+    async_round_trip(async_client, "Mutex(AsyncDatabase)")
     client.drop_database(database)
 
 
@@ -222,6 +257,45 @@ def check_rq() -> None:
     ok(f"rq worker ran a mutex_job (key order.7, fence {seen['fence']})")
 
 
+def check_prometheus() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from simple_mutex import InMemoryCache
+    from simple_mutex.contrib import prometheus
+
+    registry = CollectorRegistry()
+    uninstrument = prometheus.instrument(registry)
+    try:
+        round_trip(InMemoryCache(), "InMemoryCache, instrumented")
+        labels = {"name": "mutex", "outcome": "acquired"}
+        counted = registry.get_sample_value("simple_mutex_acquires_total", labels)
+        require(counted == 1, f"simple_mutex_acquires_total{labels} = {counted}, not 1")
+        labels["outcome"] = "busy"
+        busy = registry.get_sample_value("simple_mutex_acquires_total", labels)
+        require(busy == 1, f"the busy try was counted {busy} times, not once")
+    finally:
+        uninstrument()
+    ok("simple_mutex.contrib.prometheus: one grant and one busy try counted")
+
+
+def check_otel() -> None:
+    # The API alone (no SDK): the providers are no-ops, and instrumenting must cost nothing
+    # more than that. Spans themselves are tested with the SDK in tests/test_opentelemetry.py.
+    from opentelemetry import trace
+
+    from simple_mutex import InMemoryCache
+    from simple_mutex.contrib import opentelemetry
+
+    require("opentelemetry.sdk" not in sys.modules, "the otel extra pulled in the SDK")
+    uninstrument = opentelemetry.instrument()
+    try:
+        with trace.get_tracer("check").start_as_current_span("check"):
+            round_trip(InMemoryCache(), "InMemoryCache, instrumented (API only)")
+    finally:
+        uninstrument()
+    ok("simple_mutex.contrib.opentelemetry: instruments on opentelemetry-api alone")
+
+
 def main(spec: str) -> None:
     extras = [name for name in spec.split(",") if name]
     checks: dict[str, Callable[[], None]] = {
@@ -231,6 +305,8 @@ def main(spec: str) -> None:
         "s3": check_s3,
         "celery": lambda: check_celery(extras),
         "rq": check_rq,
+        "prometheus": check_prometheus,
+        "otel": check_otel,
     }
     unknown = set(extras) - set(checks)
     if unknown:

@@ -1,17 +1,18 @@
 """The caches a lock can live in; the one you pass sets who the lock excludes.
 
-=============  ============  =========================================
-cache          scope         extra
-=============  ============  =========================================
-InMemoryCache  one process   none
-DiskCache      one machine   none
-RedisCache     every machine ``simple-mutex[redis]``
-PostgresCache  every machine ``simple-mutex[postgres]``
-MongoCache     every machine ``simple-mutex[mongo]``
-S3Cache        every machine ``simple-mutex[s3]``
-=============  ============  =========================================
-
-``AsyncRedisCache`` is RedisCache for ``redis.asyncio`` clients (same extra).
+==================  ============  =========================================
+cache               scope         extra
+==================  ============  =========================================
+InMemoryCache       one process   none
+DiskCache           one machine   none
+RedisCache          every machine ``simple-mutex[redis]``
+AsyncRedisCache     every machine ``simple-mutex[redis]`` (asyncio)
+PostgresCache       every machine ``simple-mutex[postgres]``
+AsyncPostgresCache  every machine ``simple-mutex[postgres]`` (asyncio)
+MongoCache          every machine ``simple-mutex[mongo]``
+AsyncMongoCache     every machine ``simple-mutex[mongo]``, pymongo >= 4.13
+S3Cache             every machine ``simple-mutex[s3]``
+==================  ============  =========================================
 
 Backends with a driver are imported on first use (``registry.py``), so
 ``import simple_mutex`` needs nothing beyond the standard library.
@@ -29,12 +30,16 @@ from .url import cache_from_url
 
 if TYPE_CHECKING:
     from .mongo import MongoCache
+    from .mongo_async import AsyncMongoCache
     from .postgres import PostgresCache
+    from .postgres_async import AsyncPostgresCache
     from .redis import RedisCache
     from .redis_async import AsyncRedisCache
     from .s3 import S3Cache
 
 __all__ = [
+    "AsyncMongoCache",
+    "AsyncPostgresCache",
     "AsyncRedisCache",
     "DiskCache",
     "InMemoryCache",

@@ -91,6 +91,20 @@ def gc_due() -> bool:
     return random.getrandbits(6) == 0
 
 
+def prefix_end(prefix: str) -> str | None:
+    """The least string above every string that starts with ``prefix`` (code point order,
+    which is UTF-8 byte order too), or None when there is none (an empty prefix): the
+    exclusive end of an index range that lists exactly the keys under ``prefix``."""
+    while prefix:
+        last = ord(prefix[-1]) + 1
+        if last == 0xD800:  # surrogates are not characters: the next one is U+E000
+            last = 0xE000
+        if last <= 0x10FFFF:
+            return prefix[:-1] + chr(last)
+        prefix = prefix[:-1]
+    return None
+
+
 def ttl_ms(ttl: float) -> int:
     """The ttl in whole ms, rounded up: the cache's expiry never comes before the holder's
     own deadline."""

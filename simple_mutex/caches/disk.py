@@ -26,7 +26,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -43,6 +43,7 @@ from .common import (
     gc_due,
     malformed,
     new_version,
+    prefix_end,
 )
 from .gate import open_gate
 
@@ -84,6 +85,13 @@ _GET = """
 SELECT value, version, fence, expires_at FROM entries
 WHERE key = ?1 AND value IS NOT NULL AND expires_at > ?2
 """
+# Live rows under a prefix: a range on the primary key (BINARY collation: the byte order
+# of UTF-8, which is code point order), so the index finds them and no pattern is parsed.
+_SCAN = """
+SELECT key, value, version, fence, expires_at FROM entries
+WHERE key >= ?1 AND (?2 IS NULL OR key < ?2) AND value IS NOT NULL AND expires_at > ?3
+"""
+_WAITED_ON = "SELECT waiting FROM entries WHERE key = ?1 AND waiting > ?2"
 _CAS = """
 UPDATE entries SET value = ?2, version = ?3, expires_at = ?4
 WHERE key = ?1 AND version = ?5 AND value IS NOT NULL AND expires_at > ?6
@@ -188,6 +196,15 @@ class DiskCache(CacheBase):
     def get(self, key: str) -> Entry | None:
         row = self._run("get", key, _GET, (key, self._clock())).fetchone()
         return None if row is None else self._entry("get", key, row)
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        rows = self._run("scan", prefix, _SCAN, (prefix, prefix_end(prefix), self._clock()))
+        found = rows.fetchall()  # read at once: the connection serves the next call
+        return iter([(row[0], self._entry("scan", row[0], row[1:])) for row in found])
+
+    def waited_on(self, key: str) -> bool:
+        """Is a waiter blocked on ``key``? Its ``wait`` marked the row until its timeout."""
+        return self._run("waited_on", key, _WAITED_ON, (key, self._clock())).fetchone() is not None
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()

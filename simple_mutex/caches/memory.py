@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from simple_mutex.contract import Entry
 from simple_mutex.errors import SimpleCacheConditionError
@@ -70,6 +70,18 @@ class InMemoryCache(CacheBase):
     def get(self, key: str) -> Entry | None:
         with self._guard:
             return self._live(key, self._clock())
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """Live entries under ``prefix``: a copy taken under the lock, so the caller may
+        lock and release while it iterates."""
+        with self._guard:
+            now = self._clock()
+            found = [
+                (key, entry)
+                for key, entry in self._entries.items()
+                if key.startswith(prefix) and entry.expires_at > now
+            ]
+        return iter(found)
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         with self._guard:

@@ -27,7 +27,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
@@ -96,6 +96,28 @@ class RedisCache(RedisLayout):
         except RedisError as exc:
             raise self._fault("get", key, exc) from exc
         return self._read_entry(key, payload)
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """``SCAN`` (never ``KEYS``: it would stall the server) for the entry keys under
+        ``prefix`` (``redis_protocol``), then each entry read as ``get`` reads it. A key
+        that lapses between the two steps is skipped."""
+        try:
+            names = list(self.client.scan_iter(match=self._scan_pattern(prefix), count=1000))
+        except RedisError as exc:
+            raise self._fault("scan", prefix, exc) from exc
+        for key in self._scanned_keys(names, prefix):
+            entry = self.get(key)
+            if entry is not None:
+                yield key, entry
+
+    def waited_on(self, key: str) -> bool:
+        """Did a put on ``key`` (any slot) fail within the last few seconds, i.e. is a
+        waiter blocked on it? The waiter mark (``{base}:w``) says so."""
+        _, stem = self._keys(key)
+        try:
+            return bool(self._execute("EXISTS", stem + ":w"))
+        except RedisError as exc:
+            raise self._fault("waited_on", key, exc) from exc
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         if not self._checked:

@@ -136,6 +136,25 @@ class AsyncRedisCache(RedisLayout):
             raise self._fault("get", key, exc) from exc
         return self._read_entry(key, payload)
 
+    async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
+        """RedisCache.scan for asyncio: every live entry under ``prefix``, as ``get``
+        reads it (a list: a scan is for operators' tools, not a hot path)."""
+        try:
+            names = [
+                name
+                async for name in self.client.scan_iter(
+                    match=self._scan_pattern(prefix), count=1000
+                )
+            ]
+        except RedisError as exc:
+            raise self._fault("scan", prefix, exc) from exc
+        found = []
+        for key in self._scanned_keys(names, prefix):
+            entry = await self.get(key)
+            if entry is not None:
+                found.append((key, entry))
+        return found
+
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         if not self._checked:
             await self._check_eviction(key)

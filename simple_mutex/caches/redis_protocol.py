@@ -262,6 +262,24 @@ class RedisLayout:
         """The signal lists of ``keys`` (a semaphore's slots share one)."""
         return list(dict.fromkeys(self._keys(key)[1] + ":signal" for key in keys))
 
+    # -- scan -------------------------------------------------------------------------------
+
+    def _scan_pattern(self, prefix: str) -> str:
+        """A ``SCAN MATCH`` pattern for entries whose cache key starts with ``prefix``, its
+        glob characters escaped."""
+        return _glob_escape(f"{self.prefix}{{") + _glob_escape(prefix) + "*"
+
+    def _scanned_keys(self, names: Sequence[bytes | str], prefix: str) -> list[str]:
+        """The cache keys of the entries among ``names`` that ``SCAN`` found (once each, in
+        order): ``{base}`` is ``base``, ``{base}#N`` is ``base#N`` (a base never holds
+        ``#``); the side keys (``:f``, ``:w``, ``:signal``) are no entries."""
+        keys = []
+        for name in dict.fromkeys(text(name) for name in names):  # SCAN may repeat a key
+            key = _cache_key(name[len(self.prefix) :])
+            if key is not None and key.startswith(prefix):
+                keys.append(key)
+        return keys
+
     # -- the eviction check -----------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -290,6 +308,23 @@ class RedisLayout:
                 f"{type(self).__name__}(..., allow_eviction=True) to accept the risk"
             )
         self._checked = True
+
+
+def _glob_escape(literal: str) -> str:
+    """``literal`` as a literal in a Redis glob pattern."""
+    return "".join("\\" + c if c in "*?[]^\\" else c for c in literal)
+
+
+def _cache_key(name: str) -> str | None:
+    """The cache key of an entry's Redis key (after our prefix), or None for a side key."""
+    if not name.startswith("{"):
+        return None
+    base, tagged, slot = name[1:].partition("}#")
+    if tagged and "#" not in base:
+        return f"{base}#{slot}"
+    if name.endswith("}") and "#" not in name:
+        return name[1:-1]
+    return None
 
 
 def refused(exc: BaseException) -> bool:

@@ -47,10 +47,22 @@ BACKENDS = (
         ("psycopg.Connection", "psycopg_pool.ConnectionPool"), ("psycopg", "psycopg_pool"),
         "postgres",
     ),
+    # asyncio twins: no URL scheme (cache_from_url builds the blocking caches); their
+    # drivers' async classes derive from none of the blocking ones.
+    Backend(
+        "postgres_async", "AsyncPostgresCache", (),
+        ("psycopg.AsyncConnection", "psycopg_pool.AsyncConnectionPool"),
+        ("psycopg", "psycopg_pool"), "postgres",
+    ),
     Backend(
         "mongo", "MongoCache", ("mongodb", "mongodb+srv"),
         ("pymongo.MongoClient", "pymongo.Database", "pymongo.Collection"), ("pymongo", "bson"),
         "mongo",
+    ),
+    Backend(
+        "mongo_async", "AsyncMongoCache", (),
+        ("pymongo.AsyncMongoClient", "pymongo.AsyncDatabase", "pymongo.AsyncCollection"),
+        ("pymongo", "bson"), "mongo",
     ),
     Backend(
         "s3", "S3Cache", ("s3",), ("botocore.BaseClient",), ("boto3", "botocore"), "s3",

@@ -29,7 +29,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -148,6 +148,27 @@ class S3Cache(CacheBase):
         if obj is None or not self._live(obj, taker=False):
             return None
         return _entry(obj)
+
+    def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        """ListObjectsV2 with ``Prefix`` (literal: S3 has no pattern language), then each
+        object read as ``get`` reads it: tombstones and lapsed leases are skipped. Names
+        with a ``/`` after ours belong to a cache with a longer prefix."""
+        if "/" in prefix:
+            return
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix
+        )
+        try:
+            names = [item["Key"] for page in pages for item in page.get("Contents", ())]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._fault("scan", prefix, exc) from exc
+        for name in names:
+            key = name[len(self.prefix) :]
+            if "/" in key or key in (".", ".."):
+                continue
+            entry = self.get(key)
+            if entry is not None:
+                yield key, entry
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
@@ -443,7 +464,10 @@ def client_config(**overrides: Any) -> Any:
     settings: dict[str, Any] = {
         "connect_timeout": 5,
         "read_timeout": 10,
-        "retries": {"max_attempts": 3, "mode": "standard"},
+        # Two attempts in all: standard mode backs off up to 2**n s before retry n, and
+        # botocore 1.35 retries a refused connection too, so its default (3) held a
+        # timed acquire for 5 s on a dead endpoint (measured); the engine retries itself.
+        "retries": {"total_max_attempts": 2, "mode": "standard"},
     }
     settings.update(overrides)
     return Config(**settings)

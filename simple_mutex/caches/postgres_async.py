@@ -1,0 +1,241 @@
+"""AsyncPostgresCache: PostgresCache on psycopg's asyncio connections.
+
+The same table, statements, fences, garbage collection, retry of a statement sent on a
+session the server had ended, and fault mapping as ``PostgresCache``: all of it lives in
+``postgres_core.py``; this module only awaits. ``Mutex(psycopg.AsyncConnection)`` and
+``Mutex(psycopg_pool.AsyncConnectionPool)`` wrap the connection in this cache.
+
+* One autocommit connection per process and event loop (from a conninfo or URL, or the
+  one you pass; or a pool's). Coroutines take turns on it, one statement at a time, as
+  the threads of a PostgresCache do; a coroutine cancelled mid-statement leaves the
+  connection unusable (a reply may be unread), so the next statement opens another.
+* ``wait`` parks the coroutine on the loop: one coroutine at a time LISTENs on a
+  connection of its own for its keys' channels (``pg_notify`` on release), the others
+  sleep out their timeout and retry, as the engine's poll does. No thread either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from simple_mutex.contract import Entry
+from simple_mutex.errors import MalfunctionError
+
+from .common import DEFAULT_GC_AFTER, driver_imports
+from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement
+
+with driver_imports("postgres"):
+    import psycopg
+
+T = TypeVar("T")
+
+
+class AsyncPostgresCache(PostgresCore):
+    """An AsyncConditionalCache in one PostgreSQL table.
+
+    ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
+    ``psycopg.AsyncConnection``, or a ``psycopg_pool.AsyncConnectionPool`` (open it before
+    use). ``table`` and ``gc_after`` as for ``PostgresCache``; both may share a table."""
+
+    _connection_type = psycopg.AsyncConnection
+    _pool_type = "AsyncConnectionPool"
+
+    def __init__(
+        self,
+        conninfo: Any,
+        *,
+        table: str = "simple_mutex_locks",
+        gc_after: float | None = DEFAULT_GC_AFTER,
+    ) -> None:
+        super().__init__(conninfo, table=table, gc_after=gc_after)
+        self._listener: psycopg.AsyncConnection[Any] | None = None
+        # asyncio locks belong to one loop: these are made again for another loop.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._turn = asyncio.Lock()
+        self._listening = asyncio.Lock()
+
+    async def close(self) -> None:
+        """Close the connections this cache opened (a given connection or pool stays open)."""
+        for conn in (self._conn, self._listener):
+            if conn is not None and conn is not self._given:
+                await conn.close()
+        self._conn = self._listener = None
+
+    # -- connections -------------------------------------------------------------------
+
+    def _after_fork(self) -> None:
+        self._forget_sessions()
+        self._listener = None
+        self._loop = None  # the parent's loop and locks did not come along
+
+    def _on_this_loop(self) -> None:
+        """Locks, and the connections this cache opened, of the running loop: a session
+        opened on a loop that has ended would wait on it forever."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        if self._loop is not None:
+            if self._conn is not self._given:
+                _discard(self._conn)
+                self._conn = None
+            _discard(self._listener)
+            self._listener = None
+        self._loop, self._turn, self._listening = loop, asyncio.Lock(), asyncio.Lock()
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+        setup = self._session_setup()
+        if setup is not None:
+            await conn.execute(setup)
+        return conn
+
+    async def _create_table(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        for statement, name, lookup in self._setup_steps():
+            if await (await conn.execute(lookup, (name,))).fetchone() != (None,):
+                continue
+            try:
+                with contextlib.suppress(*LOST_RACE):
+                    async with conn.transaction():
+                        await conn.execute(self._sql[statement])
+            except psycopg.errors.InsufficientPrivilege as exc:
+                self._denied(statement, exc)
+        self._ready = True
+
+    @contextlib.asynccontextmanager
+    async def _connection(
+        self, operation: str, key: str
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        self._on_this_loop()
+        if self._pool is not None:
+            broken = False
+            try:
+                async with self._pool.connection() as conn:
+                    if not self._ready:
+                        await self._create_table(conn)
+                    try:
+                        yield conn
+                    finally:
+                        broken = conn.broken
+            except psycopg.Error as exc:
+                # A broken pooled session was an idle one the server ended.
+                raise self._fault(operation, key, exc, broken) from exc
+            return
+        async with self._turn:
+            reused = False
+            try:
+                reused = self._conn is not None and not self._conn.closed
+                if self._conn is None or not reused:
+                    self._conn = await self._connect()
+                if not self._ready:
+                    await self._create_table(self._conn)
+                yield self._conn
+            except psycopg.Error as exc:
+                ended = reused and self._conn is not None and self._conn.broken
+                self._drop(exc)
+                raise self._fault(operation, key, exc, ended) from exc
+            except BaseException:
+                self._drop(None)  # cancelled mid-statement: a reply may be unread
+                raise
+
+    async def _run(self, statement: Statement[T]) -> T:
+        """One statement; sent once more on a fresh session when the reused one had been
+        ended by the server (it never ran), as PostgresCache does."""
+        try:
+            return await self._run_once(statement)
+        except SessionEnded:
+            return await self._run_once(statement)
+
+    async def _run_once(self, statement: Statement[T]) -> T:
+        async with self._connection(statement.operation, statement.key) as conn:
+            row = await (await conn.execute(statement.sql, statement.params)).fetchone()
+        return statement.finish(row)
+
+    def _drop(self, error: psycopg.Error | None) -> None:
+        conn = self._conn
+        if conn is None or self._keeps(conn, error):
+            return
+        self._conn = None
+        if conn is not self._given:
+            _discard(conn)
+
+    # -- the contract ------------------------------------------------------------------
+
+    async def get(self, key: str) -> Entry | None:
+        return await self._run(self._get(key))
+
+    async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        entry = await self._run(self._put(key, value, ttl))
+        if self._collect_due():
+            with contextlib.suppress(MalfunctionError):
+                await self.collect()
+        return entry
+
+    async def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        return await self._run(self._cas(key, value, ttl, version))
+
+    async def compare_and_delete(self, key: str, *, version: str) -> None:
+        await self._run(self._delete(key, version))
+
+    async def collect(self) -> int:
+        """As ``PostgresCache.collect``: up to 256 rows of keys freed or expired more than
+        ``gc_after`` ago; how many it deleted."""
+        if self.gc_after is None:
+            return 0
+        try:
+            async with self._connection("collect", "") as conn:
+                cursor = await conn.execute(self._sql["collect"], self._collect_params())
+                return cursor.rowcount
+        except MalfunctionError as exc:
+            return self._collect_failed(exc)
+
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:  # type: ignore[override]
+        if timeout < 0.001 or not keys:
+            await asyncio.sleep(max(timeout, 0.0))
+            return
+        self._on_this_loop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._listening.locked():
+            # Another coroutine of ours listens: sleep, and let the engine poll after.
+            await asyncio.sleep(timeout)
+            return
+        async with self._listening:
+            try:
+                await self._listen_once(keys, deadline)
+            except psycopg.Error as exc:
+                listener, self._listener = self._listener, None
+                _discard(listener)
+                raise self._fault("wait", keys[0], exc) from exc
+            except BaseException:
+                listener, self._listener = self._listener, None
+                _discard(listener)  # cancelled mid-read: its state is unknown
+                raise
+
+    async def _listen_once(self, keys: Sequence[str], deadline: float) -> None:
+        if self._listener is None or self._listener.closed:
+            self._listener = await self._connect()
+        conn = self._listener
+        channels, listen, check = self._listen(keys)
+        await conn.execute(listen)
+        live = await (await conn.execute(self._sql["live"], check)).fetchone()
+        if not self._any_free(live, keys):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining > 0:
+                # Closed on leaving: the generator holds the connection's lock until then.
+                async with contextlib.aclosing(conn.notifies(timeout=remaining)) as notes:
+                    async for note in notes:
+                        if note.channel in channels:
+                            break
+        # Listen only while waiting: an idle listening session that reads nothing would
+        # hold back the server's notification queue for every database user.
+        await conn.execute("UNLISTEN *")
+
+
+def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    """Close a connection without awaiting (after a cancellation, or on another loop)."""
+    if conn is not None:
+        with contextlib.suppress(Exception):
+            conn.pgconn.finish()

@@ -1,0 +1,399 @@
+"""What PostgresCache and AsyncPostgresCache share: the table, every statement, its
+parameters and the meaning of its rows, conninfo defaults and fault mapping. No I/O here:
+``postgres.py`` runs the statements on psycopg's blocking connections,
+``postgres_async.py`` on its asyncio ones. Rationale: docs/design/postgres.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+
+from .common import (
+    DEFAULT_GC_AFTER,
+    CacheBase,
+    driver_imports,
+    fault,
+    gc_after_seconds,
+    gc_due,
+    malformed,
+    new_version,
+)
+
+with driver_imports("postgres"):
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+log = logging.getLogger("simple_mutex")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+# Set only where the conninfo says nothing: a dead server or a cut network must end a
+# call in seconds (keepalives and tcp_user_timeout), not after the kernel's ~15 minutes.
+_CONNECT_DEFAULTS = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "10000",
+}
+_STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+_COLLECT_ROWS = 256  # rows one collection pass deletes at most: 4 per grant on average
+# Errors of a table of another shape under our name: undefined column or function
+# (operator), datatype mismatch, no unique key for ON CONFLICT.
+_OTHER_SHAPE = ("42703", "42883", "42804", "42P10")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {t} (
+    key text PRIMARY KEY,
+    value text,
+    version text NOT NULL,
+    fence bigint NOT NULL,
+    expires_at timestamptz NOT NULL
+)
+"""
+# Finds the rows to collect without a scan; created with the table, or added to a table
+# of an earlier version by a role that owns it (others collect by a bounded scan).
+_INDEX = "CREATE INDEX IF NOT EXISTS {i} ON {t} (expires_at)"
+_EPOCH = "extract(epoch FROM expires_at)::float8"
+_EXPIRY = "clock_timestamp() + make_interval(secs => %(ttl)s)"
+_LIVE = "value IS NOT NULL AND expires_at > clock_timestamp()"
+_CLOCK_FENCE = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+
+# Insert, or take over a freed or expired row (max(fence + 1, the clock in µs)). When the
+# row is live the INSERT returns nothing and the second SELECT reads it (from the
+# statement's snapshot), so the caller can tell our own earlier write (same value: a lost
+# reply) from another holder in the same round trip.
+_PUT = f"""
+WITH put AS (
+    INSERT INTO {{t}} AS e (key, value, version, fence, expires_at)
+    VALUES (%(key)s, %(value)s, %(version)s, {_CLOCK_FENCE}, {_EXPIRY})
+    ON CONFLICT (key) DO UPDATE
+        SET value = excluded.value, version = excluded.version,
+            fence = GREATEST(e.fence + 1, {_CLOCK_FENCE}), expires_at = excluded.expires_at
+        WHERE e.value IS NULL OR e.expires_at <= clock_timestamp()
+    RETURNING value, version, fence, {_EPOCH}
+)
+SELECT * FROM put
+UNION ALL
+SELECT value, version, fence, {_EPOCH} FROM {{t}}
+WHERE key = %(key)s AND {_LIVE} AND NOT EXISTS (SELECT FROM put)
+"""
+_GET = f"SELECT value, version, fence, {_EPOCH} FROM {{t}} WHERE key = %(key)s AND {_LIVE}"
+_CAS = f"""
+UPDATE {{t}} SET value = %(value)s, version = %(new)s, expires_at = {_EXPIRY}
+WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
+RETURNING fence, {_EPOCH}
+"""
+# Free the row (the fence stays in it, stamped with the moment: collected gc_after from
+# now) and wake listeners: the notification is sent when the statement commits, so a
+# woken waiter finds the key free.
+_DELETE = f"""
+WITH freed AS (
+    UPDATE {{t}} SET value = NULL, expires_at = clock_timestamp()
+    WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
+    RETURNING key
+)
+SELECT pg_notify(%(channel)s, '') FROM freed
+"""
+# Rows freed or expired more than gc_after ago (a live row expires after now), the oldest
+# first; rows another session has locked are left for a later pass, never waited for.
+_COLLECT = """
+DELETE FROM {t} WHERE key IN (
+    SELECT key FROM {t}
+    WHERE expires_at < clock_timestamp() - make_interval(secs => %(after)s)
+    ORDER BY expires_at LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
+# Live rows under a prefix. LIKE with its wildcards escaped matches exactly that prefix;
+# the primary key's index serves it when the key column's collation is "C" (elsewhere the
+# table is read through, which garbage collection keeps to the keys of the last minutes).
+_SCAN = f"""
+SELECT key, value, version, fence, {_EPOCH} FROM {{t}}
+WHERE key LIKE %(pattern)s ESCAPE '\\' AND {_LIVE}
+"""
+_LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Statement(Generic[T]):
+    """One operation as both drivers run it: the SQL and its parameters, and what the
+    first row it returns (or None) means."""
+
+    operation: str
+    key: str
+    sql: str
+    params: dict[str, Any]
+    finish: Callable[[Any], T]
+
+
+class PostgresCore(CacheBase):
+    """Everything PostgresCache and AsyncPostgresCache share: options, SQL, parameters,
+    row parsing and fault mapping. Subclasses only do the I/O."""
+
+    name = "postgres"
+    _connection_type: ClassVar[Any] = type(None)
+    """psycopg's Connection or AsyncConnection: the kind of session a subclass accepts."""
+    _pool_type: ClassVar[str] = ""
+    """psycopg_pool's ConnectionPool or AsyncConnectionPool, by name."""
+
+    def __init__(
+        self,
+        conninfo: Any,
+        *,
+        table: str = "simple_mutex_locks",
+        gc_after: float | None = DEFAULT_GC_AFTER,
+    ) -> None:
+        owner = type(self).__name__
+        self.gc_after = gc_after_seconds(owner, gc_after)
+        if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
+            raise ConstraintError(
+                f"{owner} table must be a plain identifier (letters, digits, _; at "
+                f"most 63), got {table!r}; create it in a schema on the role's search_path"
+            )
+        self.table = table
+        self._pool: Any = None
+        self._conn: Any = None
+        self._given: Any = conninfo  # never closed here
+        if isinstance(conninfo, str):
+            self._conninfo = _with_defaults(conninfo)
+        elif isinstance(conninfo, self._connection_type):
+            if not conninfo.autocommit:
+                raise ConstraintError(
+                    f"{owner} needs an autocommit connection (connect(..., "
+                    "autocommit=True)): a lock written inside your transaction would stay "
+                    "invisible until you commit; or pass a conninfo string or a pool"
+                )
+            self._conn = conninfo
+            self._conninfo = _with_defaults(
+                make_conninfo(conninfo.info.dsn, password=conninfo.info.password or None)
+            )
+        elif _is_pool(conninfo, self._pool_type):
+            self._pool = conninfo
+            known = {d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()}
+            options = {k: v for k, v in (conninfo.kwargs or {}).items() if k in known}
+            self._conninfo = _with_defaults(make_conninfo(conninfo.conninfo, **options))
+        else:
+            raise ConstraintError(
+                f"{owner} needs a conninfo string or URL, a psycopg "
+                f"{self._connection_type.__name__} or a psycopg_pool {self._pool_type}, got "
+                f"{type(conninfo).__name__}"
+            )
+        quoted = sql.Identifier(table).as_string(None)
+        self._index = _index_name(table)
+        index = sql.Identifier(self._index).as_string(None)
+        self._sql = {
+            name: text.format(t=quoted, i=index)
+            for name, text in (
+                ("schema", _SCHEMA), ("index", _INDEX), ("put", _PUT), ("get", _GET),
+                ("cas", _CAS), ("delete", _DELETE), ("live", _LIVE_COUNT),
+                ("collect", _COLLECT), ("scan", _SCAN),
+            )
+        }  # fmt: skip
+        self._ready = False  # the table is known to exist
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(table={self.table!r})"
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _forget_sessions(self) -> None:
+        """In a forked child: the parent's sockets are not ours. Drop them unclosed
+        (psycopg never sends a Terminate from a process that did not open the connection)
+        and open our own. A pool's workers and connections stay in the parent: borrowing
+        from it here would wait forever, so the child uses one connection of its own,
+        opened from the pool's parameters."""
+        self._conn = None
+        self._pool = None
+
+    def _session_setup(self) -> str | None:
+        """The statement a session this cache opens runs first, if any: a statement
+        timeout, unless the conninfo sets its own."""
+        if "statement_timeout" in str(conninfo_to_dict(self._conninfo).get("options", "")):
+            return None
+        return f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}"
+
+    def _setup_steps(self) -> Iterator[tuple[str, str, str]]:
+        """The table, then its index: (statement, name, how to look for it). Look before
+        creating: a role without CREATE gets "permission denied" from CREATE TABLE IF NOT
+        EXISTS even when the table is there. Drivers run each creation in a transaction
+        (a savepoint on a pooled connection's), suppress ``LOST_RACE`` (sessions creating
+        at the same instant collide in the catalog: the loser uses the winner's) and pass
+        InsufficientPrivilege to ``_denied``."""
+        for name, statement in ((self.table, "schema"), (self._index, "index")):
+            yield statement, sql.Identifier(name).as_string(None), "SELECT to_regclass(%s)"
+
+    def _denied(self, statement: str, exc: BaseException) -> None:
+        if statement == "schema":
+            raise exc
+        # Only the table's owner may index it: collection then scans the table, which the
+        # collection itself keeps small.
+        log.warning(
+            "%s: no index on %s.expires_at and this role may not create it; garbage "
+            "collection scans the table. Run once, as its owner: %s",
+            type(self).__name__, self.table, self._sql["index"],
+        )  # fmt: skip
+
+    def _keeps(self, conn: Any, error: BaseException | None) -> bool:
+        """May a connection that raised ``error`` be used again? Only after an error the
+        server answered (a statement timeout); never after an interrupt mid-statement,
+        which may leave a reply unread."""
+        return (
+            isinstance(error, psycopg.errors.DatabaseError)
+            and error.sqlstate is not None
+            and not error.sqlstate.startswith("08")  # connection exceptions
+            and not conn.broken
+        )
+
+    # -- the statements ----------------------------------------------------------------
+
+    def _get(self, key: str) -> Statement[Entry | None]:
+        return Statement("get", key, self._sql["get"], {"key": key}, _entry_or_none)
+
+    def _put(self, key: str, value: str, ttl: float) -> Statement[Entry]:
+        version = new_version()
+
+        def finish(row: Any) -> Entry:
+            # Ours when just written (our version) or our own earlier write (same value).
+            if row is None or (row[1] != version and row[0] != value):
+                raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
+            return Entry(row[0], row[1], row[2], row[3])
+
+        params = {"key": key, "value": value, "version": version, "ttl": ttl}
+        return Statement("put_if_absent", key, self._sql["put"], params, finish)
+
+    def _cas(self, key: str, value: str, ttl: float, version: str) -> Statement[Entry]:
+        new = new_version()
+
+        def finish(row: Any) -> Entry:
+            if row is None:
+                raise SimpleCacheConditionError(
+                    f"postgres: {key!r} is not at version {version}", key=key
+                )
+            return Entry(value, new, row[0], row[1])
+
+        params = {"key": key, "value": value, "new": new, "version": version, "ttl": ttl}
+        return Statement("compare_and_set", key, self._sql["cas"], params, finish)
+
+    def _delete(self, key: str, version: str) -> Statement[None]:
+        def finish(row: Any) -> None:
+            if row is None:
+                raise SimpleCacheConditionError(
+                    f"postgres: {key!r} is not at version {version}", key=key
+                )
+
+        params = {"key": key, "version": version, "channel": self._channel(key)}
+        return Statement("compare_and_delete", key, self._sql["delete"], params, finish)
+
+    def _collect_due(self) -> bool:
+        """Does this grant also collect? The grant stands whatever the collection meets
+        (drivers suppress its MalfunctionError); the next operation reports a lasting
+        fault itself."""
+        return self.gc_after is not None and gc_due()
+
+    def _collect_params(self) -> dict[str, Any]:
+        return {"after": self.gc_after, "limit": _COLLECT_ROWS}
+
+    def _collect_failed(self, exc: MalfunctionError) -> int:
+        """A collection's fault: a role without DELETE collects nothing from now on (a
+        warning says so, once); any other fault is raised."""
+        if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege):
+            raise exc
+        log.warning(
+            "%s: this role may not DELETE from %s, so freed keys' rows are never "
+            "collected: GRANT DELETE ON %s TO the lock role",
+            type(self).__name__, self.table, self.table,
+        )  # fmt: skip
+        self.gc_after = None
+        return 0
+
+    def _listen(self, keys: Sequence[str]) -> tuple[set[str], str, dict[str, Any]]:
+        """The channels to wait on, the LISTEN statement, and the parameters of the check
+        run after it: LISTEN commits before the check reads, so a release is either seen
+        as a free key by the check or delivered to us: none falls between the two."""
+        channels = {self._channel(key) for key in keys}
+        return channels, "".join(f'LISTEN "{c}";' for c in channels), {"keys": list(set(keys))}
+
+    @staticmethod
+    def _any_free(live: Any, keys: Sequence[str]) -> bool:
+        """Given the check's row: is one of ``keys`` free already?"""
+        return live is None or live[0] < len(set(keys))
+
+    def _channel(self, key: str) -> str:
+        # Channel names are identifiers of at most 63 bytes: a digest of table and key.
+        digest = hashlib.blake2b(f"{self.table}\0{key}".encode(), digest_size=16)
+        return "sm_" + digest.hexdigest()
+
+    def _fault(
+        self, operation: str, key: str, exc: psycopg.Error, ended: bool = False
+    ) -> MalfunctionError:
+        if getattr(exc, "sqlstate", None) in _OTHER_SHAPE:
+            detail = f"table {self.table!r} is not a lock table: {str(exc).strip()}"
+            return malformed(self.name, operation, key, detail)
+        error = fault(self.name, operation, key, exc)
+        return SessionEnded(error.message, key) if ended else error
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``\\``) for the strings that start with ``prefix``."""
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
+
+
+def scanned(rows: Any) -> list[tuple[str, Entry]]:
+    """The (key, entry) pairs of the scan statement's rows."""
+    return [(row[0], Entry(row[1], row[2], row[3], row[4])) for row in rows]
+
+
+def _entry_or_none(row: Any) -> Entry | None:
+    return None if row is None else Entry(row[0], row[1], row[2], row[3])
+
+
+LOST_RACE = (
+    psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable
+)  # fmt: skip
+"""Errors of a table or index created by another session at the same instant."""
+
+
+class SessionEnded(MalfunctionError):
+    """A reused session the server had ended: the statement sent on it never ran."""
+
+
+def _index_name(table: str) -> str:
+    """``<table>_gc``; for a table name too long for that, its head and a digest."""
+    if len(table) <= 60:
+        return f"{table}_gc"
+    return f"{table[:46]}_gc_{hashlib.blake2b(table.encode(), digest_size=6).hexdigest()}"
+
+
+def _is_pool(obj: object, kind: str) -> bool:
+    try:
+        import psycopg_pool
+    except ImportError:
+        return False
+    return isinstance(obj, getattr(psycopg_pool, kind))
+
+
+def _with_defaults(conninfo: str) -> str:
+    try:
+        given = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        # Only the kind of problem is echoed: a conninfo may hold a password.
+        raise ConstraintError(
+            "bad PostgreSQL conninfo or URL (expected postgresql://user@host/db or "
+            "'host=... dbname=...')"
+        ) from None
+    extra = {name: value for name, value in _CONNECT_DEFAULTS.items() if name not in given}
+    return make_conninfo(conninfo, **extra)

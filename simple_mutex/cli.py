@@ -1,0 +1,118 @@
+"""``simple-mutex`` (and ``python -m simple_mutex``): see and free locks from a shell.
+
+::
+
+    simple-mutex list URL [--prefix P] [--json]
+    simple-mutex show URL KEY [--prefix P]
+    simple-mutex release URL KEY [--prefix P] [--slot N] [--yes]
+    simple-mutex watch URL [--prefix P] [--interval S]
+    simple-mutex timeline FILE_OR_DIR... -o OUT.html
+
+``URL`` is what ``cache_from_url`` takes (``redis://``, ``postgresql://``, ``file:///``...);
+``--prefix`` the lock prefix (``Mutex``'s ``mutex.`` by default; ``semaphore.`` for a
+default ``Semaphore``). Exit status: 0 done, 1 nothing to do or refused, 2 a bad URL, an
+unreachable server or a missing driver (one line naming the fix, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import commands
+from .caches.url import cache_from_url
+from .contract import ConditionalCache
+from .errors import SimpleMutexError
+from .inspect import DEFAULT_PREFIX
+
+FAULT = 2
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="simple-mutex", description="See, watch and free simple-mutex locks."
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, *, key: bool = False) -> argparse.ArgumentParser:
+        found = sub.add_parser(name, help=help, description=help)
+        found.add_argument("url", metavar="URL", help="the lock cache, e.g. redis://host:6379/0")
+        if key:
+            found.add_argument("key", metavar="KEY", help="the lock key, as your code spells it")
+        found.add_argument(
+            "--prefix", default=DEFAULT_PREFIX,
+            help=f"the locks' prefix= (default {DEFAULT_PREFIX!r}; 'semaphore.' for Semaphore)",
+        )  # fmt: skip
+        return found
+
+    listing = command("list", "list the live locks")
+    listing.add_argument("--json", action="store_true", help="print a JSON array")
+    command("show", "show one key in full (every slot of a semaphore)", key=True)
+    freeing = command("release", "free the holder of one key, exactly the one read", key=True)
+    freeing.add_argument("--slot", type=int, help="which permit of a semaphore to free")
+    freeing.add_argument("--yes", action="store_true", help="do not ask first")
+    watching = command("watch", "a live table of holders and takeovers, until Ctrl-C")
+    watching.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+
+    drawing = sub.add_parser("timeline", help="draw journal files as one HTML page")
+    drawing.add_argument("files", nargs="+", metavar="FILE_OR_DIR")
+    drawing.add_argument("-o", "--output", required=True, metavar="OUT")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    if args.command == "timeline":
+        return timeline(args.files, args.output)
+    if args.command == "watch" and not 0 < args.interval <= 3600:
+        return fail("--interval must be seconds in (0, 3600]")
+    try:
+        cache = cache_from_url(args.url)
+    except SimpleMutexError as exc:
+        return fail(exc)
+    except Exception as exc:  # a driver's own complaint about the URL: still one line
+        # Only the scheme and the error's kind: the rest of a URL may hold a password.
+        scheme = args.url.partition(":")[0]
+        return fail(f"could not open the {scheme}:// cache ({type(exc).__name__}); check the URL")
+    return run(cache, args)
+
+
+def run(cache: ConditionalCache, args: argparse.Namespace) -> int:
+    out = sys.stdout
+    try:
+        if args.command == "list":
+            return commands.list_locks(cache, args.prefix, out, json_output=args.json)
+        if args.command == "show":
+            return commands.show_lock(cache, args.key, args.prefix, out)
+        if args.command == "release":
+            return commands.release_lock(
+                cache, args.key, args.prefix, out, slot=args.slot, yes=args.yes
+            )
+        return commands.watch_locks(cache, args.prefix, out, interval=args.interval)
+    except SimpleMutexError as exc:
+        return fail(exc)
+    except KeyboardInterrupt:  # at a prompt, or mid-listing: no traceback
+        print(file=sys.stderr)
+        return 130
+
+
+def fail(problem: BaseException | str) -> int:
+    print(commands.one_line(problem), file=sys.stderr)
+    return FAULT
+
+
+def timeline(files: list[str], output: str) -> int:
+    """Delegated to ``simple_mutex.timeline`` (imported only here: it may be absent)."""
+    try:
+        from . import timeline as drawing  # type: ignore[attr-defined, unused-ignore]
+    except ImportError as exc:
+        return fail(f"the timeline command is not available in this install ({exc})")
+    status: int = drawing.cli_main(files, output)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""What the operator commands do, given a cache: ``list``, ``show``, ``release``, ``watch``.
+
+``simple-mutex`` (``simple_mutex.cli``) and ``celery mutex`` (``celery_mutex.command``)
+differ only in how they find the cache (a URL, or the app's ``mutex_cache``); both call
+these. Each returns the exit status: 0 done, 1 nothing to do or refused (a free key, a
+changed holder, an answer other than yes). Faults (a bad URL, a server down, a missing
+driver) are the callers' to turn into status 2 (``one_line``). Tokens are never shown:
+``inspect.LiveLock`` does not carry them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any, TextIO
+
+from .contract import ConditionalCache
+from .errors import MalfunctionError
+from .inspect import LiveLock, live_locks, locks_of, release, waited_on
+
+Ask = Callable[[str], str]
+
+_JSON_FIELDS = ("key", "host", "pid", "label", "acquired_at", "expires_at", "fence", "slot")
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+
+
+def one_line(problem: BaseException | str) -> str:
+    """An error as one line: drivers' messages may span several (psycopg's do)."""
+    text = " ".join(str(problem).split()) or type(problem).__name__
+    return f"simple-mutex: {text}"
+
+
+def as_json(lock: LiveLock) -> dict[str, Any]:
+    """The ``--json`` form of one held permit: exactly ``_JSON_FIELDS``."""
+    held = lock.holder
+    return {
+        "key": lock.key,
+        "host": held.host,
+        "pid": held.pid,
+        "label": held.label,
+        "acquired_at": held.acquired_at.isoformat(),
+        "expires_at": held.expires_at.isoformat(),
+        "fence": held.fence,
+        "slot": lock.slot,
+    }
+
+
+def list_locks(cache: object, prefix: str, out: TextIO, *, json_output: bool = False) -> int:
+    """Every live lock under ``prefix``: a table, or a JSON array."""
+    locks = live_locks(cache, prefix)
+    if json_output:
+        out.write(json.dumps([as_json(lock) for lock in locks], indent=2) + "\n")
+    elif locks:
+        out.write(table(locks, now()) + "\n")
+    else:
+        out.write(f"no live locks under prefix {prefix!r}\n")
+    return 0
+
+
+def show_lock(cache: object, key: str, prefix: str, out: TextIO) -> int:
+    """One key in full, every permit of a semaphore; 1 when it is free."""
+    locks = locks_of(cache, key, prefix)
+    if not locks:
+        out.write(f"{key!r} is free (nothing held under prefix {prefix!r})\n")
+        return 1
+    moment = now()
+    for lock in locks:
+        held = lock.holder
+        out.write(
+            f"key:         {lock.key}\n"
+            f"slot:        {lock.slot}\n"
+            f"host:        {held.host}\n"
+            f"pid:         {held.pid}\n"
+            f"label:       {'' if held.label is None else held.label}\n"
+            f"fence:       {held.fence}\n"
+            f"acquired at: {stamp(held.acquired_at)} ({span(moment - held.acquired_at)} ago)\n"
+            f"expires at:  {stamp(held.expires_at)} (in {span(held.expires_at - moment)})\n"
+            "\n"
+        )
+    return 0
+
+
+def release_lock(
+    cache: ConditionalCache,
+    key: str,
+    prefix: str,
+    out: TextIO,
+    *,
+    slot: int | None = None,
+    yes: bool = False,
+    ask: Ask = input,
+    by: str = "simple-mutex release",
+) -> int:
+    """Free the holder of ``key`` read now (for a semaphore with several, the one of
+    ``slot``), after asking unless ``yes``; 1 when there is none, the answer is not yes,
+    or the holder changed in between (then nothing is freed)."""
+    locks = locks_of(cache, key, prefix)
+    if slot is not None:
+        locks = [lock for lock in locks if lock.slot == slot]
+    if not locks:
+        where = "" if slot is None else f" in slot {slot}"
+        out.write(f"{key!r} is not held{where} under prefix {prefix!r}: nothing to free\n")
+        return 1
+    if len(locks) > 1:
+        out.write(f"{key!r} has {len(locks)} holders; pass --slot to choose one:\n")
+        out.write(table(locks, now()) + "\n")
+        return 1
+    lock = locks[0]
+    described = describe(lock)
+    if not yes:
+        try:
+            answer = ask(f"free {described}? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            out.write("not freed\n")
+            return 1
+    if not release(cache, lock, by=by):
+        out.write(
+            f"refused: {key!r} slot {lock.slot} was freed or changed hands since it was "
+            f"read ({described}); nothing freed\n"
+        )
+        return 1
+    out.write(f"freed {described}\n")
+    return 0
+
+
+def watch_locks(
+    cache: object,
+    prefix: str,
+    out: TextIO,
+    *,
+    interval: float = 1.0,
+    refreshes: int | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Redraw the table every ``interval`` seconds until Ctrl-C (status 0) or
+    ``refreshes`` frames: holders, how long each has held, whether a waiter is blocked on
+    the key (where the cache can tell), and takeovers (a permit seen under a new grant,
+    its fence, at the next refresh without being seen free between: the old holder's
+    lease lapsed or it was freed and taken at once). A server that fails after the first
+    refresh is reported in a line and watched on; one that fails the first is raised."""
+    seen: dict[tuple[str, int], LiveLock] = {}
+    takeovers: dict[str, int] = {}
+    news: list[str] = []
+    clear = out.isatty()
+    frame = 0
+    try:
+        while refreshes is None or frame < refreshes:
+            frame += 1
+            try:
+                locks = live_locks(cache, prefix)
+            except MalfunctionError as exc:
+                if frame == 1:
+                    raise  # a wrong URL or a server that is down: the caller's status 2
+                # A blip of a server that answered before: say so, keep watching.
+                out.write(f"{stamp(now())} refresh failed: {one_line(exc)}\n")
+                out.flush()
+                sleep(interval)
+                continue
+            current = {(lock.key, lock.slot): lock for lock in locks}
+            for place, lock in current.items():
+                before = seen.get(place)
+                if before is not None and before.fence != lock.fence:
+                    takeovers[lock.key] = takeovers.get(lock.key, 0) + 1
+                    news.append(f"{stamp(now())} takeover of {lock.key!r} slot {lock.slot}: "
+                                f"{who(before)} -> {who(lock)} (fence {lock.fence})")  # fmt: skip
+            seen = current
+            waiting = waiters(cache, locks)
+            moment = now()
+            head = (
+                f"simple-mutex watch: prefix {prefix!r}, {len(locks)} held, "
+                f"refreshed {stamp(moment)} every {interval:g} s (Ctrl-C ends)"
+            )
+            body = table(locks, moment, takeovers, waiting) if locks else "(no live locks)"
+            recent = "\n".join(news[-5:])
+            out.write((_CLEAR if clear else "") + f"{head}\n{body}\n{recent}\n".rstrip() + "\n\n")
+            out.flush()
+            if refreshes is None or frame < refreshes:
+                sleep(interval)
+    except KeyboardInterrupt:
+        out.write("\n")
+    out.flush()
+    return 0
+
+
+# -- formatting ------------------------------------------------------------------------
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def stamp(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def span(delta: Any) -> str:
+    """A duration for people: ``42s``, ``3m 05s``, ``2h 10m``; ``0s`` when past."""
+    seconds = max(0, int(delta.total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+
+
+def who(lock: LiveLock) -> str:
+    held = lock.holder
+    label = f" ({held.label})" if held.label else ""
+    return f"{held.host} pid {held.pid}{label}"
+
+
+def describe(lock: LiveLock) -> str:
+    return f"{lock.key!r} slot {lock.slot} held by {who(lock)}, fence {lock.fence}"
+
+
+def clip(text: str, width: int = 60) -> str:
+    """A table cell of at most ``width`` characters (``show`` and ``--json`` print it whole)."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def waiters(cache: object, locks: Sequence[LiveLock]) -> dict[str, bool | None]:
+    """Per key: is a waiter blocked on it (None: the cache cannot tell)?"""
+    found: dict[str, bool | None] = {}
+    for lock in locks:
+        if not found.get(lock.key):  # one slot that says yes is enough
+            found[lock.key] = waited_on(cache, lock)
+    return found
+
+
+def table(
+    locks: Sequence[LiveLock],
+    moment: datetime,
+    takeovers: dict[str, int] | None = None,
+    waiting: dict[str, bool | None] | None = None,
+) -> str:
+    heads = ["KEY", "SLOT", "HOLDER", "ACQUIRED", "HELD FOR", "EXPIRES IN", "FENCE"]
+    if takeovers is not None:
+        heads.append("TAKEOVERS")
+    if waiting is not None:
+        heads.append("WAITERS")
+    rows = [heads]
+    for lock in locks:
+        held = lock.holder
+        row = [
+            clip(lock.key), str(lock.slot), who(lock), stamp(held.acquired_at),
+            span(moment - held.acquired_at), span(held.expires_at - moment), str(held.fence),
+        ]  # fmt: skip
+        if takeovers is not None:
+            row.append(str(takeovers.get(lock.key, 0)))
+        if waiting is not None:
+            told = waiting.get(lock.key)
+            row.append("?" if told is None else "yes" if told else "no")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
+    lines = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,144 @@
+"""Look at live locks from outside the processes that hold them, and free one: what the
+``simple-mutex`` command and ``celery mutex`` are built on.
+
+It reads a cache through the optional ``scan(prefix)`` capability (``contract.Scannable``)
+and maps each cache key back to the user's key exactly: ``prefix + encoded(key)`` for a
+mutex and slot 0 of a semaphore, ``...#N`` for slot N (keys.py). A key too long to decode
+(its tail hashed) is read from its record, which carries it. Tokens never leave this
+module: a ``LiveLock`` keeps the entry's version (the condition of the one write it may
+make, a compare-and-delete) and never prints it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from .contract import ConditionalCache, Entry, Scannable
+from .errors import ConstraintError, SimpleCacheConditionError
+from .keys import check_key, check_prefix, decode_key, encode_key, split_slot
+from .records import Holder, holder_of, record_key
+
+DEFAULT_PREFIX = "mutex."
+"""The prefix of ``Mutex`` (and of Celery and RQ locks unless configured otherwise)."""
+
+log = logging.getLogger("simple_mutex")
+
+
+@dataclass(frozen=True)
+class LiveLock:
+    """One held permit: the user's key, its slot (0 for a mutex) and who holds it."""
+
+    key: str
+    slot: int
+    holder: Holder
+    cache_key: str = field(repr=False)
+    version: str = field(repr=False, compare=False)  # the condition of release()
+
+    @property
+    def fence(self) -> int:
+        return self.holder.fence
+
+    @property
+    def acquired_at(self) -> datetime:
+        return self.holder.acquired_at
+
+    @property
+    def expires_at(self) -> datetime:
+        return self.holder.expires_at
+
+
+def scannable(cache: object) -> Scannable:
+    """``cache`` if it can list its entries, else a ConstraintError naming what can."""
+    if not isinstance(cache, Scannable):
+        raise ConstraintError(
+            f"{type(cache).__name__} cannot list its locks (no scan(prefix)); every cache "
+            "of simple_mutex.caches can: InMemoryCache, DiskCache, RedisCache, "
+            "PostgresCache, MongoCache, S3Cache"
+        )
+    return cache
+
+
+def live_locks(cache: object, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
+    """Every live lock under ``prefix`` (the ``prefix=`` of the Mutex or Semaphore), in
+    key then slot order. A cache key under the prefix that no lock of this library could
+    have written (another program's, or a longer prefix's with a ``#``) is left out."""
+    check_prefix(prefix)
+    found = scannable(cache).scan(prefix)
+    return _sorted(_decoded(cache, prefix, found))
+
+
+def locks_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
+    """The live permits of one ``key`` (every slot of a semaphore), in slot order."""
+    check_prefix(prefix)
+    base = prefix + encode_key(check_key(key))
+    found = scannable(cache).scan(base)
+    return _sorted(lock for lock in _decoded(cache, prefix, found) if lock.key == key)
+
+
+def waited_on(cache: object, lock: LiveLock) -> bool | None:
+    """Is a waiter blocked on the lock's key? None where the cache cannot tell."""
+    ask = getattr(cache, "waited_on", None)
+    return None if ask is None else bool(ask(lock.cache_key))
+
+
+def release(
+    cache: ConditionalCache, lock: LiveLock, *, by: str = "an operator", attempts: int = 3
+) -> bool:
+    """Free exactly the holder ``lock`` was read with; False, and nothing freed, when the
+    permit was freed or changed hands since. A record goes to the ``simple_mutex`` logger
+    either way.
+
+    The holder is one grant, and the fence names a grant (it grows on every grant of the
+    key and never on a renewal). So: compare-and-delete on the version read; if that
+    misses because the same grant was renewed meanwhile (same fence, new version: a
+    ``renew=True`` holder does that every third of its lease, maybe while a person reads
+    the prompt), again on the new version. Any other miss refuses."""
+    who = _describe(lock)
+    version = lock.version
+    for _ in range(attempts):
+        try:
+            cache.compare_and_delete(lock.cache_key, version=version)
+        except SimpleCacheConditionError:
+            now = cache.get(lock.cache_key)
+            if now is None or now.fence != lock.fence:
+                break
+            version = now.version  # the same holder, renewed: still the one to free
+            continue
+        log.warning("%s freed %s", by, who)
+        return True
+    log.warning("%s did not free %s: it was freed or changed hands since it was read", by, who)
+    return False
+
+
+def _describe(lock: LiveLock) -> str:
+    held = lock.holder
+    label = f" ({held.label})" if held.label else ""
+    return (
+        f"lock {lock.key!r} slot {lock.slot} held by {held.host} pid {held.pid}{label} "
+        f"with fence {held.fence}"
+    )
+
+
+def _decoded(cache: object, prefix: str, found: Iterable[tuple[str, Entry]]) -> Iterable[LiveLock]:
+    name = str(getattr(cache, "name", type(cache).__name__))
+    for cache_key, entry in found:
+        if not cache_key.startswith(prefix):
+            continue
+        parts = split_slot(cache_key[len(prefix) :])
+        if parts is None:
+            continue
+        encoded, slot = parts
+        key = decode_key(encoded)
+        if key is None:
+            # A hashed key: its record carries the key, which must encode to this one.
+            key = record_key(entry, name, cache_key)
+            if key is None or encode_key(key) != encoded:
+                continue
+        yield LiveLock(key, slot, holder_of(entry, name, key, slot), cache_key, entry.version)
+
+
+def _sorted(locks: Iterable[LiveLock]) -> list[LiveLock]:
+    return sorted(locks, key=lambda lock: (lock.key, lock.slot))

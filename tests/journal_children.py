@@ -1,0 +1,86 @@
+"""Processes that lock and know nothing of the journal: ``test_journal.py`` runs each as
+``python tests/journal_children.py ROLE CACHE_DIR KEY [ARG]`` with only the environment
+variable SIMPLE_MUTEX_JOURNAL set, the way an operator would turn it on.
+
+Roles:
+  worker N LABEL   N cycles: a try-once (busy when another holds it), then a wait for it
+  stuck MARKER     takes KEY with a 3 s lease, writes MARKER (pid, fence, token), hangs
+  rescuer          waits for KEY (held by a stuck one), takes it over, releases it
+  timeout          one acquire of KEY with a 0.1 s timeout (KEY is held: it times out)
+  forker           acquires and releases KEY, forks; the child does the same
+  loser            takes KEY with a 0.3 s lease and overruns it: the lease is lost
+  permit N         N times: one of 2 permits of the semaphore KEY, held 50 ms
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from simple_mutex import (
+    DiskCache,
+    Mutex,
+    Semaphore,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+)
+
+
+def main(role: str, cache_dir: str, key: str, *rest: str) -> None:
+    label = rest[1] if role == "worker" else role
+    lease = {"stuck": 3.0, "loser": 0.3}.get(role, 10.0)
+    mutex = Mutex(DiskCache(cache_dir), lease=lease, interval=0.005, label=label)
+    if role == "worker":
+        for _ in range(int(rest[0])):
+            lease = mutex.try_acquire(key) or mutex.acquire(key, timeout=30)
+            with lease:
+                time.sleep(0.01)
+            time.sleep(0.005)
+    elif role == "stuck":
+        lease = mutex.acquire(key, timeout=30)
+        report = {"pid": os.getpid(), "fence": lease.fence, "token": lease.token}
+        with open(rest[0] + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(rest[0] + ".tmp", rest[0])
+        time.sleep(3600)  # until SIGKILL
+    elif role == "rescuer":
+        mutex.acquire(key, timeout=30).release()
+    elif role == "timeout":
+        try:
+            mutex.acquire(key, timeout=0.1)
+        except SimpleMutexAcquireTimeoutError:
+            return
+        raise SystemExit("the acquire did not time out")
+    elif role == "forker":
+        mutex.acquire(key, timeout=30).release()
+        child = os.fork()
+        if child == 0:
+            try:
+                mutex.acquire(key, timeout=30).release()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(child, 0)
+        mutex.acquire(key, timeout=30).release()  # the parent's file again, not the child's
+        sys.exit(os.waitstatus_to_exitcode(status))
+    elif role == "loser":
+        try:
+            with mutex.acquire(key, timeout=30):
+                started = time.monotonic()
+                while time.monotonic() - started < 5:  # Python code: the interrupt lands here
+                    pass
+        except SimpleMutexLeaseExpiredError:
+            return
+        raise SystemExit("the lease was not lost")
+    elif role == "permit":
+        pool = Semaphore(DiskCache(cache_dir), permits=2, lease=10.0, interval=0.005)
+        for _ in range(int(rest[0])):
+            with pool.acquire(key, timeout=30, label="permit"):
+                time.sleep(0.05)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

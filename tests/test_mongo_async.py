@@ -1,0 +1,189 @@
+"""AsyncMongoCache over the MongoDB wire protocol (test_mongo's server: MONGODB_URL, or a
+secantusd-py this run starts): the shared contract through a blocking face
+(tests/async_facade.py) with the server's clock and the client's, then what only asyncio
+shows: Mutex wraps pymongo's asyncio objects, OS processes of many coroutines exclude
+each other exactly, 500 waiting coroutines start no thread, and an old pymongo is
+refused with the version to install. Every test writes into one database of this run,
+dropped at the end; if no server answers, the tests fail, never skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pymongo
+import pytest
+import test_mongo
+from async_crowds import LIMIT, contend, count_under_lock, os_threads
+from async_facade import BlockingFace
+from contract import CacheContract, unique_key
+from pymongo import AsyncMongoClient
+
+from simple_mutex import ConstraintError, Mutex
+from simple_mutex.caches import as_cache
+from simple_mutex.caches.mongo import MongoCache
+from simple_mutex.caches.mongo_async import AsyncMongoCache
+from simple_mutex.contract import AsyncConditionalCache, is_async
+
+DB = f"smx_async_{uuid.uuid4().hex[:8]}"
+server_url = test_mongo.server_url  # the same fixture: MONGODB_URL or a server of our own
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
+
+
+def connect(url: str) -> AsyncMongoClient[Any]:
+    return AsyncMongoClient(url, serverSelectionTimeoutMS=5000, socketTimeoutMS=10_000)
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> Iterator[pymongo.MongoClient[Any]]:
+    """A blocking client; drops this run's database at the end."""
+    conn: pymongo.MongoClient[Any] = pymongo.MongoClient(server_url, serverSelectionTimeoutMS=5000)
+    yield conn
+    conn.drop_database(DB)
+    conn.close()
+
+
+def face_on(url: str, **options: Any) -> BlockingFace:
+    """An AsyncMongoCache on an AsyncMongoClient opened on the face's own loop."""
+    clients: list[AsyncMongoClient[Any]] = []
+
+    async def build() -> AsyncMongoCache:
+        clients.append(connect(url))
+        return AsyncMongoCache(clients[0], database=DB, **options)
+
+    face = BlockingFace.built(build)
+    face.clients = clients  # type: ignore[attr-defined]
+    return face
+
+
+@pytest.fixture
+def cache(server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[BlockingFace]:
+    face = face_on(server_url)
+    yield face
+    face.close(*face.clients)  # type: ignore[attr-defined]
+
+
+class TestAsyncMongoContractServerClock(CacheContract):
+    """The contract over the wire, expiry judged by the server's $$NOW (the default)."""
+
+    expiry_slack = 0.15
+
+
+class TestAsyncMongoContractClientClock(CacheContract):
+    """...and with clock="client"."""
+
+    expiry_slack = 0.15
+
+    @pytest.fixture
+    def cache(self, server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[BlockingFace]:
+        face = face_on(server_url, collection="locks_client", clock="client")
+        yield face
+        face.close(*face.clients)  # type: ignore[attr-defined]
+
+
+# -- what only asyncio shows -------------------------------------------------------------
+
+
+def test_mutex_wraps_the_async_client_database_and_collection(
+    server_url: str, client: pymongo.MongoClient[Any]
+) -> None:
+    """Mutex(AsyncMongoClient / AsyncDatabase / AsyncCollection) locks through an
+    AsyncMongoCache, in one collection with a blocking MongoCache."""
+    blocking = Mutex(MongoCache(client, database=DB), lease=30)
+
+    async def main() -> None:
+        conn = connect(server_url)
+        assert isinstance(as_cache(conn), AsyncMongoCache)
+        assert isinstance(as_cache(conn[DB]), AsyncMongoCache)
+        cache = as_cache(conn[DB]["locks"])
+        assert isinstance(cache, AsyncMongoCache)
+        assert is_async(cache)
+        assert isinstance(cache, AsyncConditionalCache)
+        mutex = Mutex(conn[DB], lease=30)
+        key = unique_key("wrap")
+        async with mutex.acquire_async(key, timeout=5) as lease:  # no await: the first form
+            assert blocking.try_acquire(key) is None
+            assert (await mutex.holder_async(key)).fence == lease.fence
+        assert not await mutex.locked_async(key)
+        await conn.close()
+
+    run(main())
+
+
+def test_an_old_pymongo_is_refused_with_the_version_to_install(
+    client: pymongo.MongoClient[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before pymongo 4.13 the asyncio API was a beta: AsyncMongoCache says what to install."""
+    monkeypatch.setattr(pymongo, "version_tuple", (4, 9, 0))
+    with pytest.raises(ConstraintError, match=r"pymongo>=4\.13"):
+        AsyncMongoCache(client[DB]["locks"])
+
+
+def test_a_blocking_call_on_the_async_cache_names_the_async_method(server_url: str) -> None:
+    mutex = Mutex(AsyncMongoCache(connect(server_url), database=DB))
+    with pytest.raises(ConstraintError, match="acquire_async"):
+        mutex.acquire(unique_key())
+
+
+def _contend(url: str, key: str, tasks: int, rounds: int, shared: Any) -> None:
+    """One OS process of coroutines counting under one lock."""
+
+    async def main() -> None:
+        conn = connect(url)
+        mutex = Mutex(AsyncMongoCache(conn, database=DB), lease=30)
+        await count_under_lock(mutex, key, tasks, rounds, shared)
+        await conn.close()
+
+    asyncio.run(main())
+
+
+def test_processes_of_many_coroutines_exclude_each_other_exactly(
+    server_url: str, client: pymongo.MongoClient[Any]
+) -> None:
+    """3 processes x 10 coroutines x 3 rounds on one key: every increment counted, never
+    two holders inside at once."""
+    procs, tasks, rounds = 3, 10, 3
+    key = unique_key("contend")
+    *exits, total, overlaps, inside = contend(_contend, (server_url, key, tasks, rounds), procs)
+    assert exits == [0] * procs
+    assert (total, overlaps, inside) == (procs * tasks * rounds, 0, 0)
+
+
+def test_500_waiting_coroutines_start_no_thread(
+    server_url: str, client: pymongo.MongoClient[Any]
+) -> None:
+    """500 coroutines wait on a held key: the thread count stays as it was; then they give
+    up in time. Counted after a burst of as many reads: pymongo's monitors start with the
+    client, and each connection its pool opens resolves the host in the loop's default
+    executor (a few threads at most, however many wait), so a warm client is measured."""
+    key = unique_key("crowd")
+    seen_threads: list[int] = []
+
+    async def main() -> None:
+        conn = connect(server_url)
+        mutex = Mutex(AsyncMongoCache(conn, database=DB), lease=30)
+        async with mutex.acquire_async(unique_key("warm-up")):
+            pass  # the process's lease keeper
+        await asyncio.gather(*(mutex.locked_async(key) for _ in range(500)))  # the pool
+        before = os_threads()
+        lease = await mutex.acquire_async(key)
+        crowd = [
+            asyncio.ensure_future(mutex.acquire_async(key, timeout=1.5, interval=0.5))
+            for _ in range(500)
+        ]
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+            seen_threads.append(os_threads() - before)
+        outcomes = await asyncio.gather(*crowd, return_exceptions=True)
+        assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes[:3]
+        await lease.release_async()
+        await conn.close()
+
+    run(main())
+    assert seen_threads == [0] * 10

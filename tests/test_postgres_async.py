@@ -1,0 +1,306 @@
+"""AsyncPostgresCache against the real PostgreSQL at POSTGRES_URL
+(test_postgres's): the shared contract through a blocking
+face (tests/async_facade.py), then what only asyncio shows: Mutex wraps psycopg's async
+connection and pool, OS processes of many coroutines exclude each other exactly, 500
+waiting coroutines start no thread, and a session ended mid-wait is a prompt answer.
+
+Tables are named ``a<random>_...`` and dropped at the end. If the server does not answer,
+the tests fail: they never skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from async_crowds import LIMIT, contend, count_under_lock, os_threads
+from async_facade import BlockingFace
+from contract import CacheContract, NotifyContract, unique_key
+from psycopg_pool import AsyncConnectionPool
+from test_postgres import POSTGRES_URL, tables_of_run
+
+from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
+from simple_mutex.caches import as_cache
+from simple_mutex.caches.postgres import PostgresCache
+from simple_mutex.caches.postgres_async import AsyncPostgresCache
+from simple_mutex.contract import AsyncConditionalCache, is_async
+
+RUN = f"a{uuid.uuid4().hex[:8]}"
+TABLE = f"{RUN}_locks"
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
+
+
+@pytest.fixture(scope="module")
+def admin() -> Iterator[psycopg.Connection[Any]]:
+    with tables_of_run(RUN) as conn:
+        yield conn
+
+
+@pytest.fixture
+def cache(admin: psycopg.Connection[Any]) -> Iterator[BlockingFace]:
+    face = BlockingFace(AsyncPostgresCache(POSTGRES_URL, table=TABLE))
+    yield face
+    face.close()
+
+
+class TestAsyncPostgresContract(NotifyContract, CacheContract):
+    """The shared contract, on a connection the cache opens (a release NOTIFYs waiters)."""
+
+    wake_bound = 0.5
+
+
+class TestAsyncPostgresContractOnGivenConnection(NotifyContract, CacheContract):
+    """...on an autocommit psycopg AsyncConnection the caller opened on the same loop."""
+
+    wake_bound = 0.5
+
+    @pytest.fixture
+    def cache(self, admin: psycopg.Connection[Any]) -> Iterator[BlockingFace]:
+        given: list[psycopg.AsyncConnection[Any]] = []
+
+        async def build() -> AsyncPostgresCache:
+            given.append(await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True))
+            return AsyncPostgresCache(given[0], table=TABLE)
+
+        face = BlockingFace.built(build)
+        yield face
+        face.close(*given)
+
+
+class TestAsyncPostgresContractOnPool(NotifyContract, CacheContract):
+    """...on a psycopg_pool AsyncConnectionPool (transactional connections, a new table)."""
+
+    wake_bound = 0.5
+
+    @pytest.fixture
+    def cache(self, admin: psycopg.Connection[Any]) -> Iterator[BlockingFace]:
+        pools: list[AsyncConnectionPool[Any]] = []
+
+        async def build() -> AsyncPostgresCache:
+            pools.append(AsyncConnectionPool(POSTGRES_URL, min_size=1, max_size=2, open=False))
+            await pools[0].open()
+            return AsyncPostgresCache(pools[0], table=f"{RUN}_pool")
+
+        face = BlockingFace.built(build)
+        yield face
+        face.close(*pools)
+
+
+# -- what only asyncio shows -------------------------------------------------------------
+
+
+def test_the_cache_is_an_asyncio_cache() -> None:
+    """Its five methods are coroutines: the engine awaits them, no thread."""
+    cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+    assert is_async(cache)
+    assert isinstance(cache, AsyncConditionalCache)
+
+
+def test_mutex_wraps_an_async_connection_and_an_async_pool(admin: psycopg.Connection[Any]) -> None:
+    """Mutex(psycopg.AsyncConnection) and Mutex(AsyncConnectionPool) lock through an
+    AsyncPostgresCache; both see one lock; a transactional connection is refused."""
+
+    async def main() -> None:
+        conn = await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True)
+        async with AsyncConnectionPool(POSTGRES_URL, min_size=1, max_size=2) as pool:
+            assert isinstance(as_cache(conn), AsyncPostgresCache)
+            assert isinstance(as_cache(pool), AsyncPostgresCache)
+            by_conn, by_pool = Mutex(conn, lease=30), Mutex(pool, lease=30)
+            key = unique_key("wrap")
+            async with by_conn.acquire_async(key) as lease:  # no await: the first form
+                assert await by_pool.locked_async(key)
+                assert await by_pool.try_acquire_async(key) is None
+            again = await by_pool.acquire_async(key, timeout=5)
+            assert again.fence > lease.fence
+            await again.release_async()
+        await conn.close()
+        plain = await psycopg.AsyncConnection.connect(POSTGRES_URL)
+        with pytest.raises(ConstraintError, match="autocommit"):
+            Mutex(plain)
+        await plain.close()
+
+    run(main())
+
+
+def test_a_blocking_call_on_the_async_cache_names_the_async_method(
+    admin: psycopg.Connection[Any],
+) -> None:
+    """mutex.acquire() on an asyncio cache is refused, pointing at acquire_async."""
+    mutex = Mutex(AsyncPostgresCache(POSTGRES_URL, table=TABLE))
+    with pytest.raises(ConstraintError, match="acquire_async"):
+        mutex.acquire(unique_key())
+
+
+def test_async_and_blocking_caches_on_one_table_exclude_each_other(
+    admin: psycopg.Connection[Any],
+) -> None:
+    """The same rows: a lock taken by the asyncio cache holds off the blocking one."""
+    blocking = Mutex(PostgresCache(POSTGRES_URL, table=TABLE), lease=30)
+    key = unique_key("mixed")
+
+    async def main() -> None:
+        mutex = Mutex(AsyncPostgresCache(POSTGRES_URL, table=TABLE), lease=30)
+        lease = await mutex.acquire_async(key, timeout=5)
+        assert blocking.try_acquire(key) is None
+        await lease.release_async()
+        assert blocking.try_acquire(key) is not None
+
+    run(main())
+
+
+def _contend(url: str, table: str, key: str, tasks: int, rounds: int, shared: Any) -> None:
+    """One OS process of coroutines counting under one lock."""
+
+    async def main() -> None:
+        cache = AsyncPostgresCache(url, table=table)
+        await count_under_lock(Mutex(cache, lease=30), key, tasks, rounds, shared)
+        await cache.close()
+
+    asyncio.run(main())
+
+
+def test_processes_of_many_coroutines_exclude_each_other_exactly(
+    admin: psycopg.Connection[Any],
+) -> None:
+    """3 processes x 20 coroutines x 4 rounds on one key: every increment counted, never
+    two holders inside at once."""
+    procs, tasks, rounds = 3, 20, 4
+    key = unique_key("contend")
+    *exits, total, overlaps, inside = contend(
+        _contend, (POSTGRES_URL, TABLE, key, tasks, rounds), procs
+    )
+    assert exits == [0] * procs
+    assert (total, overlaps, inside) == (procs * tasks * rounds, 0, 0)
+
+
+def test_500_waiting_coroutines_start_no_thread(admin: psycopg.Connection[Any]) -> None:
+    """500 coroutines wait on a held key: the thread count stays as it was; released,
+    each gets the lock in turn, and never two at once."""
+    key = unique_key("crowd")
+    holding: list[int] = []
+    seen_threads: list[int] = []
+
+    async def main() -> None:
+        cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+        mutex = Mutex(cache, lease=30)
+        # The connections (a host name is resolved in the loop's default executor), the
+        # table, and the process's one lease keeper, before counting.
+        async with mutex.acquire_async(unique_key("warm-up")) as warm:
+            await cache.wait([f"mutex.{warm.key}"], 0.01)  # opens the listening session
+        before = os_threads()
+        lease = await mutex.acquire_async(key)
+
+        async def waiter() -> None:
+            async with mutex.acquire_async(key, timeout=LIMIT, interval=1.0):
+                holding.append(1)
+                assert len(holding) == 1
+                holding.pop()
+
+        crowd = [asyncio.ensure_future(waiter()) for _ in range(500)]
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+            seen_threads.append(os_threads() - before)
+        assert not any(task.done() for task in crowd)
+        await lease.release_async()
+        await asyncio.gather(*crowd)
+        seen_threads.append(os_threads() - before)
+        await cache.close()
+
+    run(main())
+    assert seen_threads == [0] * 11
+
+
+@pytest.mark.parametrize("session", ["listener", "statements"])
+def test_a_session_ended_mid_wait_is_answered_promptly(
+    admin: psycopg.Connection[Any], session: str
+) -> None:
+    """pg_terminate_backend on the waiter's listening session, or on its statement
+    session, while it waits: the acquire ends in a MalfunctionError or in the lock once
+    the holder lets go (the statement is retried on a fresh session), well before its
+    timeout, never a hang."""
+    key = unique_key("terminate")
+    holder = PostgresCache(POSTGRES_URL, table=TABLE)
+    held = holder.put_if_absent(f"mutex.{key}", "someone", ttl=30)
+
+    async def main() -> tuple[str, float]:
+        cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+        mutex = Mutex(cache, lease=30)
+        waiting = asyncio.ensure_future(mutex.acquire_async(key, timeout=20, interval=5))
+        for _ in range(200):  # until the waiter listens (its first wait)
+            await asyncio.sleep(0.01)
+            if cache._listener is not None and cache._listening.locked():
+                break
+        target = cache._listener if session == "listener" else cache._conn
+        assert target is not None
+        pid = target.info.backend_pid
+        await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", (pid,))
+        ended = time.monotonic()
+        threading.Timer(
+            0.3, lambda: holder.compare_and_delete(f"mutex.{key}", version=held.version)
+        ).start()
+        try:
+            lease = await asyncio.wait_for(waiting, 10)
+        except MalfunctionError as exc:
+            return f"fault: {exc}", time.monotonic() - ended
+        await lease.release_async()
+        await cache.close()
+        return "lock", time.monotonic() - ended
+
+    outcome, took = run(main())
+    holder.close()
+    assert outcome == "lock" or outcome.startswith("fault: postgres cache failed"), outcome
+    assert took < 5.0  # the poll interval is 5 s: a notification or a fault came first
+
+
+def test_one_cache_serves_one_loop_after_another(admin: psycopg.Connection[Any]) -> None:
+    """asyncio.run twice with one cache (a script, a test suite): the second loop gets
+    sessions and locks of its own instead of waiting on the first, closed one."""
+    cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+    mutex = Mutex(cache, lease=30)
+    key = unique_key("loops")
+
+    async def cycle() -> int:
+        async with mutex.acquire_async(key, timeout=5) as lease:
+            return lease.fence
+
+    first = run(cycle())
+    assert run(cycle()) > first
+    run(cache.close())
+
+
+def test_a_semaphore_on_the_async_cache_caps_its_holders(admin: psycopg.Connection[Any]) -> None:
+    """Semaphore(AsyncConnection, permits=2): 12 coroutines, never more than 2 inside, and
+    every one gets in (a waiter watches every slot)."""
+    inside: list[int] = []
+    peak = 0
+    done = 0
+
+    async def main() -> None:
+        nonlocal peak, done
+        conn = await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True)
+        semaphore = Semaphore(conn, permits=2, lease=30)
+        key = unique_key("permits")
+
+        async def worker() -> None:
+            nonlocal peak, done
+            async with semaphore.acquire_async(key, timeout=LIMIT, interval=0.05):
+                inside.append(1)
+                peak = max(peak, len(inside))
+                await asyncio.sleep(0.02)
+                inside.pop()
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(12)))
+        await conn.close()
+
+    run(main())
+    assert (peak, done) == (2, 12)
