@@ -43,6 +43,8 @@ class BlockingFace:
         assert is_async(cache), f"{cache!r} is not an asyncio cache"
         self.cache = cache
         self.name = cache.name
+        if callable(getattr(cache, "scan", None)):  # the optional capability, if it has it
+            self.scan = lambda prefix: iter(self.call(cache.scan(prefix)))
 
     def __repr__(self) -> str:
         return f"BlockingFace({self.cache!r})"

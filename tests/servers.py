@@ -129,3 +129,24 @@ def own_redis(servers: list[RedisServer], workdir: Path, port: int, *extra: str)
     servers.append(server)
     server.start()
     return server
+
+
+def own_cluster(servers: list[RedisServer], workdir: Path) -> list[int]:
+    """A three-master Redis Cluster of servers this test owns; the masters' ports, once
+    the cluster reports ok."""
+    ports = [free_port(also=10_000) for _ in range(3)]  # and each one's cluster bus
+    for port in ports:
+        node_dir = workdir / str(port)
+        node_dir.mkdir()
+        own_redis(servers, node_dir, port, "--cluster-enabled", "yes",
+                  "--cluster-config-file", str(node_dir / "nodes.conf"))  # fmt: skip
+    subprocess.run(
+        ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+         "--cluster-replicas", "0", "--cluster-yes"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    deadline = time.monotonic() + 15
+    while any(redis.Redis(port=p).cluster("info")["cluster_state"] != "ok" for p in ports):
+        assert time.monotonic() < deadline, "cluster did not become ok"
+        time.sleep(0.1)
+    return ports

@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -30,7 +29,7 @@ from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, NotifyContract, unique_key
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import RedisServer, free_port, own_redis
+from servers import RedisServer, free_port, own_cluster, own_redis
 from workers import ReleaseLater
 
 from simple_mutex import (
@@ -434,21 +433,7 @@ def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_pat
 def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[RedisServer], tmp_path: Path):
     """A three-master Redis Cluster: scripts and BLPOP run (hash tags keep each lock's
     keys in one slot), a semaphore spans its slots, a waiter wakes on release."""
-    ports = [free_port(also=10_000) for _ in range(3)]  # and each one's cluster bus
-    for port in ports:
-        node_dir = tmp_path / str(port)
-        node_dir.mkdir()
-        own_redis(redis_servers, node_dir, port, "--cluster-enabled", "yes",
-                   "--cluster-config-file", str(node_dir / "nodes.conf"))  # fmt: skip
-    subprocess.run(
-        ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-         "--cluster-replicas", "0", "--cluster-yes"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
-    deadline = time.monotonic() + 15
-    while any(redis.Redis(port=p).cluster("info")["cluster_state"] != "ok" for p in ports):
-        assert time.monotonic() < deadline, "cluster did not become ok"
-        time.sleep(0.1)
+    ports = own_cluster(redis_servers, tmp_path)
     cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0], socket_timeout=5)
     cache = RedisCache(cluster)
     mutex = Mutex(cache, lease=30, interval=POLL_INTERVAL)

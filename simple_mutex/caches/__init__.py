@@ -6,6 +6,7 @@ cache               scope         extra
 InMemoryCache       one process   none
 DiskCache           one machine   none
 RedisCache          every machine ``simple-mutex[redis]``
+AsyncRedisCache     every machine ``simple-mutex[redis]`` (asyncio)
 PostgresCache       every machine ``simple-mutex[postgres]``
 AsyncPostgresCache  every machine ``simple-mutex[postgres]`` (asyncio)
 MongoCache          every machine ``simple-mutex[mongo]``
@@ -33,11 +34,13 @@ if TYPE_CHECKING:
     from .postgres import PostgresCache
     from .postgres_async import AsyncPostgresCache
     from .redis import RedisCache
+    from .redis_async import AsyncRedisCache
     from .s3 import S3Cache
 
 __all__ = [
     "AsyncMongoCache",
     "AsyncPostgresCache",
+    "AsyncRedisCache",
     "DiskCache",
     "InMemoryCache",
     "MongoCache",

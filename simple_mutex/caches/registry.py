@@ -39,6 +39,10 @@ BACKENDS = (
         ("redis.Redis", "redis.RedisCluster"), ("redis",), "redis",
     ),
     Backend(
+        "redis_async", "AsyncRedisCache", (),
+        ("redis.asyncio.Redis", "redis.asyncio.RedisCluster"), ("redis",), "redis",
+    ),
+    Backend(
         "postgres", "PostgresCache", ("postgresql", "postgres"),
         ("psycopg.Connection", "psycopg_pool.ConnectionPool"), ("psycopg", "psycopg_pool"),
         "postgres",
@@ -82,9 +86,19 @@ def by_class(cls: str) -> Backend | None:
 def by_client(obj: object) -> Backend | None:
     """The backend whose driver made ``obj``, judged by its classes' names (never by
     importing a driver): pymongo's Database answers any attribute, so duck typing would
-    take it for a cache."""
-    names = {f"{cls.__module__.partition('.')[0]}.{cls.__name__}" for cls in type(obj).__mro__}
-    return next((b for b in BACKENDS if names.intersection(b.clients)), None)
+    take it for a cache. ``"package.Class"`` matches a class of that name defined anywhere
+    under ``package``; the deepest package wins, so ``redis.asyncio.client.Redis`` is an
+    ``"redis.asyncio.Redis"``, not a ``"redis.Redis"``."""
+    best, depth = None, 0
+    for cls in type(obj).__mro__:
+        module = cls.__module__ + "."
+        for backend in BACKENDS:
+            for client in backend.clients:
+                package, _, name = client.rpartition(".")
+                deep = package.count(".") + 1
+                if name == cls.__name__ and module.startswith(package + ".") and deep > depth:
+                    best, depth = backend, deep
+    return best
 
 
 def module(backend: Backend) -> Any:

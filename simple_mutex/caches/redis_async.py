@@ -1,0 +1,464 @@
+"""AsyncRedisCache: RedisCache for ``redis.asyncio``, awaited on the event loop.
+
+The same keys, scripts, fences, signal list and eviction check as ``RedisCache``: both
+build their requests and read their replies in ``redis_protocol.py``; this module does
+only the awaited I/O.
+
+* A plain ``redis.asyncio.Redis`` (Sentinel masters included) is used through a few
+  connections the cache keeps out of the client's pool (``_OwnConnections``): a command
+  costs one round trip, not a pool check-out plus a round trip, and ten thousand
+  coroutines at once share at most ``_MAX_OWN`` sockets instead of opening one each.
+* Waiting parks a future on the loop, never a thread. One task per signal list (so one
+  per lock key waited on, however many coroutines wait on it) blocks in ``BLPOP`` on a
+  connection of its own and wakes one local waiter per token, exactly as one blocked
+  ``BLPOP`` per waiter would: one release wakes one waiter in the whole fleet.
+* A ``RedisCluster``, a single-connection client or a client whose ``execute_command``
+  was wrapped (tracing) keeps its own command path, and each waiter blocks in a
+  ``BLPOP`` of its own.
+* Connections belong to one event loop and one process: used from another loop, or in a
+  forked child, the cache leaves the old ones alone and opens new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import time
+import types
+import weakref
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+
+from .common import driver_imports, ttl_ms
+from .redis_protocol import (
+    CAS,
+    DELETE,
+    PUT,
+    SIGNAL_MS,
+    WAITER_MARK_MS,
+    RedisLayout,
+    Request,
+    refused,
+)
+
+with driver_imports("redis"):
+    import redis.asyncio
+    from redis.exceptions import (
+        ConnectionError,
+        NoScriptError,
+        RedisError,
+        ResponseError,
+        TimeoutError,
+    )
+
+_MAX_OWN = 16  # connections per cache and loop for the short commands
+_MAX_LISTENERS = 256  # signal lists one cache listens to at once; past that, waiters poll
+
+Execute = Callable[..., Coroutine[Any, Any, Any]]
+
+
+class AsyncRedisCache(RedisLayout):
+    """An AsyncConditionalCache over a ``redis.asyncio`` client (``redis.asyncio.Redis``,
+    ``redis.asyncio.RedisCluster``, or an asyncio ``Sentinel.master_for(...)``). The
+    options are RedisCache's. ``Mutex(redis.asyncio.Redis(...))`` builds one for you."""
+
+    def _connect(self, client: Any) -> bool:
+        execute = getattr(client, "execute_command", None)
+        if not inspect.iscoroutinefunction(execute):
+            raise ConstraintError(
+                f"AsyncRedisCache needs a redis.asyncio client (redis.asyncio.Redis, "
+                f"redis.asyncio.RedisCluster or an asyncio Sentinel master), got "
+                f"{type(client).__name__}; for a sync redis.Redis use RedisCache"
+            )
+        pool = _own_pool(client)
+        self._own = None if pool is None else _OwnConnections(pool)
+        self._execute: Execute = execute if self._own is None else self._own.call
+        self._listeners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Listeners] = (
+            weakref.WeakKeyDictionary()
+        )
+        return self._own is not None
+
+    async def aclose(self) -> None:
+        """Give this cache's connections back to the client's pool (the client stays
+        open; close it yourself)."""
+        if self._own is not None:
+            await self._own.close()
+
+    async def _script(self, script: str, operation: str, key: str, request: Request) -> Any:
+        try:
+            try:
+                return await self._execute("EVALSHA", self._shas[script], *request)
+            except NoScriptError:
+                # A restarted or failed-over server forgot the script: load it again.
+                self._shas[script] = await self.client.script_load(script)
+                return await self._execute("EVALSHA", self._shas[script], *request)
+        except RedisError as exc:
+            raise self._fault(operation, key, exc) from exc
+
+    async def _replicated_script(
+        self, script: str, operation: str, key: str, request: Request
+    ) -> tuple[Any, bool]:
+        """A write and its ``WAIT`` on one connection: the reply, and whether ``replicas``
+        replicas took it within ``replica_timeout``."""
+        assert self._own is not None
+        try:
+            conn = await self._own.take()
+            try:
+                try:
+                    reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
+                except NoScriptError:
+                    self._shas[script] = await self.client.script_load(script)
+                    reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
+                acked = await _run(conn, ("WAIT", self.replicas, ttl_ms(self.replica_timeout)))
+            finally:
+                self._own.give(conn)
+        except RedisError as exc:
+            raise self._fault(operation, key, exc) from exc
+        return reply, int(acked) >= self.replicas
+
+    async def _check_eviction(self, key: str) -> None:
+        with self._eviction_check(key) as config:
+            if self._own is None:
+                config.update(await self.client.config_get("maxmemory*"))
+            else:  # the lean path: no retry policy with backoff sleeps for a dead server
+                config.update(_pairs(await self._own.call("CONFIG", "GET", "maxmemory*")))
+
+    async def get(self, key: str) -> Entry | None:
+        try:
+            payload = await self._execute("GET", self._entry_key(key))  # never a cached read
+        except RedisError as exc:
+            raise self._fault("get", key, exc) from exc
+        return self._read_entry(key, payload)
+
+    async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
+        """RedisCache.scan for asyncio: every live entry under ``prefix``, as ``get``
+        reads it (a list: a scan is for operators' tools, not a hot path)."""
+        try:
+            names = [
+                name
+                async for name in self.client.scan_iter(
+                    match=self._scan_pattern(prefix), count=1000
+                )
+            ]
+        except RedisError as exc:
+            raise self._fault("scan", prefix, exc) from exc
+        found = []
+        for key in self._scanned_keys(names, prefix):
+            entry = await self.get(key)
+            if entry is not None:
+                found.append((key, entry))
+        return found
+
+    async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        if not self._checked:
+            await self._check_eviction(key)
+        request, expires = self._put_request(key, value, ttl)
+        if not self.replicas:
+            return self._put_reply(
+                key, value, expires, await self._script(PUT, "put_if_absent", key, request)
+            )
+        reply, replicated = await self._replicated_script(PUT, "put_if_absent", key, request)
+        entry = self._put_reply(key, value, expires, reply)
+        if not replicated:
+            try:  # a grant too few replicas took would not survive a failover: undo it
+                await self.compare_and_delete(key, version=entry.version)
+                undone = True
+            except (MalfunctionError, SimpleCacheConditionError):
+                undone = False
+            raise self._unreplicated_grant(key, undone)
+        return entry
+
+    async def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+        request, expires = self._cas_request(key, value, ttl, version)
+        if not self.replicas:
+            n = await self._script(CAS, "compare_and_set", key, request)
+            return self._cas_reply(key, value, version, expires, n)
+        n, replicated = await self._replicated_script(CAS, "compare_and_set", key, request)
+        entry = self._cas_reply(key, value, version, expires, n)
+        if not replicated:
+            raise self._unreplicated_renewal(key)
+        return entry
+
+    async def compare_and_delete(self, key: str, *, version: str) -> bool:
+        request = self._delete_request(key, version)
+        freed = await self._script(DELETE, "compare_and_delete", key, request)
+        return self._delete_reply(key, version, freed)
+
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:
+        block = self._block(timeout)
+        if block < 0.001 or not keys:
+            await asyncio.sleep(max(block, 0.0))
+            return
+        signals = self._signals(keys)
+        if self._own is None:  # a cluster or an instrumented client: a BLPOP of our own
+            try:
+                await self._execute("BLPOP", *signals, round(block, 3))
+            except RedisError as exc:
+                raise self._fault("wait", keys[0], exc) from exc
+            return
+        loop = asyncio.get_running_loop()
+        listeners = self._listeners.get(loop)
+        if listeners is None or listeners.pid != os.getpid():
+            listeners = self._listeners[loop] = _Listeners(self, self._own.pool)
+        try:
+            # Not cut to one BLPOP's length: the listener blocks again and again, and keeps
+            # the waiter mark alive while anyone here waits, so a release still signals.
+            await listeners.wait(signals, timeout)
+        except RedisError as exc:
+            raise self._fault("wait", keys[0], exc) from exc
+
+
+class _Listeners:
+    """The waiters of one cache on one event loop: futures, woken in arrival order by one
+    task per signal list that blocks in ``BLPOP`` on a connection of its own.
+
+    A token is pushed once per release that found a waiter marked, and the task that pops
+    it wakes exactly one local waiter, so a release still wakes one waiter in the whole
+    fleet. A release between a waiter's failed put and its ``wait`` left the token in
+    the list (for 1 s): the next ``BLPOP`` returns it at once."""
+
+    def __init__(self, cache: AsyncRedisCache, pool: Any) -> None:
+        self.pid = os.getpid()
+        self._cache = cache
+        self._pool = pool
+        self._waiters: dict[str, dict[asyncio.Future[None], None]] = {}  # ordered sets
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def wait(self, signals: list[str], timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        for signal in signals:
+            self._waiters.setdefault(signal, {})[woken] = None
+            if signal not in self._tasks and len(self._tasks) < _MAX_LISTENERS:
+                self._tasks[signal] = loop.create_task(self._listen(signal))
+        timer = loop.call_later(timeout, _settle, woken)
+        try:
+            await woken  # raises the listener's fault, if it failed
+        finally:
+            timer.cancel()
+            for signal in signals:
+                waiting = self._waiters.get(signal)
+                if waiting is not None:
+                    waiting.pop(woken, None)
+                    if not waiting and signal not in self._tasks:
+                        del self._waiters[signal]
+
+    async def _listen(self, signal: str) -> None:
+        conn = None
+        block = round(self._cache._max_block, 3)
+        mark = self._cache._mark_of(signal)
+        marked = time.monotonic()  # the waiter's failed put has just set the mark
+        try:
+            conn = await _check_out(self._pool)
+            while True:
+                if not self._waiters.get(signal):
+                    # Checked and forgotten with no await in between: a waiter that comes
+                    # later finds no task and starts one.
+                    self._waiters.pop(signal, None)
+                    del self._tasks[signal]
+                    return
+                if time.monotonic() - marked > WAITER_MARK_MS / 3000:
+                    # Waiters here may park past the mark's life (a long poll interval):
+                    # keep it, or releases would stop pushing tokens.
+                    marked = time.monotonic()
+                    await _run(conn, ("SET", mark, 1, "PX", WAITER_MARK_MS))
+                    continue  # the waiters may have left meanwhile
+                if await _run(conn, ("BLPOP", signal, block)) is not None:
+                    woken = next((w for w in self._waiters.get(signal, ()) if not w.done()), None)
+                    if woken is not None:
+                        woken.set_result(None)
+                        await asyncio.sleep(0)  # its put goes out before our next BLPOP
+                    else:
+                        # Its waiter gave up meanwhile: put the token back for a waiter in
+                        # another process (one release must wake someone).
+                        await _run(conn, ("LPUSH", signal, 1))
+                        await _run(conn, ("PEXPIRE", signal, SIGNAL_MS))
+        except BaseException as exc:
+            self._tasks.pop(signal, None)
+            for woken in self._waiters.pop(signal, {}):
+                if not woken.done():
+                    if isinstance(exc, Exception):
+                        woken.set_exception(exc)
+                    else:
+                        woken.set_result(None)  # cancelled (the loop closing): just return
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if conn is not None:
+                await _give_back(self._pool, conn)
+
+
+def _pairs(reply: Any) -> dict[Any, Any]:
+    """CONFIG GET's raw reply as a dict: a flat list in RESP2, a map in RESP3."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
+
+
+def _settle(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
+async def _check_out(pool: Any) -> Any:
+    try:
+        return await pool.get_connection()
+    except TypeError:  # redis-py < 5.3 wants a command name (5.3 deprecated it)
+        return await pool.get_connection("EVALSHA")
+
+
+async def _give_back(pool: Any, conn: Any) -> None:
+    with contextlib.suppress(KeyError, ValueError, RuntimeError, OSError):
+        await pool.release(conn)  # unless the pool was reset (a fork) or closed meanwhile
+
+
+def _own_pool(client: Any) -> Any:
+    """The connection pool of a plain pooled ``redis.asyncio.Redis`` (Sentinel masters
+    included), or None to use the client's own ``execute_command`` (see
+    ``redis._pooled_executor``: the same rule)."""
+    method = getattr(type(client), "execute_command", None)
+    pool: Any = getattr(client, "connection_pool", None)
+    if (
+        not isinstance(client, redis.asyncio.Redis)
+        or not isinstance(method, types.FunctionType)
+        or method.__qualname__ != "Redis.execute_command"
+        or method.__module__ != "redis.asyncio.client"
+        or "execute_command" in vars(client)
+        or getattr(client, "single_connection_client", False)
+        or not callable(getattr(pool, "get_connection", None))
+    ):
+        return None
+    return pool
+
+
+class _OwnConnections:
+    """Up to ``_MAX_OWN`` connections this cache keeps out of its client's pool, each
+    lent to one command at a time; a command that finds them all busy waits its turn
+    (first come, first served) instead of opening another socket.
+
+    They belong to the event loop and the process that opened them: on another loop they
+    are left behind and new ones are opened; in a forked child the client's pool is reset
+    first (its connections share sockets with the parent's), as redis-py's sync pool
+    does by itself."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._idle: list[Any] = []
+        self._opened = 0
+        self._queue: deque[asyncio.Future[Any]] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = os.getpid()
+
+    async def call(self, *args: Any) -> Any:
+        conn = self._idle.pop() if self._idle and self._mine() else await self.take()
+        try:
+            return await _run(conn, args)
+        finally:
+            self.give(conn)
+
+    def _mine(self) -> bool:
+        """Are the idle connections of this loop and process?"""
+        return self._loop is asyncio.get_running_loop() and self._pid == os.getpid()
+
+    async def take(self) -> Any:
+        if not self._mine():
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                _forget_inherited(self.pool, self._idle)
+            self._loop = asyncio.get_running_loop()
+            self._idle, self._opened, self._queue = [], 0, deque()
+        if self._idle:
+            return self._idle.pop()
+        if self._opened < _MAX_OWN:
+            self._opened += 1
+            try:
+                return await _check_out(self.pool)
+            except BaseException:
+                self._opened -= 1
+                raise
+        turn: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
+        try:
+            return await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.give(turn.result())  # handed to us just as we were cancelled
+            raise
+
+    def give(self, conn: Any) -> None:
+        if self._loop is not asyncio.get_running_loop():
+            return  # a connection of a loop we left behind
+        while self._queue:
+            turn = self._queue.popleft()
+            if not turn.done():
+                turn.set_result(conn)
+                return
+        self._idle.append(conn)
+
+    async def close(self) -> None:
+        idle, self._idle, self._opened = self._idle, [], 0
+        if self._mine():
+            for conn in idle:
+                await _give_back(self.pool, conn)
+
+
+_inherited: list[Any] = []  # in a forked child: the parent's connections, never closed here
+
+
+def _forget_inherited(pool: Any, idle: list[Any]) -> None:
+    """In a forked child: start the pool afresh, keeping the parent's connections out of
+    reach of the garbage collector. Closing one here would unregister its socket from the
+    parent's epoll set (a forked child shares it), and the parent would never hear its
+    replies again."""
+    _inherited.extend(idle)
+    _inherited.extend(getattr(pool, "_available_connections", ()))
+    _inherited.extend(getattr(pool, "_in_use_connections", ()))
+    pool.reset()
+
+
+async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
+    """One command on ``conn``; the rules of ``redis._run``: no retry policy with
+    backoff sleeps, one immediate retry for an idle connection the server closed, and a
+    connection left mid-reply (a fault, a cancellation) is closed, never reused."""
+    try:
+        try:
+            reply = await _send_and_read(conn, args)
+        except ConnectionError as exc:
+            await conn.disconnect()
+            if refused(exc):
+                raise
+            reply = await _send_and_read(conn, args)
+    except ResponseError:
+        raise  # a whole reply, read to its end: the connection is in step
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
+    if getattr(conn, "should_reconnect", bool)():  # the server announced maintenance
+        await conn.disconnect()
+    return reply
+
+
+async def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
+    writer = getattr(conn, "_writer", None)
+    if writer is None or not getattr(conn, "is_connected", False):
+        await conn.send_command(*args)  # (re)connects first
+        return await conn.read_response()
+    # redis-py sends every command under asyncio.wait_for(..., socket_timeout), which
+    # starts a task per command: the bytes leave one loop iteration late, a tenth of a
+    # loopback round trip. A write the socket takes at once needs no timeout; one it does
+    # not (a full buffer) drains under the socket timeout, as redis-py's would.
+    try:
+        writer.writelines(conn.pack_command(*args))
+        if writer.transport.get_write_buffer_size():
+            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        raise ConnectionError(f"Error while writing to socket: {exc}") from exc
+    return await conn.read_response()

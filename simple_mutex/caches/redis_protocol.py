@@ -1,0 +1,378 @@
+"""What ``RedisCache`` and ``AsyncRedisCache`` share, with no I/O: the key layout, the Lua
+scripts, the arguments each operation sends, how each reply is read, and how a redis-py
+error becomes a ``MalfunctionError``. Each cache class adds only its I/O (blocking or
+awaited), so the two can never drift apart in what they write or how they read it.
+
+Keys, for a cache key ``base`` or ``base#N`` (semaphore slot N), all under the hash tag
+``{base}``, so one script's keys and every slot of a semaphore share a Cluster slot; every
+one of them expires::
+
+    {base}, {base}#N   string  "<fence>.<n> <expires ms> <value>", PX ttl
+    {base}:f           string  the last fence granted, PX max(2 x ttl, 60 s)
+    {base}:w           string  waiters are blocked, PX 3 s (renewed by each failed put)
+    {base}:signal      list    one wake-up token, PX 1 s; only around a hand-off
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from simple_mutex.contract import Entry
+from simple_mutex.durations import positive_seconds
+from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.keys import check_prefix
+
+from .common import driver_imports, fault, malformed, ttl_ms
+
+with driver_imports("redis"):
+    from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
+
+MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
+WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
+SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
+_MIN_KEEP_MS = 60_000  # a freed key's last fence is kept at least this long
+
+# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark
+# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence (ms)
+# Returns the new fence (an integer) when written, or "<version> <expires ms>" of the live
+# entry when it already holds the same value (our own write whose reply was lost: a retry
+# must not report "busy"); 0 when the key holds something we never write (malformed);
+# nil when another value holds it, after marking a waiter.
+# The fence is the server's clock in µs unless the last fence kept is at or past it (two
+# grants in one µs, or a clock stepped back): then that one plus one. Lua numbers are
+# doubles, exact to 2**53: µs since 1970 stay below that until the year 2255.
+PUT = f"""
+local t = redis.call('TIME')
+local fence = t[1] * 1000000 + t[2]
+local last = tonumber(redis.call('GET', KEYS[2]))
+if last and last >= fence then fence = last + 1 end
+fence = string.format('%d', fence)
+if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
+    redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
+    return tonumber(fence)
+end
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then return 0 end
+local head, value = string.match(cur or '', '^(%d+%.%d+ %d+) (.*)$')
+if cur and not head then return 0 end
+if value and value == string.match(ARGV[1], '^%d+ (.*)$') then return head end
+redis.call('SET', KEYS[3], 1, 'PX', {WAITER_MARK_MS})
+return nil
+"""
+
+# KEYS[1] entry
+# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] expected version
+# Returns the new write count n (the version becomes "<fence>.<n>") after replacing the
+# value and restarting the expiry; nil when the entry is absent (freed, expired) or at
+# another version.
+CAS = """
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.sub(cur, 1, #ARGV[3] + 1) ~= ARGV[3] .. ' ' then return nil end
+local fence, n = string.match(ARGV[3], '^(%d+)%.(%d+)$')
+n = n + 1
+redis.call('SET', KEYS[1], fence .. '.' .. n .. ' ' .. ARGV[1], 'PX', ARGV[2])
+return n
+"""
+
+# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list
+# ARGV[1] expected version
+# Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
+# lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
+# waiting, 0 when absent or at another version. The last fence stays.
+DELETE = f"""
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('DEL', KEYS[3])
+    redis.call('LPUSH', KEYS[3], 1)
+    redis.call('PEXPIRE', KEYS[3], {SIGNAL_MS})
+    return 2
+end
+return 1
+"""
+
+Request = tuple[Any, ...]
+"""The arguments of one script call after its SHA-1: numkeys, KEYS, ARGV."""
+
+
+class RedisLayout:
+    """The I/O-free half of a Redis cache: options, keys, requests and replies. A subclass
+    sends the requests (blocking or awaited) and hands the replies back here."""
+
+    name = "redis"
+    client: Any
+    prefix: str
+    replicas: int
+    replica_timeout: float
+    allow_eviction: bool
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "",
+        replicas: int = 0,
+        replica_timeout: float = 0.5,
+        allow_eviction: bool = False,
+    ) -> None:
+        same_connection = self._connect(client)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ConstraintError(
+                f"{type(self).__name__} replicas must be an int >= 0, got {replicas!r}"
+            )
+        if replicas and not same_connection:
+            raise ConstraintError(
+                f"{type(self).__name__}(replicas=...) needs a plain Redis client or a "
+                "Sentinel master: WAIT must follow the write on the same connection"
+            )
+        self.client = client
+        self.prefix = check_prefix(prefix)
+        self.replicas = replicas
+        self.replica_timeout = positive_seconds(replica_timeout, "replica_timeout")
+        self.allow_eviction = allow_eviction
+        self._checked = allow_eviction  # the eviction policy is read on first use
+        # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
+        self._shas = {
+            s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
+            for s in (PUT, CAS, DELETE)
+        }
+        # A BLPOP must finish inside the socket timeout, or redis-py would call it a
+        # dead connection: block for at most 80 % of it.
+        socket_timeout = connection_kwargs(client).get("socket_timeout")
+        self._max_block = (
+            MAX_BLOCK_S if not socket_timeout else min(MAX_BLOCK_S, 0.8 * float(socket_timeout))
+        )
+
+    def _connect(self, client: Any) -> bool:
+        """The subclass's I/O: refuse a client it cannot drive (ConstraintError), set up
+        its command path, and say whether a ``WAIT`` can follow a write on the connection
+        that sent it."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.client!r}, prefix={self.prefix!r})"
+
+    def _fault(self, operation: str, key: str, exc: RedisError) -> MalfunctionError:
+        return redis_fault(operation, key, exc, _where(self.client))
+
+    def _keys(self, key: str) -> tuple[str, str]:
+        """The Redis key of an entry, and the hash-tagged stem of its companions."""
+        base, hash_, slot = key.partition("#")
+        stem = f"{self.prefix}{{{base}}}"
+        return stem + hash_ + slot, stem
+
+    # -- get ------------------------------------------------------------------------------
+
+    def _entry_key(self, key: str) -> str:
+        return self._keys(key)[0]
+
+    def _read_entry(self, key: str, payload: bytes | str | None) -> Entry | None:
+        if payload is None:
+            return None
+        try:
+            version, expiry, value = text(payload).split(" ", 2)
+            return Entry(value, version, int(version.partition(".")[0]), int(expiry) / 1000)
+        except ValueError:
+            raise malformed(
+                self.name, "get", key, f"{self._entry_key(key)!r} is not an entry"
+            ) from None
+
+    # -- put_if_absent ----------------------------------------------------------------------
+
+    def _put_request(self, key: str, value: str, ttl: float) -> tuple[Request, int]:
+        """The script's arguments, and the expiry (Unix ms) the entry will report."""
+        entry_key, stem = self._keys(key)
+        ms, expires = _ttl(ttl)
+        keep = max(2 * ms, _MIN_KEEP_MS)
+        request = (3, entry_key, stem + ":f", stem + ":w", f"{expires} {value}", ms, keep)
+        return request, expires
+
+    def _put_reply(self, key: str, value: str, expires: int, reply: Any) -> Entry:
+        if reply is None:
+            raise SimpleCacheConditionError(f"redis: {key!r} is held")
+        if reply == 0:
+            raise malformed(
+                self.name, "put_if_absent", key, f"{self._entry_key(key)!r} is not an entry"
+            )
+        if isinstance(reply, int):
+            return Entry(value, f"{reply}.1", reply, expires / 1000)
+        version, expires_text = text(reply).split(" ")
+        return Entry(value, version, int(version.partition(".")[0]), int(expires_text) / 1000)
+
+    def _unreplicated_grant(self, key: str, undone: bool) -> MalfunctionError:
+        """A grant too few replicas took would not survive a failover (it was undone, or
+        lapses with its lease)."""
+        return MalfunctionError(
+            f"redis cache: fewer than {self.replicas} replica(s) acknowledged the grant of "
+            f"{key!r} within {self.replica_timeout:g} s, so it was "
+            f"{'withdrawn' if undone else 'not counted (it lapses with its lease)'}; check "
+            "the replicas, or lower replicas= / raise replica_timeout=",
+            key=key,
+            unsent=undone,
+        )
+
+    # -- compare_and_set --------------------------------------------------------------------
+
+    def _cas_request(self, key: str, value: str, ttl: float, version: str) -> tuple[Request, int]:
+        ms, expires = _ttl(ttl)
+        return (1, self._entry_key(key), f"{expires} {value}", ms, version), expires
+
+    def _cas_reply(self, key: str, value: str, version: str, expires: int, n: Any) -> Entry:
+        if n is None:
+            raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
+        fence = version.partition(".")[0]
+        return Entry(value, f"{fence}.{n}", int(fence), expires / 1000)
+
+    def _unreplicated_renewal(self, key: str) -> MalfunctionError:
+        return MalfunctionError(
+            f"redis cache: fewer than {self.replicas} replica(s) acknowledged the "
+            f"renewal of {key!r} within {self.replica_timeout:g} s; it does not count",
+            key=key,
+        )
+
+    # -- compare_and_delete -----------------------------------------------------------------
+
+    def _delete_request(self, key: str, version: str) -> Request:
+        entry_key, stem = self._keys(key)
+        return (3, entry_key, stem + ":w", stem + ":signal", version)
+
+    def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
+        if not freed:
+            raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
+        return bool(freed == 2)  # a waiter was signalled
+
+    # -- wait -------------------------------------------------------------------------------
+
+    def _block(self, timeout: float) -> float:
+        """How long one BLPOP may block; below 1 ms, sleep instead (BLPOP counts whole
+        milliseconds, and 0 would mean "block forever")."""
+        return min(timeout, self._max_block)
+
+    def _mark_of(self, signal: str) -> str:
+        """The waiter mark beside a signal list."""
+        return signal.removesuffix(":signal") + ":w"
+
+    def _signals(self, keys: Sequence[str]) -> list[str]:
+        """The signal lists of ``keys`` (a semaphore's slots share one)."""
+        return list(dict.fromkeys(self._keys(key)[1] + ":signal" for key in keys))
+
+    # -- scan -------------------------------------------------------------------------------
+
+    def _scan_pattern(self, prefix: str) -> str:
+        """A ``SCAN MATCH`` pattern for entries whose cache key starts with ``prefix``, its
+        glob characters escaped."""
+        return _glob_escape(f"{self.prefix}{{") + _glob_escape(prefix) + "*"
+
+    def _scanned_keys(self, names: Sequence[bytes | str], prefix: str) -> list[str]:
+        """The cache keys of the entries among ``names`` that ``SCAN`` found (once each, in
+        order): ``{base}`` is ``base``, ``{base}#N`` is ``base#N`` (a base never holds
+        ``#``); the side keys (``:f``, ``:w``, ``:signal``) are no entries."""
+        keys = []
+        for name in dict.fromkeys(text(name) for name in names):  # SCAN may repeat a key
+            key = _cache_key(name[len(self.prefix) :])
+            if key is not None and key.startswith(prefix):
+                keys.append(key)
+        return keys
+
+    # -- the eviction check -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _eviction_check(self, key: str) -> Iterator[dict[Any, Any]]:
+        """Around reading ``CONFIG GET maxmemory*`` into the dict it yields: judge it, or
+        trust a server that renamed or denied CONFIG (a managed service)."""
+        config: dict[Any, Any] = {}
+        try:
+            yield config
+        except ResponseError:
+            self._checked = True
+            return
+        except RedisError as exc:
+            raise self._fault("put_if_absent", key, exc) from exc
+        self._judge_eviction(config)
+
+    def _judge_eviction(self, config: dict[Any, Any]) -> None:
+        """Refuse a server that may evict lock keys: an evicted lock is held twice."""
+        config = {text(name): value for name, value in config.items()}  # a raw reply: bytes
+        policy = text(config.get("maxmemory-policy", "noeviction"))
+        if int(config.get("maxmemory", 0) or 0) and policy != "noeviction":
+            raise ConstraintError(
+                f"this Redis may evict lock keys (maxmemory-policy {policy} with a "
+                "maxmemory limit): an evicted lock would be granted twice. Set "
+                "maxmemory-policy noeviction (or use a Redis of its own for locks), or pass "
+                f"{type(self).__name__}(..., allow_eviction=True) to accept the risk"
+            )
+        self._checked = True
+
+
+def _glob_escape(literal: str) -> str:
+    """``literal`` as a literal in a Redis glob pattern."""
+    return "".join("\\" + c if c in "*?[]^\\" else c for c in literal)
+
+
+def _cache_key(name: str) -> str | None:
+    """The cache key of an entry's Redis key (after our prefix), or None for a side key."""
+    if not name.startswith("{"):
+        return None
+    base, tagged, slot = name[1:].partition("}#")
+    if tagged and "#" not in base:
+        return f"{base}#{slot}"
+    if name.endswith("}") and "#" not in name:
+        return name[1:-1]
+    return None
+
+
+def refused(exc: BaseException) -> bool:
+    """Did the request provably never reach a server (refused, no such host)?"""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError | socket.gaierror):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _ttl(ttl: float) -> tuple[int, int]:
+    """The ttl in ms, and the wall-clock expiry in Unix ms that the entry reports."""
+    ms = ttl_ms(ttl)
+    return ms, int(time.time() * 1000) + ms
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def connection_kwargs(client: Any) -> dict[str, Any]:
+    getter = getattr(client, "get_connection_kwargs", None)  # redis-py >= 5
+    kwargs = getter() if callable(getter) else None
+    if not isinstance(kwargs, dict):  # older redis-py: the pool holds them
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    return kwargs if isinstance(kwargs, dict) else {}
+
+
+def redis_fault(operation: str, key: str, exc: RedisError, where: str = "") -> MalfunctionError:
+    if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
+        return malformed("redis", operation, key, "a Redis key of another type")
+    error = fault("redis", operation, key, exc, where)
+    if isinstance(exc, ConnectionError | TimeoutError):
+        error.message += "; is Redis up and reachable there?"
+        error.args = (error.message, error.key)
+    error.unsent = refused(exc)
+    return error
+
+
+def _where(client: Any) -> str:
+    """`` at redis://host:port/db`` (never a password), for messages; "" if unknown."""
+    kwargs = connection_kwargs(client)
+    if kwargs.get("path"):
+        return f" at unix://{kwargs['path']}"
+    if kwargs.get("host"):
+        return f" at redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return ""
