@@ -45,7 +45,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
-from .common import DEFAULT_GC_AFTER, driver_imports
+from .common import driver_imports
 from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
 
 with driver_imports("postgres"):
@@ -64,14 +64,7 @@ class PostgresCache(PostgresCore):
     _connection_type = psycopg.Connection
     _pool_type = "ConnectionPool"
 
-    def __init__(
-        self,
-        conninfo: Any,
-        *,
-        table: str = "simple_mutex_locks",
-        gc_after: float | None = DEFAULT_GC_AFTER,
-    ) -> None:
-        super().__init__(conninfo, table=table, gc_after=gc_after)
+    def _own_state(self) -> None:
         self._listen_guard = threading.Lock()
         self._listener: psycopg.Connection[Any] | None = None
 

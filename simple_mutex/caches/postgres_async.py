@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from simple_mutex.contract import Entry
 from simple_mutex.errors import MalfunctionError
 
-from .common import DEFAULT_GC_AFTER, driver_imports
+from .common import driver_imports
 from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
 
 with driver_imports("postgres"):
@@ -43,14 +43,7 @@ class AsyncPostgresCache(PostgresCore):
     _connection_type = psycopg.AsyncConnection
     _pool_type = "AsyncConnectionPool"
 
-    def __init__(
-        self,
-        conninfo: Any,
-        *,
-        table: str = "simple_mutex_locks",
-        gc_after: float | None = DEFAULT_GC_AFTER,
-    ) -> None:
-        super().__init__(conninfo, table=table, gc_after=gc_after)
+    def _own_state(self) -> None:
         self._listener: psycopg.AsyncConnection[Any] | None = None
         # asyncio locks belong to one loop: these are made again for another loop.
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -203,6 +203,10 @@ class PostgresCore(CacheBase):
         }  # fmt: skip
         self._ready = False  # the table is known to exist
         super().__init__()
+        self._own_state()
+
+    def _own_state(self) -> None:
+        """Set up what only the blocking or the asyncio subclass keeps (its listener)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(table={self.table!r})"
