@@ -51,7 +51,7 @@ from simple_mutex.busy import check_known
 from simple_mutex.busy.policy import check_bool
 from simple_mutex.durations import positive_seconds
 
-from . import enqueue
+from . import enqueue, per_call
 from ._celery import EagerResult, states
 from .errors import AlreadyQueuedError
 from .task import MutexTask
@@ -94,6 +94,7 @@ def _send(
 ) -> Any:
     """Celery's own apply_async behind the enqueue check; AlreadyQueuedError if refused."""
     send = super(MutexTask, task).apply_async
+    per_call.into_headers(task.name, options)
     return enqueue.send_once(task, args, kwargs, task_id, options, send, ttl)
 
 

@@ -45,6 +45,15 @@ def check(task_name: str, given: object) -> dict[str, Any]:
     return checked
 
 
+def into_headers(task_name: str, options: dict[str, Any]) -> None:
+    """Move ``mutex={...}`` from apply_async's options into the message header, checked
+    (every sending path of a MutexTask calls this, the compat classes' too)."""
+    given = options.pop("mutex", None)
+    if given is not None:
+        call = check(task_name, given)
+        options["headers"] = {**(options.get("headers") or {}), HEADER: call}
+
+
 def of_request(request: Any) -> dict[str, Any]:
     """The per-call options a request carries ({} when none, or no request): a task's
     request context (header as attribute, or in ``headers`` under apply()) or a worker's

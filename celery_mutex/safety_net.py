@@ -56,8 +56,11 @@ def _release_after_child_died(
     **_: Any,
 ) -> None:
     if isinstance(sender, MutexTask) and task_id and isinstance(exception, _PARENT_SIDE):
-        release_owner(sender, task_id, args, kwargs, type(exception).__name__)
-        unmark(sender, task_id, args, kwargs)
+        # For a lost child Celery pushes the call's context first (its per-call key);
+        # after a hard time limit it does not, and the template's key is all we have.
+        request = sender.request if getattr(sender.request, "id", None) == task_id else None
+        release_owner(sender, task_id, args, kwargs, type(exception).__name__, request)
+        unmark(sender, task_id, args, kwargs, request)
 
 
 def _release_after_revoke(

@@ -95,10 +95,7 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
         The run-time lock still applies: ``send_task`` and beat cannot bypass it.
         ``mutex={"key": ..., "on_busy": ..., "timeout": ...}`` changes them for this call
         (``per_call``); any other option there raises ConstraintError."""
-        given = options.pop("mutex", None)
-        if given is not None:
-            call = per_call.check(self.name, given)
-            options["headers"] = {**(options.get("headers") or {}), per_call.HEADER: call}
+        per_call.into_headers(self.name, options)
         return enqueue.send_once(self, args, kwargs, task_id, options, super().apply_async)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

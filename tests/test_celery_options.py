@@ -281,3 +281,32 @@ def test_a_key_that_looks_like_a_marker_is_still_a_task_lock():
     assert Mutex(cache, prefix="queued.mutex.").locked("5")
     assert not Mutex(cache, prefix="mutex.").locked("queued.5")
     assert looks_alike.apply((5,)).get() == "ran"  # not taken for the marker
+
+
+def test_a_lost_childs_per_call_key_and_marker_are_freed_by_the_parent():
+    """For a child killed mid-task (WorkerLostError) Celery pushes the call's context
+    before task_failure: the parent frees the lock and enqueue marker of the call's own
+    key (apply_async(mutex={"key": ...})), not of the template's."""
+    from celery.app.task import Context
+    from celery.exceptions import WorkerLostError
+
+    from celery_mutex import safety_net
+    from celery_mutex._owned import owner_of
+    from celery_mutex.config import config_of
+
+    cache = InMemoryCache()
+    task = _task(_app(mutex_cache=cache), key="{n}", enqueue="raise")
+    task_id, key = str(uuid.uuid4()), "own.1"
+    cfg = config_of(task)
+    for space in (cfg.locks, cfg.markers):
+        assert space is not None
+        space.acquire(key, owner=owner_of(task_id), attempt=0, timeout=0, renew=False, label="x")
+    task.request_stack.push(Context({"id": task_id, "mutex_call": {"key": key}}))
+    try:
+        safety_net._release_after_child_died(
+            sender=task, task_id=task_id, exception=WorkerLostError(), args=(1,), kwargs={}
+        )
+    finally:
+        task.request_stack.pop()
+    assert not Mutex(cache, prefix="mutex.").locked(key)
+    assert not Mutex(cache, prefix="queued.mutex.").locked(key)

@@ -161,6 +161,20 @@ def test_once_options_per_call(compat_worker, run):
     assert first.get(timeout=GET) == 1
 
 
+@pytest.mark.parametrize("variant", ["once", "singleton", "mutex"])
+def test_a_per_call_mutex_key_holds_for_the_drop_ins_too(compat_worker, run, variant):
+    """apply_async(mutex={"key": ...}) reaches the drop-ins' own apply_async: the call
+    is de-duplicated (and locked) on that key, not on its arguments; an option that
+    cannot change per call is refused, not ignored."""
+    task = TASKS["raises"][variant]
+    first = task.apply_async((run, 7, 1.0), mutex={"key": f"own.{run}"})
+    with pytest.raises(AlreadyQueuedError):
+        task.apply_async((run, 8), mutex={"key": f"own.{run}"})  # other arguments, same key
+    with pytest.raises(ConstraintError, match="'lease' cannot change per call"):
+        task.apply_async((run, 9), mutex={"lease": 5})
+    assert first.get(timeout=GET) == 7
+
+
 # -- keys ------------------------------------------------------------------------------
 
 
