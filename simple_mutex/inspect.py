@@ -36,6 +36,9 @@ class LiveLock:
     holder: Holder
     cache_key: str = field(repr=False)
     version: str = field(repr=False, compare=False)  # the condition of release()
+    record: str = field(repr=False, compare=False, default="")
+    """The record as read (it holds the owner's token: never print it). A renewal keeps
+    it; a take-over (a Celery retry, same fence) writes another."""
 
     @property
     def fence(self) -> int:
@@ -96,9 +99,9 @@ def release(
     permit was freed or changed hands since. A record goes to the ``simple_mutex`` logger
     either way.
 
-    The holder is one grant, and the fence names a grant (it grows on every grant of the
-    key and never on a renewal). So: compare-and-delete on the version read; if that
-    misses because the same grant was renewed meanwhile (same fence, new version: a
+    The holder is one owner's record: a renewal keeps it (new version, same record), a
+    take-over keeps the fence but writes another owner's record. So: compare-and-delete
+    on the version read; if that misses because the same record was renewed meanwhile (a
     ``renew=True`` holder does that every third of its lease, maybe while a person reads
     the prompt), again on the new version. Any other miss refuses."""
     who = _describe(lock)
@@ -108,7 +111,7 @@ def release(
             cache.compare_and_delete(lock.cache_key, version=version)
         except SimpleCacheConditionError:
             now = cache.get(lock.cache_key)
-            if now is None or now.fence != lock.fence:
+            if now is None or now.fence != lock.fence or now.value != lock.record:
                 break
             version = now.version  # the same holder, renewed: still the one to free
             continue
@@ -142,7 +145,8 @@ def _decoded(cache: object, prefix: str, found: Iterable[tuple[str, Entry]]) -> 
             key = record_key(entry, name, cache_key)
             if key is None or encode_key(key) != encoded:
                 continue
-        yield LiveLock(key, slot, holder_of(entry, name, key, slot), cache_key, entry.version)
+        holder = holder_of(entry, name, key, slot)
+        yield LiveLock(key, slot, holder, cache_key, entry.version, entry.value)
 
 
 def _sorted(locks: Iterable[LiveLock]) -> list[LiveLock]:

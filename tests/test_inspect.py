@@ -120,6 +120,18 @@ def test_release_still_frees_the_same_holder_after_a_renewal(any_cache) -> None:
     assert mutex.holder("k") is None
 
 
+def test_release_refuses_a_take_over_that_kept_the_fence(any_cache) -> None:
+    """A take-over (a Celery retry in another worker) keeps the fence but is another
+    owner: the operator who read the first holder frees nothing."""
+    mutex = Mutex(any_cache, lease=30)
+    mutex.acquire("k", token="task-1.0", label="attempt 0")
+    (lock,) = locks_of(any_cache, "k")
+    mutex.take_over("k", token="task-1.1", owns=lambda t: t == "task-1.0", label="attempt 1")
+    assert mutex.holder("k").fence == lock.fence  # type: ignore[union-attr]
+    assert not release(any_cache, lock)
+    assert mutex.holder("k").label == "attempt 1"  # type: ignore[union-attr]
+
+
 def test_waited_on_tells_a_blocked_waiter_where_the_cache_can(tmp_path) -> None:
     """DiskCache marks rows its waiters block on; InMemoryCache cannot tell (None)."""
     disk = DiskCache(tmp_path / "locks")
