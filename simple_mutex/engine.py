@@ -208,7 +208,7 @@ def acquire(
                 # Settle an unclear write, unless it was never sent or the wait is over (a
                 # read-back may cost another socket timeout): the caller then frees what
                 # may have landed, in the background (Mutex.acquire).
-                if fault.unsent or (deadline is not None and now() >= deadline):
+                if fault.unsent or fault.withheld or (deadline is not None and now() >= deadline):
                     raise
                 entry = yield from settle(slot_keys[slot], value)
                 if entry is None:

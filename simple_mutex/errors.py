@@ -65,13 +65,20 @@ class MalfunctionError(SimpleMutexError):
     """A system fault: the backend is down or answered nonsense; the message names it.
 
     ``unsent`` is True when the request provably never reached the server (the connection
-    was refused): a write that failed so cannot have landed, and needs no read-back."""
+    was refused): a write that failed so cannot have landed, and needs no read-back.
+    ``withheld`` is True when the server took the write but it must not count (too few
+    replicas acknowledged it): it is never read back as a grant, and what may remain of
+    it is freed in the background."""
 
     unsent = False
+    withheld = False
 
-    def __init__(self, message: str, key: str | None = None, *, unsent: bool = False) -> None:
+    def __init__(
+        self, message: str, key: str | None = None, *, unsent: bool = False, withheld: bool = False
+    ) -> None:
         super().__init__(message, key)
         self.unsent = unsent
+        self.withheld = withheld
 
     def about(self, key: str, cache_keys: Iterable[str]) -> MalfunctionError:
         """Name the user's ``key``, verbatim, where the cache named its own keys."""

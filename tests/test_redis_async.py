@@ -617,3 +617,28 @@ def test_replicas_counts_a_grant_only_once_replicas_have_it(client: redis.Redis)
             )
 
     run(main())
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+def test_a_wait_that_times_out_never_becomes_a_grant(face: str):
+    """replicas=1 with a socket timeout below replica_timeout: WAIT's reply times out
+    instead of answering 0. That is no acknowledgement either: the acquire is refused
+    (the grant withdrawn, never read back as ours) and the key stays free."""
+    key = unique_key()
+    if face == "sync":
+        blocking = redis.Redis.from_url(REDIS_URL, socket_timeout=0.3)
+        cache = RedisCache(blocking, prefix=PREFIX, replicas=1, replica_timeout=1.0)
+        with pytest.raises(MalfunctionError, match="replica"):
+            Mutex(cache).acquire(key, timeout=5)
+        assert Mutex(RedisCache(blocking, prefix=PREFIX)).holder(key) is None
+        return
+
+    async def main() -> None:
+        aio = redis.asyncio.Redis.from_url(REDIS_URL, socket_timeout=0.3)
+        cache = AsyncRedisCache(aio, prefix=PREFIX, replicas=1, replica_timeout=1.0)
+        with pytest.raises(MalfunctionError, match="replica"):
+            await Mutex(cache).acquire_async(key, timeout=5)
+        assert await Mutex(AsyncRedisCache(aio, prefix=PREFIX)).holder_async(key) is None
+        await aio.aclose()
+
+    run(main())

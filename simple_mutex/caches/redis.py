@@ -80,8 +80,8 @@ class RedisCache(RedisLayout):
         assert self._own is not None
         try:
             acked = self._own("WAIT", self.replicas, ttl_ms(self.replica_timeout))
-        except RedisError as exc:
-            raise self._fault(operation, key, exc) from exc
+        except RedisError:
+            return False  # no answer (a socket timeout below replica_timeout): not known taken
         return int(acked) >= self.replicas
 
     def _check_eviction(self, key: str) -> None:

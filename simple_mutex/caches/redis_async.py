@@ -115,7 +115,11 @@ class AsyncRedisCache(RedisLayout):
                 except NoScriptError:
                     self._shas[script] = await self.client.script_load(script)
                     reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
-                acked = await _run(conn, ("WAIT", self.replicas, ttl_ms(self.replica_timeout)))
+                try:
+                    wait = ("WAIT", self.replicas, ttl_ms(self.replica_timeout))
+                    acked = await _run(conn, wait)
+                except RedisError:  # no answer (a socket timeout...): not known taken
+                    acked = 0
             finally:
                 self._own.give(conn)
         except RedisError as exc:

@@ -215,6 +215,7 @@ class RedisLayout:
             "the replicas, or lower replicas= / raise replica_timeout=",
             key=key,
             unsent=undone,
+            withheld=True,  # if the withdrawal failed, a read-back must not grant it
         )
 
     # -- compare_and_set --------------------------------------------------------------------
