@@ -642,3 +642,44 @@ def test_a_wait_that_times_out_never_becomes_a_grant(face: str):
         await aio.aclose()
 
     run(main())
+
+
+def test_each_event_loop_keeps_its_own_connections_and_closed_loops_leak_none():
+    """Two live event loops (each in its own thread) take turns with one cache: each
+    keeps its own connections, so turn after turn opens none (16 per loop at most);
+    then loop after loop (asyncio.run) on a pool capped at 40 never runs out: a closed
+    loop's connections leave the pool's books. redis-py's own pool lock binds to one
+    loop at a time, so the loops take turns rather than run at once."""
+    cache = AsyncRedisCache(redis.asyncio.Redis.from_url(REDIS_URL), prefix=PREFIX)
+    mutex = Mutex(cache, lease=30)
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever, daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+
+    async def burst(tag: str) -> int:
+        async def one(i: int) -> None:
+            await (await mutex.acquire_async(f"{tag}.{i}", timeout=1)).release_async()
+
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(40))), 10)
+        return len(cache.client.connection_pool._in_use_connections)
+
+    try:
+        in_use = [
+            asyncio.run_coroutine_threadsafe(burst(f"t{turn}"), loops[turn % 2]).result(30)
+            for turn in range(6)
+        ]
+    finally:
+        for loop, thread in zip(loops, threads, strict=True):
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+    assert max(in_use) <= 2 * 16
+    assert in_use[-2:] == in_use[2:4]  # each loop's own connections: nothing new per turn
+
+    capped = AsyncRedisCache(redis.asyncio.Redis.from_url(REDIS_URL, max_connections=40))
+
+    async def many_gets() -> int:
+        await asyncio.gather(*(capped.get(f"{PREFIX}leak.{i}") for i in range(50)))
+        return len(capped.client.connection_pool._in_use_connections)
+
+    assert [asyncio.run(many_gets()) for _ in range(4)] == [16, 16, 16, 16]

@@ -342,52 +342,57 @@ def _own_pool(client: Any) -> Any:
 
 
 class _OwnConnections:
-    """Up to ``_MAX_OWN`` connections this cache keeps out of its client's pool, each
-    lent to one command at a time; a command that finds them all busy waits its turn
-    (first come, first served) instead of opening another socket.
+    """Up to ``_MAX_OWN`` connections per event loop this cache keeps out of its
+    client's pool, each lent to one command at a time; a command that finds them all busy
+    waits its turn (first come, first served) instead of opening another socket.
 
-    They belong to the event loop and the process that opened them: on another loop they
-    are left behind and new ones are opened; in a forked child the client's pool is reset
-    first (its connections share sockets with the parent's), as redis-py's sync pool
-    does by itself."""
+    A connection belongs to the event loop and the process that opened them, so each loop
+    has its own set (two threads each running ``asyncio.run`` share the cache safely);
+    once a loop has closed, its idle connections leave the pool's books. In a forked child
+    the client's pool is reset first (its connections share sockets with the parent's),
+    as redis-py's sync pool does by itself."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self._idle: list[Any] = []
-        self._opened = 0
-        self._queue: deque[asyncio.Future[Any]] = deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
         self._pid = os.getpid()
 
+    def _here(self) -> _LoopConnections:
+        """The set of the running loop (made on its first command)."""
+        loop = asyncio.get_running_loop()
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            _forget_inherited(self.pool, [c for own in self._loops.values() for c in own.idle])
+            self._loops = {}
+        own = self._loops.get(loop)
+        if own is None:
+            for other, left in list(self._loops.items()):
+                if other.is_closed() and self._loops.pop(other, None) is not None:
+                    _left_behind(self.pool, left.idle)
+            own = self._loops[loop] = _LoopConnections()
+        return own
+
     async def call(self, *args: Any) -> Any:
-        conn = self._idle.pop() if self._idle and self._mine() else await self.take()
+        own = self._here()
+        conn = own.idle.pop() if own.idle else await self.take()
         try:
             return await _run(conn, args)
         finally:
             self.give(conn)
 
-    def _mine(self) -> bool:
-        """Are the idle connections of this loop and process?"""
-        return self._loop is asyncio.get_running_loop() and self._pid == os.getpid()
-
     async def take(self) -> Any:
-        if not self._mine():
-            if self._pid != os.getpid():
-                self._pid = os.getpid()
-                _forget_inherited(self.pool, self._idle)
-            self._loop = asyncio.get_running_loop()
-            self._idle, self._opened, self._queue = [], 0, deque()
-        if self._idle:
-            return self._idle.pop()
-        if self._opened < _MAX_OWN:
-            self._opened += 1
+        own = self._here()
+        if own.idle:
+            return own.idle.pop()
+        if own.opened < _MAX_OWN:
+            own.opened += 1
             try:
                 return await _check_out(self.pool)
             except BaseException:
-                self._opened -= 1
+                own.opened -= 1
                 raise
         turn: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append(turn)
+        own.queue.append(turn)
         try:
             return await turn
         except asyncio.CancelledError:
@@ -396,20 +401,43 @@ class _OwnConnections:
             raise
 
     def give(self, conn: Any) -> None:
-        if self._loop is not asyncio.get_running_loop():
-            return  # a connection of a loop we left behind
-        while self._queue:
-            turn = self._queue.popleft()
+        own = self._loops.get(asyncio.get_running_loop())
+        if own is None or self._pid != os.getpid():
+            return  # the process forked since: the child's pool starts afresh
+        while own.queue:
+            turn = own.queue.popleft()
             if not turn.done():
                 turn.set_result(conn)
                 return
-        self._idle.append(conn)
+        own.idle.append(conn)
 
     async def close(self) -> None:
-        idle, self._idle, self._opened = self._idle, [], 0
-        if self._mine():
-            for conn in idle:
-                await _give_back(self.pool, conn)
+        """Give this loop's idle connections back to the pool."""
+        own = self._loops.get(asyncio.get_running_loop())
+        if own is None or self._pid != os.getpid():
+            return
+        idle, own.idle, own.opened = own.idle, [], 0
+        for conn in idle:
+            await _give_back(self.pool, conn)
+
+
+class _LoopConnections:
+    """One event loop's own connections: idle ones, how many are open, who waits."""
+
+    def __init__(self) -> None:
+        self.idle: list[Any] = []
+        self.opened = 0
+        self.queue: deque[asyncio.Future[Any]] = deque()
+
+
+def _left_behind(pool: Any, idle: list[Any]) -> None:
+    """Connections of a loop that has closed: they can no longer be awaited closed, so
+    they leave the pool's books (else a capped pool runs out) and close with their
+    sockets when collected."""
+    in_use = getattr(pool, "_in_use_connections", None)
+    for conn in idle:
+        if in_use is not None:
+            in_use.discard(conn)
 
 
 _inherited: list[Any] = []  # in a forked child: the parent's connections, never closed here
