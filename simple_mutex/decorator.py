@@ -191,11 +191,9 @@ async def run_guarded_async(lease: Lease, work: Callable[[], Awaitable[Any]]) ->
         try:
             released = await asyncio.shield(_finish(task, lease))
         except MalfunctionError as fault:
-            if not (task.cancelled() or task.exception() is not None):
-                raise
-            # As in Lease.__exit__: the work's own error (or cancellation) is the one to report.
-            log.warning("could not release %r after the work failed: %s", lease.key, fault)
-            released = True
+            # As in Lease.__exit__: after work that failed, its error leaves carrying this.
+            failed = asyncio.CancelledError() if task.cancelled() else task.exception()
+            released = lease._release_failed(failed, fault)
     if lost.done() or not released:
         raise lease._expired_error() from (task.exception() if not task.cancelled() else None)
     return task.result()

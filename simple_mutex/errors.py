@@ -94,3 +94,25 @@ class SimpleCacheConditionError(SimpleMutexError):
 
     Caches raise it; the lock engine treats it as a lost race. It never escapes a Mutex.
     """
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, on Python 3.10 too (where only ``__notes__`` exists, which
+    the traceback module shows from 3.11 on and exceptiongroup's backport shows before)."""
+    adder = getattr(exc, "add_note", None)
+    if adder is not None:
+        adder(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        exc.__notes__ = notes  # type: ignore[attr-defined]
+    notes.append(note)
+
+
+def passes_through(exc: BaseException | None) -> bool:
+    """True for what a lock must never replace with its own error (DESIGN §4 rule 13):
+    ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit`` and asyncio cancellation,
+    every exception that is not an ``Exception``. A lost lease is reported beside them
+    (a note, a log line, the ``lost`` event), never instead of them."""
+    return exc is not None and not isinstance(exc, Exception)

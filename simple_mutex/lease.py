@@ -43,6 +43,8 @@ from .errors import (
     ConstraintError,
     MalfunctionError,
     SimpleMutexLeaseExpiredError,
+    add_note,
+    passes_through,
 )
 from .interrupt import LeaseInterrupt, cancel_pending, interrupt_class, raise_in_thread
 from .keeper import keeper
@@ -196,9 +198,12 @@ class Lease:
         self._sync("release")
         try:
             return run(self._blocking(), self._release_flow())
-        except (KeyboardInterrupt, LeaseInterrupt):
-            # Landed before or after our delete was sent: make sure it was, or the lock
-            # outlives us by a whole lease.
+        except MalfunctionError:
+            raise
+        except BaseException:
+            # An interrupt (Ctrl-C, a lease's, a job timeout's signal handler) landed
+            # before or after our delete was sent: make sure it was, or the lock outlives
+            # us by a whole lease.
             run(self._blocking(), engine.abandon([self._cache_key], self._value))
             self._released = True
             raise
@@ -507,20 +512,42 @@ class Lease:
             # Released early, inside the block, in time: not a loss (its result stands).
             released = self._released_in_time if self._released else self.release()
         except MalfunctionError as fault:
-            if exc is not None:
-                log.warning("could not release %r after the work failed: %s", self.key, fault)
-                released = True  # the work's own error is the one to report
-            else:
-                raise MalfunctionError(
-                    f"the work under {self.key!r} finished, but releasing the lock failed; "
-                    f"it frees when its lease lapses. Cause: {fault}",
-                    key=self.key,
-                ) from fault
-        if foreign is not None:
+            released = self._release_failed(exc, fault)
+        if foreign is not None and not passes_through(exc):
             raise foreign
+        self._leave(released, exc)
+
+    def _leave(self, released: bool, exc: BaseException | None) -> None:
+        """How a block ends once the lease is let go: quietly if it was held to the end;
+        else SimpleMutexLeaseExpiredError, unless the block ends by an exception a lock
+        must not replace (our own interrupt, Ctrl-C, SystemExit, a cancellation): that one
+        leaves carrying a note of the loss (DESIGN §4 rule 13)."""
         if released or self._is_ours(exc):
             return
+        if passes_through(exc):
+            assert exc is not None
+            log.warning("%s; passing on %s", self._message(), type(exc).__name__)
+            add_note(exc, f"simple-mutex: {self._message()}")
+            return
         raise self._expired_error() from exc
+
+    def _release_failed(self, exc: BaseException | None, fault: MalfunctionError) -> bool:
+        """Releasing at the block's end failed. After work that succeeded, that is the
+        error to raise; after work that failed, the work's own error leaves, carrying the
+        release's fault as a note (both reach the caller: the seed's rule)."""
+        if exc is None:
+            raise MalfunctionError(
+                f"the work under {self.key!r} finished, but releasing the lock failed; "
+                f"it frees when its lease lapses. Cause: {fault}",
+                key=self.key,
+            ) from fault
+        log.warning("could not release %r after the work failed: %s", self.key, fault)
+        add_note(
+            exc,
+            f"simple-mutex: releasing the lock on {self.key!r} also failed; it frees when "
+            f"its lease lapses. Cause: {fault}",
+        )
+        return True  # the work's own error is the one to report
 
     async def __aenter__(self) -> Lease:
         loop = asyncio.get_running_loop()
@@ -544,15 +571,19 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         # Shielded: a second cancel must not skip the release.
-        released = self._released_in_time or await asyncio.shield(self.release_async())
-        if released:
-            return
-        if self._cancelled_by_loss:
+        try:
+            released = self._released_in_time or await asyncio.shield(self.release_async())
+        except MalfunctionError as fault:
+            released = self._release_failed(exc, fault)
+        if not released and self._cancelled_by_loss:
+            # Our own cancellation becomes the loss error, unless someone else cancelled the
+            # task too: that cancellation then passes through, with a note.
             task = asyncio.current_task()
             uncancel = getattr(task, "uncancel", None)  # Python 3.11+
-            if uncancel is not None:
-                uncancel()
-        raise self._expired_error() from exc
+            others = 0 if uncancel is None else uncancel()
+            if others == 0 and isinstance(exc, asyncio.CancelledError):
+                raise self._expired_error() from exc
+        self._leave(released, exc)
 
     def _blocking(self) -> ConditionalCache:
         return self._cache  # type: ignore[return-value]  # _sync() refused an asyncio one

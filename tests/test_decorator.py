@@ -18,6 +18,8 @@ from workers import spin
 
 from simple_mutex import (
     ConstraintError,
+    InMemoryCache,
+    MalfunctionError,
     Mutex,
     SimpleMutexAcquireTimeoutError,
     SimpleMutexLeaseExpiredError,
@@ -209,6 +211,35 @@ def test_body_exception_propagates_and_releases(memory_cache, kind):
     with pytest.raises(LookupError, match="nope"):
         decorated(kind, fail, key="err", cache=memory_cache)()
     assert not Mutex(memory_cache).locked("err")
+
+
+class _ReleaseFails(InMemoryCache):
+    """Every release (compare-and-delete) fails, as a reset connection would."""
+
+    name = "flaky"
+
+    def compare_and_delete(self, key: str, *, version: str) -> bool | None:
+        raise MalfunctionError(f"flaky cache failed during compare_and_delete on {key!r}")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_failed_release_after_work_that_finished_says_so(kind):
+    """The work finished but the release failed: a plain function and an ``async def``
+    alike raise MalfunctionError saying so (the seed's test), never the raw fault."""
+    with pytest.raises(MalfunctionError, match="finished, but releasing the lock failed"):
+        decorated(kind, lambda: 1, key="k", cache=_ReleaseFails())()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_failed_release_after_work_that_failed_reaches_the_caller_too(kind):
+    """Work and release both failed: the work's error, carrying the release fault."""
+
+    def fail() -> None:
+        raise LookupError("nope")
+
+    with pytest.raises(LookupError) as info:
+        decorated(kind, fail, key="k", cache=_ReleaseFails())()
+    assert any("releasing the lock" in note for note in info.value.__notes__)
 
 
 def test_lease_lapse_interrupts_the_function(memory_cache):

@@ -324,6 +324,90 @@ def test_release_failure_after_a_body_error_keeps_the_body_error(key):
         1 / 0  # noqa: B018
 
 
+def test_release_failure_after_a_body_error_reaches_the_caller_as_a_note(key):
+    """The seed's rule: when the body fails and the release fails too, both reach the
+    caller: the body's error, carrying the release's fault (naming the cache) as a note."""
+    lease = Mutex(FlakyDelete(failures=5)).acquire(key)
+    with pytest.raises(ZeroDivisionError) as info, lease:
+        1 / 0  # noqa: B018
+    notes = getattr(info.value, "__notes__", [])
+    assert any("releasing the lock" in n and "flaky" in n for n in notes), notes
+
+
+# -- exceptions a lock never replaces (DESIGN §4 rule 13) --------------------------------
+
+
+@pytest.mark.parametrize("leaving", [KeyboardInterrupt, SystemExit, GeneratorExit])
+def test_a_base_exception_leaving_a_lost_block_passes_through(memory_cache, key, leaving):
+    """Ctrl-C or sys.exit leaving a block whose lease was lost (its record taken away) is
+    not replaced by SimpleMutexLeaseExpiredError, so a loop's ``except Exception`` cannot
+    swallow it; the loss travels beside it as a note."""
+    mutex = Mutex(memory_cache)
+
+    def lose_then_leave() -> None:
+        with mutex.acquire(key) as lease:
+            delete_behind_its_back(memory_cache, lease._cache_key)
+            raise leaving()
+
+    with pytest.raises(leaving) as info:
+        lose_then_leave()
+    assert type(info.value) is leaving
+    assert any("was lost" in n for n in getattr(info.value, "__notes__", []))
+
+
+async def _hold_then(cache, key, leaving, lease_length=30.0):
+    mutex = Mutex(cache, lease=lease_length)
+    async with mutex.acquire_async(key) as lease:
+        delete_behind_its_back(cache, lease._cache_key)
+        raise leaving()
+
+
+@pytest.mark.parametrize("leaving", [KeyboardInterrupt, SystemExit])
+def test_async_exit_lets_a_base_exception_pass_through(memory_cache, key, leaving):
+    """``async with``: the same rule."""
+    import asyncio
+
+    with pytest.raises(leaving):
+        asyncio.run(_hold_then(memory_cache, key, leaving))
+
+
+def test_async_exit_lets_an_outside_cancellation_pass_through(memory_cache, key):
+    """A task cancelled by someone else while its lease was lost stays cancelled (asyncio
+    cancellation is not a lock error); only the lock's own cancellation becomes one."""
+    import asyncio
+
+    async def main() -> None:
+        mutex = Mutex(memory_cache)
+        entered = asyncio.Event()
+
+        async def body() -> None:
+            async with mutex.acquire_async(key) as lease:
+                delete_behind_its_back(memory_cache, lease._cache_key)
+                entered.set()
+                await asyncio.sleep(30)
+
+        task = asyncio.create_task(body())
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_async_loss_still_cancels_the_body_into_the_loss_error(memory_cache, key):
+    """The lock's own cancellation (its lease lapsed) still ends as the loss error."""
+    import asyncio
+
+    async def main() -> None:
+        mutex = Mutex(memory_cache, lease=0.2)
+        async with mutex.acquire_async(key):
+            await asyncio.sleep(5)
+
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        asyncio.run(main())
+
+
 def test_renew_to_a_shorter_length_inside_a_block_moves_the_interrupt(memory_cache, key):
     """renew(lease=shorter) in a block moves the interrupt to the new, earlier deadline."""
     mutex = Mutex(memory_cache, lease=3)
