@@ -80,6 +80,12 @@ class MalfunctionError(SimpleMutexError):
         self.unsent = unsent
         self.withheld = withheld
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The flags travel as state: Celery and RQ pickle the error to report it, and a
+        # rebuilt one must still say whether the write can have landed.
+        state = {"unsent": self.unsent, "withheld": self.withheld}
+        return _rebuild, (type(self), self.message, self.key), state
+
     def about(self, key: str, cache_keys: Iterable[str]) -> MalfunctionError:
         """Name the user's ``key``, verbatim, where the cache named its own keys."""
         for cache_key in cache_keys:

@@ -27,6 +27,11 @@ class ForkAware(Protocol):
         """Called in the child once its ``_guard`` is free again."""
 
 
+generation = 0
+"""How many forks separate this process from the first one: a value saved before a fork
+and read after it in the child differs. A Lease keeps it, so that its copy in a forked
+child knows it is not the holder (DESIGN §4 rule 14)."""
+
 _objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 _held: list[ForkAware] = []
@@ -54,7 +59,8 @@ def _after_in_parent() -> None:
 
 
 def _after_in_child() -> None:
-    global _registry_lock
+    global _registry_lock, generation
+    generation += 1
     for obj in _held:
         obj._guard.release()
         obj._after_fork()

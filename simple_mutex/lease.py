@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from types import TracebackType
 from typing import Protocol
 
-from . import engine, events
+from . import engine, events, forksafe
 from .contract import AnyCache, ConditionalCache, Entry
 from .durations import positive_seconds
 from .engine import Flow, Grant, Handoffs, in_background, run, run_async
@@ -152,6 +152,7 @@ class Lease:
             self._listening = True
             self._previous = grant.previous
         self._lock = threading.Lock()  # guards state only; never held across a cache call
+        self._generation = forksafe.generation  # a forked child's copy is not the holder
         self._set_deadline(grant.started, space.lease)
         if claim.renew:
             self._book(self._renew_at)
@@ -179,6 +180,11 @@ class Lease:
         return self._lost_reason is not None or (
             not self._released and time.monotonic() >= self._deadline
         )
+
+    @property
+    def _inherited(self) -> bool:
+        """True in a child forked while the lease was held: a copy, never the holder."""
+        return self._generation != forksafe.generation
 
     @property
     def length(self) -> float:
@@ -214,6 +220,9 @@ class Lease:
 
     def _release_flow(self) -> Flow[bool]:
         if self._released:
+            return False
+        if self._inherited:
+            self._released = True  # this copy lets go; the holder's record is the holder's
             return False
         if self._record_gone:
             self._released = True
@@ -271,6 +280,11 @@ class Lease:
             self._fire()
 
     def _renew_flow(self, length: float) -> Flow[None]:
+        if self._inherited:
+            raise ConstraintError(
+                f"the lease on {self.key!r} belongs to the process that acquired it; this "
+                "forked child has only a copy and cannot renew it (acquire in the child)"
+            )
         with self._lock:
             if self._released:
                 raise self._ended_error()
@@ -310,10 +324,19 @@ class Lease:
         if self._loop is None:
             self._renewed(self._outcome_of(self.renew))
             return
+        renewal = self._renew_on_loop()
         try:
-            self._loop.call_soon_threadsafe(in_background, self._renew_on_loop())
-        except RuntimeError:  # the loop is closed: nobody is left to renew for
-            self._renewed(failed=False)
+            self._loop.call_soon_threadsafe(in_background, renewal)
+        except RuntimeError:
+            # The loop is closed (asyncio.run returned with the lease held): nothing can
+            # renew, release or interrupt it any more. Mark it lost, so the keeper stops
+            # visiting (it would retry at once, for up to the whole lease); the record
+            # lapses in the cache.
+            renewal.close()
+            with self._lock:
+                self._renewing = False
+                self._mark_lost("its event loop closed while it was held")
+            self._fire()
 
     async def _renew_on_loop(self) -> None:
         try:
@@ -477,6 +500,11 @@ class Lease:
         # A `with` inside a coroutine or generator can be suspended: the thread would then
         # be interrupted while running someone else's code (another task, the event loop).
         self._sync("__enter__")
+        if self._inherited:
+            raise ConstraintError(
+                f"the lease on {self.key!r} belongs to the process that acquired it; a "
+                "forked child cannot enter it (acquire in the child)"
+            )
         if sys._getframe(1).f_code.co_flags & _SUSPENDABLE:
             raise ConstraintError(
                 f"`with lease:` on {self.key!r} inside a coroutine or generator cannot be "
@@ -503,6 +531,10 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._inherited:  # a forked child leaving the parent's block: not the holder
+            self._armed_thread = None
+            self._released = True
+            return
         try:
             foreign = self._disarm()
         except BaseException:
@@ -570,6 +602,9 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._inherited:  # a forked child leaving the parent's block: not the holder
+            self._released = True
+            return
         # Shielded: a second cancel must not skip the release.
         try:
             released = self._released_in_time or await asyncio.shield(self.release_async())

@@ -203,7 +203,10 @@ class _LockSpace:
 
     def holders(self, key: str) -> list[Holder]:
         """Who holds the key's permits now (never their tokens)."""
-        self._sync("holders")
+        return self._read_holders(key, "holders")
+
+    def _read_holders(self, key: str, method: str) -> list[Holder]:
+        self._sync(method)  # the error names the method the user called
         return self._holders(key, self._run(key, engine.read(self._slot_keys(key))))
 
     async def holders_async(self, key: str) -> list[Holder]:
@@ -219,7 +222,7 @@ class _LockSpace:
 
     def holder(self, key: str) -> Holder | None:
         """A holder of the key, or None when it is free."""
-        found = self.holders(key)
+        found = self._read_holders(key, "holder")
         return found[0] if found else None
 
     async def holder_async(self, key: str) -> Holder | None:
@@ -229,7 +232,7 @@ class _LockSpace:
 
     def locked(self, key: str) -> bool:
         """True if an acquire now would have to wait (every permit is taken)."""
-        return len(self.holders(key)) >= self.permits
+        return len(self._read_holders(key, "locked")) >= self.permits
 
     async def locked_async(self, key: str) -> bool:
         """``locked`` for asyncio."""

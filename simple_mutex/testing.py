@@ -98,14 +98,29 @@ class Faults:
         return bool(left)
 
 
-class _Face:
-    """The fault controls both faces share."""
+class FaultyCache:
+    """Wrap any cache (or raw client) so that tests can inject faults by operation name:
+    ``fail(op, times=1)``, ``lose_reply(op, times=1)``, ``delay(op, seconds)``,
+    ``expire(key)``, ``clear()``, and ``calls`` (how often each operation ran).
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-        self.name = cache.name
-        self.faults = Faults(cache.name)
+    ``FaultyCache(asyncio_cache)`` is an :class:`AsyncFaultyCache` (the same controls, the
+    contract's methods coroutines), so ``isinstance(x, FaultyCache)`` holds for both."""
+
+    def __new__(cls, cache: object) -> FaultyCache:
+        inner = as_cache(cache)
+        if cls is FaultyCache and is_async(inner):
+            cls = AsyncFaultyCache
+        faulty = super().__new__(cls)
+        faulty.cache = inner
+        return faulty
+
+    def __init__(self, cache: object) -> None:
+        # __new__ has wrapped ``cache`` (a raw client becomes its cache) into self.cache.
+        self.name = self.cache.name
+        self.faults = Faults(self.cache.name)
         self._keys: set[str] = set()  # cache keys written through it (for expire)
+
+    cache: Any
 
     def fail(self, op: str, times: int = 1) -> None:
         """The next ``times`` calls of ``op`` raise MalfunctionError (nothing is written)."""
@@ -137,8 +152,6 @@ class _Face:
         bases = {p + encoded for p in prefixes}
         return sorted(k for k in self._keys if k.partition("#")[0] in bases)
 
-
-class _SyncFaulty(_Face):
     def _call(self, op: str, key: str, write: Any) -> Any:
         delay, lose = self.faults.before(op, key)
         if delay:
@@ -187,7 +200,9 @@ class _SyncFaulty(_Face):
         return lapsed
 
 
-class _AsyncFaulty(_Face):
+class AsyncFaultyCache(FaultyCache):
+    """A FaultyCache over an asyncio cache: the contract's methods are coroutines."""
+
     async def _call(self, op: str, key: str, write: Any) -> Any:
         delay, lose = self.faults.before(op, key)
         if delay:
@@ -197,30 +212,32 @@ class _AsyncFaulty(_Face):
             raise self.faults.fault(op, key, "reply lost (the write landed)")
         return result
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, key: str) -> Entry | None:  # type: ignore[override]
         return await self._call("get", key, lambda: self.cache.get(key))  # type: ignore[no-any-return]
 
-    async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+    async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:  # type: ignore[override]
         self._keys.add(key)
         return await self._call(  # type: ignore[no-any-return]
             "put_if_absent", key, lambda: self.cache.put_if_absent(key, value, ttl=ttl)
         )
 
-    async def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
+    async def compare_and_set(  # type: ignore[override]
+        self, key: str, value: str, *, ttl: float, version: str
+    ) -> Entry:
         return await self._call(  # type: ignore[no-any-return]
             "compare_and_set", key,
             lambda: self.cache.compare_and_set(key, value, ttl=ttl, version=version),
         )  # fmt: skip
 
-    async def compare_and_delete(self, key: str, *, version: str) -> bool | None:
+    async def compare_and_delete(self, key: str, *, version: str) -> bool | None:  # type: ignore[override]
         return await self._call(  # type: ignore[no-any-return]
             "compare_and_delete", key, lambda: self.cache.compare_and_delete(key, version=version)
         )
 
-    async def wait(self, keys: Sequence[str], timeout: float) -> None:
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:  # type: ignore[override]
         await self._call("wait", keys[0] if keys else "", lambda: self.cache.wait(keys, timeout))
 
-    async def expire(self, key: str, prefix: str | None = None) -> int:
+    async def expire(self, key: str, prefix: str | None = None) -> int:  # type: ignore[override]
         """``expire`` of the blocking face, awaited."""
         lapsed = 0
         for cache_key in self._matching(key, prefix):
@@ -232,14 +249,6 @@ class _AsyncFaulty(_Face):
                 except SimpleCacheConditionError:
                     pass
         return lapsed
-
-
-def FaultyCache(cache: object) -> Any:
-    """Wrap any cache (or raw client) so that tests can inject faults by operation name:
-    ``fail(op, times=1)``, ``lose_reply(op, times=1)``, ``delay(op, seconds)``,
-    ``expire(key)``, ``clear()``, and ``calls`` (how often each operation ran)."""
-    inner = as_cache(cache)
-    return _AsyncFaulty(inner) if is_async(inner) else _SyncFaulty(inner)
 
 
 def isolated(cache: object, prefix: str) -> AnyCache:

@@ -45,6 +45,17 @@ def test_every_error_pickles_round_trip(cls, key, protocol):
     assert copy.key == key
 
 
+@pytest.mark.parametrize("flags", [{"unsent": True}, {"withheld": True}, {}])
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_a_malfunction_keeps_its_flags_through_pickle(flags, protocol):
+    """``unsent`` and ``withheld`` say whether a write can have landed: a copy rebuilt by
+    Celery or RQ (they pickle errors) says the same."""
+    error = MalfunctionError("redis cache failed", key=WEIRD_KEY, **flags)
+    copy = pickle.loads(pickle.dumps(error, protocol=protocol))
+    assert (copy.unsent, copy.withheld) == (error.unsent, error.withheld)
+    assert (copy.message, copy.key) == (error.message, error.key)
+
+
 @pytest.mark.parametrize("cls", ERRORS)
 def test_every_error_is_exported_and_rooted(cls):
     """Every error is importable from simple_mutex and derives from SimpleMutexError; one

@@ -550,3 +550,31 @@ def test_a_dropped_renewing_lease_stops_being_renewed():
     forgetful()
     gc.collect()
     wait_until(lambda: not mutex.locked("leaked"), 3, "the dropped lease to lapse")
+
+
+def test_a_renewing_lease_left_held_by_a_closed_loop_stops_being_visited():
+    """A renewing lease on an asyncio cache still held when ``asyncio.run`` returns: its
+    loop is gone, so nothing can renew it. It is marked lost at the first renewal due,
+    instead of the keeper retrying at once until the deadline (it spun: 45,940 attempts
+    and 2.6 s of CPU in 4.5 s)."""
+    import asyncio
+
+    from async_memory import AsyncMemory
+
+    async def take() -> Lease:
+        return await Mutex(AsyncMemory(), lease=0.3).acquire_async("k", renew=True)
+
+    lease = asyncio.run(take())  # the loop closes with the lease held
+    visits = 0
+    renew_in_background = lease._renew_in_background
+
+    def counted() -> None:
+        nonlocal visits
+        visits += 1
+        renew_in_background()
+
+    lease._renew_in_background = counted  # type: ignore[method-assign]
+    wait_until(lambda: lease.lost, 5, "the lease to be marked lost")
+    time.sleep(0.5)
+    assert visits == 1
+    assert "event loop closed" in (lease._lost_reason or "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from async_memory import AsyncMemory
 from workers import spin, wait_until
 
 from simple_mutex import (
@@ -123,3 +124,28 @@ def test_settings_a_test_changes_apply_after_reset():
     reset()
     with pytest.raises(Exception, match="busy"):
         work.apply(args=(1,)).get()
+
+
+def test_faulty_cache_is_a_class_for_both_faces():
+    """``FaultyCache`` is a class: ``isinstance`` works on the blocking face and on the
+    asyncio one it picks for an asyncio cache (which is an ``AsyncFaultyCache``)."""
+    from simple_mutex.contract import is_async
+    from simple_mutex.testing import AsyncFaultyCache, FaultyCache
+
+    blocking = FaultyCache(InMemoryCache())
+    awaited = FaultyCache(AsyncMemory())
+    assert isinstance(blocking, FaultyCache)
+    assert not isinstance(blocking, AsyncFaultyCache)
+    assert isinstance(awaited, FaultyCache)
+    assert isinstance(awaited, AsyncFaultyCache)
+    assert not is_async(blocking)
+    assert is_async(awaited)
+
+    async def take() -> int:
+        lease = await Mutex(awaited).acquire_async("k", timeout=0)
+        await lease.release_async()
+        return awaited.calls["put_if_absent"]
+
+    import asyncio
+
+    assert asyncio.run(take()) == 1
