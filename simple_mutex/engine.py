@@ -8,7 +8,7 @@ operations: ``run`` blocks, ``run_async`` awaits. Tests drive flows on a fake cl
 flow           decides                                         returns
 =============  ==============================================  ==========================
 acquire        put-if-absent on each slot; wait; the deadline  Grant, or raises timeout
-renew          compare-and-set our record                      Entry, or None when gone
+renew          compare-and-set our record                      Renewed, or None when gone
 release        compare-and-delete our record                   Released
 take_over      compare-and-set a record that ``owns`` accepts  Grant, or None
 release_where  compare-and-delete records ``owns`` accepts     how many were freed
@@ -235,16 +235,44 @@ def acquire(
             wait_failed = True
 
 
-def renew(cache_key: str, value: str, version: str, lease: float) -> Flow[Entry | None]:
-    """Restart our record's expiry. None when it is gone or another owner's."""
-    try:
-        entry: Entry = yield CompareAndSet(cache_key, value, lease, version)
-    except SimpleCacheConditionError:
-        # Our own retried renewal misses the version it just wrote; a record still at the
-        # old version was not renewed (it expired by the cache's clock).
-        found = yield from settle(cache_key, value)
-        return None if found is None or found.version == version else found
-    return entry
+class Renewed(NamedTuple):
+    entry: Entry
+    started: float
+    """The monotonic time just before the write that landed was sent."""
+
+
+RENEW_WRITES = 3
+"""Writes one renewal may send: the second and third only after an earlier write of ours
+landed unseen, which takes a lost reply or a driver's retry each time."""
+
+
+def renew(
+    cache_key: str, value: str, version: str, lease: float, now: Callable[[], float]
+) -> Flow[Renewed | None]:
+    """Restart our record's expiry; None when it is gone or another owner's.
+
+    The deadline is taken only from a write whose outcome we saw (DESIGN §4 rule 15). A
+    compare-and-set that misses on a record holding our value at another version met a
+    write of ours that landed unseen (a lost reply, a driver's retry): its length and its
+    start are not known here, so it cannot set the deadline. Write once more from the
+    version found; that write's own start and length do."""
+    for _ in range(RENEW_WRITES):
+        started = now()
+        try:
+            entry: Entry = yield CompareAndSet(cache_key, value, lease, version)
+        except SimpleCacheConditionError:
+            found = yield from settle(cache_key, value)
+            if found is None or found.version == version:
+                # Gone, another owner's, or still at our version but expired by the
+                # cache's clock (a compare-and-set only replaces a live entry).
+                return None
+            version = found.version
+            continue
+        return Renewed(entry, started)
+    raise MalfunctionError(
+        f"renewing {cache_key!r}: our record changed under each of {RENEW_WRITES} writes "
+        "(is another process renewing it with the same token?)"
+    )
 
 
 def release(cache_key: str, value: str, version: str) -> Flow[Released]:

@@ -130,6 +130,8 @@ class Lease:
     _previous: Entry | None = None  # the holder the acquire found in the way, if watched
     _loss_reported = False
     _listening = False  # someone listened to lock events when it was acquired
+    _renewing_sync: threading.Lock | None = None  # held by the renewal in flight
+    _renewing_async: asyncio.Lock | None = None  # the same, for a lease renewed on a loop
 
     def __init__(
         self, claim: Claim, grant: Grant, loop: asyncio.AbstractEventLoop | None = None
@@ -263,23 +265,42 @@ class Lease:
 
     def renew(self, lease: object = None) -> None:
         """Restart the lease from now (with a new length if given, like dmutex's
-        ``extend(ttl)``). Raises ``SimpleMutexLeaseExpiredError`` if it was already lost."""
+        ``extend(ttl)``; later background renewals keep that length). Raises
+        ``SimpleMutexLeaseExpiredError`` if it was already lost."""
         self._sync("renew")
-        length = self._length if lease is None else positive_seconds(lease, "lease")
-        try:
-            run(self._blocking(), self._renew_flow(length))
-        finally:
-            self._fire()
+        self._renew_blocking(None if lease is None else positive_seconds(lease, "lease"))
 
     async def renew_async(self, lease: object = None) -> None:
         """``renew`` for asyncio: the event loop is not blocked."""
-        length = self._length if lease is None else positive_seconds(lease, "lease")
-        try:
-            await run_async(self._cache, self._renew_flow(length))
-        finally:
-            self._fire()
+        length = None if lease is None else positive_seconds(lease, "lease")
+        if self._loop is None:
+            # A blocking cache's lease: its background renewals run in the keeper's
+            # threads, so this one takes its turn among them in a thread too.
+            await asyncio.to_thread(self._renew_blocking, length)
+            return
+        if self._renewing_async is None:
+            self._renewing_async = asyncio.Lock()
+        async with self._renewing_async:
+            try:
+                await run_async(self._cache, self._renew_flow(length))
+            finally:
+                self._fire()
 
-    def _renew_flow(self, length: float) -> Flow[None]:
+    def _renew_blocking(self, length: float | None) -> None:
+        with self._lock:
+            if self._renewing_sync is None:
+                self._renewing_sync = threading.Lock()
+            turn = self._renewing_sync
+        with turn:  # one renewal at a time (DESIGN §4 rule 15); never held by the keeper
+            try:
+                run(self._blocking(), self._renew_flow(length))
+            finally:
+                self._fire()
+
+    def _renew_flow(self, new_length: float | None) -> Flow[None]:
+        """One renewal; the caller makes sure it is the only one of this lease in flight.
+        Two at once would each read the other's write back as their own and take their
+        own length for the deadline: a holder believing in 60 s of a record kept for 1."""
         if self._inherited:
             raise ConstraintError(
                 f"the lease on {self.key!r} belongs to the process that acquired it; this "
@@ -293,24 +314,30 @@ class Lease:
             if self._lost_reason is not None:
                 raise self._ended_error()
             version = self._version
-        started = time.monotonic()
+            length = self._length if new_length is None else new_length
+        sent = time.monotonic()
         try:
-            entry = yield from engine.renew(self._cache_key, self._value, version, length)
+            renewed = yield from engine.renew(
+                self._cache_key, self._value, version, length, time.monotonic
+            )
         except MalfunctionError as exc:
+            # The write may have landed all the same (its reply lost), and a shorter
+            # length would then hold in the cache: the deadline may only come closer.
+            self._pull_deadline(sent, length)
             exc.about(self.key, [self._cache_key])
             raise
         with self._lock:
-            if entry is None:
+            if renewed is None:
                 if not self._released:
                     self._record_gone = True
                     self._mark_lost("its record was gone or held by another owner at renewal")
                 raise self._ended_error()
-            renewed = not self._done
-            if renewed:
-                self._version = entry.version
-                self._set_deadline(started, length)
+            kept = not self._done
+            if kept:
+                self._version = renewed.entry.version
+                self._set_deadline(renewed.started, length)
                 self._book_next()
-        if renewed:
+        if kept:
             if self._listening:
                 self._report("renewed")
             return
@@ -318,6 +345,17 @@ class Lease:
         # the record it extended, or the key stays held for a lease with nobody in it.
         yield from engine.abandon([self._cache_key], self._value)
         raise self._ended_error()
+
+    def _pull_deadline(self, started: float, length: float) -> None:
+        """A write of ``length`` sent at ``started`` may have landed: the deadline becomes
+        the earlier of the two (and the keeper comes by then)."""
+        with self._lock:
+            deadline = started + length - lapse_margin(length)
+            if self._done or deadline >= self._deadline:
+                return
+            self._deadline = deadline
+            self._expires_wall = time.time() - time.monotonic() + deadline
+            self._book_next()
 
     def _renew_in_background(self) -> None:
         """The keeper's renewal: in its pool, or on the loop of an asyncio cache's lease."""

@@ -391,24 +391,53 @@ def miss() -> SimpleCacheConditionError:
     return SimpleCacheConditionError("version miss")
 
 
+def renewal(version: str = "v1", length: float = 9.0) -> Any:
+    return engine.renew("mutex.k", VALUE, version, length, FakeClock())
+
+
 def test_renew_is_one_compare_and_set_on_our_version():
     """A renewal is one compare-and-set carrying our value, the new length and version."""
-    entry, ops = drive(engine.renew("mutex.k", VALUE, "v1", 9.0), OURS)
-    assert entry == OURS
+    renewed, ops = drive(renewal(), OURS)
+    assert renewed.entry == OURS
     assert ops == [CompareAndSet("mutex.k", VALUE, 9.0, "v1")]
 
 
 @pytest.mark.parametrize(
-    ("seen", "expected"),
-    [(OURS, OURS), (THEIRS, None), (None, None), (Entry(VALUE, "v1", 7, 1e9), None)],
-    ids=["our-retry-landed", "another-owner", "gone", "ours-but-not-renewed"],
+    "seen",
+    [THEIRS, None, Entry(VALUE, "v1", 7, 1e9)],
+    ids=["another-owner", "gone", "ours-but-not-renewed"],
 )
-def test_a_renewal_miss_is_settled_by_one_read(seen, expected):
-    """After a version miss, the read shows whether our own retried write landed: only
-    our value at a newer version counts as renewed."""
-    entry, ops = drive(engine.renew("mutex.k", VALUE, "v1", 9.0), miss(), seen)
-    assert entry == expected
+def test_a_renewal_miss_on_a_record_that_is_not_ours_now_is_a_loss(seen):
+    """After a version miss, one read: another owner's record, none, or ours still at the
+    version we sent (the cache's clock expired it) is a lost lease."""
+    renewed, ops = drive(renewal(), miss(), seen)
+    assert renewed is None
     assert ops[1] == Get("mutex.k")
+
+
+def test_a_renewal_miss_on_our_record_writes_again_from_the_version_read():
+    """Our value at another version: a write of ours landed unseen (a lost reply, a
+    driver's retry, a second renewal of the same lease), whose start and length are not
+    ours to know. It is never taken as this renewal's (DESIGN §4 rule 15): one more
+    compare-and-set from the version read, and that write sets the deadline."""
+    landed = Entry(VALUE, "v3", 7, 1e9)
+    renewed, ops = drive(renewal(), miss(), OURS, landed)
+    assert renewed.entry == landed
+    assert ops == [
+        CompareAndSet("mutex.k", VALUE, 9.0, "v1"),
+        Get("mutex.k"),
+        CompareAndSet("mutex.k", VALUE, 9.0, "v2"),
+    ]
+
+
+def test_a_renewal_whose_record_keeps_changing_under_it_is_a_fault():
+    """Bounded: a record that moves under every write (another process with our token)
+    ends as a MalfunctionError, never a loop."""
+    answers = []
+    for n in range(engine.RENEW_WRITES):
+        answers += [miss(), Entry(VALUE, f"w{n}", 7, 1e9)]
+    with pytest.raises(MalfunctionError, match="changed under each"):
+        drive(renewal(), *answers)
 
 
 def test_release_is_one_compare_and_delete_and_reports_a_woken_waiter():

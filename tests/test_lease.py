@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -485,10 +486,14 @@ def test_a_failed_release_stops_renewal_so_the_lock_lapses():
 
 
 class _RetriedRenewal(InMemoryCache):
-    """A renewal that lands, loses its reply, and is retried by the driver."""
+    """The first renewal lands, loses its reply, and is retried by the driver."""
+
+    retried = False
 
     def compare_and_set(self, key, value, *, ttl, version):
-        super().compare_and_set(key, value, ttl=ttl, version=version)
+        if not self.retried:
+            self.retried = True
+            super().compare_and_set(key, value, ttl=ttl, version=version)
         return super().compare_and_set(key, value, ttl=ttl, version=version)
 
 
@@ -578,3 +583,91 @@ def test_a_renewing_lease_left_held_by_a_closed_loop_stops_being_visited():
     time.sleep(0.5)
     assert visits == 1
     assert "event loop closed" in (lease._lost_reason or "")
+
+
+# -- one renewal at a time; a deadline only from a write we saw land (DESIGN §4 rule 15) --
+
+
+class _SlowLongRenewal(InMemoryCache):
+    """A 60 s renewal waits 0.3 s before it writes: another renewal of the same lease can
+    be sent meanwhile (a background renewal and a user's renew(lease=...), two threads)."""
+
+    def compare_and_set(self, key, value, *, ttl, version):
+        if ttl == 60:
+            time.sleep(0.3)
+        return super().compare_and_set(key, value, ttl=ttl, version=version)
+
+
+def rival_gets(mutex: Mutex, key: str, within: float) -> Lease | None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        rival = mutex.try_acquire(key)
+        if rival is not None:
+            return rival
+        time.sleep(0.01)
+    return None
+
+
+def test_two_renewals_at_once_never_leave_the_holder_past_its_record():
+    """A 60 s renewal is in flight when the user renews to 1 s. Before, the 60 s one missed
+    the version the other wrote, read its own value back, and took 60 s for its deadline:
+    the holder believed in a minute while its record lapsed in a second, and a rival got
+    in with the first lease still not lost. Now the second waits its turn: the record and
+    the holder's deadline are the last write's, 1 s, and the rival finds the holder lost."""
+    mutex = Mutex(_SlowLongRenewal(), lease=60)
+    lease = mutex.acquire("k")
+    background = threading.Thread(target=lease.renew)
+    background.start()
+    time.sleep(0.1)
+    lease.renew(lease=1)
+    background.join()
+    rival = rival_gets(mutex, "k", within=5)
+    assert rival is not None, "the 1 s renewal did not hold: the record was kept longer"
+    assert lease.lost, "a rival holds the key while the first holder still counts on it"
+    assert lease.length == 1  # the user's length is the one that stuck
+    rival.release()
+
+
+def test_a_renewal_with_an_unknown_outcome_only_brings_the_deadline_closer(faulty_cache):
+    """renew(lease=0.5) lands but its reply is lost (MalfunctionError): the record now
+    lapses in 0.5 s, so the holder's deadline must not stay a minute away."""
+    mutex = Mutex(faulty_cache, lease=60)
+    lease = mutex.acquire("k")
+    faulty_cache.lose_reply("compare_and_set")
+    with pytest.raises(MalfunctionError):
+        lease.renew(lease=0.5)
+    rival = rival_gets(mutex, "k", within=5)
+    assert rival is not None
+    assert lease.lost
+    rival.release()
+
+
+def test_two_renewals_at_once_on_an_event_loop_take_turns():
+    """The same on an asyncio cache, whose renewals run on the holder's loop."""
+    import asyncio
+
+    from async_memory import AsyncMemory
+
+    class SlowLong(AsyncMemory):
+        async def compare_and_set(self, key, value, *, ttl, version):
+            if ttl == 60:
+                await asyncio.sleep(0.3)
+            return await super().compare_and_set(key, value, ttl=ttl, version=version)
+
+    async def main() -> None:
+        mutex = Mutex(SlowLong(), lease=60)
+        lease = await mutex.acquire_async("k")
+        background = asyncio.create_task(lease.renew_async())
+        await asyncio.sleep(0.1)
+        await lease.renew_async(lease=1)
+        await background
+        deadline = time.monotonic() + 5
+        rival = None
+        while rival is None and time.monotonic() < deadline:
+            rival = await mutex.try_acquire_async("k")
+            await asyncio.sleep(0.01)
+        assert rival is not None
+        assert lease.lost
+        await rival.release_async()
+
+    asyncio.run(main())
