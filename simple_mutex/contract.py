@@ -59,6 +59,11 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
 
 Faults of the driver (connection refused, corrupt file, timeouts) must be raised as
 ``MalfunctionError`` naming the cache and the operation, never as the driver's own error.
+A cache names its driver's error classes in ``driver_errors`` (default: the builtin
+``ConnectionError``): the engine maps one of those that escaped to a MalfunctionError.
+Anything else raised inside a cache call reaches the caller unchanged: a signal
+handler's exception (RQ's job timeout, Celery's soft time limit, an alarm) that lands
+while an acquire waits is the caller's, never a backend fault to wait out.
 
 An asyncio backend implements :class:`AsyncConditionalCache`: the same five rules, each
 method a coroutine (``redis.asyncio``, psycopg's ``AsyncConnection``, pymongo's
@@ -71,6 +76,9 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
+
+DRIVER_ERRORS: tuple[type[Exception], ...] = (ConnectionError,)
+"""What a cache without its own ``driver_errors`` may let escape for a backend fault."""
 
 
 class Entry(NamedTuple):

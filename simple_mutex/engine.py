@@ -33,7 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from .contract import AnyCache, AsyncConditionalCache, ConditionalCache, Entry, is_async
+from .contract import (
+    DRIVER_ERRORS,
+    AnyCache,
+    AsyncConditionalCache,
+    ConditionalCache,
+    Entry,
+    is_async,
+)
 from .errors import (
     MalfunctionError,
     SimpleCacheConditionError,
@@ -380,13 +387,24 @@ class Handoffs:
 
 
 def execute(cache: ConditionalCache, op: Op) -> Any:
-    """Run one operation, mapping any stray driver error to a MalfunctionError."""
+    """Run one operation, mapping a stray driver error to a MalfunctionError."""
     try:
         return op.apply(cache)
     except SimpleMutexError:
         raise
     except Exception as exc:
+        if not is_driver_error(cache, exc):
+            raise
         raise stray(cache, op, exc) from exc
+
+
+def is_driver_error(cache: AnyCache, exc: Exception) -> bool:
+    """Is ``exc`` a fault of the cache's driver (one of its ``driver_errors``)? Anything
+    else raised inside a cache call is not the backend's: a signal handler's exception
+    (RQ's job timeout, Celery's soft time limit, an alarm) landing while we wait, or a
+    bug. It must reach the caller at once, never be taken for a backend fault that the
+    acquire waits out before it runs the body anyway."""
+    return isinstance(exc, getattr(cache, "driver_errors", DRIVER_ERRORS))
 
 
 def stray(cache: AnyCache, op: Op, exc: Exception) -> MalfunctionError:
@@ -427,6 +445,8 @@ def run(cache: ConditionalCache, flow: Flow[T]) -> T:
         except SimpleMutexError:
             raise
         except Exception as exc:
+            if not is_driver_error(cache, exc):
+                raise
             result, error = None, stray(cache, op, exc)
             error.__cause__ = exc
 
@@ -463,6 +483,8 @@ async def attempt_native(cache: Any, op: Op) -> Outcome:
             in_background(run_async(cache, abandon([op.key], op.value)))
         raise
     except Exception as exc:
+        if not is_driver_error(cache, exc):
+            raise
         error = stray(cache, op, exc)
         error.__cause__ = exc
         return Outcome(error=error)

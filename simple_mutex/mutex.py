@@ -101,6 +101,8 @@ class _LockSpace:
         flow = self._acquiring(claim, timeout, interval)
         try:
             lease = claim.lease(run(self.cache, flow))
+            if claim.listening:
+                lease._report("acquired", waited=time.monotonic() - claim.started)
         except SimpleMutexAcquireTimeoutError as busy:
             if claim.listening or events.wanted("timed_out"):
                 self._busy(claim, busy, self.holder(key) if events.subscribers else None)
@@ -109,12 +111,12 @@ class _LockSpace:
             self._unclear(claim, fault)
             raise
         except BaseException:
-            # An outer lease's interrupt or a KeyboardInterrupt can land just after our
-            # write succeeded: free what we may have written, or it stays held for a lease.
+            # An interrupt (an outer lease's, Ctrl-C, a job timeout's signal handler) can
+            # land inside a write or just after it: free what we may have written, or it
+            # stays held for a lease. Nothing below runs Python code a signal could stop
+            # until the caller has the lease in hand.
             run(self.cache, engine.abandon(claim.slot_keys, claim.value))
             raise
-        if claim.listening:
-            lease._report("acquired", waited=time.monotonic() - claim.started)
         return lease
 
     def acquire_async(

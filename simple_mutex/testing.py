@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .caches.adapt import as_cache
-from .contract import AnyCache, Entry, is_async
+from .contract import DRIVER_ERRORS, AnyCache, Entry, is_async
 from .errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 from .keys import check_key, check_prefix, encode_key
 
@@ -121,6 +121,11 @@ class FaultyCache:
         self._keys: set[str] = set()  # cache keys written through it (for expire)
 
     cache: Any
+
+    @property
+    def driver_errors(self) -> tuple[type[Exception], ...]:
+        """The wrapped cache's: a fault it lets escape stays a fault through the wrapper."""
+        return getattr(self.cache, "driver_errors", DRIVER_ERRORS)
 
     def fail(self, op: str, times: int = 1) -> None:
         """The next ``times`` calls of ``op`` raise MalfunctionError (nothing is written)."""
@@ -261,6 +266,7 @@ def isolated(cache: object, prefix: str) -> AnyCache:
 class _Prefixed:
     def __init__(self, cache: Any, prefix: str) -> None:
         self.cache, self.prefix, self.name = cache, prefix, cache.name
+        self.driver_errors = getattr(cache, "driver_errors", DRIVER_ERRORS)
 
     def get(self, key: str) -> Entry | None:
         return self.cache.get(self.prefix + key)  # type: ignore[no-any-return]

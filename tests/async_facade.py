@@ -43,6 +43,7 @@ class BlockingFace:
         assert is_async(cache), f"{cache!r} is not an asyncio cache"
         self.cache = cache
         self.name = cache.name
+        self.driver_errors = cache.driver_errors  # what escapes stays a fault through the face
         if callable(getattr(cache, "scan", None)):  # the optional capability, if it has it
             self.scan = lambda prefix: iter(self.call(cache.scan(prefix)))
 

@@ -164,6 +164,7 @@ class LostReply(InMemoryCache):
     """The first put lands, but its caller sees a timeout (the reply was lost)."""
 
     name = "lossy"
+    driver_errors = (TimeoutError,)  # its driver's socket timeouts escape it raw
     lose = 1
 
     def put_if_absent(self, key, value, *, ttl):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -567,6 +568,7 @@ class BrokenCache(InMemoryCache):
     """A cache whose driver leaks raw OSErrors (a backend that forgot to map them)."""
 
     name = "brokencache"
+    driver_errors = (OSError,)
 
     def get(self, key: str) -> Entry | None:
         raise OSError("disk on fire")
@@ -584,6 +586,34 @@ def test_execute_maps_a_stray_driver_error_to_malfunction_naming_cache_and_opera
     assert "Get" in message
     assert "mutex.k" in message
     assert isinstance(info.value.__cause__, OSError)
+
+
+class Alarm(Exception):
+    """What a signal handler raises (RQ's job timeout, Celery's soft time limit)."""
+
+
+class InterruptedCache(InMemoryCache):
+    """A cache whose wait is cut short by a signal handler's exception."""
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        raise Alarm("the job's time is up")
+
+
+def test_an_exception_that_is_not_the_drivers_reaches_the_caller_unchanged():
+    """Only a cache's ``driver_errors`` are backend faults: an exception a signal
+    handler raised while the acquire waited leaves at once, as itself, instead of being
+    taken for a fault to wait out (after which the body ran anyway)."""
+    cache = InterruptedCache()
+    mutex = Mutex(cache)
+    held = mutex.acquire("k")
+    started = time.monotonic()
+    with pytest.raises(Alarm):
+        mutex.acquire("k", timeout=5)
+    assert time.monotonic() - started < 2
+    with pytest.raises(Alarm):
+        execute(cache, Wait(("mutex.k",), 1.0))
+    held.release()
+    assert not mutex.locked("k")
 
 
 def test_execute_passes_condition_errors_through_unwrapped():

@@ -441,7 +441,7 @@ class FlakyRenew(InMemoryCache):
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str):
         if self.failures:
             self.failures -= 1
-            raise OSError("blip")
+            raise ConnectionResetError("blip")
         return super().compare_and_set(key, value, ttl=ttl, version=version)
 
 

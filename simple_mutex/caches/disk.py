@@ -122,6 +122,7 @@ RETURNING expires_at
 
 class DiskCache(CacheBase):
     name = "disk"
+    driver_errors: tuple[type[Exception], ...] = (sqlite3.Error,)
 
     def __init__(
         self,

@@ -88,6 +88,7 @@ class MongoCore(CacheBase):
     """Everything MongoCache and AsyncMongoCache share; subclasses only do the I/O."""
 
     name = "mongo"
+    driver_errors: tuple[type[Exception], ...] = (PyMongoError,)
 
     def __init__(
         self,

@@ -143,6 +143,7 @@ class PostgresCore(CacheBase):
     row parsing and fault mapping. Subclasses only do the I/O."""
 
     name = "postgres"
+    driver_errors: tuple[type[Exception], ...] = (psycopg.Error,)
     _connection_type: ClassVar[Any] = type(None)
     """psycopg's Connection or AsyncConnection: the kind of session a subclass accepts."""
     _pool_type: ClassVar[str] = ""

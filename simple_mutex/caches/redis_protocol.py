@@ -106,6 +106,7 @@ class RedisLayout:
     sends the requests (blocking or awaited) and hands the replies back here."""
 
     name = "redis"
+    driver_errors: tuple[type[Exception], ...] = (RedisError,)
     client: Any
     prefix: str
     replicas: int

@@ -95,6 +95,7 @@ class S3Cache(CacheBase):
     ``bucket``; see the module docstring for the layout and the clock assumption."""
 
     name = "s3"
+    driver_errors: tuple[type[Exception], ...] = (BotoCoreError, ClientError)
 
     def __init__(
         self,
