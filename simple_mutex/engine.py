@@ -11,6 +11,7 @@ acquire        put-if-absent on each slot; wait; the deadline  Grant, or raises 
 renew          compare-and-set our record                      Renewed, or None when gone
 release        compare-and-delete our record                   Released
 take_over      compare-and-set a record that ``owns`` accepts  Grant, or None
+extend         the same, keeping the record's value            Grant, or None
 release_where  compare-and-delete records ``owns`` accepts     how many were freed
 abandon        free any slot that holds our value              None; never raises
 read           the live entry of each slot                     list of Entry or None
@@ -52,15 +53,43 @@ from .errors import (
 # dataclasses: built twice per lock cycle, they cost half what a NamedTuple does.
 
 
+# A cache that answers outside the contract (a write reported done that returns no
+# entry, or someone else's) is a fault of that backend, named, never a bare error later.
+
+
+def _found(cache: AnyCache, op: Get, found: object) -> Entry | None:
+    if found is None or isinstance(found, Entry):
+        return found
+    raise _broke_contract(cache, op, found)
+
+
+def _written(cache: AnyCache, op: PutIfAbsent | CompareAndSet, entry: object) -> Entry:
+    if isinstance(entry, Entry) and entry.value == op.value:
+        return entry
+    raise _broke_contract(cache, op, entry)
+
+
+def _broke_contract(
+    cache: AnyCache, op: Get | PutIfAbsent | CompareAndSet, answer: object
+) -> MalfunctionError:
+    what = "an Entry or None" if isinstance(op, Get) else "the Entry it wrote"
+    shown = type(answer).__name__ if isinstance(answer, Entry) else repr(answer)[:80]
+    return MalfunctionError(
+        f"{getattr(cache, 'name', type(cache).__name__)} cache broke the cache contract: "
+        f"{type(op).__name__} on {op.key!r} returned {shown}, not {what} "
+        "(simple_mutex.contract describes what each method must return)"
+    )
+
+
 @dataclass(slots=True)
 class Get:
     key: str
 
     def apply(self, cache: ConditionalCache) -> Entry | None:
-        return cache.get(self.key)
+        return _found(cache, self, cache.get(self.key))
 
     async def apply_async(self, cache: AsyncConditionalCache) -> Entry | None:
-        return await cache.get(self.key)
+        return _found(cache, self, await cache.get(self.key))
 
 
 @dataclass(slots=True)
@@ -70,10 +99,11 @@ class PutIfAbsent:
     ttl: float
 
     def apply(self, cache: ConditionalCache) -> Entry:
-        return cache.put_if_absent(self.key, self.value, ttl=self.ttl)
+        return _written(cache, self, cache.put_if_absent(self.key, self.value, ttl=self.ttl))
 
     async def apply_async(self, cache: AsyncConditionalCache) -> Entry:
-        return await cache.put_if_absent(self.key, self.value, ttl=self.ttl)
+        entry = await cache.put_if_absent(self.key, self.value, ttl=self.ttl)
+        return _written(cache, self, entry)
 
 
 @dataclass(slots=True)
@@ -84,10 +114,14 @@ class CompareAndSet:
     version: str
 
     def apply(self, cache: ConditionalCache) -> Entry:
-        return cache.compare_and_set(self.key, self.value, ttl=self.ttl, version=self.version)
+        entry = cache.compare_and_set(self.key, self.value, ttl=self.ttl, version=self.version)
+        return _written(cache, self, entry)
 
     async def apply_async(self, cache: AsyncConditionalCache) -> Entry:
-        return await cache.compare_and_set(self.key, self.value, ttl=self.ttl, version=self.version)
+        entry = await cache.compare_and_set(
+            self.key, self.value, ttl=self.ttl, version=self.version
+        )
+        return _written(cache, self, entry)
 
 
 @dataclass(slots=True)
@@ -315,6 +349,26 @@ def take_over(
             if new is None:
                 continue  # freed or changed meanwhile
         return Grant(slot, new, started)
+    return None
+
+
+def extend(
+    slot_keys: Sequence[str], lease: float, owns: Owns, now: Callable[[], float]
+) -> Flow[Grant | None]:
+    """Restart the expiry of the first record ``owns`` accepts (its holder's token), on
+    behalf of that holder: the value stays, so the holder's own handle stays valid (its
+    next renewal misses the version, finds its value, and writes from there)."""
+    for slot, cache_key in enumerate(slot_keys):
+        for _ in range(RENEW_WRITES):
+            entry = yield Get(cache_key)
+            if entry is None or not owns(entry):
+                break
+            started = now()
+            try:
+                extended = yield CompareAndSet(cache_key, entry.value, lease, entry.version)
+            except SimpleCacheConditionError:
+                continue  # renewed or freed in between: read it again
+            return Grant(slot, extended, started)
     return None
 
 

@@ -6,6 +6,7 @@ import asyncio
 import collections.abc
 import os
 import random
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
@@ -194,6 +195,25 @@ class _LockSpace:
         )
         grant = self._run(key, flow)
         return None if grant is None else claim.lease(grant)
+
+    def extend(self, key: str, *, token: str, lease: Duration | None = None) -> bool:
+        """Restart the permit of ``key`` held with ``token`` for ``lease`` seconds (the
+        lock space's lease by default), from any process that knows the token (dmutex's
+        ``extend``). False when no permit of ``key`` is held with it (it was released or
+        lapsed). The holder's own Lease stays valid and renews as before; its local
+        deadline is the one it last set itself (renew it there to move that)."""
+        self._sync("extend")
+        check_token(token)
+        length = self.lease if lease is None else positive_seconds(lease, "lease")
+        wanted = token.encode()
+
+        def held_with_token(held: str) -> bool:
+            return secrets.compare_digest(held.encode("utf-8", "surrogatepass"), wanted)
+
+        flow = engine.extend(
+            self._slot_keys(key), length, self._owned(key, held_with_token), time.monotonic
+        )
+        return self._run(key, flow) is not None
 
     def release_where(self, key: str, owns: Callable[[str], bool]) -> bool:
         """Free every permit of ``key`` whose holder's token ``owns`` accepts, from any

@@ -19,6 +19,7 @@ from simple_mutex import (
     Lease,
     MalfunctionError,
     Mutex,
+    Semaphore,
     SimpleCacheConditionError,
     SimpleMutexLeaseExpiredError,
 )
@@ -671,3 +672,43 @@ def test_two_renewals_at_once_on_an_event_loop_take_turns():
         await rival.release_async()
 
     asyncio.run(main())
+
+
+# -- extend by token (dmutex's extend) ----------------------------------------------------
+
+
+def lock_space(kind: str, cache, lease: float) -> Mutex | Semaphore:
+    return (
+        Semaphore(cache, permits=2, lease=lease)
+        if kind == "semaphore"
+        else Mutex(cache, lease=lease)
+    )
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_extend_by_token_restarts_the_permit_from_another_handle(any_cache, kind):
+    """dmutex's ``extend``: whoever knows a permit's token (another handle, process, or
+    an operator's tool) restarts it for a new length; False once it is not held."""
+    lease = lock_space(kind, any_cache, 0.5).acquire("k")
+    other = lock_space(kind, any_cache, 0.5)
+    assert other.extend("k", token=lease.token, lease=5) is True
+    time.sleep(0.7)  # past the first 0.5 s: only the extension keeps the record
+    assert [h.fence for h in other.holders("k")] == [lease.fence]
+    assert other.extend("k", token="not-the-token") is False
+    lease.release()  # a lapsed handle still frees its record while the cache keeps it
+    assert other.extend("k", token=lease.token) is False
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_a_renewing_holder_stays_valid_through_an_extension_by_its_token(any_cache, kind):
+    """The extension keeps the record's value: the holder's own handle goes on renewing
+    and releasing as if nothing happened (its next renewal reads its value back at the
+    new version and writes from there)."""
+    locks = lock_space(kind, any_cache, 0.3)
+    with locks.acquire("k", renew=True) as lease:
+        for _ in range(3):
+            assert locks.extend("k", token=lease.token, lease=0.3) is True
+            spin(0.25)
+        assert not lease.lost
+    assert lease.release() is False  # released by the block's exit, in time
+    assert not locks.locked("k")
