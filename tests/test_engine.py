@@ -678,3 +678,28 @@ def test_a_failed_wait_retries_at_once_then_falls_back_to_pauses():
     kinds = [type(op) for op in driver.ops]
     assert kinds == [PutIfAbsent, Wait, PutIfAbsent, Wait, Pause, PutIfAbsent]
     assert driver.ops[4].seconds == driver.ops[3].seconds
+
+
+class AnswersNonsense(InMemoryCache):
+    """A backend that breaks the contract: ``put_if_absent`` returns None without writing
+    (the seed's test), ``get`` a plain string."""
+
+    name = "nonsense"
+
+    def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
+        return None  # type: ignore[return-value]
+
+    def get(self, key: str) -> Entry | None:
+        return "held"  # type: ignore[return-value]
+
+
+def test_a_cache_answering_outside_the_contract_is_a_malfunction_naming_it():
+    """try_acquire and holder() on such a backend raise MalfunctionError naming the cache,
+    the operation and what it returned, never a bare AttributeError from deeper in."""
+    mutex = Mutex(AnswersNonsense())
+    with pytest.raises(
+        MalfunctionError, match=r"nonsense cache broke the cache contract.*PutIfAbsent.*None"
+    ):
+        mutex.try_acquire("k")
+    with pytest.raises(MalfunctionError, match=r"nonsense cache broke the cache contract.*Get"):
+        mutex.holder("k")
