@@ -15,6 +15,8 @@ from .contract import ConditionalCache, Entry
 from .decorator import with_simple_mutex
 from .errors import (
     ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
     MalfunctionError,
     SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
@@ -33,6 +35,8 @@ if _os.environ.get("SIMPLE_MUTEX_JOURNAL"):  # opt-in; unset costs this one look
 __all__ = [
     "ConditionalCache",
     "ConstraintError",
+    "ConstraintTypeError",
+    "ConstraintValueError",
     "DiskCache",
     "Entry",
     "Holder",

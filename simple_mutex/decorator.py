@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
 from .durations import Duration, timeout_seconds
-from .errors import ConstraintError, MalfunctionError
+from .errors import ConstraintTypeError, MalfunctionError, bad_input
 from .keys import check_key, check_template, render_template
 from .lease import Lease
 from .mutex import DEFAULT_INTERVAL, DEFAULT_LEASE, Mutex, check_renew
@@ -32,13 +32,13 @@ def key_function(logic: Callable[..., Any], key: str | Callable[..., str]) -> Ca
 
         return from_callable
     if not isinstance(key, str) or not key:
-        raise ConstraintError(
-            f"key must be a template like 'order.{{order_id}}' or a callable, got {key!r}"
+        raise bad_input(
+            key, str, f"key must be a template like 'order.{{order_id}}' or a callable, got {key!r}"
         )
     try:
         signature = inspect.signature(logic)
     except (TypeError, ValueError):
-        raise ConstraintError(
+        raise ConstraintTypeError(
             f"key template {key!r} needs named arguments, but {logic!r} has no inspectable "
             "signature; pass key as a callable instead"
         ) from None
@@ -50,7 +50,7 @@ def key_function(logic: Callable[..., Any], key: str | Callable[..., str]) -> Ca
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as exc:
-            raise ConstraintError(f"arguments do not fit {logic.__qualname__}: {exc}") from None
+            raise ConstraintTypeError(f"arguments do not fit {logic.__qualname__}: {exc}") from None
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         for param in params:
@@ -120,11 +120,11 @@ def with_simple_mutex(
 
     def decorate(fn: F) -> F:
         if not callable(fn):
-            raise ConstraintError(f"with_simple_mutex wraps a function, got {fn!r}")
+            raise ConstraintTypeError(f"with_simple_mutex wraps a function, got {fn!r}")
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             # The lock would be taken when the generator is created and freed before its
             # body runs: it would protect nothing.
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"with_simple_mutex cannot guard the generator function {fn.__qualname__}: "
                 "its body runs after the call returns. Guard the code that consumes it, "
                 "or use `with mutex.acquire(key):` inside the generator"
@@ -133,7 +133,7 @@ def with_simple_mutex(
         if callable(key):
             mutex.name = fn.__qualname__
         if mutex._aio and not _is_coroutine_function(fn):
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"with_simple_mutex on {fn.__qualname__}: an asyncio cache guards only "
                 "`async def` functions; pass a blocking cache for a plain function"
             )
@@ -155,7 +155,7 @@ def with_simple_mutex(
                 if inspect.isawaitable(result):
                     # Its body would run after the lock is freed: refuse, loudly.
                     getattr(result, "close", lambda: None)()
-                    raise ConstraintError(
+                    raise ConstraintTypeError(
                         f"{fn!r} returned an awaitable but is not an `async def` function; "
                         "with_simple_mutex cannot tell: decorate the `async def` itself"
                     )

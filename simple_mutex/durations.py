@@ -2,7 +2,8 @@
 
 A lease or poll interval must lie in (0, 2**31 - 1 ms] (about 24.8 days, the bound the
 seed library took from timers); a wait timeout may also be 0 (try once) or None (wait
-forever). Anything else raises a ConstraintError that says what to pass instead.
+forever). Anything else raises a ConstraintError that says what to pass instead (a
+ConstraintTypeError for a wrong type, a ConstraintValueError for a bad value).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from collections.abc import Mapping
 from datetime import timedelta
 
-from .errors import ConstraintError
+from .errors import ConstraintTypeError, ConstraintValueError
 
 Duration = int | float | timedelta | Mapping[str, int | float]
 
@@ -31,7 +32,7 @@ _UNIT_SECONDS = {
 def _to_seconds(value: object, name: str) -> float:
     # bool is an int subclass; lease=True is a mistake, not one second.
     if isinstance(value, bool):
-        raise ConstraintError(
+        raise ConstraintTypeError(
             f"{name} must be a duration (seconds, timedelta or {{'minutes': 5}}), not a bool"
         )
     if isinstance(value, (int, float)):
@@ -40,17 +41,17 @@ def _to_seconds(value: object, name: str) -> float:
         return value.total_seconds()
     if isinstance(value, Mapping):
         if not value:
-            raise ConstraintError(f"{name} is an empty mapping; give e.g. {{'seconds': 30}}")
+            raise ConstraintValueError(f"{name} is an empty mapping; give e.g. {{'seconds': 30}}")
         total = 0.0
         for unit, amount in value.items():
             if unit not in _UNIT_SECONDS:
                 known = ", ".join(_UNIT_SECONDS)
-                raise ConstraintError(f"{name} has unknown unit {unit!r}; use one of: {known}")
+                raise ConstraintValueError(f"{name} has unknown unit {unit!r}; use one of: {known}")
             if isinstance(amount, bool) or not isinstance(amount, (int, float)):
-                raise ConstraintError(f"{name}[{unit!r}] must be a number, got {amount!r}")
+                raise ConstraintTypeError(f"{name}[{unit!r}] must be a number, got {amount!r}")
             total += _as_float(amount) * _UNIT_SECONDS[unit]
         return total
-    raise ConstraintError(
+    raise ConstraintTypeError(
         f"{name} must be seconds (int/float), a timedelta or a mapping like "
         f"{{'minutes': 5}}, got {type(value).__name__}"
     )
@@ -68,7 +69,7 @@ def positive_seconds(value: object, name: str) -> float:
     seconds = _to_seconds(value, name)
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_SECONDS:
         hint = "; for longer work use renew=True with a shorter lease" if name == "lease" else ""
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{name} must be greater than 0 and at most {MAX_SECONDS:.3f} s (about 24.8 days), "
             f"got {seconds!r}{hint}"
         )
@@ -83,7 +84,7 @@ def timeout_seconds(value: object, name: str = "timeout") -> float | None:
     if seconds == 0:
         return 0.0
     if not math.isfinite(seconds) or seconds < 0 or seconds > MAX_SECONDS:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{name} must be None (wait forever), 0 (try once) or a duration up to "
             f"{MAX_SECONDS:.3f} s, got {seconds!r}"
         )

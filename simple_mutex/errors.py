@@ -4,6 +4,8 @@
 
     SimpleMutexError
     ├── ConstraintError                 the caller's to fix (bad option, busy, lease too short)
+    │   ├── ConstraintValueError             a bad value (also a ValueError)
+    │   ├── ConstraintTypeError              a wrong type (also a TypeError)
     │   ├── SimpleMutexAcquireTimeoutError   (also a TimeoutError)
     │   └── SimpleMutexLeaseExpiredError     the lease lapsed or was taken while the work ran
     ├── MalfunctionError                a system fault: backend down, corrupt record
@@ -44,9 +46,33 @@ def _rebuild(cls: type[SimpleMutexError], message: str, key: str | None) -> Simp
 class ConstraintError(SimpleMutexError):
     """Something the caller can fix: a bad option, a busy key, a lease too short.
 
-    Not a ``ValueError``: a lock that stayed busy (a subclass) must not vanish into an
-    ``except ValueError`` around unrelated code.
+    Not itself a ``ValueError``: a lock that stayed busy (a subclass) must not vanish into
+    an ``except ValueError`` around unrelated code. Bad input is raised as one of its two
+    subclasses that are: ``ConstraintValueError`` and ``ConstraintTypeError``.
     """
+
+
+class ConstraintValueError(ConstraintError, ValueError):
+    """A bad argument or option value (out of range, an unknown name, malformed): also a
+    ``ValueError``, as Python code and the libraries users migrate from expect."""
+
+
+class ConstraintTypeError(ConstraintError, TypeError):
+    """An argument or option of the wrong type (or a call that does not fit the object,
+    such as a blocking method on an asyncio cache): also a ``TypeError``."""
+
+
+def bad_input(
+    value: object, expected: type | tuple[type, ...], message: str, key: str | None = None
+) -> ConstraintError:
+    """The error for a bad argument: a ConstraintTypeError when ``value`` is not an
+    ``expected`` (a bool is never taken for a number), else a ConstraintValueError."""
+    numbers = expected in (int, float) or (
+        isinstance(expected, tuple) and any(t in (int, float) for t in expected)
+    )
+    if isinstance(value, expected) and not (numbers and isinstance(value, bool)):
+        return ConstraintValueError(message, key=key)
+    return ConstraintTypeError(message, key=key)
 
 
 class SimpleMutexAcquireTimeoutError(ConstraintError, TimeoutError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from .contract import ConditionalCache, Entry, Scannable, is_async
-from .errors import ConstraintError, SimpleCacheConditionError
+from .errors import ConstraintTypeError, SimpleCacheConditionError
 from .keys import check_key, check_prefix, decode_key, encode_key, split_slot
 from .records import Holder, holder_of, record_key
 
@@ -56,12 +56,12 @@ class LiveLock:
 def scannable(cache: object) -> Scannable:
     """``cache`` if it can list its entries, else a ConstraintError naming what can."""
     if is_async(cache):
-        raise ConstraintError(
+        raise ConstraintTypeError(
             f"{type(cache).__name__} is an asyncio cache; inspect locks through the blocking "
             "cache of the same server (RedisCache, PostgresCache, MongoCache on its URL)"
         )
     if not isinstance(cache, Scannable):
-        raise ConstraintError(
+        raise ConstraintTypeError(
             f"{type(cache).__name__} cannot list its locks (no scan(prefix)); every cache "
             "of simple_mutex.caches can: InMemoryCache, DiskCache, RedisCache, "
             "PostgresCache, MongoCache, S3Cache"

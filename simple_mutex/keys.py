@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
-from .errors import ConstraintError
+from .errors import ConstraintValueError, bad_input
 
 MAX_KEY_CHARS = 200
 _HEAD_CHARS = MAX_KEY_CHARS - 64  # 1 + 64 + this > MAX_KEY_CHARS: never equal to an unhashed key
@@ -28,18 +28,20 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{0,64}")
 
 def check_prefix(prefix: object) -> str:
     if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
-        raise ConstraintError(
-            f"prefix must be at most 64 characters from A-Z a-z 0-9 . _ : -, got {prefix!r}"
-        )
+        raise bad_input(
+            prefix, str,
+            f"prefix must be at most 64 characters from A-Z a-z 0-9 . _ : -, got {prefix!r}",
+        )  # fmt: skip
     return prefix
 
 
 def check_key(key: object) -> str:
     if not isinstance(key, str) or not key:
-        raise ConstraintError(
+        raise bad_input(
+            key, str,
             f"a lock key must be a non-empty str, got {key!r}; "
-            "build it from your arguments, e.g. key='order.{order_id}'"
-        )
+            "build it from your arguments, e.g. key='order.{order_id}'",
+        )  # fmt: skip
     return key
 
 
@@ -95,14 +97,14 @@ def template_fields(template: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ConstraintError(f"key template {template!r} is malformed: {exc}") from None
+        raise ConstraintValueError(f"key template {template!r} is malformed: {exc}") from None
     names: list[str] = []
     for _, field, _, _ in parsed:
         if field is None:
             continue
         root = re.split(r"[.\[]", field, maxsplit=1)[0]
         if not root or root.isdigit():
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"key template {template!r} must name arguments, like 'order.{{order_id}}'"
             )
         names.append(root)
@@ -114,7 +116,7 @@ def check_template(template: str, parameters: Iterable[str], accepts_any: bool) 
     known = set(parameters)
     missing = [name for name in template_fields(template) if name not in known]
     if missing and not accepts_any:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"key template {template!r} names {', '.join(missing)}, which the function "
             f"does not take; its arguments are: {', '.join(sorted(known)) or '(none)'}"
         )
@@ -124,6 +126,6 @@ def render_template(template: str, arguments: dict[str, Any]) -> str:
     try:
         return template.format_map(arguments)
     except (KeyError, AttributeError, IndexError, ValueError) as exc:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"key template {template!r} could not be filled from {sorted(arguments)}: {exc!r}"
         ) from None

@@ -41,6 +41,7 @@ from .durations import positive_seconds
 from .engine import Flow, Grant, Handoffs, in_background, run, run_async
 from .errors import (
     ConstraintError,
+    ConstraintTypeError,
     MalfunctionError,
     SimpleMutexLeaseExpiredError,
     add_note,
@@ -544,7 +545,7 @@ class Lease:
                 "forked child cannot enter it (acquire in the child)"
             )
         if sys._getframe(1).f_code.co_flags & _SUSPENDABLE:
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"`with lease:` on {self.key!r} inside a coroutine or generator cannot be "
                 "interrupted safely; use `async with lease:` (or with_simple_mutex)"
             )
@@ -665,7 +666,7 @@ class Lease:
         """Refuse a blocking call on an asyncio cache's lease, naming what to await."""
         if self._loop is not None:
             instead = "async with lease" if method == "__enter__" else f"await {method}_async()"
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"{method}() of a lease on {self.key!r} would block on an asyncio cache: "
                 f"use `{instead}`"
             )

@@ -18,7 +18,12 @@ from .caches.adapt import as_cache
 from .contract import Entry, is_async
 from .durations import Duration, positive_seconds, timeout_seconds
 from .engine import Flow, Grant, Handoffs, run, run_async
-from .errors import ConstraintError, MalfunctionError, SimpleMutexAcquireTimeoutError
+from .errors import (
+    ConstraintTypeError,
+    MalfunctionError,
+    SimpleMutexAcquireTimeoutError,
+    bad_input,
+)
 from .keeper import keeper
 from .keys import check_key, check_prefix, encode_key, is_hashed, slot_key
 from .lease import Lease
@@ -54,12 +59,14 @@ class _LockSpace:
             or not isinstance(permits, int)
             or not (1 <= permits <= MAX_PERMITS)
         ):
-            raise ConstraintError(
-                f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
+            raise bad_input(
+                permits, int, f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
             )
         check_label(label)
         if not isinstance(name, str) or not name:
-            raise ConstraintError(f"name must be a non-empty str (a metrics label), got {name!r}")
+            raise bad_input(
+                name, str, f"name must be a non-empty str (a metrics label), got {name!r}"
+            )
         self.name = name
         self.cache = as_cache(cache)
         self.permits = permits
@@ -263,7 +270,7 @@ class _LockSpace:
     def _sync(self, method: str) -> None:
         """Refuse a blocking call on an asyncio cache, naming the method to await."""
         if self._aio:
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"{type(self).__name__}.{method}() cannot run on the asyncio cache "
                 f"{type(self.cache).__name__}: use `await {method}_async(...)`"
             )
@@ -390,12 +397,12 @@ class _Claim:
 
 def check_label(label: object) -> None:
     if label is not None and not isinstance(label, str):
-        raise ConstraintError(f"label must be a str or None, got {label!r}")
+        raise ConstraintTypeError(f"label must be a str or None, got {label!r}")
 
 
 def check_renew(renew: object) -> None:
     if not isinstance(renew, bool):
-        raise ConstraintError(f"renew must be True or False, got {renew!r}")
+        raise ConstraintTypeError(f"renew must be True or False, got {renew!r}")
 
 
 class Mutex(_LockSpace):

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .contract import Entry
-from .errors import ConstraintError, MalfunctionError
+from .errors import MalfunctionError, bad_input
 
 _HOST_JSON = json.dumps(socket.gethostname())
 
@@ -34,9 +34,11 @@ def check_token(token: object) -> str:
     """A caller-chosen token: it goes verbatim into the JSON record, so only plain
     characters. Making it unique (a task id) is the caller's part."""
     if not isinstance(token, str) or not _TOKEN_RE.fullmatch(token):
-        raise ConstraintError(
+        raise bad_input(
+            token,
+            str,
             "token must be 1 to 128 characters from A-Z a-z 0-9 _ . : -, "
-            f"got {type(token).__name__} of length {len(token) if isinstance(token, str) else 0}"
+            f"got {type(token).__name__} of length {len(token) if isinstance(token, str) else 0}",
         )
     return token
 

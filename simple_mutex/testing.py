@@ -27,7 +27,7 @@ from typing import Any
 
 from .caches.adapt import as_cache
 from .contract import DRIVER_ERRORS, AnyCache, Entry, is_async
-from .errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from .errors import ConstraintValueError, MalfunctionError, SimpleCacheConditionError, bad_input
 from .keys import check_key, check_prefix, encode_key
 
 OPERATIONS = ("get", "put_if_absent", "compare_and_set", "compare_and_delete", "wait")
@@ -35,13 +35,13 @@ OPERATIONS = ("get", "put_if_absent", "compare_and_set", "compare_and_delete", "
 
 def _check_operation(op: object) -> str:
     if op not in OPERATIONS:
-        raise ConstraintError(f"operation must be one of {', '.join(OPERATIONS)}, got {op!r}")
+        raise ConstraintValueError(f"operation must be one of {', '.join(OPERATIONS)}, got {op!r}")
     return str(op)
 
 
 def _check_times(times: object) -> int:
     if isinstance(times, bool) or not isinstance(times, int) or times < 1:
-        raise ConstraintError(f"times must be an int >= 1, got {times!r}")
+        raise bad_input(times, int, f"times must be an int >= 1, got {times!r}")
     return times
 
 
@@ -62,13 +62,13 @@ class Faults:
 
     def lose_reply(self, op: str, times: int = 1) -> None:
         if op in ("get", "wait"):
-            raise ConstraintError(f"lose_reply is for writes; {op} writes nothing (use fail)")
+            raise ConstraintValueError(f"lose_reply is for writes; {op} writes nothing (use fail)")
         with self._lock:
             self._lose[_check_operation(op)] = _check_times(times)
 
     def delay(self, op: str, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-            raise ConstraintError(f"delay must be seconds >= 0, got {seconds!r}")
+            raise bad_input(seconds, (int, float), f"delay must be seconds >= 0, got {seconds!r}")
         with self._lock:
             self._delay[_check_operation(op)] = float(seconds)
 

@@ -1,8 +1,9 @@
 """Bad input is refused up front with a ConstraintError that names the fix, never hangs,
 and never touches the cache.
 
-Each row of TABLE is one wrong call and a piece of the message that tells the caller what
-to do instead; it must raise ConstraintError itself (not a subclass). Every row runs
+Each row of TABLE is one wrong call, a piece of the message that tells the caller what to
+do instead, and the builtin error it must also be (ValueError for a bad value, TypeError
+for a wrong type, as Python code and the peers users migrate from expect). Every row runs
 against a cache that records every call made to it and already holds a lock: after the
 rejection, the cache must have seen no call at all and the held lock must be as it was.
 """
@@ -21,6 +22,8 @@ import pytest
 
 from simple_mutex import (
     ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
     DiskCache,
     InMemoryCache,
     Lease,
@@ -104,76 +107,96 @@ def a_file(ctx: Ctx) -> str:
     return str(path)
 
 
-TABLE: list[tuple[str, Call, str]] = [
+TABLE: list[tuple[str, Call, str, type[Exception]]] = [
     # leases: (0, 2**31-1 ms], seconds / timedelta / {"unit": n}
-    ("lease negative", mutex(lease=-1), "greater than 0"),
-    ("lease zero", mutex(lease=0), "greater than 0"),
-    ("lease nan", mutex(lease=float("nan")), "at most"),
-    ("lease inf", mutex(lease=float("inf")), "at most"),
-    ("lease bool", mutex(lease=True), "not a bool"),
-    ("lease str", mutex(lease="30s"), "{'minutes': 5}"),
-    ("lease None", mutex(lease=None), "timedelta"),
-    ("lease negative timedelta", mutex(lease=timedelta(seconds=-1)), "greater than 0"),
-    ("lease unknown unit", mutex(lease={"mins": 5}), "use one of: weeks"),
-    ("lease empty mapping", mutex(lease={}), "{'seconds'"),
-    ("lease unit amount str", mutex(lease={"minutes": "5"}), "must be a number"),
-    ("lease above 2**31-1 ms", mutex(lease=MAX_SECONDS + 0.001), "renew=True"),
-    ("lease 30 days", mutex(lease={"days": 30}), "24.8 days"),
-    ("decorator lease zero", decorate(lease=0), "greater than 0"),
-    ("lease huge int", mutex(lease=10**400), "at most"),
-    ("lease huge unit amount", mutex(lease={"days": 10**400}), "at most"),
-    ("interval zero", mutex(interval=0), "interval must"),
-    ("acquire interval negative", acquire(interval=-0.5), "interval must"),
+    ("lease negative", mutex(lease=-1), "greater than 0", ValueError),
+    ("lease zero", mutex(lease=0), "greater than 0", ValueError),
+    ("lease nan", mutex(lease=float("nan")), "at most", ValueError),
+    ("lease inf", mutex(lease=float("inf")), "at most", ValueError),
+    ("lease bool", mutex(lease=True), "not a bool", TypeError),
+    ("lease str", mutex(lease="30s"), "{'minutes': 5}", TypeError),
+    ("lease None", mutex(lease=None), "timedelta", TypeError),
+    ("lease negative timedelta", mutex(lease=timedelta(seconds=-1)), "greater than 0", ValueError),
+    ("lease unknown unit", mutex(lease={"mins": 5}), "use one of: weeks", ValueError),
+    ("lease empty mapping", mutex(lease={}), "{'seconds'", ValueError),
+    ("lease unit amount str", mutex(lease={"minutes": "5"}), "must be a number", TypeError),
+    ("lease above 2**31-1 ms", mutex(lease=MAX_SECONDS + 0.001), "renew=True", ValueError),
+    ("lease 30 days", mutex(lease={"days": 30}), "24.8 days", ValueError),
+    ("decorator lease zero", decorate(lease=0), "greater than 0", ValueError),
+    ("lease huge int", mutex(lease=10**400), "at most", ValueError),
+    ("lease huge unit amount", mutex(lease={"days": 10**400}), "at most", ValueError),
+    ("interval zero", mutex(interval=0), "interval must", ValueError),
+    ("acquire interval negative", acquire(interval=-0.5), "interval must", ValueError),
     # wait timeouts: None, 0 or a positive duration
-    ("timeout negative", acquire(timeout=-1), "None (wait forever), 0 (try once)"),
-    ("timeout nan", acquire(timeout=float("nan")), "None (wait forever)"),
-    ("timeout str", acquire(timeout="5"), "timeout must be seconds"),
-    ("decorator timeout negative", decorate(timeout=-1), "0 (try once)"),
-    ("timeout huge int", acquire(timeout=10**400), "None (wait forever)"),
+    ("timeout negative", acquire(timeout=-1), "None (wait forever), 0 (try once)", ValueError),
+    ("timeout nan", acquire(timeout=float("nan")), "None (wait forever)", ValueError),
+    ("timeout str", acquire(timeout="5"), "timeout must be seconds", TypeError),
+    ("decorator timeout negative", decorate(timeout=-1), "0 (try once)", ValueError),
+    ("timeout huge int", acquire(timeout=10**400), "None (wait forever)", ValueError),
     # permits
-    ("permits zero", semaphore(permits=0), "from 1 to"),
-    ("permits float", semaphore(permits=1.5), "an int"),
-    ("permits bool", semaphore(permits=True), "an int"),
-    ("permits huge", semaphore(permits=10**6), "from 1 to"),
+    ("permits zero", semaphore(permits=0), "from 1 to", ValueError),
+    ("permits float", semaphore(permits=1.5), "an int", TypeError),
+    ("permits bool", semaphore(permits=True), "an int", TypeError),
+    ("permits huge", semaphore(permits=10**6), "from 1 to", ValueError),
     # prefixes
-    ("prefix slash", mutex(prefix="a/b"), "A-Z a-z 0-9"),
-    ("prefix glob", mutex(prefix="*"), "A-Z a-z 0-9"),
-    ("prefix 65 chars", mutex(prefix="p" * 65), "at most 64"),
-    ("prefix not str", mutex(prefix=None), "prefix must"),
+    ("prefix slash", mutex(prefix="a/b"), "A-Z a-z 0-9", ValueError),
+    ("prefix glob", mutex(prefix="*"), "A-Z a-z 0-9", ValueError),
+    ("prefix 65 chars", mutex(prefix="p" * 65), "at most 64", ValueError),
+    ("prefix not str", mutex(prefix=None), "prefix must", TypeError),
     # keys
-    ("key empty", acquire(""), "non-empty str"),
-    ("key int", acquire(5), "non-empty str"),
-    ("key None try", lambda c: c.mutex.try_acquire(None), "non-empty str"),  # type: ignore[arg-type]
-    ("key None locked", lambda c: c.mutex.locked(None), "non-empty str"),  # type: ignore[arg-type]
-    ("key bytes holder", lambda c: c.mutex.holder(b"k"), "non-empty str"),  # type: ignore[arg-type]
+    ("key empty", acquire(""), "non-empty str", ValueError),
+    ("key int", acquire(5), "non-empty str", TypeError),
+    ("key None try", lambda c: c.mutex.try_acquire(None), "non-empty str", TypeError),  # type: ignore[arg-type]
+    ("key None locked", lambda c: c.mutex.locked(None), "non-empty str", TypeError),  # type: ignore[arg-type]
+    ("key bytes holder", lambda c: c.mutex.holder(b"k"), "non-empty str", TypeError),  # type: ignore[arg-type]
     # caches
-    ("cache None", lambda c: Mutex(None), "ConditionalCache"),
-    ("cache without the contract", lambda c: Mutex(object()), "ConditionalCache"),
-    ("cache class, not instance", lambda c: Mutex(InMemoryCache), "instance"),
-    ("cache URL string", lambda c: Mutex("redis://:hunter2@localhost:6379/0"), "cache_from_url"),
-    ("decorator cache None", decorate(key="k", cache=None), "ConditionalCache"),
-    ("url unknown scheme", url("ftp://user:hunter2@example.com/locks"), "supported: memory://"),
-    ("url file with host", url("file://otherhost/var/lock"), "file:///absolute/path"),
-    ("url file no path", url("file://"), "absolute path"),
-    ("url file relative path", url("file:relative/dir"), "file:///absolute/path"),
-    ("disk path empty", lambda c: DiskCache(""), "directory path"),
-    ("url not str", url(None), "'memory://'"),
-    ("disk path is a file", lambda c: DiskCache(a_file(c)), "pass a directory"),
+    ("cache None", lambda c: Mutex(None), "ConditionalCache", TypeError),
+    ("cache without the contract", lambda c: Mutex(object()), "ConditionalCache", TypeError),
+    ("cache class, not instance", lambda c: Mutex(InMemoryCache), "instance", TypeError),
+    (
+        "cache URL string",
+        lambda c: Mutex("redis://:hunter2@localhost:6379/0"),
+        "cache_from_url",
+        TypeError,
+    ),
+    ("decorator cache None", decorate(key="k", cache=None), "ConditionalCache", TypeError),
+    (
+        "url unknown scheme",
+        url("ftp://user:hunter2@example.com/locks"),
+        "supported: memory://",
+        ValueError,
+    ),
+    ("url file with host", url("file://otherhost/var/lock"), "file:///absolute/path", ValueError),
+    ("url file no path", url("file://"), "absolute path", ValueError),
+    ("url file relative path", url("file:relative/dir"), "file:///absolute/path", ValueError),
+    ("disk path empty", lambda c: DiskCache(""), "directory path", ValueError),
+    ("url not str", url(None), "'memory://'", TypeError),
+    ("disk path is a file", lambda c: DiskCache(a_file(c)), "pass a directory", ValueError),
     # decorator keys
-    ("template missing arg", decorate(key="k.{phone}"), "does not take"),
-    ("template positional field", decorate(key="k.{0}"), "must name arguments"),
-    ("template malformed", decorate(key="k.{a"), "malformed"),
-    ("key neither str nor callable", decorate(key=5), "or a callable"),
-    ("template on a function without signature", decorate(key="k.{x}", logic=int), "signature"),
-    ("decorate 42", lambda c: with_simple_mutex(key="k", cache=c.cache)(42), "wraps a function"),
+    ("template missing arg", decorate(key="k.{phone}"), "does not take", ValueError),
+    ("template positional field", decorate(key="k.{0}"), "must name arguments", ValueError),
+    ("template malformed", decorate(key="k.{a"), "malformed", ValueError),
+    ("key neither str nor callable", decorate(key=5), "or a callable", TypeError),
+    (
+        "template on a function without signature",
+        decorate(key="k.{x}", logic=int),
+        "signature",
+        TypeError,
+    ),
+    (
+        "decorate 42",
+        lambda c: with_simple_mutex(key="k", cache=c.cache)(42),
+        "wraps a function",
+        TypeError,
+    ),
     # flags and labels
-    ("renew str acquire", acquire(renew="yes"), "True or False"),
-    ("renew str decorator", decorate(key="k", renew="yes"), "True or False"),
-    ("label int", mutex(label=5), "str or None"),
-    ("acquire label int", acquire(label=5), "str or None"),
+    ("renew str acquire", acquire(renew="yes"), "True or False", TypeError),
+    ("renew str decorator", decorate(key="k", renew="yes"), "True or False", TypeError),
+    ("label int", mutex(label=5), "str or None", TypeError),
+    ("acquire label int", acquire(label=5), "str or None", TypeError),
     # an existing lease
-    ("renew negative length", lambda c: c.lease.renew(lease=-1), "greater than 0"),
-    ("renew mapping typo", lambda c: c.lease.renew(lease={"secs": 1}), "unit"),
+    ("renew negative length", lambda c: c.lease.renew(lease=-1), "greater than 0", ValueError),
+    ("renew mapping typo", lambda c: c.lease.renew(lease={"secs": 1}), "unit", ValueError),
 ]
 
 
@@ -196,15 +219,20 @@ def test_table_has_enough_rows():
     assert len({row[0] for row in TABLE}) == len(TABLE)
 
 
-@pytest.mark.parametrize(("call", "fix"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
+@pytest.mark.parametrize(
+    ("call", "fix", "python_error"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE]
+)
 def test_bad_input_is_refused_naming_the_fix_without_touching_the_cache(
-    ctx: Ctx, call: Call, fix: str
+    ctx: Ctx, call: Call, fix: str, python_error: type[Exception]
 ):
-    """Each bad input raises ConstraintError itself naming the fix; the cache is untouched."""
+    """Each bad input raises a ConstraintError naming the fix that is also the ValueError
+    (a bad value) or TypeError (a wrong type) Python code expects, and never a busy or
+    lost-lease error; the cache is untouched."""
     before = snapshot(ctx)
     with pytest.raises(ConstraintError) as info:
         call(ctx)
-    assert type(info.value) is ConstraintError
+    assert isinstance(info.value, python_error)
+    assert type(info.value) in (ConstraintValueError, ConstraintTypeError)
     assert fix in str(info.value)
     assert ctx.cache.calls == []
     assert snapshot(ctx) == before
@@ -216,7 +244,7 @@ def test_the_whole_table_runs_fast_and_never_hangs(tmp_path: Path):
     results: list[object] = []
 
     def run_all() -> None:
-        for index, (_, call, _) in enumerate(TABLE):
+        for index, (_, call, _, _) in enumerate(TABLE):
             cache = SpyCache()
             mutex = Mutex(cache)
             row = Ctx(cache, mutex, mutex.acquire("held"), tmp_path / str(index))
@@ -262,3 +290,20 @@ def test_disk_cache_on_a_file_leaves_the_file_alone(tmp_path: Path):
         DiskCache(path)
     assert path.read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
+
+
+def test_the_peers_idioms_catch_bad_values_but_never_busy_or_lost():
+    """Code written for python-redis-lock or celery-once catches a bad argument as a
+    ValueError or TypeError (the issue's three calls); a busy key and a lost lease are
+    neither, so an ``except ValueError`` around other code cannot swallow them."""
+    from simple_mutex import SimpleMutexAcquireTimeoutError, SimpleMutexLeaseExpiredError
+
+    cache = InMemoryCache()
+    with pytest.raises(ValueError, match="greater than 0"):
+        Mutex(cache, lease=-1)
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        Mutex(cache).acquire("k", timeout="x")
+    with pytest.raises(ValueError, match="unknown cache URL scheme 'amqp'"):
+        cache_from_url("amqp://guest:guest@localhost//")
+    for error in (SimpleMutexAcquireTimeoutError, SimpleMutexLeaseExpiredError):
+        assert not issubclass(error, (ValueError, TypeError))

@@ -25,7 +25,7 @@ from typing import Any
 
 from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
 from simple_mutex.durations import positive_seconds, timeout_seconds
-from simple_mutex.errors import ConstraintError
+from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
 ON_BUSY = ("skip", "retry", "wait", "raise")
 
@@ -133,10 +133,10 @@ class BusyPolicy:
 def check_known(where: str, what: str, given: object, known: frozenset[str]) -> Mapping[str, Any]:
     """``given`` as a dict of names from ``known``: a typo must not pass silently."""
     if not isinstance(given, Mapping):
-        raise ConstraintError(f"{where}: expected a dict of {what}s, got {given!r}")
+        raise ConstraintTypeError(f"{where}: expected a dict of {what}s, got {given!r}")
     unknown = sorted(set(given) - known)
     if unknown:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{where}: unknown {what}(s) {', '.join(map(repr, unknown))}; "
             f"known: {', '.join(sorted(known))}"
         )
@@ -145,8 +145,8 @@ def check_known(where: str, what: str, given: object, known: frozenset[str]) -> 
 
 def check_on_busy(where: str, value: object) -> str:
     if not isinstance(value, str) or value not in ON_BUSY:
-        raise ConstraintError(
-            f"{where}: on_busy must be one of {', '.join(ON_BUSY)}, got {value!r}"
+        raise bad_input(
+            value, str, f"{where}: on_busy must be one of {', '.join(ON_BUSY)}, got {value!r}"
         )
     return value
 
@@ -162,23 +162,27 @@ def retry_policy(where: str, value: object) -> RetryPolicy:
     cap = positive_seconds(merged["cap"], f"{where}: retry cap")
     backoff = merged["backoff"]
     if isinstance(backoff, bool) or not isinstance(backoff, int | float) or not backoff >= 1:
-        raise ConstraintError(f"{where}: retry backoff must be a number >= 1, got {backoff!r}")
+        raise bad_input(
+            backoff, (int, float), f"{where}: retry backoff must be a number >= 1, got {backoff!r}"
+        )
     check_bool(where, "retry jitter", merged["jitter"])
     limit = merged["max"]
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ConstraintError(f"{where}: retry max must be None or an int >= 0, got {limit!r}")
+        raise bad_input(
+            limit, int, f"{where}: retry max must be None or an int >= 0, got {limit!r}"
+        )
     return RetryPolicy(countdown, float(backoff), merged["jitter"], cap, limit)
 
 
 def check_bool(where: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ConstraintError(f"{where}: {name} must be True or False, got {value!r}")
+        raise ConstraintTypeError(f"{where}: {name} must be True or False, got {value!r}")
     return value
 
 
 def check_permits(where: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConstraintError(f"{where}: permits must be an int >= 1, got {value!r}")
+        raise bad_input(value, int, f"{where}: permits must be an int >= 1, got {value!r}")
     return value
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from simple_mutex import forksafe
-from simple_mutex.errors import ConstraintError, MalfunctionError
+from simple_mutex.errors import ConstraintError, MalfunctionError, bad_input
 
 from . import registry
 
@@ -78,10 +78,11 @@ def gc_after_seconds(owner: str, value: object) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**31:
-        raise ConstraintError(
+        raise bad_input(
+            value, (int, float),
             f"{owner} gc_after must be seconds in [0, 2**31) or None (collect nothing), "
-            f"got {value!r}"
-        )
+            f"got {value!r}",
+        )  # fmt: skip
     return float(value)
 
 

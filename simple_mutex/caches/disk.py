@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintValueError, MalfunctionError, SimpleCacheConditionError
 
 from .common import (
     DEFAULT_GC_AFTER,
@@ -134,17 +134,17 @@ class DiskCache(CacheBase):
         """``gc_after``: seconds a freed or expired key's row is kept (None: forever)."""
         self.gc_after = gc_after_seconds("DiskCache", gc_after)
         if not str(path):
-            raise ConstraintError("DiskCache needs a directory path, got an empty one")
+            raise ConstraintValueError("DiskCache needs a directory path, got an empty one")
         directory = Path(path)
         if directory.exists() and not directory.is_dir():
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"DiskCache path {str(directory)!r} is a file; pass a directory (it holds "
                 f"{FILENAME})"
             )
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"DiskCache could not create directory {str(directory)!r}: {exc}; pass a "
                 "writable directory"
             ) from None
@@ -347,12 +347,12 @@ def from_url(url: str) -> DiskCache:
     """``file:///absolute/directory`` (or ``file://localhost/...``)."""
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"file URL {url!r} names host {parts.netloc!r}; a DiskCache is local, "
             "write file:///absolute/path"
         )
     if not parts.path.startswith("/"):
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"file URL {url!r} needs an absolute path; write file:///absolute/path"
         )
     return DiskCache(unquote(parts.path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from simple_mutex.contract import ConditionalCache
-from simple_mutex.errors import ConstraintError
+from simple_mutex.errors import ConstraintTypeError, ConstraintValueError
 
 from . import registry
 
@@ -18,12 +18,12 @@ def cache_from_url(url: str) -> ConditionalCache:
     caches are two separate lock spaces. A missing driver raises ConstraintError naming
     the extra to install."""
     if not isinstance(url, str):
-        raise ConstraintError(f"cache URL must be a str like 'memory://', got {url!r}")
+        raise ConstraintTypeError(f"cache URL must be a str like 'memory://', got {url!r}")
     scheme = urlsplit(url).scheme.lower()
     backend = registry.by_scheme(scheme)
     if backend is None:
         # Only the scheme is echoed: the rest of a URL may hold a password.
         known = ", ".join(f"{s}://" for b in registry.BACKENDS for s in b.schemes)
-        raise ConstraintError(f"unknown cache URL scheme {scheme!r}; supported: {known}")
+        raise ConstraintValueError(f"unknown cache URL scheme {scheme!r}; supported: {known}")
     cache: ConditionalCache = registry.module(backend).from_url(url)
     return cache

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from simple_mutex import events
-from simple_mutex.errors import ConstraintError
+from simple_mutex.errors import ConstraintValueError
 
 from ._common import ACQUIRE_OUTCOMES, HOLD_BUCKETS, WAIT_BUCKETS, Granted
 
@@ -87,7 +87,7 @@ class _Metrics:
         except ValueError as exc:  # "Duplicated timeseries in CollectorRegistry"
             for collector in done:
                 registry.unregister(collector)
-            raise ConstraintError(
+            raise ConstraintValueError(
                 "simple_mutex metrics are already registered in this registry: call the "
                 "function an earlier instrument() returned first, or pass another registry "
                 f"({exc})"
