@@ -238,3 +238,19 @@ def test_revoke_terminate_of_a_child_deaf_to_sigterm_keeps_the_key_while_it_work
     assert [s for s in steps if s > term]  # it kept working after the SIGTERM
     assert [s for s in steps if s >= entered] == []  # none once the waiter had the key
     assert entered - steps[-1] < 30
+
+
+def test_revoked_child_exits_even_when_its_lease_lapses_in_the_clean_up(killable_worker):
+    """revoke(terminate=True) of `tidy_past_lease`, whose clean-up outlasts its fixed 5 s
+    lease: the loss interrupt cuts the clean-up short, and lands where SIGTERM's
+    SystemExit is unwinding. The child still exits and the task stays REVOKED: the lock's
+    error does not replace the SystemExit on its way out (DESIGN §4 rule 13)."""
+    workers = killable_worker
+    run = uuid.uuid4().hex[:10]
+    held = workers.send("tidy_past_lease", run)
+    pid = int(workers.wait_for(f"pid.{run}", 20))
+    workers.app.control.revoke(held.id, terminate=True)  # type: ignore[attr-defined]
+    wait_until(lambda: not _alive(pid), 30, f"the revoked child {pid} to exit")
+    assert 0 < len(workers.steps(run)) < 50  # cut short by the lapse, not by the revoke
+    assert held.state == "REVOKED"  # type: ignore[attr-defined]
+    assert not workers.locks.locked(f"steps.{run}")
