@@ -3,6 +3,8 @@ package uses is imported here once (hence the ignores), and is ``Any`` beyond it
 
 from __future__ import annotations
 
+from typing import Any
+
 from billiard.exceptions import WorkerLostError  # type: ignore[import-untyped]
 from celery import Task, current_task, states  # type: ignore[import-untyped]
 from celery.exceptions import Retry, TimeLimitExceeded  # type: ignore[import-untyped]
@@ -10,6 +12,7 @@ from celery.result import EagerResult  # type: ignore[import-untyped]
 from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
     task_postrun,
+    task_received,
     task_revoked,
 )
 from celery.utils import uuid  # type: ignore[import-untyped]
@@ -23,9 +26,20 @@ __all__ = [
     "TimeLimitExceeded",
     "WorkerLostError",
     "current_task",
+    "runs_in_children",
     "states",
     "task_failure",
     "task_postrun",
+    "task_received",
     "task_revoked",
     "uuid",
 ]
+
+
+def runs_in_children(pool: Any) -> bool:
+    """Whether a worker's pool runs its tasks in child processes (prefork), as opposed to
+    threads or greenlets of the worker's own process (threads, eventlet, gevent, solo)."""
+    # Imported here: only a worker needs it, and it brings billiard's pool and the hub.
+    from celery.concurrency.prefork import TaskPool  # type: ignore[import-untyped]
+
+    return isinstance(pool, TaskPool)

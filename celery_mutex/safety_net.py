@@ -3,11 +3,14 @@
 * ``task_postrun``: a lease the wrapper did not reach (an interrupt landing between
   before_start and the body, a before_start failure); clears the enqueue marker of a call
   that ended without a retry.
+* ``task_received`` in the worker's main process: remembers each MutexTask request, so
+  the handlers below know which child ran it (``parent``).
 * ``task_failure`` in the worker's main process: a child killed (SIGKILL, OOM:
-  ``WorkerLostError``) or past its hard time limit ran no task hook, so its lock is freed
-  here, by its task id.
-* ``task_revoked``: ``revoke(terminate=True)`` killed the child; any revoke or expiry ends
-  the call, so its enqueue marker goes.
+  ``WorkerLostError``) ran no task hook and is gone: its lock is freed at once, by its
+  task id. After a hard time limit the child is still alive when Celery reports it: its
+  lock is freed once the child has exited.
+* ``task_revoked``: any revoke or expiry ends the call, so its enqueue marker goes; after
+  ``revoke(terminate=True)`` the lock (and the marker) go once the child has exited.
 """
 
 from __future__ import annotations
@@ -15,14 +18,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._celery import TimeLimitExceeded, WorkerLostError, task_failure, task_postrun, task_revoked
+from . import parent
+from ._celery import (
+    TimeLimitExceeded,
+    WorkerLostError,
+    task_failure,
+    task_postrun,
+    task_received,
+    task_revoked,
+)
 from .enqueue import unmark
-from .run import end, release_owner
+from .run import end
 from .task import MutexTask
 
 log = logging.getLogger("celery_mutex")
-
-_PARENT_SIDE = (WorkerLostError, TimeLimitExceeded)
 
 
 def _release_leftover(
@@ -47,6 +56,11 @@ def _release_leftover(
         log.warning("%s[%s]: late release of %r: %r", sender.name, request.id, lease.key, exc)
 
 
+def _remember(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if request is not None and isinstance(getattr(request, "task", None), MutexTask):
+        parent.remember(sender, request)
+
+
 def _release_after_child_died(
     sender: Any = None,
     task_id: str | None = None,
@@ -55,12 +69,16 @@ def _release_after_child_died(
     kwargs: Any = None,
     **_: Any,
 ) -> None:
-    if isinstance(sender, MutexTask) and task_id and isinstance(exception, _PARENT_SIDE):
-        # For a lost child Celery pushes the call's context first (its per-call key);
-        # after a hard time limit it does not, and the template's key is all we have.
-        request = sender.request if getattr(sender.request, "id", None) == task_id else None
-        release_owner(sender, task_id, args, kwargs, type(exception).__name__, request)
-        unmark(sender, task_id, args, kwargs, request)
+    if not (isinstance(sender, MutexTask) and task_id):
+        return
+    # The call's per-call key: in the context Celery pushed, where it did (not on every
+    # path nor in every version), else in the worker's Request.
+    pushed = sender.request if getattr(sender.request, "id", None) == task_id else None
+    context = parent.request_of(task_id) if pushed is None else pushed
+    if isinstance(exception, WorkerLostError):
+        parent.free(sender, task_id, args, kwargs, "WorkerLostError", context)
+    elif isinstance(exception, TimeLimitExceeded):
+        parent.free_when_gone(sender, task_id, args, kwargs, "TimeLimitExceeded", context)
 
 
 def _release_after_revoke(
@@ -70,10 +88,12 @@ def _release_after_revoke(
         return
     args, kwargs = getattr(request, "args", ()), getattr(request, "kwargs", {})
     if terminated:
-        release_owner(sender, request.id, args, kwargs, "revoke", request)
-    unmark(sender, request.id, args, kwargs, request)
+        parent.free_when_gone(sender, request.id, args, kwargs, "revoke", request)
+    else:  # nothing ran: only the "queued" record is left
+        unmark(sender, request.id, args, kwargs, request)
 
 
 task_postrun.connect(_release_leftover, weak=False)
+task_received.connect(_remember, weak=False)
 task_failure.connect(_release_after_child_died, weak=False)
 task_revoked.connect(_release_after_revoke, weak=False)

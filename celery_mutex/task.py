@@ -12,8 +12,9 @@ Lifecycle of one request (the lock is owned by the task id, see ``_owned``)::
                    the lease is disarmed and released by compare-and-delete; a lost lease
                    turns the outcome into FAILURE with SimpleMutexLeaseExpiredError  (run)
     task_postrun   safety net: releases a lease the run wrapper did not reach
-    parent         task_failure (WorkerLostError, hard TimeLimitExceeded) and task_revoked
-                   (terminate=True) free the dead child's lock by its task id (safety_net)
+    parent         frees a child's lock by its task id: a killed child's (WorkerLostError)
+                   at once; after a hard time limit or revoke(terminate=True) once the child
+                   has exited, never on the signal alone (safety_net, parent, exits)
 
 A direct call (``charge(7)``: no tracer, no before_start) runs the same way in the
 calling process, like ``apply()`` (run): the body always holds its lock, so

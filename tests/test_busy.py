@@ -172,6 +172,25 @@ def test_running_body_sees_its_lease_and_a_loss_leaves_as_the_public_error(key):
     assert isinstance(caught.value.__cause__, LeaseInterrupt)
 
 
+@pytest.mark.parametrize("unwinding", [SystemExit, KeyboardInterrupt])
+def test_a_loss_landing_while_a_systemexit_unwinds_lets_the_systemexit_leave(key, unwinding):
+    """SIGTERM's SystemExit (or a Ctrl-C) runs the body's ``finally:``, and the lease lapses
+    in there: the interrupt displaced the SystemExit, which leaves running() instead of the
+    lock's error (Celery would record that as a failure and keep the child), noting the loss."""
+    lease = Mutex(InMemoryCache(), lease=0.2).acquire(key)
+
+    def body() -> None:
+        with running(lease), lease:
+            try:
+                raise unwinding()
+            finally:
+                spin()  # the clean-up outlasts the lease: interrupted in here
+
+    with pytest.raises(unwinding) as caught:
+        body()
+    assert any("lost" in note for note in getattr(caught.value, "__notes__", []))
+
+
 def test_skip_markers_of_both_integrations_are_recognized():
     """is_skipped knows the markers Celery and RQ have always returned, and nothing else."""
     assert is_skipped({"celery_mutex": "skipped", "key": "k", "holder": None})

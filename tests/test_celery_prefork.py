@@ -1,5 +1,6 @@
 """MutexTask under real ``celery worker -P prefork`` subprocesses: contention across
-workers and processes, a child killed with SIGKILL, a hard time limit.
+workers and processes, a child killed with SIGKILL, a hard time limit, a revoke with
+terminate: the worker's main process frees a child's key only once the child is gone.
 
 Needs Redis at 127.0.0.1:6379 (lock cache, result backend, records) and, for the AMQP
 case, RabbitMQ at 127.0.0.1:5672. A missing server fails the tests; it never skips them.
@@ -12,6 +13,8 @@ import json
 import os
 import signal
 import tempfile
+import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,13 +40,57 @@ class Workers(Processes):
             self.start_worker(f"w{i}", concurrency)
         self.locks = Mutex(cache_from_url(REDIS_URL), prefix=self.prefix)
 
-    def send(self, name: str, *args: object) -> object:
+    def send(self, name: str, *args: object, **headers: object) -> object:
         # send_task by name: the lock is taken by the worker, so it cannot be bypassed
-        return self.app.send_task(f"celery_support.app.{name}", args=args)
+        return self.app.send_task(f"celery_support.app.{name}", args=args, headers=headers)
 
     def wait_for(self, key: str, timeout: float) -> bytes:
         wait_until(lambda: self.record.get(self.prefix + key), timeout, f"{key} recorded")
         return bytes(self.record.get(self.prefix + key))  # type: ignore[arg-type]
+
+    def steps(self, run: str) -> list[float]:
+        """The time.monotonic() readings the holder of ``steps.<run>`` wrote, in order."""
+        return [float(s) for s in self.record.lrange(f"{self.prefix}steps.{run}", 0, -1)]
+
+    def holder_and_waiter(self, holder: str) -> tuple[str, int, object, object]:
+        """Start ``holder`` on a fresh ``steps.<run>`` key, then a ``waiter`` for the same
+        key once the holder runs; returns (run, holder's pid, their results) once the
+        waiter has started waiting."""
+        # billiard may take up to its 5 s maintenance tick to replace a child an earlier
+        # test killed; with one child the waiter would only start after the holder.
+        wait_until(lambda: len(self.children()) == 2, 20, "two pool children")
+        run = uuid.uuid4().hex[:10]
+        held = self.send(holder, run)
+        pid = int(self.wait_for(f"pid.{run}", 20))
+        waiting = self.send("waiter", run)
+        self.wait_for(f"waiting.{run}", 20)
+        time.sleep(0.3)  # from before_start into the acquire's wait
+        assert not held.ready(), "the waiter should wait beside the holder, not after it"  # type: ignore[attr-defined]
+        return run, pid, held, waiting
+
+    def children(self) -> list[int]:
+        """The live pool children of the (one) worker."""
+        main = self.procs[0].pid
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as stat:
+                        state, ppid = stat.read().rpartition(")")[2].split()[:2]
+                except OSError:
+                    continue
+                if int(ppid) == main and state != "Z":
+                    found.append(int(entry))
+        return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie does not: it awaits only its reaping)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _workers(broker: str, count: int, concurrency: int) -> Iterator[Workers]:
@@ -109,3 +156,101 @@ def test_hard_time_limit_frees_the_lock(killable_worker):
     with pytest.raises(Exception, match=r"(?i)time ?limit"):
         result.get(timeout=15)
     wait_until(lambda: not workers.locks.locked("slow.1"), 5, "the lock to be freed")
+
+
+def test_hard_time_limit_frees_the_key_only_once_the_child_is_gone(killable_worker):
+    """At its hard time limit (5 s) `stubborn` shrugs off billiard's SIGTERM and keeps
+    writing steps until the SIGKILL 0.1 s later. A waiter (on_busy="wait") for its key,
+    waiting since before the limit, enters after the last of those steps, and soon after:
+    the parent frees the key once the child is dead, not the 120 s lease."""
+    workers = killable_worker
+    run, _, held, waiting = workers.holder_and_waiter("stubborn")
+    with pytest.raises(Exception, match=r"(?i)time ?limit"):
+        held.get(timeout=30)  # type: ignore[attr-defined]
+    entered = waiting.get(timeout=60)  # type: ignore[attr-defined]
+    term = float(workers.wait_for(f"term.{run}", 10))
+    assert float(workers.wait_for(f"waiting.{run}", 1)) < term  # it waited through it all
+    steps = workers.steps(run)
+    assert [s for s in steps if s > term]  # the body did keep working after the SIGTERM
+    assert [s for s in steps if s >= entered] == []  # none once the waiter had the key
+    assert entered - steps[-1] < 30
+
+
+def test_hard_time_limit_frees_a_per_call_key_once_the_child_is_gone(killable_worker):
+    """A call with its own key (apply_async(mutex={"key": ...})) past its hard time limit,
+    deaf to SIGTERM, so only the parent can free it: the parent frees that key (read from
+    the worker's request), not the template's, once the SIGKILL has ended the child."""
+    workers = killable_worker
+    wait_until(lambda: len(workers.children()) == 2, 20, "two pool children")
+    run, own = uuid.uuid4().hex[:10], f"own.{uuid.uuid4().hex[:10]}"
+    held = workers.send("stubborn", run, mutex_call={"key": own})
+    pid = int(workers.wait_for(f"pid.{run}", 20))
+    assert workers.locks.locked(own)
+    assert not workers.locks.locked(f"steps.{run}")
+    with pytest.raises(Exception, match=r"(?i)time ?limit"):
+        held.get(timeout=30)  # type: ignore[attr-defined]
+    wait_until(lambda: not _alive(pid), 20, "the child to be killed")
+    wait_until(lambda: not workers.locks.locked(own), 10, "the parent to free the call's key")
+
+
+def test_revoke_terminate_frees_the_key_after_the_clean_up_and_the_child_exits(killable_worker):
+    """revoke(terminate=True) of `tidy` (sleeping; a `finally:` of 50 steps): the waiter
+    enters after the clean-up's last step, and soon after; the child exits (the SIGTERM's
+    SystemExit is not turned into a task failure on the way out) and the task is REVOKED."""
+    workers = killable_worker
+    run, pid, held, waiting = workers.holder_and_waiter("tidy")
+    workers.app.control.revoke(held.id, terminate=True)  # type: ignore[attr-defined]
+    entered = waiting.get(timeout=60)  # type: ignore[attr-defined]
+    wait_until(lambda: len(workers.steps(run)) == 50, 20, "the clean-up to end")
+    steps = workers.steps(run)
+    assert [s for s in steps if s >= entered] == []  # none once the waiter had the key
+    assert entered - steps[-1] < 30
+    wait_until(lambda: not _alive(pid), 20, f"the revoked child {pid} to exit")
+    assert held.state == "REVOKED"  # type: ignore[attr-defined]
+
+
+def test_revoke_terminate_with_sigkill_frees_the_key_once_the_child_is_dead(killable_worker):
+    """revoke(terminate=True, signal="SIGKILL"): no clean-up runs; the parent frees the
+    key when it sees the child dead, well before the 120 s lease would lapse."""
+    workers = killable_worker
+    run, pid, held, waiting = workers.holder_and_waiter("tidy")
+    revoked = time.monotonic()
+    workers.app.control.revoke(held.id, terminate=True, signal="SIGKILL")  # type: ignore[attr-defined]
+    entered = waiting.get(timeout=60)  # type: ignore[attr-defined]
+    assert entered - revoked < 30
+    assert workers.steps(run) == []
+    assert not _alive(pid)
+    assert held.state == "REVOKED"  # type: ignore[attr-defined]
+
+
+def test_revoke_terminate_of_a_child_deaf_to_sigterm_keeps_the_key_while_it_works(
+    killable_worker,
+):
+    """revoke(terminate=True) of `deaf`, which ignores the SIGTERM and writes steps for
+    3 s: the key stays held while it works (a signal sent is not a process dead), and
+    the waiter enters after its last step."""
+    workers = killable_worker
+    run, _, held, waiting = workers.holder_and_waiter("deaf")
+    workers.app.control.revoke(held.id, terminate=True)  # type: ignore[attr-defined]
+    entered = waiting.get(timeout=60)  # type: ignore[attr-defined]
+    term = float(workers.wait_for(f"term.{run}", 10))
+    steps = workers.steps(run)
+    assert [s for s in steps if s > term]  # it kept working after the SIGTERM
+    assert [s for s in steps if s >= entered] == []  # none once the waiter had the key
+    assert entered - steps[-1] < 30
+
+
+def test_revoked_child_exits_even_when_its_lease_lapses_in_the_clean_up(killable_worker):
+    """revoke(terminate=True) of `tidy_past_lease`, whose clean-up outlasts its fixed 5 s
+    lease: the loss interrupt cuts the clean-up short, and lands where SIGTERM's
+    SystemExit is unwinding. The child still exits and the task stays REVOKED: the lock's
+    error does not replace the SystemExit on its way out (DESIGN §4 rule 13)."""
+    workers = killable_worker
+    run = uuid.uuid4().hex[:10]
+    held = workers.send("tidy_past_lease", run)
+    pid = int(workers.wait_for(f"pid.{run}", 20))
+    workers.app.control.revoke(held.id, terminate=True)  # type: ignore[attr-defined]
+    wait_until(lambda: not _alive(pid), 30, f"the revoked child {pid} to exit")
+    assert 0 < len(workers.steps(run)) < 50  # cut short by the lapse, not by the revoke
+    assert held.state == "REVOKED"  # type: ignore[attr-defined]
+    assert not workers.locks.locked(f"steps.{run}")

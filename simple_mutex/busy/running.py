@@ -8,6 +8,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from simple_mutex import Lease, SimpleMutexLeaseExpiredError
+from simple_mutex.errors import add_note, passes_through
 from simple_mutex.interrupt import LeaseInterrupt
 
 SKIPPED = "skipped"
@@ -28,14 +29,29 @@ def running(lease: Lease) -> Iterator[None]:
     """Run a body under ``lease``: ``current_lease()`` answers with it, and the loss
     interrupt leaves as the public ``SimpleMutexLeaseExpiredError`` (the per-lease class
     cannot be found by name when Celery or RQ store the failure); the chained interrupt
-    shows where the body was when the lease was lost."""
+    shows where the body was when the lease was lost. An interrupt that landed while a
+    SystemExit or KeyboardInterrupt unwound the body (a ``finally:`` after SIGTERM)
+    displaced it: that one leaves instead, with a note (DESIGN §4 rule 13), or Celery
+    would record an ordinary failure and keep the terminated child alive."""
     token = _current.set(lease)
     try:
         yield
     except LeaseInterrupt as lost:
+        displaced = _displaced_by(lost)
+        if displaced is not None:
+            add_note(displaced, f"simple-mutex: while this unwound the body, {lost.message}")
+            raise displaced from None
         raise SimpleMutexLeaseExpiredError(lost.message, key=lost.key) from lost
     finally:
         _current.reset(token)
+
+
+def _displaced_by(interrupt: LeaseInterrupt) -> BaseException | None:
+    """The KeyboardInterrupt, SystemExit... that was unwinding where ``interrupt`` landed."""
+    seen = interrupt.__context__
+    while seen is not None and not passes_through(seen):
+        seen = seen.__context__
+    return seen
 
 
 def skip_marker(source: str, key: str, **details: Any) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
+from typing import Any
 
 import redis
 from celery import Celery
@@ -55,3 +57,90 @@ def overrun(order_id: int) -> None:
     """Runs past its hard time limit: the pool kills the child."""
     _record.set(f"{PREFIX}pid.slow.{order_id}", os.getpid(), ex=120)
     time.sleep(60)
+
+
+# The overlap suites: a holder of "steps.<run>" that keeps acting after the signal that
+# ends it, and a waiter for the same key. Each step is a time.monotonic() reading
+# (system-wide on Linux, so comparable across the worker's processes), appended to
+# "<prefix>steps.<run>"; the waiter records when it started waiting and when it entered.
+STEPS_LEASE = {"lease": 120}  # far longer than any wait the suites allow: a lapse shows
+
+
+def _step(run: str, what: str = "steps") -> None:
+    key = f"{PREFIX}{what}.{run}"
+    _record.pipeline().rpush(key, time.monotonic()).expire(key, 300).execute()
+
+
+def _steps_deaf_to_sigterm(run: str, seconds: float) -> None:
+    """A step every 2 ms for ``seconds``, SIGTERM or not; when SIGTERM came goes to
+    "<prefix>term.<run>" (written by the loop: the handler could cut a command)."""
+    termed: list[float] = []
+    billiards = signal.signal(signal.SIGTERM, lambda *_: termed.append(time.monotonic()))
+    _record.set(f"{PREFIX}pid.{run}", os.getpid(), ex=300)
+    told = False
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            _step(run)
+            if termed and not told:
+                told = bool(_record.set(f"{PREFIX}term.{run}", termed[0], ex=300))
+            time.sleep(0.002)
+    finally:
+        signal.signal(signal.SIGTERM, billiards)  # the child's next task gets it back
+
+
+@app.task(
+    base=MutexTask, mutex={"key": "steps.{run}", "on_busy": "raise", **STEPS_LEASE}, time_limit=5
+)
+def stubborn(run: str) -> None:
+    """Runs past its hard time limit (5 s: the waiter waits by then), shrugs off
+    billiard's SIGTERM and keeps writing steps until the SIGKILL that follows it."""
+    _steps_deaf_to_sigterm(run, 60)
+
+
+@app.task(base=MutexTask, mutex={"key": "steps.{run}", "on_busy": "raise", **STEPS_LEASE})
+def deaf(run: str) -> None:
+    """Writes steps for 3 s, whatever SIGTERM says, then returns."""
+    _steps_deaf_to_sigterm(run, 3)
+
+
+def _sleep_then_tidy(run: str, pause: float) -> None:
+    _record.set(f"{PREFIX}pid.{run}", os.getpid(), ex=300)
+    try:
+        time.sleep(120)
+    finally:
+        for _ in range(50):
+            _step(run)
+            time.sleep(pause)
+
+
+@app.task(base=MutexTask, mutex={"key": "steps.{run}", "on_busy": "raise", **STEPS_LEASE})
+def tidy(run: str) -> None:
+    """Sleeps until revoked; its ``finally:`` clean-up writes 50 steps, 5 ms apart."""
+    _sleep_then_tidy(run, 0.005)
+
+
+@app.task(
+    base=MutexTask, mutex={"key": "steps.{run}", "on_busy": "raise", "lease": 5, "renew": False}
+)
+def tidy_past_lease(run: str) -> None:
+    """Like ``tidy``, but its clean-up (50 steps, 120 ms apart) outlasts its fixed 5 s
+    lease: the loss interrupt lands in the ``finally:`` that SIGTERM's SystemExit runs."""
+    _sleep_then_tidy(run, 0.12)
+
+
+class _SaysWhenItWaits(MutexTask):
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        _record.set(f"{PREFIX}waiting.{args[0]}", time.monotonic(), ex=300)
+        super().before_start(task_id, args, kwargs)
+
+
+@app.task(
+    base=_SaysWhenItWaits,
+    mutex={"key": "steps.{run}", "on_busy": "wait", "timeout": 200, **STEPS_LEASE},
+)
+def waiter(run: str) -> float:
+    """Waits for "steps.<run>" and records when it got it."""
+    entered = time.monotonic()
+    _record.set(f"{PREFIX}entered.{run}", entered, ex=300)
+    return entered
