@@ -148,3 +148,13 @@ def passes_through(exc: BaseException | None) -> bool:
     every exception that is not an ``Exception``. A lost lease is reported beside them
     (a note, a log line, the ``lost`` event), never instead of them."""
     return exc is not None and not isinstance(exc, Exception)
+
+
+def displaced_by(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt, SystemExit... that was unwinding where ``exc`` was raised
+    (a lease's interrupt landing in a ``finally:`` that SIGTERM's SystemExit runs), if
+    any: that one must leave instead of ``exc``."""
+    seen = exc.__context__
+    while seen is not None and not passes_through(seen):
+        seen = seen.__context__
+    return seen

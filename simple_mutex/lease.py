@@ -45,6 +45,7 @@ from .errors import (
     MalfunctionError,
     SimpleMutexLeaseExpiredError,
     add_note,
+    displaced_by,
     passes_through,
 )
 from .interrupt import LeaseInterrupt, cancel_pending, interrupt_class, raise_in_thread
@@ -593,7 +594,16 @@ class Lease:
         else SimpleMutexLeaseExpiredError, unless the block ends by an exception a lock
         must not replace (our own interrupt, Ctrl-C, SystemExit, a cancellation): that one
         leaves carrying a note of the loss (DESIGN §4 rule 13)."""
-        if released or self._is_ours(exc):
+        if self._is_ours(exc):
+            assert exc is not None
+            displaced = displaced_by(exc)
+            if displaced is not None:  # our interrupt landed while Ctrl-C/SystemExit unwound
+                add_note(
+                    displaced, f"simple-mutex: while this unwound the block, {self._message()}"
+                )
+                raise displaced from None
+            return
+        if released:
             return
         if passes_through(exc):
             assert exc is not None

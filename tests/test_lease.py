@@ -357,6 +357,27 @@ def test_a_base_exception_leaving_a_lost_block_passes_through(memory_cache, key,
     assert any("was lost" in n for n in getattr(info.value, "__notes__", []))
 
 
+def test_an_interrupt_landing_while_a_system_exit_unwinds_lets_the_system_exit_leave(
+    memory_cache, key
+):
+    """SIGTERM's SystemExit runs a ``finally:`` inside the block, and the lease lapses
+    there: the interrupt raised in the ``finally:`` displaced the SystemExit. The
+    SystemExit leaves (with the loss as a note), or the process would not exit."""
+    mutex = Mutex(memory_cache, lease=0.2)
+
+    def unwinding() -> None:
+        with mutex.acquire(key):
+            try:
+                raise SystemExit(3)
+            finally:
+                spin()  # the lease lapses here: the interrupt lands in the clean-up
+
+    with pytest.raises(SystemExit) as info:
+        unwinding()
+    assert info.value.code == 3
+    assert any("was lost" in n for n in getattr(info.value, "__notes__", []))
+
+
 async def _hold_then(cache, key, leaving, lease_length=30.0):
     mutex = Mutex(cache, lease=lease_length)
     async with mutex.acquire_async(key) as lease:

@@ -8,7 +8,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from simple_mutex import Lease, SimpleMutexLeaseExpiredError
-from simple_mutex.errors import add_note, passes_through
+from simple_mutex.errors import add_note, displaced_by
 from simple_mutex.interrupt import LeaseInterrupt
 
 SKIPPED = "skipped"
@@ -37,21 +37,13 @@ def running(lease: Lease) -> Iterator[None]:
     try:
         yield
     except LeaseInterrupt as lost:
-        displaced = _displaced_by(lost)
+        displaced = displaced_by(lost)
         if displaced is not None:
             add_note(displaced, f"simple-mutex: while this unwound the body, {lost.message}")
             raise displaced from None
         raise SimpleMutexLeaseExpiredError(lost.message, key=lost.key) from lost
     finally:
         _current.reset(token)
-
-
-def _displaced_by(interrupt: LeaseInterrupt) -> BaseException | None:
-    """The KeyboardInterrupt, SystemExit... that was unwinding where ``interrupt`` landed."""
-    seen = interrupt.__context__
-    while seen is not None and not passes_through(seen):
-        seen = seen.__context__
-    return seen
 
 
 def skip_marker(source: str, key: str, **details: Any) -> dict[str, Any]:
