@@ -197,3 +197,22 @@ def sleeper(run: str, seconds: float) -> str:
 def two_at_a_time(run: str) -> str:
     _record(run, "log")
     return "ran"
+
+
+@mutex_job(key="again.{run}", on_busy="skip", lease=30)
+def hold_on_attempts(run: str, holds: tuple[int, ...] = (1,)) -> str:
+    """Counts its attempts (runs of the body) in Redis and records each with its lease;
+    an attempt whose number is in ``holds`` keeps the lock until killed or until the test
+    sets ``rqt:<run>:go``; the others return at once with the real result."""
+    conn = _redis()
+    attempt = int(conn.incr(f"rqt:{run}:count"))
+    lease = current_lease()
+    expires = lease.expires_at.timestamp() if lease else None
+    _record(run, "attempts", attempt=attempt, at=time.time(), expires=expires)
+    deadline = time.monotonic() + 60
+    while attempt in holds and not conn.exists(f"rqt:{run}:go"):
+        if time.monotonic() > deadline:
+            raise TimeoutError("nobody killed or released this attempt")
+        time.sleep(0.05)
+    _record(run, "done", attempt=attempt)
+    return f"attempt {attempt}"
