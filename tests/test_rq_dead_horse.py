@@ -76,12 +76,18 @@ def strays() -> Iterator[list[int]]:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_retry_after_sigkilled_horse_runs_the_body(conn, run, queue, rq_workers):
+@pytest.mark.parametrize(
+    "work",
+    [jobs.hold_on_attempts, jobs.hold_on_attempts_waiting, jobs.hold_on_attempts_async],
+    ids=["skip", "wait", "async"],
+)
+def test_retry_after_sigkilled_horse_runs_the_body(conn, run, queue, rq_workers, work):
     """Retry(max=2), the horse SIGKILLed while it holds the lock (what the OOM killer does):
     the worker reaps it and RQ re-enqueues the same job id; that run is not turned away by
-    its own dead attempt: it runs the body and finishes with the real result."""
+    its own dead attempt (skipped, or for on_busy="wait" kept waiting for its lease): it
+    runs the body and finishes with the real result. The same for an ``async def`` job."""
     rq_workers(*REAPING)
-    job = queue.enqueue(jobs.hold_on_attempts, run, retry=Retry(max=2))
+    job = queue.enqueue(work, run, retry=Retry(max=2))
     first = holding(conn, run, 1)
     os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: ended(job), 30, "the retried job to end")
