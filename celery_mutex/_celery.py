@@ -10,7 +10,9 @@ from celery.result import EagerResult  # type: ignore[import-untyped]
 from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
     task_postrun,
+    task_rejected,
     task_revoked,
+    task_unknown,
 )
 from celery.utils import uuid  # type: ignore[import-untyped]
 from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
@@ -26,6 +28,8 @@ __all__ = [
     "states",
     "task_failure",
     "task_postrun",
+    "task_rejected",
     "task_revoked",
+    "task_unknown",
     "uuid",
 ]

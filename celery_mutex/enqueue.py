@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from simple_mutex import Holder, Mutex, SimpleMutexAcquireTimeoutError
+from simple_mutex.busy import shared_cache
 
 from . import per_call
 from ._celery import uuid
@@ -31,6 +32,8 @@ from .config import config_of
 from .errors import AlreadyQueuedError
 
 log = logging.getLogger("celery_mutex")
+
+QUEUED_HEADER = "mutex_queued"  # {"key", "prefix"} of the call's marker, set when it took it
 
 # apply_async options by which a canvas waits on this call's own task id.
 CANVAS_OPTIONS = ("group_id", "chord", "chain", "link", "link_error")
@@ -99,6 +102,9 @@ def send_once(
                 countdown=countdown,
             )
         return task.AsyncResult(holder)
+    # Where the marker is, for a worker that refuses the call without knowing the task.
+    marker = {"key": key, "prefix": markers.space.prefix}
+    options["headers"] = {**headers, QUEUED_HEADER: marker}
     try:
         return send(args, kwargs, task_id=task_id, **options)
     except BaseException:
@@ -132,3 +138,26 @@ def unmark(task: Any, task_id: str, args: Any, kwargs: Any, request: Any = None)
             markers.release_owner(key, owner_of(task_id))
     except Exception as exc:  # from a signal handler: log, never raise into Celery
         log.warning("%s[%s]: could not clear its enqueue marker: %r", task.name, task_id, exc)
+
+
+def unmark_refused(app: Any, headers: Any) -> None:
+    """A worker refused a message without running it (the task is unknown to it, or the
+    message is invalid), so no task hook will clear the call's marker: clear it here,
+    from the header the sender stamped, in the worker's own ``mutex_cache``, and only
+    the record this call (its task id) owns. A task whose markers live in a cache of
+    its own leaves its marker to ``enqueue_ttl``."""
+    try:
+        found = headers.get(QUEUED_HEADER) if isinstance(headers, dict) else None
+        task_id = headers.get("id") if isinstance(headers, dict) else None
+        if not isinstance(found, dict) or not isinstance(task_id, str):
+            return
+        key, prefix = found.get("key"), found.get("prefix")
+        spec = app.conf.get("mutex_cache")
+        if not isinstance(key, str) or not isinstance(prefix, str) or spec is None:
+            return
+        if not prefix.startswith("queued."):  # only ever a marker, never a task's lock
+            return
+        markers = OwnedLocks(Mutex(shared_cache(spec), prefix=prefix, name="enqueue"))
+        markers.release_owner(key, owner_of(task_id))
+    except Exception as exc:  # from a signal handler: log, never raise into Celery
+        log.warning("refused call %r: could not clear its enqueue marker: %r", headers, exc)

@@ -8,6 +8,12 @@
   here, by its task id.
 * ``task_revoked``: ``revoke(terminate=True)`` killed the child; any revoke or expiry ends
   the call, so its enqueue marker goes.
+* ``task_unknown`` / ``task_rejected``: the worker refused the message without running
+  it (a task it does not know, an invalid message): the call is over, its marker goes
+  (found through the header its sender stamped: ``enqueue.unmark_refused``).
+
+A call whose body raised ``Reject(requeue=True)`` under ``acks_late`` keeps its marker:
+its message goes back to the queue, so the call is still queued.
 """
 
 from __future__ import annotations
@@ -15,8 +21,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._celery import TimeLimitExceeded, WorkerLostError, task_failure, task_postrun, task_revoked
-from .enqueue import unmark
+from ._celery import (
+    TimeLimitExceeded,
+    WorkerLostError,
+    task_failure,
+    task_postrun,
+    task_rejected,
+    task_revoked,
+    task_unknown,
+)
+from .enqueue import unmark, unmark_refused
 from .run import end, release_owner
 from .task import MutexTask
 
@@ -31,12 +45,15 @@ def _release_leftover(
     args: Any = None,
     kwargs: Any = None,
     state: str | None = None,
+    retval: Any = None,
     **_: Any,
 ) -> None:
     if not isinstance(sender, MutexTask):
         return
     request = sender.request
-    if task_id and state != "RETRY":
+    # Reject(requeue=True) puts the message back only if it was not acked on receipt.
+    requeued = state == "REJECTED" and getattr(retval, "requeue", False) and sender.acks_late
+    if task_id and state != "RETRY" and not requeued:
         unmark(sender, task_id, args, kwargs, request)
     lease = getattr(request, "mutex_lease", None)
     if lease is None or getattr(request, "mutex_done", False):
@@ -74,6 +91,14 @@ def _release_after_revoke(
     unmark(sender, request.id, args, kwargs, request)
 
 
+def _unmark_refused(sender: Any = None, message: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)  # the worker's consumer
+    if app is not None and message is not None:
+        unmark_refused(app, getattr(message, "headers", None))
+
+
 task_postrun.connect(_release_leftover, weak=False)
+task_unknown.connect(_unmark_refused, weak=False)
+task_rejected.connect(_unmark_refused, weak=False)
 task_failure.connect(_release_after_child_died, weak=False)
 task_revoked.connect(_release_after_revoke, weak=False)

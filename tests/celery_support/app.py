@@ -55,3 +55,19 @@ def overrun(order_id: int) -> None:
     """Runs past its hard time limit: the pool kills the child."""
     _record.set(f"{PREFIX}pid.slow.{order_id}", os.getpid(), ex=120)
     time.sleep(60)
+
+
+@app.task(base=MutexTask, acks_late=True, mutex={"key": "rej.{order_id}", "enqueue": "return"})
+def rejects(order_id: int, requeue: bool) -> str:
+    """Rejects its message (``Reject``). With ``requeue`` it runs again, and that second
+    run waits (at most 20 s) for the test to set ``<prefix>go.<order_id>``."""
+    from celery.exceptions import Reject
+
+    if not requeue:
+        raise Reject("never", requeue=False)
+    if _record.incr(f"{PREFIX}runs.{order_id}") == 1:
+        raise Reject("not now", requeue=True)
+    deadline = time.monotonic() + 20
+    while not _record.exists(f"{PREFIX}go.{order_id}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "ran"
