@@ -94,7 +94,6 @@ def test_unknown_task_clears_its_marker(worker, producer):
     failed (NotRegistered); its marker goes with it, so the next equal call is sent."""
     task = producer.tasks["celery_support.app.not_deployed_yet"]
     first = task.delay(1)
-    assert task.delay(1).id == first.id  # queued: de-duplicated
     wait_until(lambda: first.state == "FAILURE", GET, "the worker to refuse the call")
     assert type(first.result).__name__ == "NotRegistered"
     again = sent_anew(task, first, 1)
@@ -116,3 +115,13 @@ def test_rejected_call_clears_its_marker_but_a_requeued_one_keeps_it(worker, pro
     assert task.delay(3, True).id == requeued.id  # still queued: de-duplicated
     worker.record.set(f"{worker.prefix}go.3", 1, ex=60)
     assert requeued.get(timeout=GET) == "ran"
+
+
+def test_message_the_worker_cannot_accept_clears_its_marker(worker, producer):
+    """A message the worker refuses to decode (pickle, where it accepts JSON only) is
+    rejected as invalid (task_rejected), and stores no result: the call is over all the
+    same, so its marker goes and the next equal call is sent."""
+    task = producer.tasks["celery_support.app.rejects"]
+    refused = task.apply_async((4, False), serializer="pickle")
+    sent_anew(task, refused, 4, False)
+    assert refused.state == "PENDING"  # nothing recorded it: only the marker knew
