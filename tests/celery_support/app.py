@@ -71,3 +71,24 @@ def rejects(order_id: int, requeue: bool) -> str:
     while not _record.exists(f"{PREFIX}go.{order_id}") and time.monotonic() < deadline:
         time.sleep(0.05)
     return "ran"
+
+
+@app.task(base=MutexTask, mutex={"key": "dd.{order_id}", "on_busy": "skip", "enqueue": "return"})
+def dedup_skip(order_id: int) -> str:
+    """A de-duplicated call (the celery-singleton idiom) that holds its key 0.3 s."""
+    time.sleep(0.3)
+    return "ran"
+
+
+@app.task(base=MutexTask, mutex={"key": "dd.{order_id}", "enqueue": "raise"})
+def dedup_raise(order_id: int) -> str:
+    """A call refused while an equal one is queued (the celery-once idiom)."""
+    time.sleep(0.5)
+    return "ran"
+
+
+@app.task
+def tail(previous: object, tag: str) -> dict[str, object]:
+    """A plain task for the end of a chain, a chord's callback or a link: what it got."""
+    _record.rpush(PREFIX + "tails", tag)
+    return {"tag": tag, "got": previous}

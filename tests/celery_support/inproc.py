@@ -151,18 +151,3 @@ def queued_raise(order_id: int) -> str:
 def queued_retry(order_id: int) -> str:
     RUNS.append(("queued_retry", order_id))
     return "ran"
-
-
-@app.task(base=MutexTask, mutex={"key": "order.{order_id}", "on_busy": "skip", "enqueue": "return"})
-def dedup_skip(order_id: int) -> str:
-    """A de-duplicated call (the celery-singleton idiom) that holds its key 0.3 s."""
-    RUNS.append(("dedup_skip", order_id))
-    time.sleep(0.3)
-    return "ran"
-
-
-@app.task
-def tail(previous: Any, tag: str) -> dict[str, Any]:
-    """A plain task for the end of a chain, a chord's callback or a link: what it got."""
-    RUNS.append(("tail", tag))
-    return {"tag": tag, "got": previous}
