@@ -13,7 +13,9 @@ from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
     task_postrun,
     task_received,
+    task_rejected,
     task_revoked,
+    task_unknown,
 )
 from celery.utils import uuid  # type: ignore[import-untyped]
 from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
@@ -31,7 +33,9 @@ __all__ = [
     "task_failure",
     "task_postrun",
     "task_received",
+    "task_rejected",
     "task_revoked",
+    "task_unknown",
     "uuid",
 ]
 

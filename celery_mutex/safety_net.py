@@ -11,6 +11,12 @@
   lock is freed once the child has exited.
 * ``task_revoked``: any revoke or expiry ends the call, so its enqueue marker goes; after
   ``revoke(terminate=True)`` the lock (and the marker) go once the child has exited.
+* ``task_unknown`` / ``task_rejected``: the worker refused the message without running
+  it (a task it does not know, an invalid message): the call is over, its marker goes
+  (found through the header its sender stamped: ``enqueue.unmark_refused``).
+
+A call whose body raised ``Reject(requeue=True)`` under ``acks_late`` keeps its marker:
+its message goes back to the queue, so the call is still queued.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from ._celery import (
     task_failure,
     task_postrun,
     task_received,
+    task_rejected,
     task_revoked,
+    task_unknown,
 )
-from .enqueue import unmark
+from .enqueue import unmark, unmark_refused
 from .run import end
 from .task import MutexTask
 
@@ -40,12 +48,15 @@ def _release_leftover(
     args: Any = None,
     kwargs: Any = None,
     state: str | None = None,
+    retval: Any = None,
     **_: Any,
 ) -> None:
     if not isinstance(sender, MutexTask):
         return
     request = sender.request
-    if task_id and state != "RETRY":
+    # Reject(requeue=True) puts the message back only if it was not acked on receipt.
+    requeued = state == "REJECTED" and getattr(retval, "requeue", False) and sender.acks_late
+    if task_id and state != "RETRY" and not requeued:
         unmark(sender, task_id, args, kwargs, request)
     lease = getattr(request, "mutex_lease", None)
     if lease is None or getattr(request, "mutex_done", False):
@@ -93,7 +104,15 @@ def _release_after_revoke(
         unmark(sender, request.id, args, kwargs, request)
 
 
+def _unmark_refused(sender: Any = None, message: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)  # the worker's consumer
+    if app is not None and message is not None:
+        unmark_refused(app, getattr(message, "headers", None))
+
+
 task_postrun.connect(_release_leftover, weak=False)
 task_received.connect(_remember, weak=False)
+task_unknown.connect(_unmark_refused, weak=False)
+task_rejected.connect(_unmark_refused, weak=False)
 task_failure.connect(_release_after_child_died, weak=False)
 task_revoked.connect(_release_after_revoke, weak=False)

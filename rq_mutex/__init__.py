@@ -11,7 +11,9 @@
 
 The lock is taken when the job starts (owner label = the job id), kept alive by renewal
 while the body runs, and released when the job returns, fails or is interrupted; a killed
-work horse's lock frees when its lease lapses. The default cache is Redis on the job's own
+work horse's lock frees when its lease lapses, or at once for the next run of the same
+job id when the worker's main process imported ``rq_mutex`` (``rq worker -w
+rq_mutex.Worker``; see ``rq_mutex.horses``). The default cache is Redis on the job's own
 connection, so a plain RQ setup configures nothing.
 
 Several ``rq cron`` processes enqueue each tick once after one line in the cron config:
@@ -23,10 +25,12 @@ from __future__ import annotations
 from simple_mutex.busy import SKIPPED, current_lease, is_skipped
 
 from .cron import first_run_of_tick, once_per_tick
+from .horses import Worker
 from .job import mutex_job
 
 __all__ = [
     "SKIPPED",
+    "Worker",
     "current_lease",
     "first_run_of_tick",
     "is_skipped",

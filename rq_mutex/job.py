@@ -20,11 +20,14 @@ under every worker class and in ``Queue(is_async=False)``)::
     body       runs inside ``with lease:``: a lost lease interrupts it and the job fails
                with SimpleMutexLeaseExpiredError (no SIGALRM: RQ's timeout owns it)
     end        released on return, exception, RQ's JobTimeoutException; a killed work
-               horse's lease stops being renewed and lapses within one lease
+               horse's lease stops being renewed and lapses within one lease, and the
+               next run of the same job id frees it at once when the worker recorded
+               that horse's death (``rq_mutex.horses``; token "rq.<job>.<attempt>.<random>")
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -39,6 +42,7 @@ from rq.job import Job
 
 from simple_mutex import (
     ConstraintError,
+    Lease,
     MalfunctionError,
     Mutex,
     Semaphore,
@@ -51,6 +55,7 @@ from simple_mutex.durations import Duration
 
 from .connection import cache_on
 from .cron import META_TICK, first_run_of_tick
+from .horses import free_ended_attempts, token_for
 
 log = logging.getLogger("rq_mutex")
 
@@ -142,7 +147,7 @@ class _Run:
         if skipped is not None:
             return skipped
         try:
-            held = self._space(job).acquire(key, **self._acquiring(job))
+            held = self._acquire(job, key)
         except SimpleMutexAcquireTimeoutError as busy:
             return self._busy(job, key, busy)
         with running(held), held:
@@ -155,12 +160,40 @@ class _Run:
         if skipped is not None:
             return skipped
         try:
-            held = await self._space(job).acquire_async(key, **self._acquiring(job))
+            held = await self._acquire_async(job, key)
         except SimpleMutexAcquireTimeoutError as busy:
             return self._busy(job, key, busy)
         with running(held):
             async with held:
                 return await self.fn(*args, **kwargs)
+
+    def _acquire(self, job: Job, key: str) -> Lease:
+        """Acquire as the policy says; a record of an earlier attempt of this job whose
+        horse died (``horses``) is freed first, so the run is not busy with itself. Only
+        a busy try pays for that check, or a wait, which would sit out that lease."""
+        space, acquiring = self._space(job), self._acquiring(job)
+        waits = acquiring["timeout"] != 0
+        if waits:
+            free_ended_attempts(job, space, key)
+        try:
+            return space.acquire(key, **acquiring)
+        except SimpleMutexAcquireTimeoutError:
+            if waits or not free_ended_attempts(job, space, key):
+                raise
+        return space.acquire(key, **acquiring)
+
+    async def _acquire_async(self, job: Job, key: str) -> Lease:
+        """``_acquire`` for an ``async def`` job (the check runs in a thread)."""
+        space, acquiring = self._space(job), self._acquiring(job)
+        waits = acquiring["timeout"] != 0
+        if waits:
+            await asyncio.to_thread(free_ended_attempts, job, space, key)
+        try:
+            return await space.acquire_async(key, **acquiring)
+        except SimpleMutexAcquireTimeoutError:
+            if waits or not await asyncio.to_thread(free_ended_attempts, job, space, key):
+                raise
+        return await space.acquire_async(key, **acquiring)
 
     def _before(
         self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -185,6 +218,7 @@ class _Run:
             "timeout": self.policy.wait_for(synchronous),
             "renew": self.policy.renew,
             "label": f"rq:{job.id}",
+            "token": token_for(job),  # names this attempt: see rq_mutex.horses
         }
 
     def _busy(self, job: Job, key: str, busy: SimpleMutexAcquireTimeoutError) -> Any:
@@ -193,7 +227,16 @@ class _Run:
         delay = self.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
         if delay is None:
             holder = self._holder_label(job, key)
-            log.info("job %s skipped: %r is busy (held by %s)", job.id, key, holder)
+            if holder == f"rq:{job.id}":  # an attempt of this very job: is it alive?
+                log.warning(
+                    "job %s skipped: %r is held by another attempt of this job id, which "
+                    "is still running or whose work horse died unrecorded (start workers "
+                    "with `rq worker -w rq_mutex.Worker`; see rq_mutex.horses)",
+                    job.id,
+                    key,
+                )
+            else:
+                log.info("job %s skipped: %r is busy (held by %s)", job.id, key, holder)
             flag_skipped(job, "busy", holder)
             return skip_marker("rq_mutex", key)
         interval = max(1, math.ceil(delay))  # RQ schedules by the second; Retry takes ints

@@ -20,6 +20,7 @@ USER_EXTRAS="redis,postgres,mongo,s3,celery,rq,prometheus,otel"
 INTEGRATION_TESTS=(
     tests/test_redis.py tests/test_postgres.py tests/test_mongo.py tests/test_s3.py
     tests/test_celery_inproc.py tests/test_celery_prefork.py tests/test_rq.py
+    tests/test_rq_dead_horse.py tests/test_celery_enqueue.py
     tests/test_prometheus.py tests/test_opentelemetry.py tests/test_observe_workers.py
 )
 

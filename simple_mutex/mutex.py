@@ -135,11 +135,12 @@ class _LockSpace:
         interval: Duration | None = None,
         renew: bool = False,
         label: str | None = None,
+        token: str | None = None,
     ) -> Acquiring:
         """``acquire`` for asyncio: waiting does not block the event loop, and an asyncio
         cache is awaited directly (no thread). ``await`` it for the Lease, or use it as
         it is: ``async with mutex.acquire_async(key) as lease:``."""
-        claim = self._claim(key, renew, label, None)
+        claim = self._claim(key, renew, label, token)
         flow = self._acquiring(claim, timeout, interval)
         return Acquiring(self._granted_async(claim, flow))
 

@@ -144,3 +144,40 @@ def waiter(run: str) -> float:
     entered = time.monotonic()
     _record.set(f"{PREFIX}entered.{run}", entered, ex=300)
     return entered
+
+
+@app.task(base=MutexTask, acks_late=True, mutex={"key": "rej.{order_id}", "enqueue": "return"})
+def rejects(order_id: int, requeue: bool) -> str:
+    """Rejects its message (``Reject``). With ``requeue`` it runs again, and that second
+    run waits (at most 20 s) for the test to set ``<prefix>go.<order_id>``."""
+    from celery.exceptions import Reject
+
+    if not requeue:
+        raise Reject("never", requeue=False)
+    if _record.incr(f"{PREFIX}runs.{order_id}") == 1:
+        raise Reject("not now", requeue=True)
+    deadline = time.monotonic() + 20
+    while not _record.exists(f"{PREFIX}go.{order_id}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "ran"
+
+
+@app.task(base=MutexTask, mutex={"key": "dd.{order_id}", "on_busy": "skip", "enqueue": "return"})
+def dedup_skip(order_id: int) -> str:
+    """A de-duplicated call (the celery-singleton idiom) that holds its key 0.3 s."""
+    time.sleep(0.3)
+    return "ran"
+
+
+@app.task(base=MutexTask, mutex={"key": "dd.{order_id}", "enqueue": "raise"})
+def dedup_raise(order_id: int) -> str:
+    """A call refused while an equal one is queued (the celery-once idiom)."""
+    time.sleep(0.5)
+    return "ran"
+
+
+@app.task
+def tail(previous: object, tag: str) -> dict[str, object]:
+    """A plain task for the end of a chain, a chord's callback or a link: what it got."""
+    _record.rpush(PREFIX + "tails", tag)
+    return {"tag": tag, "got": previous}

@@ -197,3 +197,51 @@ def sleeper(run: str, seconds: float) -> str:
 def two_at_a_time(run: str) -> str:
     _record(run, "log")
     return "ran"
+
+
+def _start_attempt(run: str) -> tuple[redis.Redis, int]:
+    """Count and record an attempt (a run of the body) with its lease."""
+    conn = _redis()
+    attempt = int(conn.incr(f"rqt:{run}:count"))
+    lease = current_lease()
+    expires = lease.expires_at.timestamp() if lease else None
+    _record(run, "attempts", attempt=attempt, at=time.time(), expires=expires)
+    return conn, attempt
+
+
+def _still_holding(conn: redis.Redis, run: str, deadline: float) -> bool:
+    if conn.exists(f"rqt:{run}:go"):
+        return False
+    if time.monotonic() > deadline:
+        raise TimeoutError("nobody killed or released this attempt")
+    return True
+
+
+@mutex_job(key="again.{run}", on_busy="skip", lease=30)
+def hold_on_attempts(run: str, holds: tuple[int, ...] = (1,)) -> str:
+    """Counts its attempts in Redis and records each with its lease; an attempt whose
+    number is in ``holds`` keeps the lock until killed or until the test sets
+    ``rqt:<run>:go``; the others return at once with the real result."""
+    conn, attempt = _start_attempt(run)
+    deadline = time.monotonic() + 60
+    while attempt in holds and _still_holding(conn, run, deadline):
+        time.sleep(0.05)
+    _record(run, "done", attempt=attempt)
+    return f"attempt {attempt}"
+
+
+@mutex_job(key="again.{run}", on_busy="wait", lease=30)
+def hold_on_attempts_waiting(run: str, holds: tuple[int, ...] = (1,)) -> str:
+    """``hold_on_attempts`` with on_busy="wait" (no timeout)."""
+    return hold_on_attempts.__wrapped__(run, holds)  # type: ignore[attr-defined, no-any-return]
+
+
+@mutex_job(key="again.{run}", on_busy="skip", lease=30)
+async def hold_on_attempts_async(run: str, holds: tuple[int, ...] = (1,)) -> str:
+    """``hold_on_attempts`` as an ``async def`` job."""
+    conn, attempt = _start_attempt(run)
+    deadline = time.monotonic() + 60
+    while attempt in holds and _still_holding(conn, run, deadline):
+        await asyncio.sleep(0.05)
+    _record(run, "done", attempt=attempt)
+    return f"attempt {attempt}"

@@ -1,0 +1,177 @@
+"""Work horses that died holding a lock: the worker records which ones it reaped, and a
+later run of the same job id frees what they held.
+
+A horse SIGKILLed by the OOM killer, by ``send_stop_job_command`` or by a cold shutdown
+runs no ``finally``: its lock stays held until the lease lapses, and RQ re-runs the same
+job id before that (``Retry``, the abandoned-job cleanup, a requeue), which then found the
+key busy with its own dead attempt and was skipped. The worker's main process knows the
+horse is gone once ``os.wait4`` returns it (``Worker.wait_for_horse``, which every path
+that ends a horse goes through: the monitor loop, the job-timeout kill, the stop command,
+the cold shutdown); RQ writes nothing that proves it (an abandoned job's records look the
+same whether its horse is dead or orphaned and still running), so this module does::
+
+    worker, fork_work_horse     a fresh attempt id per horse, handed to it in the
+                                environment as "<worker pid>.<attempt>"
+    horse, acquire              token "rq.<job>.<attempt>.<random>"
+    worker, wait_for_horse      it returned this horse, not exited 0: HSET
+                                rq_mutex:ended:<job id> <attempt> (a day), before RQ
+                                re-enqueues the job
+    next run of the job, busy   frees (compare-and-delete) the key's records whose
+                                attempt is in that hash, then acquires as usual (a
+                                fresh fence)
+
+Only a reaped attempt is ever freed (DESIGN §4 rule 12): a live one, an orphan whose
+worker was SIGKILLed, or a live attempt of the same job id enqueued twice by mistake is
+not in the hash, so it keeps the lock. A horse whose worker's main process has not
+imported ``rq_mutex`` (``rq worker`` imports job code only in the horse: start it with
+``-w rq_mutex.Worker``), a ``SimpleWorker`` and a synchronous queue get an attempt no
+one ever records; their dead runs' locks lapse with their lease, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rq.job import Job
+from rq.worker import SpawnWorker
+from rq.worker import Worker as RQWorker
+
+from simple_mutex import Mutex, Semaphore
+from simple_mutex.contract import is_async
+
+log = logging.getLogger("rq_mutex")
+
+ATTEMPT_ENV = "RQ_MUTEX_ATTEMPT"  # "<worker pid>.<attempt>", for the horse being started
+ENDED = "rq_mutex:ended:"  # + job id: hash of attempt -> when its horse was reaped
+ENDED_TTL = 24 * 3600  # far beyond any retry of a dead attempt's still-valid record
+_HORSE = "_rq_mutex_horse"  # on the Worker, in its main process: the horse it started
+_PATCHED = "_rq_mutex_patched"
+
+
+@dataclass(frozen=True)
+class _Horse:
+    job_id: str
+    pid: int
+    attempt: str
+
+
+def _owner(job_id: str) -> str:
+    # Job ids may hold any character; a token only plain ones (and never needs the id back).
+    return hashlib.sha256(job_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def _my_attempt() -> str:
+    """The attempt id the worker gave this horse; a random one anywhere else (it is then
+    never recorded as ended). The worker's pid in the value keeps a process the horse
+    starts from taking it for its own."""
+    worker_pid, _, attempt = os.environ.get(ATTEMPT_ENV, "").partition(".")
+    if attempt and worker_pid == str(os.getppid()):
+        return attempt
+    return secrets.token_hex(8)
+
+
+def token_for(job: Job) -> str:
+    """The owner token of a lock this run of ``job`` takes."""
+    return f"rq.{_owner(job.id)}.{_my_attempt()}.{secrets.token_hex(16)}"
+
+
+def free_ended_attempts(job: Job, space: Mutex | Semaphore, key: str) -> bool:
+    """Free the records of ``key`` that earlier attempts of ``job`` hold whose horses
+    their worker reaped; True if any was freed. One read when none ever died."""
+    if is_async(space.cache):
+        return False  # release_where is blocking-only; such a record lapses with its lease
+    raw = job.connection.hkeys(ENDED + job.id)
+    if not raw:
+        return False
+    ended = {a.decode() if isinstance(a, bytes) else str(a) for a in raw}
+    owner = _owner(job.id)
+
+    def reaped(token: str) -> bool:
+        parts = token.split(".")
+        return len(parts) == 4 and parts[:2] == ["rq", owner] and parts[2] in ended
+
+    freed = space.release_where(key, reaped)
+    if freed:
+        log.info("job %s: freed %r, held by an earlier attempt whose horse died", job.id, key)
+    return freed
+
+
+# -- the worker's main process ---------------------------------------------------------
+
+
+def _starts_attempts(fork_work_horse: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fork_work_horse)
+    def wrapper(self: RQWorker, job: Job, queue: Any) -> Any:
+        attempt = secrets.token_hex(8)
+        os.environ[ATTEMPT_ENV] = f"{os.getpid()}.{attempt}"
+        try:
+            result = fork_work_horse(self, job, queue)
+        finally:
+            os.environ.pop(ATTEMPT_ENV, None)  # a forked horse never returns here
+        setattr(self, _HORSE, _Horse(job.id, self.horse_pid, attempt))
+        return result
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def _records_reaped(wait_for_horse: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(wait_for_horse)
+    def wrapper(self: RQWorker) -> Any:
+        pid, status, rusage = wait_for_horse(self)
+        horse = getattr(self, _HORSE, None)
+        if isinstance(horse, _Horse) and pid == horse.pid:
+            setattr(self, _HORSE, None)
+            if status != 0:  # exit 0: the job ran to its end and released what it held
+                _record_ended(self, horse)
+        return pid, status, rusage
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def _record_ended(worker: RQWorker, horse: _Horse) -> None:
+    try:
+        with worker.connection.pipeline(transaction=False) as pipe:
+            pipe.hset(ENDED + horse.job_id, horse.attempt, worker.name)
+            pipe.expire(ENDED + horse.job_id, ENDED_TTL)
+            pipe.execute()
+    except Exception as fault:  # inside RQ's own handling of the death: never raise there
+        log.warning(
+            "job %s: could not record that its work horse %d died (%r); a lock it held "
+            "frees when its lease lapses",
+            horse.job_id,
+            horse.pid,
+            fault,
+        )
+
+
+def record_reaped_horses() -> None:
+    """Wrap, once per process, the forking workers' ``fork_work_horse`` (``Worker`` and
+    ``SpawnWorker``, which spawns instead) and ``wait_for_horse``. Nothing else of RQ's
+    changes; a worker class that overrides them without calling them is not covered."""
+    for cls in (RQWorker, SpawnWorker):
+        own = cls.__dict__.get("fork_work_horse")
+        if own is not None and not getattr(own, _PATCHED, False):
+            cls.fork_work_horse = _starts_attempts(own)  # type: ignore[method-assign]
+    own = RQWorker.__dict__["wait_for_horse"]
+    if not getattr(own, _PATCHED, False):
+        RQWorker.wait_for_horse = _records_reaped(own)  # type: ignore[method-assign]
+
+
+class Worker(RQWorker):
+    """RQ's forking ``Worker``, named so that ``rq worker -w rq_mutex.Worker`` imports
+    ``rq_mutex`` in the worker's main process (``rq worker`` alone imports job code only
+    in the horses), where it records the horses it reaps. Importing ``rq_mutex`` there any
+    other way (a ``-c`` settings module, a worker script) does the same for every worker
+    class."""
+
+
+record_reaped_horses()
