@@ -44,6 +44,7 @@ from servers import OwnServer, free_port
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, Mutex
 from simple_mutex.caches import disk, mongo_core, postgres_core
+from simple_mutex.caches.common import clock_fence
 from simple_mutex.caches.mongo import MongoCache
 from simple_mutex.caches.postgres import PostgresCache
 from simple_mutex.caches.s3 import S3Cache, client_config
@@ -625,7 +626,8 @@ class TestStalledGrants:
             granted = self._granted_and_freed(other, "k")
             clock.now += 61
             assert other.collect() == 1  # the row, and its counter, are gone
-        self._landed_above(thread, result, granted)
+        landed = self._landed_above(thread, result, granted)
+        assert landed.fence == clock_fence(clock.now)  # the clock as it landed, in µs
 
     def test_disk_a_grant_stalled_at_sqlites_write_lock(self, tmp_path: Path) -> None:
         """Another process holds SQLite's write lock: the grant reads its clock and waits

@@ -38,7 +38,6 @@ from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheCo
 from .common import (
     DEFAULT_GC_AFTER,
     CacheBase,
-    clock_fence,
     fault,
     gc_after_seconds,
     gc_due,
@@ -73,16 +72,16 @@ CREATE TABLE IF NOT EXISTS sweep (
 _SWEEP_ROWS = 1024  # rows one pass looks at: 16 per grant on average
 
 # Insert, or take over a freed or expired row; the fence is max(fence + 1, the clock in
-# µs), and the waiters marked for the last holder must mark again. The clock floor is read
-# by a function SQLite calls inside the statement, after it took the write lock: a floor
-# read before waiting for the lock (or the guard) would be stale by the time it lands, and
-# a row granted and collected meanwhile would carry a larger fence (DESIGN §4 rule 16).
-# Registered as not deterministic (its value changes from call to call): SQLite calls it
-# on every execution, never once for a prepared statement.
-_FLOOR_FUNCTION = "simple_mutex_fence_floor"
+# µs: clock_fence, in SQL), and the waiters marked for the last holder must mark again.
+# The clock is read by a function SQLite calls inside the statement, after it took the
+# write lock: a floor read before waiting for the lock (or the guard) would be stale by
+# the time it lands, and a row granted and collected meanwhile would carry a larger fence
+# (DESIGN §4 rule 16). Registered as not deterministic (its value changes from call to
+# call): SQLite calls it on every execution, never once for a prepared statement.
+_CLOCK_FUNCTION = "simple_mutex_clock"
 _PUT = f"""
 INSERT INTO entries (key, value, version, fence, expires_at)
-VALUES (?1, ?2, ?3, {_FLOOR_FUNCTION}(), ?4)
+VALUES (?1, ?2, ?3, CAST({_CLOCK_FUNCTION}() * 1000000 AS INTEGER), ?4)
 ON CONFLICT (key) DO UPDATE
     SET value = excluded.value, version = excluded.version,
         fence = max(entries.fence + 1, excluded.fence), expires_at = excluded.expires_at,
@@ -178,16 +177,13 @@ class DiskCache(CacheBase):
             self.path, timeout=10.0, isolation_level=None, check_same_thread=False
         )
         try:
-            conn.create_function(_FLOOR_FUNCTION, 0, self._fence_floor, deterministic=False)
+            # The clock itself (time.time, a C function: the cheapest call back).
+            conn.create_function(_CLOCK_FUNCTION, 0, self._clock, deterministic=False)
             _set_up(conn)
         except BaseException:
             conn.close()
             raise
         return conn
-
-    def _fence_floor(self) -> int:
-        """The clock floor of a grant's fence, called by SQLite inside the put statement."""
-        return clock_fence(self._clock())
 
     def _run(self, operation: str, key: str, sql: str, params: tuple[object, ...]) -> Any:
         """Run one statement: its cursor, faults named for the user."""
