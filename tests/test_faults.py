@@ -10,6 +10,7 @@ client on a healthy link keeps trying to take the key. What must hold:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -28,6 +29,7 @@ import boto3
 import psycopg
 import pytest
 import redis
+import redis.asyncio
 from faults import FaultProxy
 from servers import RedisServer, free_port, own_redis, scripts
 
@@ -41,7 +43,7 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
-from simple_mutex.caches import RedisCache
+from simple_mutex.caches import AsyncRedisCache, RedisCache
 from simple_mutex.interrupt import LeaseInterrupt
 
 LEASE = 2.0
@@ -373,6 +375,61 @@ def test_redis_acquire_ends_within_its_timeout_plus_one_socket_timeout(key):
     )
     assert took["refuse"] < 0.5
     assert took["blackhole"] < 1 + 1 + 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", ["RedisCache", "AsyncRedisCache"])
+def test_redis_acquire_on_a_client_with_no_connection_yet_ends_within_its_bound(key, face):
+    """A worker starting while Redis is down: a default ``redis.Redis(socket_timeout=1)``
+    (or its asyncio twin) that has never connected, ``acquire(timeout=1)``. redis-py 8
+    retries a connect with backoff sleeps (3 to 15 s measured here); the cache's own
+    connections have no retry policy, so a refused port fails at once (nothing read
+    back) and a blackholed one within the timeout plus one socket timeout, three times
+    in a row. The user's client keeps its retry policy for its own commands."""
+    took: dict[str, list[float]] = {"refuse": [], "blackhole": []}
+    with FaultProxy(6379) as proxy:
+        for mode in took:
+            proxy.set(mode)
+            for _ in range(3):
+                client, acquire = _cold_redis(face, proxy.port)
+                policy = client.connection_pool.connection_kwargs.get("retry")
+                retries = getattr(policy, "_retries", None)
+                start = time.monotonic()
+                with pytest.raises(MalfunctionError) as info:
+                    acquire(key)
+                took[mode].append(time.monotonic() - start)
+                assert info.value.unsent or mode == "blackhole"  # refused: never read back
+                assert client.connection_pool.connection_kwargs.get("retry") is policy
+                assert getattr(policy, "_retries", None) == retries
+        proxy.set("pass")
+        client, acquire = _cold_redis(face, proxy.port)
+        acquire(key)  # the same kind of client works once the server answers
+    refused, blackholed = max(took["refuse"]), max(took["blackhole"])
+    print(f"{face} acquire(timeout=1), no connection yet, redis-py {redis.__version__}: "
+          f"refused {refused:.3f} s, blackholed {blackholed:.3f} s")  # fmt: skip
+    assert refused < 0.5
+    assert blackholed < 1 + 1 + 0.5
+
+
+def _cold_redis(face: str, port: int) -> tuple[Any, Callable[[str], None]]:
+    """A default client of ``port`` (socket_timeout=1, redis-py's default retries) that
+    has not connected yet, and an ``acquire(key, timeout=1)`` + release through it."""
+    if face == "RedisCache":
+        client = redis.Redis(port=port, socket_timeout=1)
+        mutex = Mutex(RedisCache(client), lease=30)
+
+        def acquire(key: str) -> None:
+            mutex.acquire(key, timeout=1).release()
+
+        return client, acquire
+
+    aio = redis.asyncio.Redis(port=port, socket_timeout=1)
+    amutex = Mutex(AsyncRedisCache(aio), lease=30)
+
+    async def once(key: str) -> None:
+        await (await amutex.acquire_async(key, timeout=1)).release_async()
+
+    return aio, lambda key: asyncio.run(once(key))
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -42,7 +43,8 @@ import pytest
 from servers import OwnServer, free_port
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, Mutex
-from simple_mutex.caches import disk, postgres_core
+from simple_mutex.caches import disk, mongo_core, postgres_core
+from simple_mutex.caches.common import clock_fence
 from simple_mutex.caches.mongo import MongoCache
 from simple_mutex.caches.postgres import PostgresCache
 from simple_mutex.caches.s3 import S3Cache, client_config
@@ -415,6 +417,7 @@ def _mongo_answers(url: str) -> bool:
 # (secantusdb 0.7.0b3): the server class takes it directly.
 _SECANTUS = """
 import sys
+import threading
 from secantus.server import SecantusDBServer
 server = SecantusDBServer("127.0.0.1", int(sys.argv[1]), "data", ttl_sweep_seconds=0.5)
 server.start()
@@ -534,3 +537,214 @@ class TestS3Fences(PerKeyCounter, FenceBehaviour):
         body = {"value": None, "fence": fence, "expires_at": 0.0, "nonce": uuid.uuid4().hex}
         self.client.put_object(Bucket=BUCKET, Key=cache.prefix + cache_key,
                                Body=json.dumps(body).encode())  # fmt: skip
+
+
+# -- A grant that stalls between reading its clock and landing (issue 20, item 6) -------
+#
+# A fence floored at a clock read *before* the grant waited (for the cache's guard, for
+# SQLite's write lock, for a reply) is stale once it lands: a record granted meanwhile,
+# with a larger fence, may have been collected, and the late grant would undercut it.
+# Each test makes the stall happen there deterministically, on a fake clock (a paused VM:
+# no clock step, only time passing), and checks that the late grant's fence is larger.
+
+
+class _FakeClock:
+    """Time in seconds that moves only when told; ``read`` is set once a thread other
+    than the test's has read it."""
+
+    def __init__(self, start: float = 2_000_000_000.0) -> None:
+        self.now = start
+        self.read = threading.Event()
+        self._main = threading.get_ident()
+
+    def __call__(self) -> float:
+        if threading.get_ident() != self._main:
+            self.read.set()
+        return self.now
+
+
+_WRITER = """
+import sys
+import threading
+from simple_mutex import DiskCache
+directory, key, granted_at = sys.argv[1], sys.argv[2], float(sys.argv[3])
+b = DiskCache(directory, gc_after=None, clock=lambda: granted_at)
+b._conn = b._connect()
+b._conn.execute("BEGIN IMMEDIATE")  # SQLite's write lock, held from here to COMMIT
+print("locked", flush=True)
+sys.stdin.readline()  # the stalled grant has read its clock and waits for the lock
+grant = b.put_if_absent(key, "b", ttl=30)  # a grant with a later clock than the stalled one
+b.compare_and_delete(key, version=grant.version)
+b._conn.execute("DELETE FROM entries WHERE key = ?", (key,))  # collected, gc_after later
+print(grant.fence, flush=True)
+sys.stdin.readline()
+b._conn.execute("COMMIT")
+"""
+
+
+class TestStalledGrants:
+    def _late_grant(self, cache: Any, key: str, clock: _FakeClock) -> tuple[Any, list[Any]]:
+        """Start ``cache.put_if_absent(key)`` in a thread (a lease that outlives the
+        stall); return it and its result box once it has read the clock."""
+        result: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: result.append(cache.put_if_absent(key, "a", ttl=300)), daemon=True
+        )
+        thread.start()
+        assert clock.read.wait(10), "the grant never read its clock"
+        return thread, result
+
+    def _granted_and_freed(self, cache: Any, key: str) -> int:
+        """Another cache's grant of ``key`` (after the stalled one read its clock), freed
+        at once; its fence."""
+        grant = cache.put_if_absent(key, "b", ttl=30)
+        cache.compare_and_delete(key, version=grant.version)
+        return int(grant.fence)
+
+    def _landed_above(self, thread: Any, result: list[Any], other: int) -> Any:
+        """The stalled grant, once it landed: its fence is above the one granted meanwhile."""
+        thread.join(20)
+        assert result, "the stalled grant never finished"
+        assert result[0].fence > other, (
+            f"the stalled grant got fence {result[0].fence}, below the {other} granted "
+            "before it landed"
+        )
+        return result[0]
+
+    def test_disk_a_grant_stalled_at_the_cache_guard(self, tmp_path: Path) -> None:
+        """The grant reads its clock, then waits for its cache's guard (another thread's
+        statement); meanwhile another process's cache grants the key with a later clock,
+        frees it, and the row is collected gc_after later. The late grant's fence is
+        larger than that grant's."""
+        clock = _FakeClock()
+        late = DiskCache(tmp_path / "locks", gc_after=60, clock=clock)
+        other = DiskCache(tmp_path / "locks", gc_after=60, clock=clock)
+        late.get("k")  # the store exists
+        with late._guard:  # the stall: the grant's statement cannot start
+            thread, result = self._late_grant(late, "k", clock)
+            clock.now += 0.5
+            granted = self._granted_and_freed(other, "k")
+            clock.now += 61
+            assert other.collect() == 1  # the row, and its counter, are gone
+        landed = self._landed_above(thread, result, granted)
+        assert landed.fence == clock_fence(clock.now)  # the clock as it landed, in µs
+
+    def test_disk_a_grant_stalled_at_sqlites_write_lock(self, tmp_path: Path) -> None:
+        """Another process holds SQLite's write lock: the grant reads its clock and waits
+        for the lock, while inside that process's transaction the key is granted with a
+        later clock, freed and collected; 61 s pass before it commits. The stalled grant's
+        fence, read under the write lock, is larger. (This also proves that SQLite calls
+        the clock function after the statement took the write lock.)"""
+        clock = _FakeClock()
+        directory = tmp_path / "locks"
+        late = DiskCache(directory, gc_after=60, clock=clock)
+        late.get("k")  # the store exists
+        writer = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(directory), "k", str(clock.now + 0.5)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert writer.stdout is not None
+            assert writer.stdin is not None
+            assert writer.stdout.readline().strip() == "locked"
+            thread, result = self._late_grant(late, "k", clock)
+            time.sleep(0.5)  # let it reach SQLite's busy wait (10 s at most)
+            writer.stdin.write("\n")
+            writer.stdin.flush()
+            other = int(writer.stdout.readline())
+            clock.now += 61.5
+            writer.stdin.write("\n")
+            writer.stdin.flush()
+            assert writer.wait(10) == 0
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+        self._landed_above(thread, result, other)
+
+    # -- MongoDB with clock="client", S3: the client's clock floors the fence -------------
+    #
+    # Neither server can compute the floor (S3 has only conditional PUTs; a server without
+    # $$NOW is why clock="client" exists), so the stall is between the client's clock read
+    # and its create landing: the create is held back, by a wrapper of the collection or
+    # the client, while another cache grants the key, frees it, and its record is
+    # collected (the TTL monitor, a lifecycle rule: deleted here by hand).
+
+    def test_mongo_client_clock_a_create_stalled_in_flight(
+        self, mongo_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """MongoCache(clock="client"): the insert that creates the key's document is held
+        back past the window of the TTL index; the fence it lands with is larger than the
+        one granted (and collected) meanwhile."""
+        clock = _FakeClock()
+        monkeypatch.setattr(mongo_core, "_now_ms", lambda: int(clock() * 1000))
+        client: pymongo.MongoClient[Any] = pymongo.MongoClient(mongo_url)
+        coll = client[f"{RUN}_stall"][f"c{uuid.uuid4().hex[:8]}"]
+        held = _HeldBack(coll, "insert_one")
+        late = MongoCache(held, clock="client", gc_after=60)
+        other = MongoCache(coll, clock="client", gc_after=60)
+        try:
+            late.ready()
+            with held:
+                thread, result = self._late_grant(late, "k", clock)
+                assert held.entered.wait(10)
+                clock.now += 0.5
+                granted = self._granted_and_freed(other, "k")
+                assert coll.delete_one({"_id": "k"}).deleted_count == 1  # the TTL monitor
+                clock.now += 61
+            landed = self._landed_above(thread, result, granted)
+            assert late.get("k") == landed  # the fence it reports is the one stored
+        finally:
+            client.drop_database(f"{RUN}_stall")
+            client.close()
+
+    def test_s3_a_create_stalled_in_flight(self, s3_client: Any) -> None:
+        """S3Cache: the ``PUT If-None-Match: *`` that creates the key's object is held back
+        for a minute, while another client grants the key, frees it, and a lifecycle rule
+        deletes the object; the fence the late grant holds is larger than that grant's."""
+        clock = _FakeClock()
+        prefix = f"{RUN}/{uuid.uuid4().hex}/"
+        held = _HeldBack(s3_client, "put_object")
+        late = S3Cache(held, BUCKET, prefix, clock=clock)
+        other = S3Cache(s3_client, BUCKET, prefix, clock=clock)
+        with held:
+            thread, result = self._late_grant(late, "k", clock)
+            assert held.entered.wait(10)
+            clock.now += 0.5
+            granted = self._granted_and_freed(other, "k")
+            s3_client.delete_object(Bucket=BUCKET, Key=prefix + "k")  # the lifecycle rule
+            clock.now += 61
+        landed = self._landed_above(thread, result, granted)
+        assert other.get("k") == landed  # the fence it reports is the one stored
+
+
+class _HeldBack:
+    """A collection or client whose first call of ``method`` (once entered) waits until
+    the ``with`` block ends; everything else goes straight through."""
+
+    def __init__(self, target: Any, method: str) -> None:
+        self._target, self._method = target, method
+        self.entered, self._go = threading.Event(), threading.Event()
+
+    def __enter__(self) -> _HeldBack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._go.set()
+
+    def with_options(self, **options: Any) -> _HeldBack:  # pymongo's write concern
+        twin = _HeldBack(self._target.with_options(**options), self._method)
+        twin.entered, twin._go = self.entered, self._go
+        return twin
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._target, name)
+        if name != self._method:
+            return attribute
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self._go.wait(20), "never let go"
+            return attribute(*args, **kwargs)
+
+        return held

@@ -10,6 +10,8 @@ dropped at the end; if no server answers, the tests fail, never skip.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +24,7 @@ from async_facade import BlockingFace
 from contract import CacheContract, unique_key
 from pymongo import AsyncMongoClient
 
-from simple_mutex import ConstraintError, Mutex
+from simple_mutex import ConstraintError, MalfunctionError, Mutex
 from simple_mutex.caches import as_cache
 from simple_mutex.caches.mongo import MongoCache
 from simple_mutex.caches.mongo_async import AsyncMongoCache
@@ -187,3 +189,39 @@ def test_500_waiting_coroutines_start_no_thread(
 
     run(main())
     assert seen_threads == [0] * 10
+
+
+def test_a_client_is_bound_to_its_first_loop_and_others_are_refused_at_once(
+    server_url: str, client: pymongo.MongoClient[Any]
+) -> None:
+    """pymongo binds an AsyncMongoClient to the event loop it was first used on. Another
+    loop using the cache (a second asyncio.run, or a thread running its own loop while
+    the first one is open) fails at once with pymongo's "different event loop", never
+    hangs, and leaves nothing held (issue 21, item 6: what AsyncPostgresCache did)."""
+    cache = AsyncMongoCache(connect(server_url), database=DB)
+    mutex = Mutex(cache, lease=30)
+    key = f"bound.{uuid.uuid4().hex[:8]}"
+
+    async def cycle() -> None:
+        await (await mutex.acquire_async(key, timeout=2)).release_async()
+
+    run(cycle())  # binds the client to this (now closed) loop
+    outcomes: list[tuple[str, float]] = []
+
+    def elsewhere() -> None:
+        started = time.monotonic()
+        try:
+            run(cycle())
+            outcomes.append(("granted", time.monotonic() - started))
+        except MalfunctionError as exc:
+            outcomes.append((str(exc), time.monotonic() - started))
+
+    elsewhere()  # a second asyncio.run in this thread
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join(30)
+    assert len(outcomes) == 2
+    for message, took in outcomes:
+        assert "different event loop" in message
+        assert took < 2
+    assert MongoCache(client, database=DB).get(f"mutex.{key}") is None

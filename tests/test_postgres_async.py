@@ -235,11 +235,12 @@ def test_a_session_ended_mid_wait_is_answered_promptly(
         cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
         mutex = Mutex(cache, lease=30)
         waiting = asyncio.ensure_future(mutex.acquire_async(key, timeout=20, interval=5))
+        sessions = cache._here()  # this loop's sessions
         for _ in range(200):  # until the waiter listens (its first wait)
             await asyncio.sleep(0.01)
-            if cache._listener is not None and cache._listening.locked():
+            if sessions.listener is not None and sessions.listening.locked():
                 break
-        target = cache._listener if session == "listener" else cache._conn
+        target = sessions.listener if session == "listener" else sessions.conn
         assert target is not None
         pid = target.info.backend_pid
         await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", (pid,))
@@ -304,3 +305,92 @@ def test_a_semaphore_on_the_async_cache_caps_its_holders(admin: psycopg.Connecti
 
     run(main())
     assert (peak, done) == (2, 12)
+
+
+def test_threads_each_running_event_loops_share_one_cache(admin: psycopg.Connection[Any]) -> None:
+    """A pool of sync workers, each calling ``asyncio.run`` for every job, sharing one
+    AsyncPostgresCache: four threads, five loops each, every loop taking keys the other
+    threads contend for (with waits, so the listener is used too). Each loop has
+    sessions of its own: no acquire outlasts its timeout, every release frees its lock,
+    nothing fails, and no key is left held."""
+    cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+    mutex = Mutex(cache, lease=30)
+    keys = [unique_key("threads") for _ in range(2)]
+    failures: list[str] = []
+    slow: list[float] = []
+    released: list[bool] = []
+    lock = threading.Lock()
+
+    async def job(worker: int, turn: int) -> None:
+        for step in range(4):
+            key = keys[(worker + turn + step) % len(keys)]
+            started = time.monotonic()
+            try:
+                lease = await mutex.acquire_async(key, timeout=5, interval=0.05)
+            except Exception as exc:  # every failure is recorded
+                with lock:
+                    failures.append(f"acquire: {exc!r}")
+                continue
+            took = time.monotonic() - started
+            await asyncio.sleep(0.01)
+            freed = await lease.release_async()
+            with lock:
+                released.append(freed)
+                if took > 5 + 1:
+                    slow.append(took)
+
+    def worker(number: int) -> None:
+        for turn in range(5):
+            try:
+                asyncio.run(asyncio.wait_for(job(number, turn), 30))
+            except BaseException as exc:
+                with lock:
+                    failures.append(f"loop: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a worker hung"
+    assert failures == []
+    assert slow == [], f"acquires outlasted their timeout: {slow}"
+    assert released == [True] * (4 * 5 * 4)
+    holder = PostgresCache(POSTGRES_URL, table=TABLE)
+    assert [holder.get(f"mutex.{key}") for key in keys] == [None, None]
+    holder.close()
+
+
+def test_a_given_connection_serves_one_loop_at_a_time(admin: psycopg.Connection[Any]) -> None:
+    """An AsyncConnection passed to the cache belongs to the loop that uses it: another
+    loop using the cache while that one is still open is refused at once with a
+    ConstraintError naming the fix (nothing is written); once the first loop has
+    closed, the next one may take the connection over."""
+    first = asyncio.new_event_loop()
+    thread = threading.Thread(target=first.run_forever, daemon=True)
+    thread.start()
+    key = unique_key("given")
+
+    async def build() -> tuple[psycopg.AsyncConnection[Any], Mutex]:
+        conn = await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True)
+        mutex = Mutex(AsyncPostgresCache(conn, table=TABLE), lease=30)
+        await (await mutex.acquire_async(key, timeout=5)).release_async()
+        return conn, mutex
+
+    async def cycle(mutex: Mutex) -> int:
+        async with mutex.acquire_async(key, timeout=5) as lease:
+            return lease.fence
+
+    conn, mutex = asyncio.run_coroutine_threadsafe(build(), first).result(30)
+    started = time.monotonic()
+    with pytest.raises(ConstraintError, match="conninfo or URL"):
+        run(cycle(mutex))
+    assert time.monotonic() - started < 2
+    holder = PostgresCache(POSTGRES_URL, table=TABLE)
+    assert holder.get(f"mutex.{key}") is None
+    first.call_soon_threadsafe(first.stop)
+    thread.join(5)
+    first.close()
+    assert run(cycle(mutex)) > 0  # the first loop has closed: this one takes it over
+    run(conn.close())
+    holder.close()

@@ -196,7 +196,7 @@ def test_an_interrupt_mid_command_never_shifts_replies(client: redis.Redis):
     cache = RedisCache(new_client(), prefix=PREFIX)
     key = unique_key()
     entry = cache.put_if_absent(key, "v", ttl=30)
-    conn = cache._execute._held[0]  # type: ignore[attr-defined]
+    conn = cache._execute._idle[0]  # type: ignore[attr-defined]
     read = conn.read_response
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:

@@ -647,9 +647,9 @@ def test_a_wait_that_times_out_never_becomes_a_grant(face: str):
 def test_each_event_loop_keeps_its_own_connections_and_closed_loops_leak_none():
     """Two live event loops (each in its own thread) take turns with one cache: each
     keeps its own connections, so turn after turn opens none (16 per loop at most);
-    then loop after loop (asyncio.run) on a pool capped at 40 never runs out: a closed
-    loop's connections leave the pool's books. redis-py's own pool lock binds to one
-    loop at a time, so the loops take turns rather than run at once."""
+    then loop after loop (asyncio.run) on a client capped at 40 connections: each loop
+    opens 16 of the cache's own, a closed loop's are dropped with it, and the client's
+    pool lends none (the cache leaves it to the user's own commands)."""
     cache = AsyncRedisCache(redis.asyncio.Redis.from_url(REDIS_URL), prefix=PREFIX)
     mutex = Mutex(cache, lease=30)
     loops = [asyncio.new_event_loop() for _ in range(2)]
@@ -662,7 +662,7 @@ def test_each_event_loop_keeps_its_own_connections_and_closed_loops_leak_none():
             await (await mutex.acquire_async(f"{tag}.{i}", timeout=1)).release_async()
 
         await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(40))), 10)
-        return len(cache.client.connection_pool._in_use_connections)
+        return sum(own.opened for own in cache._own._loops.values())  # type: ignore[union-attr]
 
     try:
         in_use = [
@@ -678,8 +678,44 @@ def test_each_event_loop_keeps_its_own_connections_and_closed_loops_leak_none():
 
     capped = AsyncRedisCache(redis.asyncio.Redis.from_url(REDIS_URL, max_connections=40))
 
-    async def many_gets() -> int:
+    async def many_gets() -> tuple[int, int, int]:
         await asyncio.gather(*(capped.get(f"{PREFIX}leak.{i}") for i in range(50)))
-        return len(capped.client.connection_pool._in_use_connections)
+        own = capped._own._loops  # type: ignore[union-attr]
+        here = own[asyncio.get_running_loop()].opened
+        return len(own), here, len(capped.client.connection_pool._in_use_connections)
 
-    assert [asyncio.run(many_gets()) for _ in range(4)] == [16, 16, 16, 16]
+    assert [asyncio.run(many_gets()) for _ in range(4)] == [(1, 16, 0)] * 4
+
+
+def test_threads_each_running_event_loops_at_once_share_one_cache():
+    """Sync workers that each call ``asyncio.run`` share one AsyncRedisCache, their
+    loops running at the same time: the cache's connections are its own, per loop, so
+    no loop waits on a lock or a connection of another (redis-py's asyncio pool binds
+    its lock to one loop: borrowing from it failed with "attached to a different loop"
+    and "Event loop is closed"). Every acquire and release succeeds."""
+    cache = AsyncRedisCache(redis.asyncio.Redis.from_url(REDIS_URL), prefix=PREFIX)
+    mutex = Mutex(cache, lease=30)
+    keys = [unique_key("threads") for _ in range(3)]
+    failures: list[str] = []
+    released: list[bool] = []
+
+    async def job() -> None:
+        for i in range(30):
+            lease = await mutex.acquire_async(keys[i % 3], timeout=5, interval=0.05)
+            await asyncio.sleep(0.001)
+            released.append(await lease.release_async())
+
+    def worker() -> None:
+        for _ in range(4):
+            try:
+                asyncio.run(asyncio.wait_for(job(), 30))
+            except BaseException as exc:  # every failure is recorded
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert failures == []
+    assert released == [True] * (4 * 4 * 30)

@@ -5,7 +5,8 @@ lately (``key, value, version, fence, expires_at, waiting``); ``simple-mutex.gat
 the wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
 
 * Each operation is one SQL statement, atomic across processes, rolled back if its writer
-  dies mid-write. A grant's fence is max(the row's fence + 1, the clock in µs).
+  dies mid-write. A grant's fence is max(the row's fence + 1, the clock in µs), the clock
+  read inside the statement, under SQLite's write lock.
 * A freed key keeps its row (value NULL) for ``gc_after`` seconds (60 by default); one
   grant in 64 looks at the next 1024 rows (a cursor in the store, shared by every process)
   and deletes those freed or expired as long ago. The clock floor keeps fences growing
@@ -37,7 +38,6 @@ from simple_mutex.errors import ConstraintValueError, MalfunctionError, SimpleCa
 from .common import (
     DEFAULT_GC_AFTER,
     CacheBase,
-    clock_fence,
     fault,
     gc_after_seconds,
     gc_due,
@@ -72,12 +72,20 @@ CREATE TABLE IF NOT EXISTS sweep (
 _SWEEP_ROWS = 1024  # rows one pass looks at: 16 per grant on average
 
 # Insert, or take over a freed or expired row; the fence is max(fence + 1, the clock in
-# µs), and the waiters marked for the last holder must mark again.
-_PUT = """
-INSERT INTO entries (key, value, version, fence, expires_at) VALUES (?1, ?2, ?3, ?6, ?4)
+# µs: clock_fence, in SQL), and the waiters marked for the last holder must mark again.
+# The clock is read by a function SQLite calls inside the statement, after it took the
+# write lock: a floor read before waiting for the lock (or the guard) would be stale by
+# the time it lands, and a row granted and collected meanwhile would carry a larger fence
+# (DESIGN §4 rule 16). Registered as not deterministic (its value changes from call to
+# call): SQLite calls it on every execution, never once for a prepared statement.
+_CLOCK_FUNCTION = "simple_mutex_clock"
+_PUT = f"""
+INSERT INTO entries (key, value, version, fence, expires_at)
+VALUES (?1, ?2, ?3, CAST({_CLOCK_FUNCTION}() * 1000000 AS INTEGER), ?4)
 ON CONFLICT (key) DO UPDATE
     SET value = excluded.value, version = excluded.version,
-        fence = max(entries.fence + 1, ?6), expires_at = excluded.expires_at, waiting = NULL
+        fence = max(entries.fence + 1, excluded.fence), expires_at = excluded.expires_at,
+        waiting = NULL
     WHERE entries.value IS NULL OR entries.expires_at <= ?5
 RETURNING fence
 """
@@ -170,6 +178,8 @@ class DiskCache(CacheBase):
             self.path, timeout=10.0, isolation_level=None, check_same_thread=False
         )
         try:
+            # The clock itself (time.time, a C function: the cheapest call back).
+            conn.create_function(_CLOCK_FUNCTION, 0, self._clock, deterministic=False)
             _set_up(conn)
         except BaseException:
             conn.close()
@@ -210,7 +220,7 @@ class DiskCache(CacheBase):
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
         version = new_version()
-        params = (key, value, version, now + ttl, now, clock_fence(now))
+        params = (key, value, version, now + ttl, now)
         won = self._run("put_if_absent", key, _PUT, params).fetchone()
         if won is not None:
             if self.gc_after is not None and gc_due():

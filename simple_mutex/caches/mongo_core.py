@@ -318,9 +318,11 @@ class MongoCore(CacheBase):
             yield Call(
                 "put_if_absent", key, "insert_one", ({"_id": key, **fields, "fence": floor},)
             )
-            return Entry(value, version, floor, _seconds(expires_at))
         except DuplicateKeyError:
             pass
+        else:
+            created = Entry(value, version, floor, _seconds(expires_at))
+            return (yield from self._refloored(key, created, now_ms))
         doc = yield Call("put_if_absent", key, "find_one", ({"_id": key}, _ENTRY_FIELDS))
         if doc is None:
             raise SimpleCacheConditionError(f"mongo: {key!r} was deleted meanwhile")
@@ -338,6 +340,32 @@ class MongoCore(CacheBase):
         if taken is None:
             raise SimpleCacheConditionError(f"mongo: {key!r} changed meanwhile")
         return taken
+
+    def _refloored(self, key: str, created: Entry, read_ms: int) -> Flow[Entry]:
+        """A document this client's insert created, its fence floored at the clock read
+        (``read_ms``) before the insert was sent. Were the insert held up (a paused VM, a
+        slow link) for half of ``gc_after``, a document granted after that read with a
+        larger fence could have been collected by the TTL index in the meantime: the fence
+        is raised to the clock read now, after the insert landed, by an update on our own
+        version, before the grant counts (DESIGN §4 rule 16: no floor older than the
+        write that assigns it)."""
+        now_ms = _now_ms()
+        if self.gc_after is None or now_ms - read_ms < self.gc_after * 500:
+            return created  # nothing granted since the read can have been collected yet
+        fence = max(created.fence, now_ms * 1000)
+        try:
+            done = yield Call(
+                "put_if_absent", key, "find_one_and_update",
+                ({"_id": key, "version": created.version, "fence": created.fence},
+                 {"$set": {"fence": fence}}),
+                {"projection": {"_id": 1}},
+            )  # fmt: skip
+        except MalfunctionError as exc:
+            exc.withheld = True  # its fence may still be the stale one: never read back
+            raise
+        if done is None:
+            raise SimpleCacheConditionError(f"mongo: {key!r} was taken over meanwhile")
+        return created._replace(fence=fence)
 
     def _setting(self, key: str, value: str, *, ttl: float, version: str) -> Flow[Entry]:
         ms = ttl_ms(ttl)

@@ -5,10 +5,14 @@ session the server had ended, and fault mapping as ``PostgresCache``: all of it 
 ``postgres_core.py``; this module only awaits. ``Mutex(psycopg.AsyncConnection)`` and
 ``Mutex(psycopg_pool.AsyncConnectionPool)`` wrap the connection in this cache.
 
-* One autocommit connection per process and event loop (from a conninfo or URL, or the
-  one you pass; or a pool's). Coroutines take turns on it, one statement at a time, as
-  the threads of a PostgresCache do; a coroutine cancelled mid-statement leaves the
-  connection unusable (a reply may be unread), so the next statement opens another.
+* One autocommit connection per process and event loop, opened from a conninfo or URL
+  (or the connection you pass, or a pool's). Coroutines of a loop take turns on it, one
+  statement at a time, as the threads of a PostgresCache do; a coroutine cancelled
+  mid-statement leaves the connection unusable (a reply may be unread), so the next
+  statement opens another. Threads that each run their own loops (sync workers calling
+  ``asyncio.run``) share one cache safely: each loop has its own sessions and locks, and
+  a closed loop's are dropped. A connection or pool you pass belongs to one loop: a
+  second loop using it while the first is still open is refused (``ConstraintError``).
 * ``wait`` parks the coroutine on the loop: one coroutine at a time LISTENs on a
   connection of its own for its keys' channels (``pg_notify`` on release), the others
   sleep out their timeout and retry, as the engine's poll does. No thread either way.
@@ -22,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import MalfunctionError
+from simple_mutex.errors import ConstraintError, MalfunctionError
 
 from .common import driver_imports
 from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
@@ -44,39 +48,58 @@ class AsyncPostgresCache(PostgresCore):
     _pool_type = "AsyncConnectionPool"
 
     def _own_state(self) -> None:
-        self._listener: psycopg.AsyncConnection[Any] | None = None
-        # asyncio locks belong to one loop: these are made again for another loop.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._turn = asyncio.Lock()
-        self._listening = asyncio.Lock()
+        # Sessions and asyncio locks belong to one loop: each loop has its own.
+        self._loops: dict[asyncio.AbstractEventLoop, _Sessions] = {}
+        self._given_loop: asyncio.AbstractEventLoop | None = None
 
     async def close(self) -> None:
-        """Close the connections this cache opened (a given connection or pool stays open)."""
-        for conn in (self._conn, self._listener):
+        """Close the connections this cache opened on the running loop, and drop those of
+        loops that have closed (a given connection or pool stays open)."""
+        sessions = self._loops.pop(asyncio.get_running_loop(), None)
+        self._drop_closed_loops()
+        if sessions is None:
+            return
+        for conn in (sessions.conn, sessions.listener):
             if conn is not None and conn is not self._given:
                 await conn.close()
-        self._conn = self._listener = None
 
     # -- connections -------------------------------------------------------------------
 
     def _after_fork(self) -> None:
         self._forget_sessions()
-        self._listener = None
-        self._loop = None  # the parent's loop and locks did not come along
+        self._loops = {}  # the parent's loops, sessions and locks did not come along
+        self._given_loop = None
 
-    def _on_this_loop(self) -> None:
-        """Locks, and the connections this cache opened, of the running loop: a session
-        opened on a loop that has ended would wait on it forever."""
+    def _here(self) -> _Sessions:
+        """The running loop's sessions and locks, made on its first statement: a session
+        opened on another loop would wait on that loop (forever, once it has ended)."""
         loop = asyncio.get_running_loop()
-        if loop is self._loop:
-            return
-        if self._loop is not None:
-            if self._conn is not self._given:
-                _discard(self._conn)
-                self._conn = None
-            _discard(self._listener)
-            self._listener = None
-        self._loop, self._turn, self._listening = loop, asyncio.Lock(), asyncio.Lock()
+        sessions = self._loops.get(loop)
+        if sessions is None:
+            sessions = self._loops[loop] = self._first_use(loop)
+        return sessions
+
+    def _first_use(self, loop: asyncio.AbstractEventLoop) -> _Sessions:
+        self._drop_closed_loops()
+        if self._conn is not None or self._pool is not None:
+            owner = self._given_loop
+            if owner is not None and owner is not loop and not owner.is_closed():
+                what = "connection pool" if self._pool is not None else "connection"
+                raise ConstraintError(
+                    f"AsyncPostgresCache was given one psycopg async {what}, which another "
+                    "event loop still open uses: it serves one loop at a time. Threads "
+                    "that each run an event loop (asyncio.run in sync workers) need a "
+                    "conninfo or URL (the cache opens sessions per loop), or a cache each"
+                )
+            self._given_loop = loop
+        return _Sessions(self._conn)
+
+    def _drop_closed_loops(self) -> None:
+        for loop, sessions in list(self._loops.items()):
+            if loop.is_closed() and self._loops.pop(loop, None) is not None:
+                for conn in (sessions.conn, sessions.listener):
+                    if conn is not self._given:
+                        _discard(conn)
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
@@ -101,7 +124,7 @@ class AsyncPostgresCache(PostgresCore):
     async def _connection(
         self, operation: str, key: str
     ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        self._on_this_loop()
+        sessions = self._here()
         if self._pool is not None:
             broken = False
             try:
@@ -116,21 +139,21 @@ class AsyncPostgresCache(PostgresCore):
                 # A broken pooled session was an idle one the server ended.
                 raise self._fault(operation, key, exc, broken) from exc
             return
-        async with self._turn:
+        async with sessions.turn:
             reused = False
             try:
-                reused = self._conn is not None and not self._conn.closed
-                if self._conn is None or not reused:
-                    self._conn = await self._connect()
+                reused = sessions.conn is not None and not sessions.conn.closed
+                if sessions.conn is None or not reused:
+                    sessions.conn = await self._connect()
                 if not self._ready:
-                    await self._create_table(self._conn)
-                yield self._conn
+                    await self._create_table(sessions.conn)
+                yield sessions.conn
             except psycopg.Error as exc:
-                ended = reused and self._conn is not None and self._conn.broken
-                self._drop(exc)
+                ended = reused and sessions.conn is not None and sessions.conn.broken
+                self._drop(sessions, exc)
                 raise self._fault(operation, key, exc, ended) from exc
             except BaseException:
-                self._drop(None)  # cancelled mid-statement: a reply may be unread
+                self._drop(sessions, None)  # cancelled mid-statement: a reply may be unread
                 raise
 
     async def _run(self, statement: Statement[T]) -> T:
@@ -146,12 +169,14 @@ class AsyncPostgresCache(PostgresCore):
             row = await (await conn.execute(statement.sql, statement.params)).fetchone()
         return statement.finish(row)
 
-    def _drop(self, error: psycopg.Error | None) -> None:
-        conn = self._conn
+    def _drop(self, sessions: _Sessions, error: psycopg.Error | None) -> None:
+        conn = sessions.conn
         if conn is None or self._keeps(conn, error):
             return
-        self._conn = None
-        if conn is not self._given:
+        sessions.conn = None
+        if conn is self._given:
+            self._conn = None  # broken: every loop opens sessions of its own from now on
+        else:
             _discard(conn)
 
     # -- the contract ------------------------------------------------------------------
@@ -194,29 +219,28 @@ class AsyncPostgresCache(PostgresCore):
         if timeout < 0.001 or not keys:
             await asyncio.sleep(max(timeout, 0.0))
             return
-        self._on_this_loop()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        if self._listening.locked():
+        sessions = self._here()
+        deadline = asyncio.get_running_loop().time() + timeout
+        if sessions.listening.locked():
             # Another coroutine of ours listens: sleep, and let the engine poll after.
             await asyncio.sleep(timeout)
             return
-        async with self._listening:
+        async with sessions.listening:
             try:
-                await self._listen_once(keys, deadline)
+                await self._listen_once(sessions, keys, deadline)
             except psycopg.Error as exc:
-                listener, self._listener = self._listener, None
+                listener, sessions.listener = sessions.listener, None
                 _discard(listener)
                 raise self._fault("wait", keys[0], exc) from exc
             except BaseException:
-                listener, self._listener = self._listener, None
+                listener, sessions.listener = sessions.listener, None
                 _discard(listener)  # cancelled mid-read: its state is unknown
                 raise
 
-    async def _listen_once(self, keys: Sequence[str], deadline: float) -> None:
-        if self._listener is None or self._listener.closed:
-            self._listener = await self._connect()
-        conn = self._listener
+    async def _listen_once(self, sessions: _Sessions, keys: Sequence[str], deadline: float) -> None:
+        if sessions.listener is None or sessions.listener.closed:
+            sessions.listener = await self._connect()
+        conn = sessions.listener
         channels, listen, check = self._listen(keys)
         await conn.execute(listen)
         live = await (await conn.execute(self._sql["live"], check)).fetchone()
@@ -231,6 +255,17 @@ class AsyncPostgresCache(PostgresCore):
         # Listen only while waiting: an idle listening session that reads nothing would
         # hold back the server's notification queue for every database user.
         await conn.execute("UNLISTEN *")
+
+
+class _Sessions:
+    """One event loop's sessions: the statement session and the coroutines' turns on
+    it, the listening session and the right to listen."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any] | None) -> None:
+        self.conn = conn
+        self.turn = asyncio.Lock()
+        self.listener: psycopg.AsyncConnection[Any] | None = None
+        self.listening = asyncio.Lock()
 
 
 def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:

@@ -11,6 +11,9 @@ The key layout and the Lua scripts live in ``redis_protocol.py``, shared with
 * A release wakes one waiter that marked itself (its ``BLPOP`` takes the token), and says so.
 * Every redis-py error is a ``MalfunctionError`` naming redis, the operation and the key
   (``unsent`` when the connection was refused); a retried put finds its own value.
+* A plain client's commands go on connections of the cache's own, with the client's
+  settings and no retry policy: a call is bounded by one socket timeout, whatever the
+  client's retries (its own commands keep them).
 * ``replicas=N``: a grant or renewal counts only once N replicas have it (``WAIT``).
 * A server that may evict keys (``maxmemory`` with a policy other than ``noeviction``) is
   refused at first use unless ``allow_eviction=True``: an evicted lock is a lock held twice.
@@ -23,7 +26,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import threading
 import time
 import types
 import weakref
@@ -35,12 +37,24 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
 
 from .common import driver_imports, ttl_ms
-from .redis_protocol import CAS, DELETE, PUT, RedisLayout, Request, refused
+from .redis_protocol import (
+    CAS,
+    DELETE,
+    PUT,
+    RedisLayout,
+    Request,
+    config_pairs,
+    own_connection,
+    refused,
+    text,
+)
 
 with driver_imports("redis"):
     import redis
     import redis.asyncio
+    from redis.backoff import NoBackoff
     from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
+    from redis.retry import Retry
 
 
 class RedisCache(RedisLayout):
@@ -60,33 +74,60 @@ class RedisCache(RedisLayout):
                 f"or a Sentinel master), got {type(client).__name__}; for a redis.asyncio "
                 "client use AsyncRedisCache (or pass the client to Mutex as it is)"
             )
-        self._own = _pooled_executor(client)
-        self._execute = self._own or execute
+        self._own = _own_connections(client)
+        self._execute: Callable[..., Any] = execute if self._own is None else self._own
         return self._own is not None
 
-    def _script(self, script: str, operation: str, key: str, request: Request) -> Any:
+    def _script(
+        self,
+        script: str,
+        operation: str,
+        key: str,
+        request: Request,
+        execute: Callable[..., Any] | None = None,
+    ) -> Any:
+        execute = execute or self._execute
         try:
             try:
-                return self._execute("EVALSHA", self._shas[script], *request)
+                return execute("EVALSHA", self._shas[script], *request)
             except NoScriptError:
                 # A restarted or failed-over server forgot the script: load it again.
-                self._shas[script] = self.client.script_load(script)
-                return self._execute("EVALSHA", self._shas[script], *request)
+                if self._own is None:
+                    self._shas[script] = self.client.script_load(script)
+                else:
+                    self._shas[script] = text(execute("SCRIPT", "LOAD", script))
+                return execute("EVALSHA", self._shas[script], *request)
         except RedisError as exc:
             raise self._fault(operation, key, exc) from exc
 
-    def _replicated(self, operation: str, key: str) -> bool:
-        """After a write: did ``replicas`` replicas take it within ``replica_timeout``?"""
+    def _replicated_script(
+        self, script: str, operation: str, key: str, request: Request
+    ) -> tuple[Any, bool]:
+        """A write and its ``WAIT`` on one connection (WAIT counts the writes of the
+        connection it is sent on): the reply, and whether ``replicas`` replicas took it
+        within ``replica_timeout``."""
         assert self._own is not None
+        conn = self._own.take()
+
+        def on_conn(*args: Any) -> Any:
+            return _run(conn, args)
+
         try:
-            acked = self._own("WAIT", self.replicas, ttl_ms(self.replica_timeout))
-        except RedisError:
-            return False  # no answer (a socket timeout below replica_timeout): not known taken
-        return int(acked) >= self.replicas
+            reply = self._script(script, operation, key, request, on_conn)
+            try:
+                acked = on_conn("WAIT", self.replicas, ttl_ms(self.replica_timeout))
+            except RedisError:  # no answer (a socket timeout below replica_timeout)
+                acked = 0
+        finally:
+            self._own.give(conn)
+        return reply, int(acked) >= self.replicas
 
     def _check_eviction(self, key: str) -> None:
         with self._eviction_check(key) as config:
-            config.update(self.client.config_get("maxmemory*"))
+            if self._own is None:
+                config.update(self.client.config_get("maxmemory*"))
+            else:  # our own connection: no retry policy with backoff sleeps
+                config.update(config_pairs(self._own("CONFIG", "GET", "maxmemory*")))
 
     def get(self, key: str) -> Entry | None:
         try:
@@ -123,9 +164,13 @@ class RedisCache(RedisLayout):
         if not self._checked:
             self._check_eviction(key)
         request, expires = self._put_request(key, value, ttl)
-        reply = self._script(PUT, "put_if_absent", key, request)
+        if not self.replicas:
+            return self._put_reply(
+                key, value, expires, self._script(PUT, "put_if_absent", key, request)
+            )
+        reply, replicated = self._replicated_script(PUT, "put_if_absent", key, request)
         entry = self._put_reply(key, value, expires, reply)
-        if self.replicas and not self._replicated("put_if_absent", key):
+        if not replicated:
             self._withdraw(key, entry)
         return entry
 
@@ -140,9 +185,12 @@ class RedisCache(RedisLayout):
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         request, expires = self._cas_request(key, value, ttl, version)
-        n = self._script(CAS, "compare_and_set", key, request)
+        if not self.replicas:
+            n = self._script(CAS, "compare_and_set", key, request)
+            return self._cas_reply(key, value, version, expires, n)
+        n, replicated = self._replicated_script(CAS, "compare_and_set", key, request)
         entry = self._cas_reply(key, value, version, expires, n)
-        if self.replicas and not self._replicated("compare_and_set", key):
+        if not replicated:
             raise self._unreplicated_renewal(key)
         return entry
 
@@ -161,17 +209,21 @@ class RedisCache(RedisLayout):
             raise self._fault("wait", keys[0], exc) from exc
 
 
-def _pooled_executor(client: Any) -> Callable[..., Any] | None:
-    """A leaner ``execute_command`` for a plain pooled ``redis.Redis`` (Sentinel masters
-    included), or None to use the client's own.
+def _own_connections(client: Any) -> _OwnConnections | None:
+    """The cache's own connections for a plain pooled ``redis.Redis`` (Sentinel masters
+    included), or None to use the client's ``execute_command``.
 
-    It keeps what matters (the client's pool, connection settings and retry policy) and
-    skips what a lock's two hot commands do not need: redis-py 8 spends about 25 µs per
-    command on observability hooks, event dispatch and checking a connection out of the
-    pool and back, a quarter of a loopback cycle (bench/README-redis.md). A client whose
-    ``execute_command`` was replaced or wrapped (tracing instrumentation), a
-    single-connection client or a RedisCluster keeps its own path, so instrumentation
-    still sees every command.
+    Own connections keep what matters of the client (its connection class and every
+    setting: address, credentials, TLS, timeouts, Sentinel lookups) and skip what a
+    lock's two hot commands do not need: redis-py 8 spends about 25 µs per command on
+    observability hooks, event dispatch and checking a connection out of the pool and
+    back, a quarter of a loopback cycle (bench/README-redis.md). And they have no retry
+    policy: redis-py 8's default retries a refused or unanswered connect with backoff
+    sleeps, which held ``acquire(timeout=1)`` for 3 to 15 s on a server that was down;
+    the engine retries itself, within its deadline. The client itself is left as it is.
+    A client whose ``execute_command`` was replaced or wrapped (tracing
+    instrumentation), a single-connection client or a RedisCluster keeps its own path,
+    so instrumentation still sees every command (and the client's retries apply).
     """
     method = getattr(type(client), "execute_command", None)
     pool: Any = getattr(client, "connection_pool", None)
@@ -182,50 +234,57 @@ def _pooled_executor(client: Any) -> Callable[..., Any] | None:
         or method.__module__ != "redis.client"
         or "execute_command" in vars(client)
         or getattr(client, "connection", None) is not None
-        or not callable(getattr(pool, "get_connection", None))
+        or not callable(getattr(pool, "connection_class", None))
+        or not isinstance(getattr(pool, "connection_kwargs", None), dict)
     ):
         return None
-    return _OwnConnection(pool)
+    return _OwnConnections(pool)
 
 
-class _OwnConnection:
-    """One connection this cache keeps out of its client's pool (the pool's own
-    check-out costs as much as the round trip), for one command at a time; a thread that
-    finds it busy, or a forked child, borrows from the pool as usual. It goes back to
-    the pool when the cache is collected."""
+class _OwnConnections:
+    """Connections this cache opens itself with its client's connection class and
+    settings, outside the client's pool (whose ``max_connections`` does not count them),
+    each lent to one command at a time: one serves every command of a single thread;
+    a thread that finds it busy opens another, and up to ``_MAX_IDLE`` are kept.
+    A forked child opens its own. They are closed when the cache is collected."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
-        self._busy = threading.Lock()
-        self._held: list[Any] = []  # [connection] once taken; shared with the finalizer
+        self._idle: list[Any] = []  # list.pop and append are atomic: no lock needed
         self._pid = os.getpid()
-        weakref.finalize(self, _give_back, pool, self._held, self._pid)
+        weakref.finalize(self, _close_all, self._idle, self._pid)
 
     def __call__(self, *args: Any) -> Any:
-        if self._pid == os.getpid() and self._busy.acquire(blocking=False):
-            try:
-                if not self._held:
-                    self._held.append(_check_out(self._pool))
-                return _run(self._held[0], args)
-            finally:
-                self._busy.release()
-        conn = _check_out(self._pool)
+        conn = self.take()
         try:
             return _run(conn, args)
         finally:
-            self._pool.release(conn)
+            self.give(conn)
+
+    def take(self) -> Any:
+        if self._pid != os.getpid():
+            # The parent's sockets: never used (nor closed) here; the parent keeps them.
+            self._pid, self._idle = os.getpid(), []
+            weakref.finalize(self, _close_all, self._idle, self._pid)
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return own_connection(self._pool, Retry(NoBackoff(), 0))
+
+    def give(self, conn: Any) -> None:
+        if len(self._idle) < _MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            conn.disconnect()
 
 
-def _check_out(pool: Any) -> Any:
-    try:
-        return pool.get_connection()
-    except TypeError:  # redis-py < 5.3 wants a command name (5.3 deprecated it)
-        return pool.get_connection("EVALSHA")
+_MAX_IDLE = 16  # idle own connections kept per cache
 
 
-def _give_back(pool: Any, held: list[Any], pid: int) -> None:
-    if held and os.getpid() == pid:
-        pool.release(held[0])
+def _close_all(idle: list[Any], pid: int) -> None:
+    if os.getpid() == pid:
+        while idle:
+            idle.pop().disconnect()
 
 
 def _run(conn: Any, args: tuple[Any, ...]) -> Any:
@@ -253,6 +312,10 @@ def _run(conn: Any, args: tuple[Any, ...]) -> Any:
 
 
 def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
+    if conn._sock is None:
+        # The class's own connect, not the one sending would do: a Sentinel master's
+        # asks the sentinels where the master is (sending connects to the default).
+        conn.connect()
     conn.send_command(*args)
     return conn.read_response()
 

@@ -5,8 +5,9 @@ build their requests and read their replies in ``redis_protocol.py``; this modul
 only the awaited I/O.
 
 * A plain ``redis.asyncio.Redis`` (Sentinel masters included) is used through a few
-  connections the cache keeps out of the client's pool (``_OwnConnections``): a command
-  costs one round trip, not a pool check-out plus a round trip, and ten thousand
+  connections the cache opens itself with the client's settings, outside its pool and
+  with no retry policy (``_OwnConnections``): a command costs one round trip, not a pool
+  check-out plus a round trip, a dead server costs no backoff sleeps, and ten thousand
   coroutines at once share at most ``_MAX_OWN`` sockets instead of opening one each.
 * Waiting parks a future on the loop, never a thread. One task per signal list (so one
   per lock key waited on, however many coroutines wait on it) blocks in ``BLPOP`` on a
@@ -16,7 +17,8 @@ only the awaited I/O.
   was wrapped (tracing) keeps its own command path, and each waiter blocks in a
   ``BLPOP`` of its own.
 * Connections belong to one event loop and one process: used from another loop, or in a
-  forked child, the cache leaves the old ones alone and opens new ones.
+  forked child, the cache leaves the old ones alone and opens new ones; a closed loop's
+  are dropped.
 """
 
 from __future__ import annotations
@@ -44,11 +46,16 @@ from .redis_protocol import (
     WAITER_MARK_MS,
     RedisLayout,
     Request,
+    config_pairs,
+    own_connection,
     refused,
+    text,
 )
 
 with driver_imports("redis"):
     import redis.asyncio
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
     from redis.exceptions import (
         ConnectionError,
         NoScriptError,
@@ -85,7 +92,7 @@ class AsyncRedisCache(RedisLayout):
         return self._own is not None
 
     async def aclose(self) -> None:
-        """Give this cache's connections back to the client's pool (the client stays
+        """Close this cache's own connections on the running loop (the client stays
         open; close it yourself)."""
         if self._own is not None:
             await self._own.close()
@@ -96,10 +103,16 @@ class AsyncRedisCache(RedisLayout):
                 return await self._execute("EVALSHA", self._shas[script], *request)
             except NoScriptError:
                 # A restarted or failed-over server forgot the script: load it again.
-                self._shas[script] = await self.client.script_load(script)
+                self._shas[script] = await self._load(script, self._execute)
                 return await self._execute("EVALSHA", self._shas[script], *request)
         except RedisError as exc:
             raise self._fault(operation, key, exc) from exc
+
+    async def _load(self, script: str, execute: Execute) -> str:
+        """SCRIPT LOAD, on our own connections where we have them (no retry policy)."""
+        if self._own is None:
+            return str(await self.client.script_load(script))
+        return text(await execute("SCRIPT", "LOAD", script))
 
     async def _replicated_script(
         self, script: str, operation: str, key: str, request: Request
@@ -113,7 +126,7 @@ class AsyncRedisCache(RedisLayout):
                 try:
                     reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
                 except NoScriptError:
-                    self._shas[script] = await self.client.script_load(script)
+                    self._shas[script] = await self._load(script, lambda *a: _run(conn, a))
                     reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
                 try:
                     wait = ("WAIT", self.replicas, ttl_ms(self.replica_timeout))
@@ -131,7 +144,7 @@ class AsyncRedisCache(RedisLayout):
             if self._own is None:
                 config.update(await self.client.config_get("maxmemory*"))
             else:  # the lean path: no retry policy with backoff sleeps for a dead server
-                config.update(_pairs(await self._own.call("CONFIG", "GET", "maxmemory*")))
+                config.update(config_pairs(await self._own.call("CONFIG", "GET", "maxmemory*")))
 
     async def get(self, key: str) -> Entry | None:
         try:
@@ -209,7 +222,7 @@ class AsyncRedisCache(RedisLayout):
         loop = asyncio.get_running_loop()
         listeners = self._listeners.get(loop)
         if listeners is None or listeners.pid != os.getpid():
-            listeners = self._listeners[loop] = _Listeners(self, self._own.pool)
+            listeners = self._listeners[loop] = _Listeners(self, self._own)
         try:
             # Not cut to one BLPOP's length: the listener blocks again and again, and keeps
             # the waiter mark alive while anyone here waits, so a release still signals.
@@ -227,10 +240,10 @@ class _Listeners:
     fleet. A release between a waiter's failed put and its ``wait`` left the token in
     the list (for 1 s): the next ``BLPOP`` returns it at once."""
 
-    def __init__(self, cache: AsyncRedisCache, pool: Any) -> None:
+    def __init__(self, cache: AsyncRedisCache, own: _OwnConnections) -> None:
         self.pid = os.getpid()
         self._cache = cache
-        self._pool = pool
+        self._own = own
         self._waiters: dict[str, dict[asyncio.Future[None], None]] = {}  # ordered sets
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -259,7 +272,7 @@ class _Listeners:
         mark = self._cache._mark_of(signal)
         marked = time.monotonic()  # the waiter's failed put has just set the mark
         try:
-            conn = await _check_out(self._pool)
+            conn = self._own.spare()
             while True:
                 if not self._waiters.get(signal):
                     # Checked and forgotten with no await in between: a waiter that comes
@@ -295,31 +308,12 @@ class _Listeners:
                 raise
         finally:
             if conn is not None:
-                await _give_back(self._pool, conn)
-
-
-def _pairs(reply: Any) -> dict[Any, Any]:
-    """CONFIG GET's raw reply as a dict: a flat list in RESP2, a map in RESP3."""
-    if isinstance(reply, dict):
-        return reply
-    return dict(zip(reply[::2], reply[1::2], strict=True))
+                await self._own.give_spare(conn)
 
 
 def _settle(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
-
-
-async def _check_out(pool: Any) -> Any:
-    try:
-        return await pool.get_connection()
-    except TypeError:  # redis-py < 5.3 wants a command name (5.3 deprecated it)
-        return await pool.get_connection("EVALSHA")
-
-
-async def _give_back(pool: Any, conn: Any) -> None:
-    with contextlib.suppress(KeyError, ValueError, RuntimeError, OSError):
-        await pool.release(conn)  # unless the pool was reset (a fork) or closed meanwhile
 
 
 def _own_pool(client: Any) -> Any:
@@ -335,22 +329,25 @@ def _own_pool(client: Any) -> Any:
         or method.__module__ != "redis.asyncio.client"
         or "execute_command" in vars(client)
         or getattr(client, "single_connection_client", False)
-        or not callable(getattr(pool, "get_connection", None))
+        or not callable(getattr(pool, "connection_class", None))
+        or not isinstance(getattr(pool, "connection_kwargs", None), dict)
     ):
         return None
     return pool
 
 
 class _OwnConnections:
-    """Up to ``_MAX_OWN`` connections per event loop this cache keeps out of its
-    client's pool, each lent to one command at a time; a command that finds them all busy
-    waits its turn (first come, first served) instead of opening another socket.
+    """Up to ``_MAX_OWN`` connections per event loop that this cache opens itself, with
+    its client's connection class and settings but no retry policy (``redis.py``:
+    ``_own_connections`` says why) and outside the client's pool, each lent to one
+    command at a time; a command that finds them all busy waits its turn (first come,
+    first served) instead of opening another socket. The listeners' connections
+    (``spare``) come and go beside them.
 
-    A connection belongs to the event loop and the process that opened them, so each loop
-    has its own set (two threads each running ``asyncio.run`` share the cache safely);
-    once a loop has closed, its idle connections leave the pool's books. In a forked child
-    the client's pool is reset first (its connections share sockets with the parent's),
-    as redis-py's sync pool does by itself."""
+    A connection belongs to the event loop and the process that opened it, so each loop
+    has its own set (two threads each running ``asyncio.run`` share the cache safely); a
+    closed loop's connections are dropped with it. In a forked child the parent's are
+    kept out of reach (never closed there) and the child opens its own."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -362,13 +359,13 @@ class _OwnConnections:
         loop = asyncio.get_running_loop()
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            _forget_inherited(self.pool, [c for own in self._loops.values() for c in own.idle])
+            _inherited.extend(self._loops.values())
             self._loops = {}
         own = self._loops.get(loop)
         if own is None:
-            for other, left in list(self._loops.items()):
-                if other.is_closed() and self._loops.pop(other, None) is not None:
-                    _left_behind(self.pool, left.idle)
+            for other in list(self._loops):
+                if other.is_closed():
+                    self._loops.pop(other, None)
             own = self._loops[loop] = _LoopConnections()
         return own
 
@@ -386,11 +383,7 @@ class _OwnConnections:
             return own.idle.pop()
         if own.opened < _MAX_OWN:
             own.opened += 1
-            try:
-                return await _check_out(self.pool)
-            except BaseException:
-                own.opened -= 1
-                raise
+            return self._open()
         turn: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         own.queue.append(turn)
         try:
@@ -403,7 +396,7 @@ class _OwnConnections:
     def give(self, conn: Any) -> None:
         own = self._loops.get(asyncio.get_running_loop())
         if own is None or self._pid != os.getpid():
-            return  # the process forked since: the child's pool starts afresh
+            return  # the process forked since: the child opens its own
         while own.queue:
             turn = own.queue.popleft()
             if not turn.done():
@@ -411,47 +404,53 @@ class _OwnConnections:
                 return
         own.idle.append(conn)
 
+    def spare(self) -> Any:
+        """A connection for a listener's ``BLPOP``, beside the command connections."""
+        own = self._here()
+        return own.spares.pop() if own.spares else self._open()
+
+    async def give_spare(self, conn: Any) -> None:
+        try:
+            own = self._loops.get(asyncio.get_running_loop())
+        except RuntimeError:
+            return  # a listener closed outside its loop (collected): nothing to await on
+        if own is not None and self._pid == os.getpid() and len(own.spares) < _MAX_SPARES:
+            own.spares.append(conn)
+        else:
+            with contextlib.suppress(RedisError, OSError, RuntimeError):
+                await conn.disconnect(nowait=True)
+
+    def _open(self) -> Any:
+        return own_connection(self.pool, Retry(NoBackoff(), 0))
+
     async def close(self) -> None:
-        """Give this loop's idle connections back to the pool."""
+        """Close this loop's idle connections."""
         own = self._loops.get(asyncio.get_running_loop())
         if own is None or self._pid != os.getpid():
             return
-        idle, own.idle, own.opened = own.idle, [], 0
+        idle, own.idle, own.opened = own.idle + own.spares, [], 0
+        own.spares = []
         for conn in idle:
-            await _give_back(self.pool, conn)
+            with contextlib.suppress(RedisError, OSError, RuntimeError):
+                await conn.disconnect()
 
 
 class _LoopConnections:
-    """One event loop's own connections: idle ones, how many are open, who waits."""
+    """One event loop's own connections: idle ones, how many are open, who waits, and
+    the listeners' idle ones."""
 
     def __init__(self) -> None:
         self.idle: list[Any] = []
         self.opened = 0
         self.queue: deque[asyncio.Future[Any]] = deque()
+        self.spares: list[Any] = []
 
 
-def _left_behind(pool: Any, idle: list[Any]) -> None:
-    """Connections of a loop that has closed: they can no longer be awaited closed, so
-    they leave the pool's books (else a capped pool runs out) and close with their
-    sockets when collected."""
-    in_use = getattr(pool, "_in_use_connections", None)
-    for conn in idle:
-        if in_use is not None:
-            in_use.discard(conn)
-
-
-_inherited: list[Any] = []  # in a forked child: the parent's connections, never closed here
-
-
-def _forget_inherited(pool: Any, idle: list[Any]) -> None:
-    """In a forked child: start the pool afresh, keeping the parent's connections out of
-    reach of the garbage collector. Closing one here would unregister its socket from the
-    parent's epoll set (a forked child shares it), and the parent would never hear its
-    replies again."""
-    _inherited.extend(idle)
-    _inherited.extend(getattr(pool, "_available_connections", ()))
-    _inherited.extend(getattr(pool, "_in_use_connections", ()))
-    pool.reset()
+_MAX_SPARES = 4  # idle listener connections kept per loop
+# In a forked child: the parent's connections, never closed here. Closing one would
+# unregister its socket from the parent's epoll set (a forked child shares it), and the
+# parent would never hear its replies again.
+_inherited: list[Any] = []
 
 
 async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
@@ -479,7 +478,10 @@ async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
 async def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
     writer = getattr(conn, "_writer", None)
     if writer is None or not getattr(conn, "is_connected", False):
-        await conn.send_command(*args)  # (re)connects first
+        # The class's own connect, not the one sending would do: a Sentinel master's
+        # asks the sentinels where the master is (sending connects to the default).
+        await conn.connect()
+        await conn.send_command(*args)
         return await conn.read_response()
     # redis-py sends every command under asyncio.wait_for(..., socket_timeout), which
     # starts a task per command: the bytes leave one loop iteration late, a tenth of a

@@ -295,7 +295,9 @@ class RedisLayout:
             self._checked = True
             return
         except RedisError as exc:
-            raise self._fault("put_if_absent", key, exc) from exc
+            error = self._fault("put_if_absent", key, exc)
+            error.unsent = True  # the put itself was never sent: nothing to read back
+            raise error from exc
         self._judge_eviction(config)
 
     def _judge_eviction(self, config: dict[Any, Any]) -> None:
@@ -345,6 +347,22 @@ def _ttl(ttl: float) -> tuple[int, int]:
     """The ttl in ms, and the wall-clock expiry in Unix ms that the entry reports."""
     ms = ttl_ms(ttl)
     return ms, int(time.time() * 1000) + ms
+
+
+def own_connection(pool: Any, retry: Any) -> Any:
+    """A connection of ``pool``'s class with its settings, outside its books, whose retry
+    policy is ``retry`` (none: the engine retries within its deadline). Connected on
+    first use."""
+    conn = pool.connection_class(**pool.connection_kwargs)
+    conn.retry = retry
+    return conn
+
+
+def config_pairs(reply: Any) -> dict[Any, Any]:
+    """CONFIG GET's raw reply as a dict: a flat list in RESP2, a map in RESP3."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
 def text(value: bytes | str) -> str:

@@ -64,6 +64,10 @@ _MAX_PREFIX = 256
 _ATTEMPTS = 5  # conditional writes per put_if_absent before calling the key contended
 _CONFLICT_RETRIES = 3  # 409 ConditionalRequestConflict: retried, briefly
 _MAX_HINTS = 4096
+# A create that lands this long after its clock was read re-floors its fence. The
+# assumption: nothing deletes a lock object within a minute of its last write (a
+# lifecycle rule counts days).
+_STALE_AFTER = 60.0
 _CONTENT_TYPE = "application/json"
 
 
@@ -183,14 +187,14 @@ class S3Cache(CacheBase):
                 nonce = _nonce()
                 try:
                     etag = self._write("put_if_absent", key, value, floor, expires_at, nonce, None)
-                    return _entry(_Object(etag, value, floor, expires_at, nonce))
+                    return self._refloored(key, _Object(etag, value, floor, expires_at, nonce), now)
                 except _Miss:
                     pass
                 current = self._read("put_if_absent", key)
                 if current is None:
                     continue  # deleted meanwhile: create again
                 if current.nonce == nonce:  # a retried request: our first attempt landed
-                    return _entry(current)
+                    return self._refloored(key, current, now)
             elif current is None:
                 # First try the hint: the freed or expired object we saw last.
                 assert hint is not None
@@ -216,6 +220,33 @@ class S3Cache(CacheBase):
             else:
                 create = False
         raise SimpleCacheConditionError(f"s3: {key!r} is contended; every write lost a race")
+
+    def _refloored(self, key: str, created: _Object, read_at: float) -> Entry:
+        """A grant that created the key's object, its fence floored at the clock read at
+        ``read_at``, before the PUT was sent. S3 cannot compute a floor itself, so where
+        the create landed ``_STALE_AFTER`` or more after that read (a paused VM, a PUT
+        held up), an object granted meanwhile with a larger fence could have been
+        deleted (a lifecycle rule): the fence is raised to the clock read now, after the
+        create landed, by a PUT If-Match on our own object, before the grant counts
+        (DESIGN §4 rule 16: no floor older than the write that assigns it)."""
+        now = self._clock()
+        fence = clock_fence(now)
+        if now - read_at < _STALE_AFTER or fence <= created.fence:
+            return _entry(created)
+        assert created.value is not None
+        nonce = _nonce()
+        try:
+            try:
+                etag = self._write(
+                    "put_if_absent", key, created.value, fence, created.expires_at, nonce,
+                    created.etag,
+                )  # fmt: skip
+            except _Miss:
+                etag = self._ours("put_if_absent", key, nonce, _version(created))
+        except MalfunctionError as exc:
+            exc.withheld = True  # its fence may still be the stale one: never read back
+            raise
+        return _entry(_Object(etag, created.value, fence, created.expires_at, nonce))
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         fence, old_expiry, etag = _parse_version(key, version)
