@@ -57,6 +57,7 @@ from typing import Any
 
 from nemesis.history import Event
 
+LIMIT_SLACK = 1.5  # a time limit's signal, and the body's current step
 KILLING = {"sigkill", "sigterm", "server-kill-child", "horse-kill", "worker-kill", "revoke"}
 
 
@@ -373,7 +374,7 @@ def _survivors(events: list[Event], stops: Stops, spec: Spec) -> list[Anomaly]:
     termed: dict[int, float] = {}
     last: dict[int, Event] = {}
     for e in events:
-        if e["op"] == "fault" and e["kind"] == "sigterm":
+        if e["op"] == "fault" and e["kind"] in ("sigterm", "revoke"):
             termed.setdefault(e["target"], e["t"])
         elif e["op"] not in ("fault", "resumed", "unended"):
             last[e.get("os", e["pid"])] = e
@@ -423,8 +424,10 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
     fault the nemesis dealt it; never two runs at once, never silently lost.
 
     Events: ``submit`` (``task``, ``unique``: its key is its own, so a skip is wrong),
-    ``run`` (``task``, ``phase`` "start" / "end", ``pid``), ``fault`` with a ``task``,
-    ``outcome`` (``task``, ``state``: success / skipped / failure, ``error``)."""
+    ``limit``: a time limit it must not outlive), ``run`` (``task``, ``phase`` "prerun"
+    (it began, before the lock), "start" (the body began), "end", ``pid``), ``fault``
+    with a ``task``, ``outcome`` (``task``, ``state``: success / skipped / failure,
+    ``error``)."""
     submitted: dict[str, Event] = {}
     runs: dict[str, list[Event]] = defaultdict(list)
     outcomes: dict[str, Event] = {}
@@ -438,6 +441,14 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
             outcomes[e["task"]] = e
         elif e["op"] == "fault" and e.get("task"):
             dealt[e["task"]].append(e)
+    by_pid: dict[Any, list[Event]] = defaultdict(list)
+    for e in events:
+        if e["op"] == "fault" and not e.get("task") and isinstance(e.get("target"), int):
+            by_pid[e["target"]].append(e)
+    for task, rows in runs.items():  # a fault to the process a run was in is dealt to it
+        for r in rows:
+            if r["phase"] == "prerun":
+                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if f["t"] >= r["t"]]
     found = []
     for task, sub in submitted.items():
         out = outcomes.get(task)
@@ -445,6 +456,8 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
         starts = [r for r in runs[task] if r["phase"] == "start"]
         faults = dealt.get(task, [])
         kinds = ",".join(sorted({f["kind"] for f in faults})) or "none"
+        if out is None and not sub.get("late") and any(f["kind"] in KILLING for f in faults):
+            continue  # acked at receipt, then its worker was killed: gone with the fault
         if out is None:
             found.append(
                 Anomaly(
@@ -488,15 +501,20 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
                     (task,),
                 )
             )
-        if faults and ends and sub.get("fault_must_bite"):
-            bit = [f for f in faults if f["t"] <= ends[-1]["t"]]
-            if bit:
-                found.append(Anomaly(
-                    "swallowed-interrupt", sub.get("key"),
-                    f"task {task} was dealt {kinds} at {bit[0]['t']:.3f} and its body still "
-                    f"ran to its end at {ends[-1]['t']:.3f} (state {state})",
-                    ends[-1]["t"], (task,),
-                ))  # fmt: skip
+        limit = sub.get("limit")
+        if limit is not None and not any(f["kind"] == "sigstop" for f in faults):
+            for end in ends:
+                began = [
+                    r["t"] for r in runs[task]
+                    if r["phase"] == "prerun" and r["pid"] == end["pid"] and r["t"] <= end["t"]
+                ]  # fmt: skip
+                if began and end["t"] - max(began) > limit + LIMIT_SLACK:
+                    found.append(Anomaly(
+                        "swallowed-interrupt", sub.get("key"),
+                        f"task {task} had a time limit of {limit} s ({kinds}) and its body "
+                        f"ran to its end {end['t'] - max(began):.3f} s after it started "
+                        f"(state {state})", end["t"], (task,),
+                    ))  # fmt: skip
     return found
 
 
@@ -573,12 +591,13 @@ def dealt_to(events: list[Event], anomaly: Anomaly) -> list[str]:
         if e.get("id") in ids:
             a, b = pids.get(e["pid"], (e["t"], e["t"]))
             pids[e["pid"]] = (min(a, e["t"]), max(b, e["t"]))
+    tasks = {e["task"] for e in events if e.get("id") in ids and e.get("task")} | ids
     kinds = []
     for e in events:
         if e["op"] != "fault":
             continue
         span = pids.get(e.get("target"))  # type: ignore[arg-type]
-        mine = e.get("id") in ids or e.get("task") in ids
+        mine = e.get("id") in ids or e.get("task") in tasks
         signalled = (
             e.get("id") is None and span is not None and (span[0] - 0.5 <= e["t"] <= span[1])
         )

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import random
 import signal
 import sys
@@ -45,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import nemesis  # noqa: F401  (sys.path)
+from nemesis.body import Steps
 from nemesis.history import Recorder
-from nemesis.store import open_store
 from simple_mutex import (
     DiskCache,
     InMemoryCache,
@@ -93,8 +92,7 @@ class Worker:
         self.spaces: dict[tuple[str, float], Mutex | Semaphore] = {}
         self.cache = cache
         self.current: str | None = None  # the op an alarm belongs to
-        self.writes: queue.Queue[Any] = queue.Queue()
-        threading.Thread(target=self._writer, daemon=True, name="nemesis-store").start()
+        self.steps = Steps(self.rec, cfg["store"])
 
     def space(self, key: str, lease: float) -> Mutex | Semaphore:
         found = self.spaces.get((key, lease))
@@ -199,28 +197,7 @@ class Worker:
         self.rec("done", id=op)
 
     def step(self, op: str, key: str, held: Any, n: int) -> None:
-        """One write to the fenced store, made and recorded by the store's own thread: a
-        lease interrupt landing here cannot cut the write or its record in half."""
-        done = threading.Event()
-        self.writes.put((done, op, key, held, n))
-        while not done.wait(0.05):
-            pass
-
-    def _writer(self) -> None:
-        store = open_store(self.cfg["store"])  # its connection belongs to this thread
-        while True:
-            done, op, key, held, n = self.writes.get()
-            t0 = time.monotonic()
-            try:
-                accepted, last = store.write(f"{key}/{held.slot}", held.fence, f"{op}:{n}")
-            except Exception as exc:  # the store is never faulted: say so loudly
-                self.rec("store-error", id=op, error=repr(exc)[:300])
-                done.set()
-                continue
-            t = time.monotonic()
-            self.rec("step", t=t, id=op, key=key, fence=held.fence, slot=held.slot, n=n,
-                     t0=t0, deadline=held._deadline, accepted=accepted, last=last)  # fmt: skip
-            done.set()
+        self.steps.step(op, key, held, n)
 
     def in_body_fault(self, op: str, fault: str, held: Any) -> bool:
         """Deal ``fault`` inside the held block; True in a forked child."""
