@@ -23,12 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per run")
     parser.add_argument("--keep", action="store_true", help="keep the history directories")
     parser.add_argument("--json", help="write every run's figures and anomalies here")
+    parser.add_argument("--only", help="deal only these fault kinds (comma-separated), "
+                        "e.g. concurrent-renew or sigstop,restart")  # fmt: skip
     args = parser.parse_args(argv)
     tiers = ALL if args.tier == "all" else args.tier.split(",")
     results, found = [], 0
     for seed in range(args.seed, args.seed + args.seeds):
         for tier in tiers:
-            result = runner.run(tier, seed, args.duration)
+            kinds = set(args.only.split(",")) if args.only else None
+            result = runner.run(tier, seed, args.duration, kinds=kinds)
             print(result.report(), flush=True)
             found += len(result.anomalies)
             results.append({

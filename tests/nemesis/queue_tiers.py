@@ -30,7 +30,7 @@ import redis
 import nemesis
 from nemesis import checker, history
 from nemesis.faults import schedule
-from nemesis.runner import ENV, Result, finish
+from nemesis.runner import ENV, Result, finish, only
 from nemesis.store import RedisStore
 
 BROKER = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -38,7 +38,8 @@ REDIS = "redis://127.0.0.1:6379/14"
 BIN = Path(os.sys.executable).parent  # type: ignore[attr-defined]
 
 
-def run(tier: str, seed: int, duration: float, workdir: Path | None = None) -> Result:
+def run(tier: str, seed: int, duration: float, workdir: Path | None = None,
+        kinds: set[str] | None = None) -> Result:  # fmt: skip
     runs: dict[str, Callable[..., Result]] = {
         "celery": run_celery, "rq": run_rq, "beat": run_beat, "cron": run_cron,
     }  # fmt: skip
@@ -46,7 +47,7 @@ def run(tier: str, seed: int, duration: float, workdir: Path | None = None) -> R
         raise ValueError(f"unknown tier {tier!r}")
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"nemesis-{tier}-{seed}-"))
     (workdir / "history").mkdir(parents=True, exist_ok=True)
-    return runs[tier](seed, duration, workdir)
+    return runs[tier](seed, duration, workdir, kinds)
 
 
 class Procs:
@@ -133,7 +134,7 @@ CELERY_FAULTS = {
 }  # fmt: skip
 
 
-def run_celery(seed: int, duration: float, workdir: Path) -> Result:
+def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from celery import Celery
 
     hist = workdir / "history"
@@ -227,7 +228,7 @@ def run_celery(seed: int, duration: float, workdir: Path) -> Result:
         for name in workers:
             procs.wait_for(name, "ready.")
         start = time.monotonic()
-        plan = schedule(seed, duration, CELERY_FAULTS, gap=1.5, max_length=4.0)
+        plan = schedule(seed, duration, only(CELERY_FAULTS, kinds), gap=1.5, max_length=4.0)
         next_submit = start
         while (now := time.monotonic()) < start + duration:
             if now >= next_submit and now < start + duration - 3:
@@ -287,7 +288,7 @@ RQ_FAULTS = {"horse-kill": 1.5, "sigstop": 1.0, "job-timeout": 1.0, "retry-after
              "worker-kill": 0.5}  # fmt: skip
 
 
-def run_rq(seed: int, duration: float, workdir: Path) -> Result:
+def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from rq import Queue, Retry
 
     hist = workdir / "history"
@@ -367,7 +368,7 @@ def run_rq(seed: int, duration: float, workdir: Path) -> Result:
         for name in workers:
             procs.wait_for(name, "Listening on")
         start = time.monotonic()
-        plan = schedule(seed, duration, RQ_FAULTS, gap=1.5, max_length=4.0)
+        plan = schedule(seed, duration, only(RQ_FAULTS, kinds), gap=1.5, max_length=4.0)
         next_submit = start
         while (now := time.monotonic()) < start + duration:
             if now >= next_submit and now < start + duration - 3:
@@ -433,7 +434,7 @@ PERIODIC_FAULTS = {"sigkill": 1.0, "sigstop": 2.0}
 BEAT_TZ = "Asia/Kathmandu"  # UTC+5:45: neither hours nor minutes line up with UTC
 
 
-def run_beat(seed: int, duration: float, workdir: Path) -> Result:
+def run_beat(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     """Three beats with MutexScheduler in a non-UTC zone, one prefork worker; the run
     spans at least one minute boundary (the crontab entry's tick)."""
     hist = workdir / "history"
@@ -467,10 +468,10 @@ def run_beat(seed: int, duration: float, workdir: Path) -> Result:
     to_boundary = 60 - time.time() % 60
     duration = max(duration, to_boundary + 12 if to_boundary > 8 else to_boundary + 72)
     return _periodic("beat", seed, duration, workdir, procs, ["b0", "b1", "b2"], start_one,
-                     expected, lambda: procs.wait_for("bw", "ready."))  # fmt: skip
+                     expected, lambda: procs.wait_for("bw", "ready."), kinds)  # fmt: skip
 
 
-def run_cron(seed: int, duration: float, workdir: Path) -> Result:
+def run_cron(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     """Three ``rq cron`` processes with once_per_tick, two registrations sharing a name,
     every second; one rq worker."""
     hist = workdir / "history"
@@ -492,13 +493,13 @@ def run_cron(seed: int, duration: float, workdir: Path) -> Result:
 
     procs.start_worker = start_worker  # type: ignore[attr-defined]
     return _periodic("cron", seed, duration, workdir, procs, ["c0", "c1", "c2"], start_one,
-                     expected, lambda: procs.wait_for("cw", "Listening on"))  # fmt: skip
+                     expected, lambda: procs.wait_for("cw", "Listening on"), kinds)  # fmt: skip
 
 
 def _periodic(tier: str, seed: int, duration: float, workdir: Path, procs: Procs,
               names: list[str], start_one: Callable[[str], None],
               expected: Callable[[float, float], dict[str, list[str]]],
-              ready: Callable[[], None]) -> Result:  # fmt: skip
+              ready: Callable[[], None], kinds: set[str] | None) -> Result:  # fmt: skip
     """Start a worker and the ``names`` schedulers, deal SIGKILL (restarted after 1 s) and
     SIGSTOP to schedulers, then check every tick of the window ran exactly once. A tick
     of the second a scheduler was SIGKILLed in may be lost (documented: the claim and the
@@ -513,7 +514,7 @@ def _periodic(tier: str, seed: int, duration: float, workdir: Path, procs: Procs
             start_one(name)
         begin = time.time() + 6  # schedulers start, and the first tick goes out
         start = time.monotonic()
-        plan = schedule(seed, duration, PERIODIC_FAULTS, gap=2.0, max_length=3.0)
+        plan = schedule(seed, duration, only(PERIODIC_FAULTS, kinds), gap=2.0, max_length=3.0)
         stopped: list[tuple[float, int]] = []
         restart: list[tuple[float, str]] = []
         while (now := time.monotonic()) < start + duration:

@@ -78,16 +78,23 @@ class Result:
         return "\n".join(lines)
 
 
+def only(weights: dict[str, float], kinds: set[str] | None) -> dict[str, float]:
+    """``weights`` restricted to ``kinds`` (all of them when None): to replay one fault."""
+    return dict(weights) if kinds is None else {k: w for k, w in weights.items() if k in kinds}
+
+
 def run(tier: str, seed: int, duration: float, workdir: Path | None = None,
-        clients: int = 5) -> Result:  # fmt: skip
+        clients: int = 5, kinds: set[str] | None = None) -> Result:  # fmt: skip
+    """One run; ``kinds`` limits the faults dealt (outside and in-process) to those."""
     if tier not in LIB_TIERS:
         from nemesis import queue_tiers
 
-        return queue_tiers.run(tier, seed, duration, workdir)
+        return queue_tiers.run(tier, seed, duration, workdir, kinds)
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"nemesis-{tier}-{seed}-"))
     (workdir / "history").mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         setup = stack.enter_context(_tier(tier, workdir))
+        setup.faults, setup.in_process = only(setup.faults, kinds), only(setup.in_process, kinds)
         return _run_clients(tier, seed, duration, workdir, clients, setup)
 
 
