@@ -572,7 +572,7 @@ def figures(events: list[Event], anomalies: list[Anomaly]) -> dict[str, Any]:
     return {
         "histories": len({e["pid"] for e in events if e["op"] == "start"}),
         "events": len(events),
-        "operations": sum(e["op"] in ("acquire", "submit") for e in events),
+        "operations": sum(e["op"] in ("acquire", "submit", "tick") for e in events),
         "grants": sum(e["op"] == "granted" for e in events),
         "steps": len(steps),
         "unprotected_steps": sum(not _protected(s) for s in steps),

@@ -47,17 +47,21 @@ class Fault:
 
 def schedule(seed: int, duration: float, weights: dict[str, float], gap: float = 1.0,
              max_length: float = 2.5) -> list[Fault]:  # fmt: skip
-    """Faults at exponential intervals of mean ``gap`` seconds, kinds drawn by weight,
-    from 1 s in to 3 s before the end (the run then settles before it is checked)."""
+    """Faults at exponential intervals of mean ``gap`` seconds, from 1 s in to 3 s before
+    the end (the run then settles before it is checked). Kinds are dealt from a shuffled
+    deck holding each kind about ``weight`` times (at least once), so that even a short
+    run deals every kind before it repeats one."""
     rng = random.Random(seed)
-    kinds = sorted(weights)
+    deck: list[str] = []
     plan, at = [], 1.0
     while True:
         at += rng.expovariate(1 / gap)
-        if at > duration - 3 or not kinds:
+        if at > duration - 3 or not weights:
             return plan
-        kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
-        plan.append(Fault(at, kind, rng.uniform(0.2, max_length), rng.random()))
+        if not deck:
+            deck = [k for k in sorted(weights) for _ in range(max(1, round(weights[k])))]
+            rng.shuffle(deck)
+        plan.append(Fault(at, deck.pop(), rng.uniform(0.2, max_length), rng.random()))
 
 
 class Nemesis:

@@ -41,7 +41,7 @@ ENV = {
 LIB_TIERS = ("memory", "disk", "redis", "postgres")
 PROCESS_FAULTS = {"sigkill": 2.0, "sigstop": 3.0, "sigterm": 1.0}
 LINK_FAULTS = {"delay": 0.7, "blackhole": 0.7, "reset": 0.7, "refuse": 0.7, "restart": 0.5}
-IN_PROCESS = {"fork": 0.03, "concurrent-renew": 0.03, "alarm": 0.04, "stall": 0.02}
+IN_PROCESS = {"fork": 0.03, "concurrent-renew": 0.05, "alarm": 0.04, "stall": 0.02}
 
 
 @dataclass

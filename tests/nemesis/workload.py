@@ -175,13 +175,17 @@ class Worker:
         try:
             with held:
                 try:
-                    for n in range(steps):
+                    n, until = 0, 0.0
+                    while n < steps or time.monotonic() < until:
                         self.step(op, key, held, n)
                         if n == fault_step and fault is not None:
                             child = self.in_body_fault(op, fault, held)
                             if child:
                                 break
+                            if fault == "concurrent-renew":  # work on past the shorter one
+                                until = time.monotonic() + 1.5 * held.length
                         time.sleep(self.rng.uniform(0.005, self.cfg.get("step_sleep", 0.03)))
+                        n += 1
                 finally:
                     left = time.monotonic()  # the release starts here
         except SimpleMutexLeaseExpiredError as exc:
@@ -210,7 +214,7 @@ class Worker:
             self.rec("fault", kind="fork", target=pid, id=op)
             threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()
         elif fault == "concurrent-renew":
-            lengths = [held.length * 0.6, held.length * 6] * 2
+            lengths = [held.length * 0.6, held.length * 6] * 3
             self.rec("fault", kind="concurrent-renew", target=self.rec.pid, id=op,
                      lengths=lengths)  # fmt: skip
             together = threading.Barrier(len(lengths))
