@@ -264,15 +264,20 @@ def test_a_retry_after_a_kill_may_run_again() -> None:
     assert [a.kind for a in check_tasks(skipped)] == ["lost-task"]
 
 
-def test_a_dealt_timeout_must_bite() -> None:
+def test_a_dealt_time_limit_must_bite() -> None:
+    """A task with a 1 s limit whose body ran to its end 3 s after it began (it waited
+    for the lock past its limit): the limit was swallowed. Ending within it is fine."""
     rows = task_history(
-        ("submit", 0.0, {"task": "a", "fault_must_bite": True}),
-        ("run", 1.0, {"task": "a", "phase": "start", "pid": 5}),
-        ("fault", 1.5, {"task": "a", "kind": "job-timeout"}),
+        ("submit", 0.0, {"task": "a", "limit": 1.0}),
+        ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+        ("fault", 1.0, {"task": "a", "kind": "job-timeout"}),
+        ("run", 3.9, {"task": "a", "phase": "start", "pid": 5}),
         ("run", 4.0, {"task": "a", "phase": "end", "pid": 5}),
         ("outcome", 5.0, {"task": "a", "state": "success"}),
     )
     assert [a.kind for a in check_tasks(rows)] == ["swallowed-interrupt"]
+    rows[3]["t"], rows[4]["t"] = 1.5, 1.6
+    assert check_tasks(rows) == []
 
 
 def test_ticks_missed_and_repeated() -> None:
@@ -281,3 +286,15 @@ def test_ticks_missed_and_repeated() -> None:
                         ("tick", 2.1, {"entry": "e", "slot": "s2"}))  # fmt: skip
     found = check_ticks(rows, {"e": ["s1", "s2", "s3"]})
     assert sorted(a.kind for a in found) == ["tick-missed", "tick-repeated"]
+
+
+def test_a_disk_stall_is_discounted_for_everyone() -> None:
+    """DiskCache's write lock held from outside for 4 s (a wedged disk): an acquire that
+    waited behind it is no hang; the same wait without the stall is."""
+    h = H()
+    h.proc(1)
+    h.add("acquire", 1.0, 1, id="a", key="k", timeout=0.0, lease=1, renew=False)
+    h.add("busy", 5.0, 1, id="a", key="k", error="timeout")
+    assert kinds(h.sorted()) == ["hang"]
+    h.add("fault", 0.9, 0, kind="disk-stall", target="server", length=4.0)
+    assert kinds(h.sorted()) == []

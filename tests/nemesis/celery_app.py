@@ -105,10 +105,10 @@ def _redis() -> redis.Redis:
 
 
 @app.task(base=MutexTask, bind=True, mutex=LOCK)
-def work(self: Any, key: str, steps: int = 6, cleanup: int = 4, pause: float = 0.05) -> str:
+def work(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> str:
     return _body(self, key, steps, cleanup, pause)
 
 
 @app.task(base=MutexTask, bind=True, mutex=LOCK, acks_late=True)
-def work_late(self: Any, key: str, steps: int = 6, cleanup: int = 4, pause: float = 0.05) -> str:
+def work_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> str:
     return _body(self, key, steps, cleanup, pause)

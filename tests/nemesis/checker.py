@@ -102,13 +102,18 @@ class Hold:
 
 
 class Stops:
-    """When each process was frozen (SIGSTOP ... SIGCONT), to discount that time."""
+    """When each process was frozen (SIGSTOP ... SIGCONT), to discount that time; a
+    ``disk-stall`` (DiskCache's write lock held from outside) freezes every process's
+    cache calls alike, as a wedged disk would (the cache waits up to its own 10 s)."""
 
     def __init__(self, events: Iterable[Event]) -> None:
         self._spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        self._everyone: list[tuple[float, float]] = []
         open_at: dict[int, float] = {}
         for e in events:
-            if e["op"] == "fault" and e["kind"] == "sigstop":
+            if e["op"] == "fault" and e["kind"] == "disk-stall":
+                self._everyone.append((e["t"], e["t"] + min(e["length"], 5.0)))
+            elif e["op"] == "fault" and e["kind"] == "sigstop":
                 open_at.setdefault(e["target"], e["t"])
             elif e["op"] == "resumed" and e["target"] in open_at:
                 self._spans[e["target"]].append((open_at.pop(e["target"]), e["t"]))
@@ -117,7 +122,13 @@ class Stops:
 
     def running(self, pid: int, start: float, end: float) -> float:
         """Seconds of [start, end] the process was not frozen."""
-        frozen = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self._spans.get(pid, ()))
+        spans = sorted([*self._spans.get(pid, ()), *self._everyone])
+        frozen, reach = 0.0, start
+        for a, b in spans:  # the union of the spans, clipped to [start, end]
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                frozen += b - a
+                reach = b
         return max(0.0, end - start - frozen)
 
 

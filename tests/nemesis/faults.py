@@ -12,9 +12,13 @@ Kinds dealt from outside (``Nemesis.deal``):
 sigkill            SIGKILL a client (it is replaced by a fresh one)
 sigstop            SIGSTOP a client for ``length`` (up to several leases), then SIGCONT
 sigterm            SIGTERM a client: its SystemExit must end it (it is replaced)
+stop-then-term     SIGSTOP a client past its lease, then SIGTERM and SIGCONT: its
+                   SystemExit lands in a block whose lease is lost (issue 20, item 4)
 delay, blackhole,  the loopback proxy between the clients and the lock's server
 reset, refuse      (tests/faults.py FaultProxy) for ``length``, then "pass" again
 restart            the lock's own server killed (SIGKILL) and started again
+disk-stall         the DiskCache's SQLite write lock held from outside for ``length`` (a
+                   paused writer, a stalled disk): every grant waits behind it
 =================  =====================================================================
 
 In-process kinds (fork, concurrent-renew, alarm, stall) are drawn by the clients
@@ -68,12 +72,15 @@ class Nemesis:
     """Deals a schedule's faults to a run's processes, proxy and server, recording each."""
 
     def __init__(self, rec: Recorder, targets: Callable[[], list[int]],
-                 proxy: Any = None, restart: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 proxy: Any = None, restart: Callable[[], None] | None = None,
+                 stall: Callable[[float], None] | None = None) -> None:  # fmt: skip
         self.rec = rec
+        self.stall = stall
         self.targets = targets  # pids of the live clients
         self.proxy = proxy
         self.restart_server = restart
         self.stopped: dict[int, float] = {}  # pid -> when to SIGCONT
+        self.term_on_resume: set[int] = set()
         self.proxy_heals_at: float | None = None
 
     def deal(self, fault: Fault) -> None:
@@ -86,6 +93,11 @@ class Nemesis:
             self.proxy.set(kind, delay=delay)
             self.proxy_heals_at = time.monotonic() + fault.length
             return
+        if kind == "disk-stall":
+            if self.stall is not None:
+                self.rec("fault", kind=kind, target="server", length=fault.length)
+                self.stall(fault.length)
+            return
         if kind == "restart":
             if self.restart_server is None:
                 return
@@ -97,10 +109,13 @@ class Nemesis:
         if not pids:
             return
         pid = pids[int(fault.pick * len(pids))]
-        if kind == "sigstop":
-            self.rec("fault", kind="sigstop", target=pid, length=fault.length)
+        if kind in ("sigstop", "stop-then-term"):
+            length = fault.length + (2.0 if kind == "stop-then-term" else 0.0)  # past a lease
+            self.rec("fault", kind="sigstop", target=pid, length=length)
             _signal(pid, signal.SIGSTOP)
-            self.stopped[pid] = time.monotonic() + fault.length
+            self.stopped[pid] = time.monotonic() + length
+            if kind == "stop-then-term":
+                self.term_on_resume.add(pid)
         elif kind in ("sigkill", "sigterm"):
             self.rec("fault", kind=kind, target=pid)
             _signal(pid, signal.SIGKILL if kind == "sigkill" else signal.SIGTERM)
@@ -118,6 +133,10 @@ class Nemesis:
             self.proxy_heals_at = None
 
     def resume(self, pid: int) -> None:
+        if pid in self.term_on_resume:
+            self.term_on_resume.discard(pid)
+            self.rec("fault", kind="sigterm", target=pid, after_stop=True)
+            _signal(pid, signal.SIGTERM)  # delivered as it resumes
         _signal(pid, signal.SIGCONT)
         self.rec("resumed", target=pid)
         self.stopped.pop(pid, None)

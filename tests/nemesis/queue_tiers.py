@@ -162,6 +162,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 
     rng = random.Random(seed)
     submitted: dict[str, Any] = {}
+    keys: dict[str, str] = {}
 
     def submit(name: str = "work", key: str | None = None, **options: Any) -> str:
         key = key or rng.choice("abc")
@@ -172,6 +173,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         limit = options.get("soft_time_limit") or options.get("time_limit")
         rec("submit", task=result.id, key=f"k.{key}", name=task, limit=limit, late=late)
         submitted[result.id] = result
+        keys[result.id] = key
         return str(result.id)
 
     def running() -> list[tuple[str, int]]:
@@ -210,7 +212,9 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         if not live:
             return
         task_id, pid = live[int(pick * len(live))]
-        if kind == "revoke":
+        if kind == "revoke":  # a waiter on its key must not enter during its clean-up
+            submit(key=keys[task_id])
+            time.sleep(0.2)
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
         elif kind == "sigkill":

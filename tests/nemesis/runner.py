@@ -39,7 +39,7 @@ ENV = {
     ),
 }
 LIB_TIERS = ("memory", "disk", "redis", "postgres")
-PROCESS_FAULTS = {"sigkill": 2.0, "sigstop": 3.0, "sigterm": 1.0}
+PROCESS_FAULTS = {"sigkill": 2.0, "sigstop": 3.0, "sigterm": 1.0, "stop-then-term": 1.0}
 LINK_FAULTS = {"delay": 0.7, "blackhole": 0.7, "reset": 0.7, "refuse": 0.7, "restart": 0.5}
 IN_PROCESS = {"fork": 0.03, "concurrent-renew": 0.05, "alarm": 0.04, "stall": 0.02}
 
@@ -109,6 +109,7 @@ class Setup:
     threads: int = 0
     in_process: dict[str, float] = field(default_factory=lambda: dict(IN_PROCESS))
     drop_store: Callable[[], None] | None = None
+    stall: Callable[[float], None] | None = None
 
 
 KEYS = ["a", "b", "c", "s"]
@@ -128,7 +129,9 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
         # gc_after=0: freed rows are collected by the next collecting grant, so the fence
         # floor is what keeps fences growing (issue 20, item 6).
         cache = {"kind": "disk", "path": str(workdir / "locks"), "gc_after": 0}
-        yield Setup(cache, sqlite, PROCESS_FAULTS, checker.Spec(PERMITS, per_slot_fences=True))
+        yield Setup(cache, sqlite, {**PROCESS_FAULTS, "disk-stall": 2.0},
+                    checker.Spec(PERMITS, per_slot_fences=True),
+                    stall=lambda seconds: _hold_sqlite(workdir / "locks", seconds))  # fmt: skip
         return
     from faults import FaultProxy
 
@@ -179,6 +182,23 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
     raise ValueError(f"unknown tier {tier!r}; one of {LIB_TIERS} or celery, rq, beat, cron")
 
 
+def _hold_sqlite(directory: Path, seconds: float) -> None:
+    """Hold the DiskCache's write lock for ``seconds`` from a thread of the nemesis."""
+    import sqlite3
+    import threading
+
+    from simple_mutex.caches.disk import FILENAME
+
+    def hold() -> None:
+        db = sqlite3.connect(directory / FILENAME, timeout=30, isolation_level=None)
+        db.execute("BEGIN IMMEDIATE")
+        time.sleep(min(seconds, 5.0))  # below the cache's own 10 s wait for the lock
+        db.execute("COMMIT")
+        db.close()
+
+    threading.Thread(target=hold, daemon=True).start()
+
+
 def _run_clients(tier: str, seed: int, duration: float, workdir: Path, clients: int,
                  setup: Setup) -> Result:  # fmt: skip
     hist = workdir / "history"
@@ -208,7 +228,7 @@ def _run_clients(tier: str, seed: int, duration: float, workdir: Path, clients: 
     for i in range(1 if setup.threads else clients):
         launch(f"w{i}")
     nem = Nemesis(rec, lambda: [p.pid for p in procs.values() if p.poll() is None],
-                  setup.proxy, setup.restart)  # fmt: skip
+                  setup.proxy, setup.restart, setup.stall)  # fmt: skip
     plan = schedule(seed, duration, setup.faults)
     pending = list(plan)
     while (now := time.monotonic()) < until:
