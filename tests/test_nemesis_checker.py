@@ -298,3 +298,14 @@ def test_a_disk_stall_is_discounted_for_everyone() -> None:
     assert kinds(h.sorted()) == ["hang"]
     h.add("fault", 0.9, 0, kind="disk-stall", target="server", length=4.0)
     assert kinds(h.sorted()) == []
+
+
+def test_a_retry_of_one_task_may_reenter_its_fence() -> None:
+    """Two grants of one fence are a repeat, unless both are attempts of one Celery task
+    id (a retry re-enters its own lock, documented)."""
+    h = two_holders(1.5, second_fence=1)
+    assert "fence-repeat" in kinds(h.sorted())
+    for e in h.events:
+        if e["op"] == "acquire":
+            e["task"] = "t1"
+    assert kinds(h.sorted()) == []

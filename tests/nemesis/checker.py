@@ -276,6 +276,11 @@ def _stale_writes(holds: dict[str, Hold], store_log: list[tuple[int, str, int, s
     return found
 
 
+def _owner(hold: Hold) -> str:
+    """Who holds: the Celery task id, whose retries re-enter its lock, or the op itself."""
+    return str(hold.acquire.get("task") or hold.id)
+
+
 def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
     grants: dict[tuple[str, int], list[Hold]] = defaultdict(list)
     for hold in holds.values():
@@ -284,7 +289,9 @@ def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
             grants[(hold.key, slot)].append(hold)
     found = []
     for (key, _slot), group in grants.items():
-        seen = Counter(h.granted["fence"] for h in group if h.granted)
+        # A retry of one Celery task id re-enters its own lock with its fence (documented):
+        # one grant per task id and fence counts.
+        seen = Counter(f for f, _ in {(h.granted["fence"], _owner(h)) for h in group if h.granted})
         for fence, n in seen.items():
             if n > 1:
                 ids = tuple(h.id for h in group if h.granted and h.granted["fence"] == fence)
@@ -300,7 +307,11 @@ def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
         for h in group:
             assert h.granted is not None
             i = bisect.bisect_left(returned, h.acquire["t"])  # granted before h was invoked
-            if i and best[i - 1][0] >= h.granted["fence"] and best[i - 1][1] != h.id:
+            if not i:
+                continue
+            fence, first = best[i - 1]
+            same = fence == h.granted["fence"] and _owner(holds[first]) == _owner(h)
+            if fence >= h.granted["fence"] and first != h.id and not same:
                 found.append(Anomaly(
                     "fence-order", key,
                     f"{h.id} (pid {h.pid}) was granted fence {h.granted['fence']} after "

@@ -152,12 +152,14 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
     app.conf.update(broker_url=BROKER, result_backend=REDIS, task_default_queue=queue)
     conn = redis.Redis.from_url(REDIS)
     workers = ["cw0", "cw1"]
+    generation: dict[str, int] = {}
 
     def start_worker(name: str) -> None:
+        generation[name] = generation.get(name, -1) + 1
         procs.start(name, [
             "celery", "-A", "nemesis.celery_app", "worker", "-P", "prefork", "-c", "2",
-            "-Q", queue, "-n", f"{name}-{run_id}@%h", "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "-l", "INFO",
+            "-Q", queue, "-n", f"{name}-{run_id}-{generation[name]}@%h", "--without-gossip",
+            "--without-mingle", "--without-heartbeat", "-l", "INFO",
         ])  # fmt: skip
 
     rng = random.Random(seed)
@@ -308,8 +310,12 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
     workers = ["rw0", "rw1"]
 
     def start_worker(name: str) -> None:
+        # A new name each time: RQ refuses a name a killed worker still has registered.
+        generation[name] = generation.get(name, -1) + 1
         procs.start(name, ["rq", "worker", "--with-scheduler", "-u", REDIS, "-n",
-                           f"{name}-{run_id}", queue.name])  # fmt: skip
+                           f"{name}-{run_id}-{generation[name]}", queue.name])  # fmt: skip
+
+    generation: dict[str, int] = {}
 
     rng = random.Random(seed)
     jobs: dict[str, Any] = {}
