@@ -1,0 +1,629 @@
+"""The history checker: proves, from the recorded events alone (``history``), that the
+lock kept its promises, and names every violation as an ``Anomaly``.
+
+Definitions (times are CLOCK_MONOTONIC, shared by every process of the machine):
+
+* A **hold** is one granted acquire: ``granted.t`` is when the lease reached its holder.
+  A **body step** writes to the fenced store; it is **protected** when it completed before
+  the deadline its holder believed in (``step.t <= step.deadline``), i.e. up to that
+  lease's deadline, renewals included. A step after the deadline is **unprotected**: a
+  holder frozen past its lease may run a few before its interrupt lands; the fenced store
+  must catch them (see stale-write).
+* The **protected span** of a hold is ``[granted.t, t of its last protected step]``.
+
+Properties, each an anomaly kind:
+
+overlap
+    Two protected spans on one key intersect (more than ``permits`` for a semaphore).
+refused-while-protected
+    The store refused a protected step: a higher fence of the same key was written while
+    this holder still believed it held the key, so a later grant came inside its lease.
+stale-write
+    The store accepted a write whose fence is below one it had accepted before (from
+    the store's own log), or below the fence of an accepted write that completed before
+    this one was invoked (real-time order, from the history: independent of the store).
+fence-order / fence-repeat
+    A grant that was returned before another was invoked carries a fence >= the later one
+    (per key; per key and slot where the tier documents per-slot fences), or two grants
+    share a fence.
+hang
+    An acquire with a timeout returned after ``timeout + acquire_slack``, a release took
+    longer than ``release_slack``, or a process had to be killed at the end (time spent
+    SIGSTOPped is not counted).
+late-interrupt
+    A step began more than ``interrupt_slack`` of running time after its lease's deadline:
+    the lapse interrupt did not land.
+swallowed-interrupt
+    An alarm (a job timeout raised from a signal handler) fired while an acquire waited,
+    and the acquire was granted anyway, or the body went on stepping after it.
+survived-signal
+    A process went on recording more than ``signal_slack`` of running time after it was
+    sent SIGTERM (its SystemExit was swallowed).
+lost-op / crash
+    An acquire that never ended although its process was dealt no fault; a process that
+    vanished without a fault and without ``exit``.
+lost-task / double-run / unexplained-failure / tick-missed / tick-repeated
+    Task-queue properties (``check_tasks``, ``check_ticks``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemesis.history import Event
+
+LIMIT_SLACK = 1.5  # a time limit's signal, and the body's current step
+KILLING = {"sigkill", "sigterm", "server-kill-child", "horse-kill", "worker-kill", "revoke"}
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    kind: str
+    key: str | None
+    detail: str
+    at: float = 0.0
+    ids: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = f" on {self.key!r}" if self.key is not None else ""
+        return f"{self.kind}{where} at t={self.at:.3f}: {self.detail}"
+
+
+@dataclass
+class Spec:
+    """What the tier promises and the slack its deadlines get."""
+
+    permits: dict[str, int] = field(default_factory=dict)  # key -> permits (default 1)
+    per_slot_fences: bool = False
+    acquire_slack: float = 2.0  # one socket timeout and scheduling on a loaded machine
+    release_slack: float = 3.0
+    interrupt_slack: float = 1.0
+    signal_slack: float = 5.0
+
+
+@dataclass
+class Hold:
+    id: str
+    key: str
+    pid: int
+    os: int  # the OS process (signals, SIGSTOP)
+    acquire: Event
+    granted: Event | None = None
+    outcome: Event | None = None  # busy or failed
+    steps: list[Event] = field(default_factory=list)
+    released: Event | None = None
+    lost: Event | None = None
+    done: Event | None = None
+
+
+class Stops:
+    """When each process was frozen (SIGSTOP ... SIGCONT), to discount that time; a
+    ``disk-stall`` (DiskCache's write lock held from outside) freezes every process's
+    cache calls alike, as a wedged disk would (the cache waits up to its own 10 s)."""
+
+    def __init__(self, events: Iterable[Event]) -> None:
+        self._spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        self._everyone: list[tuple[float, float]] = []
+        open_at: dict[int, float] = {}
+        for e in events:
+            if e["op"] == "fault" and e["kind"] == "disk-stall":
+                self._everyone.append((e["t"], e["t"] + min(e["length"], 5.0)))
+            elif e["op"] == "fault" and e["kind"] == "sigstop":
+                open_at.setdefault(e["target"], e["t"])
+            elif e["op"] == "resumed" and e["target"] in open_at:
+                self._spans[e["target"]].append((open_at.pop(e["target"]), e["t"]))
+        for pid, t in open_at.items():
+            self._spans[pid].append((t, float("inf")))
+
+    def running(self, pid: int, start: float, end: float) -> float:
+        """Seconds of [start, end] the process was not frozen."""
+        spans = sorted([*self._spans.get(pid, ()), *self._everyone])
+        frozen, reach = 0.0, start
+        for a, b in spans:  # the union of the spans, clipped to [start, end]
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                frozen += b - a
+                reach = b
+        return max(0.0, end - start - frozen)
+
+
+def holds_of(events: list[Event]) -> dict[str, Hold]:
+    holds: dict[str, Hold] = {}
+    for e in events:
+        op = e["op"]
+        if op == "acquire":
+            holds[e["id"]] = Hold(e["id"], e["key"], e["pid"], e.get("os", e["pid"]), e)
+            continue
+        hold = holds.get(e.get("id", ""))
+        if hold is None or op == "fault":
+            continue
+        if op == "granted":
+            hold.granted = e
+        elif op in ("busy", "failed"):
+            hold.outcome = e
+        elif op == "step":
+            hold.steps.append(e)
+        elif op == "released":
+            hold.released = e
+        elif op == "lost":
+            hold.lost = e
+        elif op == "done":
+            hold.done = e
+    return holds
+
+
+def _protected(step: Event) -> bool:
+    return bool(step["t"] <= step["deadline"])
+
+
+def check(events: list[Event], store_log: list[tuple[int, str, int, str]] | None = None,
+          spec: Spec | None = None) -> list[Anomaly]:  # fmt: skip
+    """Every anomaly of the lock properties in ``events`` (and the store's own log)."""
+    spec = spec or Spec()
+    holds = holds_of(events)
+    stops = Stops(events)
+    found: list[Anomaly] = []
+    found += _overlaps(holds, spec)
+    found += _refused_while_protected(holds)
+    found += _stale_writes(holds, store_log)
+    found += _fence_order(holds, spec)
+    found += _hangs(events, holds, stops, spec)
+    found += _late_interrupts(holds, stops, spec)
+    found += _swallowed(events, holds, stops, spec)
+    found += _survivors(events, stops, spec)
+    found += _lost_ops(events, holds)
+    return found
+
+
+def _span(hold: Hold) -> tuple[float, float] | None:
+    protected = [s["t"] for s in hold.steps if _protected(s)]
+    if hold.granted is None or not protected:
+        return None
+    return hold.granted["t"], max(protected)
+
+
+def _overlaps(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
+    by_key: dict[str, list[tuple[float, float, Hold]]] = defaultdict(list)
+    for hold in holds.values():
+        span = _span(hold)
+        if span is not None:
+            by_key[hold.key].append((*span, hold))
+    found = []
+    for key, spans in by_key.items():
+        permits = spec.permits.get(key, 1)
+        spans.sort(key=lambda s: s[0])
+        open_: list[tuple[float, float, Hold]] = []
+        for start, end, hold in spans:
+            open_ = [o for o in open_ if o[1] > start]  # touching spans do not overlap
+            open_.append((start, end, hold))
+            if len(open_) > permits:
+                others = [o[2] for o in open_ if o[2] is not hold]
+                detail = "; ".join(
+                    f"{h.id} (pid {h.pid}, fence {h.granted['fence'] if h.granted else '?'}) "
+                    f"protected {s:.3f}..{e:.3f}"
+                    for s, e, h in open_
+                )
+                found.append(Anomaly(
+                    "overlap", key,
+                    f"{len(open_)} holders inside their leases at once (permits {permits}): "
+                    f"{detail}",
+                    start, (hold.id, *(h.id for h in others)),
+                ))  # fmt: skip
+    return found
+
+
+def _refused_while_protected(holds: dict[str, Hold]) -> list[Anomaly]:
+    found = []
+    for hold in holds.values():
+        for step in hold.steps:
+            if _protected(step) and not step["accepted"]:
+                found.append(Anomaly(
+                    "refused-while-protected", hold.key,
+                    f"{hold.id} (pid {hold.pid}, fence {step['fence']}) step {step['n']} at "
+                    f"{step['t']:.3f}, deadline {step['deadline']:.3f}: the store already had "
+                    f"fence {step['last']}, written by a later grant inside this lease",
+                    step["t"], (hold.id,),
+                ))  # fmt: skip
+                break
+    return found
+
+
+def _store_key(step: Event) -> str:
+    return f"{step['key']}/{step.get('slot', 0)}"
+
+
+def _stale_writes(holds: dict[str, Hold], store_log: list[tuple[int, str, int, str]] | None
+                  ) -> list[Anomaly]:  # fmt: skip
+    found = []
+    if store_log is not None:
+        last: dict[str, tuple[int, str]] = {}
+        for _seq, key, fence, writer in store_log:
+            before = last.get(key)
+            if before is not None and fence < before[0]:
+                found.append(Anomaly(
+                    "stale-write", key,
+                    f"the store accepted {writer} with fence {fence} after {before[1]} with "
+                    f"fence {before[0]} (store order)",
+                ))  # fmt: skip
+            if before is None or fence >= before[0]:
+                last[key] = (fence, writer)
+    accepted: dict[str, list[Event]] = defaultdict(list)
+    for hold in holds.values():
+        for step in hold.steps:
+            if step["accepted"]:
+                accepted[_store_key(step)].append({**step, "hold": hold.id})
+    for key, writes in accepted.items():
+        writes.sort(key=lambda w: w["t"])
+        done_at = [w["t"] for w in writes]
+        best: list[tuple[int, str]] = []  # prefix max of (fence, hold) by completion time
+        for w in writes:
+            prev = best[-1] if best else (-1, "")
+            best.append(max(prev, (w["fence"], w["hold"])))
+        for w in writes:
+            i = bisect.bisect_left(done_at, w["t0"])  # writes completed before w was sent
+            if i and best[i - 1][0] > w["fence"]:
+                found.append(Anomaly(
+                    "stale-write", key,
+                    f"{w['hold']} wrote fence {w['fence']} (sent {w['t0']:.3f}, accepted) after "
+                    f"{best[i - 1][1]}'s fence {best[i - 1][0]} had been accepted",
+                    w["t"], (w["hold"], best[i - 1][1]),
+                ))  # fmt: skip
+    return found
+
+
+def _owner(hold: Hold) -> str:
+    """Who holds: the Celery task id, whose retries re-enter its lock, or the op itself."""
+    return str(hold.acquire.get("task") or hold.id)
+
+
+def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
+    grants: dict[tuple[str, int], list[Hold]] = defaultdict(list)
+    for hold in holds.values():
+        if hold.granted is not None:
+            slot = hold.granted.get("slot", 0) if spec.per_slot_fences else 0
+            grants[(hold.key, slot)].append(hold)
+    found = []
+    for (key, _slot), group in grants.items():
+        # A retry of one Celery task id re-enters its own lock with its fence (documented):
+        # one grant per task id and fence counts.
+        seen = Counter(f for f, _ in {(h.granted["fence"], _owner(h)) for h in group if h.granted})
+        for fence, n in seen.items():
+            if n > 1:
+                ids = tuple(h.id for h in group if h.granted and h.granted["fence"] == fence)
+                found.append(Anomaly("fence-repeat", key, f"{n} grants carry fence {fence}: "
+                                     f"{', '.join(ids)}", 0.0, ids))  # fmt: skip
+        group.sort(key=lambda h: h.granted["t"] if h.granted else 0.0)
+        returned = [h.granted["t"] for h in group if h.granted]
+        best: list[tuple[int, str]] = []
+        for h in group:
+            assert h.granted is not None
+            prev = best[-1] if best else (-1, "")
+            best.append(max(prev, (h.granted["fence"], h.id)))
+        for h in group:
+            assert h.granted is not None
+            i = bisect.bisect_left(returned, h.acquire["t"])  # granted before h was invoked
+            if not i:
+                continue
+            fence, first = best[i - 1]
+            same = fence == h.granted["fence"] and _owner(holds[first]) == _owner(h)
+            if fence >= h.granted["fence"] and first != h.id and not same:
+                found.append(Anomaly(
+                    "fence-order", key,
+                    f"{h.id} (pid {h.pid}) was granted fence {h.granted['fence']} after "
+                    f"{best[i - 1][1]} had been granted fence {best[i - 1][0]}",
+                    h.granted["t"], (h.id, best[i - 1][1]),
+                ))  # fmt: skip
+    return found
+
+
+def _hangs(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: Spec
+           ) -> list[Anomaly]:  # fmt: skip
+    found = []
+    for hold in holds.values():
+        timeout = hold.acquire.get("timeout")
+        end = hold.granted or hold.outcome
+        if timeout is not None and end is not None:
+            took = stops.running(hold.os, hold.acquire["t"], end["t"])
+            if took > timeout + spec.acquire_slack:
+                found.append(Anomaly(
+                    "hang", hold.key,
+                    f"{hold.id} (pid {hold.pid}): acquire(timeout={timeout}) returned after "
+                    f"{took:.3f} s of running time ({end['op']})", end["t"], (hold.id,),
+                ))  # fmt: skip
+        if hold.released is not None:
+            took = stops.running(hold.os, hold.released["t0"], hold.released["t"])
+            if took > spec.release_slack:
+                found.append(Anomaly("hang", hold.key, f"{hold.id}: release took {took:.3f} s",
+                                     hold.released["t"], (hold.id,)))  # fmt: skip
+    for e in events:
+        if e["op"] == "unended":
+            found.append(Anomaly("hang", None, f"process {e['target']} ({e.get('name')}) did "
+                                 "not end by itself and was killed", e["t"]))  # fmt: skip
+    return found
+
+
+def _late_interrupts(holds: dict[str, Hold], stops: Stops, spec: Spec) -> list[Anomaly]:
+    found = []
+    for hold in holds.values():
+        for step in hold.steps:
+            if step["t0"] > step["deadline"]:
+                ran = stops.running(hold.os, step["deadline"], step["t0"])
+                if ran > spec.interrupt_slack:
+                    found.append(Anomaly(
+                        "late-interrupt", hold.key,
+                        f"{hold.id} (pid {hold.pid}) began step {step['n']} {ran:.3f} s of "
+                        f"running time after its deadline {step['deadline']:.3f}",
+                        step["t0"], (hold.id,),
+                    ))  # fmt: skip
+                    break
+    return found
+
+
+def _swallowed(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: Spec
+               ) -> list[Anomaly]:  # fmt: skip
+    found = []
+    for e in events:
+        if e["op"] != "alarm":
+            continue
+        hold = holds.get(e["id"])
+        if hold is None:
+            continue
+        if hold.granted is not None and hold.granted["t"] >= e["t"]:
+            found.append(Anomaly(
+                "swallowed-interrupt", hold.key,
+                f"{hold.id} (pid {hold.pid}): an alarm fired at {e['t']:.3f} while acquire "
+                f"waited, and the lease was granted at {hold.granted['t']:.3f} anyway "
+                f"({len(hold.steps)} body steps ran)", e["t"], (hold.id,),
+            ))  # fmt: skip
+            continue
+        late = [s for s in hold.steps
+                if stops.running(hold.os, e["t"], s["t0"]) > spec.interrupt_slack]  # fmt: skip
+        if late:
+            found.append(Anomaly(
+                "swallowed-interrupt", hold.key,
+                f"{hold.id} (pid {hold.pid}): an alarm fired at {e['t']:.3f} in the body and "
+                f"{len(late)} steps ran after it", e["t"], (hold.id,),
+            ))  # fmt: skip
+    return found
+
+
+def _survivors(events: list[Event], stops: Stops, spec: Spec) -> list[Anomaly]:
+    termed: dict[int, float] = {}
+    last: dict[int, Event] = {}
+    for e in events:
+        if e["op"] == "fault" and e["kind"] in ("sigterm", "revoke"):
+            termed.setdefault(e["target"], e["t"])
+        elif e["op"] not in ("fault", "resumed", "unended"):
+            last[e.get("os", e["pid"])] = e
+    found = []
+    for pid, t in termed.items():
+        e = last.get(pid)
+        if e is not None and stops.running(pid, t, e["t"]) > spec.signal_slack:
+            found.append(Anomaly(
+                "survived-signal", None,
+                f"process {pid} ({e['w']}) was sent SIGTERM at {t:.3f} and still recorded "
+                f"{e['op']} at {e['t']:.3f}", e["t"],
+            ))  # fmt: skip
+    return found
+
+
+def _lost_ops(events: list[Event], holds: dict[str, Hold]) -> list[Anomaly]:
+    faulted: dict[int, float] = {}
+    exited: set[int] = set()
+    started: dict[int, Event] = {}
+    for e in events:
+        if e["op"] == "fault" and e["kind"] in KILLING and isinstance(e.get("target"), int):
+            faulted.setdefault(e["target"], e["t"])
+        elif e["op"] == "exit":
+            exited.add(e["pid"])
+        elif e["op"] == "start":
+            started[e["pid"]] = e
+    found = []
+    for pid, e in started.items():
+        if pid not in exited and e.get("os", pid) not in faulted and not e.get("forked"):
+            found.append(Anomaly("crash", None, f"process {pid} ({e['w']}) vanished with no "
+                                 "fault dealt and no exit recorded", e["t"]))  # fmt: skip
+    for hold in holds.values():
+        ended = hold.outcome or hold.done or (hold.granted and (hold.lost or hold.released))
+        if ended or hold.pid not in exited:
+            continue  # a process killed mid-op; a crash is reported above
+        found.append(Anomaly("lost-op", hold.key, f"{hold.id} (pid {hold.pid}) never ended "
+                             "although its process exited normally", hold.acquire["t"],
+                             (hold.id,)))  # fmt: skip
+    return found
+
+
+# -- task queues ------------------------------------------------------------------------
+
+
+def check_tasks(events: list[Event]) -> list[Anomaly]:
+    """Every submitted task ran to its end once, was reported skipped, or failed with the
+    fault the nemesis dealt it; never two runs at once, never silently lost.
+
+    Events: ``submit`` (``task``, ``unique``: its key is its own, so a skip is wrong),
+    ``limit``: a time limit it must not outlive), ``run`` (``task``, ``phase`` "prerun"
+    (it began, before the lock), "start" (the body began), "end", ``pid``), ``fault``
+    with a ``task``, ``outcome`` (``task``, ``state``: success / skipped / failure,
+    ``error``)."""
+    submitted: dict[str, Event] = {}
+    runs: dict[str, list[Event]] = defaultdict(list)
+    outcomes: dict[str, Event] = {}
+    dealt: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        if e["op"] == "submit":
+            submitted[e["task"]] = e
+        elif e["op"] == "run":
+            runs[e["task"]].append(e)
+        elif e["op"] == "outcome":
+            outcomes[e["task"]] = e
+        elif e["op"] == "fault" and e.get("task"):
+            dealt[e["task"]].append(e)
+    by_pid: dict[Any, list[Event]] = defaultdict(list)
+    for e in events:
+        if e["op"] == "fault" and not e.get("task") and isinstance(e.get("target"), int):
+            by_pid[e["target"]].append(e)
+    for task, rows in runs.items():  # a fault to the process a run was in is dealt to it
+        for r in rows:
+            if r["phase"] == "prerun":
+                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if f["t"] >= r["t"]]
+    found = []
+    for task, sub in submitted.items():
+        out = outcomes.get(task)
+        ends = [r for r in runs[task] if r["phase"] == "end"]
+        starts = [r for r in runs[task] if r["phase"] == "start"]
+        faults = dealt.get(task, [])
+        kinds = ",".join(sorted({f["kind"] for f in faults})) or "none"
+        if out is None and not sub.get("late") and any(f["kind"] in KILLING for f in faults):
+            continue  # acked at receipt, then its worker was killed: gone with the fault
+        if out is None:
+            found.append(
+                Anomaly(
+                    "lost-task",
+                    sub.get("key"),
+                    f"task {task} ({sub.get('name')}) has no outcome (faults dealt: {kinds})",
+                    sub["t"],
+                    (task,),
+                )
+            )
+            continue
+        state = out["state"]
+        if len(ends) > 1:
+            found.append(Anomaly("double-run", sub.get("key"), f"task {task} ran to its end "
+                                 f"{len(ends)} times", ends[1]["t"], (task,)))  # fmt: skip
+        found += _concurrent_runs(task, sub, starts, ends, faults)
+        if state == "success" and not ends:
+            found.append(
+                Anomaly(
+                    "lost-task",
+                    sub.get("key"),
+                    f"task {task} reported success but its body never reached its end",
+                    out["t"],
+                    (task,),
+                )
+            )
+        elif state == "skipped" and sub.get("unique"):
+            found.append(Anomaly(
+                "lost-task", sub.get("key"),
+                f"task {task} ({sub.get('name')}) has a key of its own, yet was reported "
+                f"skipped as busy (faults dealt: {kinds}): its own earlier attempt held it",
+                out["t"], (task,),
+            ))  # fmt: skip
+        elif state == "failure" and not faults and not out.get("explained"):
+            found.append(
+                Anomaly(
+                    "unexplained-failure",
+                    sub.get("key"),
+                    f"task {task} failed with no fault dealt: {out.get('error')}",
+                    out["t"],
+                    (task,),
+                )
+            )
+        limit = sub.get("limit")
+        if limit is not None and not any(f["kind"] == "sigstop" for f in faults):
+            for end in ends:
+                began = [
+                    r["t"] for r in runs[task]
+                    if r["phase"] == "prerun" and r["pid"] == end["pid"] and r["t"] <= end["t"]
+                ]  # fmt: skip
+                if began and end["t"] - max(began) > limit + LIMIT_SLACK:
+                    found.append(Anomaly(
+                        "swallowed-interrupt", sub.get("key"),
+                        f"task {task} had a time limit of {limit} s ({kinds}) and its body "
+                        f"ran to its end {end['t'] - max(began):.3f} s after it started "
+                        f"(state {state})", end["t"], (task,),
+                    ))  # fmt: skip
+    return found
+
+
+def _concurrent_runs(task: str, sub: Event, starts: list[Event], ends: list[Event],
+                     faults: list[Event]) -> list[Anomaly]:  # fmt: skip
+    """Two runs of one task alive at once: a start while an earlier run of it had neither
+    ended nor been killed."""
+    found = []
+    ordered = sorted(starts, key=lambda r: r["t"])
+    for a, b in itertools.pairwise(ordered):
+        a_end = min(
+            [r["t"] for r in ends if r.get("pid") == a["pid"] and r["t"] >= a["t"]]
+            + [f["t"] for f in faults if f["t"] >= a["t"]]
+            + [float("inf")]
+        )
+        if b["t"] < a_end:
+            found.append(
+                Anomaly(
+                    "double-run",
+                    sub.get("key"),
+                    f"task {task} started again "
+                    f"in pid {b['pid']} at {b['t']:.3f} while its run in pid "
+                    f"{a['pid']} (from {a['t']:.3f}) was alive",
+                    b["t"],
+                    (task,),
+                )
+            )
+    return found
+
+
+def check_ticks(events: list[Event], expected: dict[str, list[str]]) -> list[Anomaly]:
+    """Periodic jobs: every expected tick (per schedule entry) ran exactly once.
+    ``expected`` maps an entry to its slots in the checked window; ``tick`` events carry
+    ``entry`` and ``slot``."""
+    seen: dict[str, Counter[str]] = defaultdict(Counter)
+    for e in events:
+        if e["op"] == "tick":
+            seen[e["entry"]][e["slot"]] += 1
+    found = []
+    for entry, slots in expected.items():
+        for slot in slots:
+            n = seen[entry][slot]
+            if n == 0:
+                found.append(Anomaly("tick-missed", entry, f"tick {slot} of {entry} never ran"))
+            elif n > 1:
+                found.append(
+                    Anomaly("tick-repeated", entry, f"tick {slot} of {entry} ran {n} times")
+                )
+    return found
+
+
+def figures(events: list[Event], anomalies: list[Anomaly]) -> dict[str, Any]:
+    """What a run prints: histories, operations, faults by kind, anomalies by kind."""
+    steps = [e for e in events if e["op"] == "step"]
+    return {
+        "histories": len({e["pid"] for e in events if e["op"] == "start"}),
+        "events": len(events),
+        "operations": sum(e["op"] in ("acquire", "submit", "tick") for e in events),
+        "grants": sum(e["op"] == "granted" for e in events),
+        "steps": len(steps),
+        "unprotected_steps": sum(not _protected(s) for s in steps),
+        "unprotected_refused": sum(not _protected(s) and not s["accepted"] for s in steps),
+        "faults": dict(Counter(e["kind"] for e in events if e["op"] == "fault")),
+        "anomalies": dict(Counter(a.kind for a in anomalies)),
+    }
+
+
+def dealt_to(events: list[Event], anomaly: Anomaly) -> list[str]:
+    """The faults that touched an anomaly's operations (by op id, or by the pid of a hold
+    while it ran): the first clue to its cause."""
+    ids = set(anomaly.ids)
+    pids: dict[int, tuple[float, float]] = {}
+    for e in events:
+        if e.get("id") in ids:
+            a, b = pids.get(e["pid"], (e["t"], e["t"]))
+            pids[e["pid"]] = (min(a, e["t"]), max(b, e["t"]))
+    tasks = {e["task"] for e in events if e.get("id") in ids and e.get("task")} | ids
+    kinds = []
+    for e in events:
+        if e["op"] != "fault":
+            continue
+        span = pids.get(e.get("target"))  # type: ignore[arg-type]
+        mine = e.get("id") in ids or e.get("task") in tasks
+        signalled = (
+            e.get("id") is None and span is not None and (span[0] - 0.5 <= e["t"] <= span[1])
+        )
+        server = e.get("target") in ("proxy", "server") and anomaly.at - 5 <= e["t"] <= anomaly.at
+        if mine or signalled or server:
+            kinds.append(f"{e['kind']}@{e['t']:.3f}")
+    return kinds

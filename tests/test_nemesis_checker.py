@@ -1,0 +1,311 @@
+"""The nemesis's history checker on hand-written histories: each anomaly kind it claims
+to catch is caught, and a clean history of the same shape yields none (so every test here
+would fail if its property were not checked)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import nemesis  # noqa: F401  (puts tests/ on sys.path for the nemesis.* imports)
+from nemesis.checker import Spec, check, check_tasks, check_ticks
+
+
+class H:
+    """A history builder: ``hold`` writes the events of one lock hold."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.n = 0
+
+    def add(self, op: str, t: float, pid: int = 1, **fields: Any) -> None:
+        self.events.append({"t": t, "pid": pid, "w": f"w{pid}", "op": op, **fields})
+
+    def proc(self, pid: int, start: float = 0.0, end: float | None = 100.0) -> None:
+        self.add("start", start, pid)
+        if end is not None:
+            self.add("exit", end, pid)
+
+    def hold(
+        self,
+        pid: int,
+        key: str,
+        fence: int,
+        *,
+        inv: float,
+        got: float,
+        steps: list[float],
+        deadline: float,
+        accepted: list[bool] | None = None,
+        rel: float | None = None,
+        timeout: float | None = 10.0,
+        slot: int = 0,
+    ) -> str:
+        self.n += 1
+        op = f"w{pid}:{self.n}"
+        self.add("acquire", inv, pid, id=op, key=key, timeout=timeout, lease=1, renew=False)
+        self.add("granted", got, pid, id=op, key=key, fence=fence, slot=slot, deadline=deadline)
+        for n, t in enumerate(steps):
+            ok = True if accepted is None else accepted[n]
+            self.add("step", t, pid, id=op, key=key, fence=fence, slot=slot, n=n, t0=t - 0.001,
+                     deadline=deadline, accepted=ok, last=fence)  # fmt: skip
+        end = rel if rel is not None else (steps[-1] if steps else got) + 0.001
+        self.add("released", end, pid, id=op, key=key, ok=True, t0=end - 0.001)
+        self.add("done", end, pid, id=op)
+        return op
+
+    def sorted(self) -> list[dict[str, Any]]:
+        return sorted(self.events, key=lambda e: e["t"])
+
+
+def kinds(events: list[dict[str, Any]], **kw: Any) -> list[str]:
+    return sorted(a.kind for a in check(events, **kw))
+
+
+def two_holders(second_got: float, second_fence: int = 2, slot: int = 0) -> H:
+    """A holds k from 1.1 to 1.4; B, invoked at 1.15 (after A's grant returned), gets it
+    at ``second_got``."""
+    h = H()
+    h.proc(1)
+    h.proc(2)
+    h.hold(1, "k", 1, inv=1.0, got=1.1, steps=[1.2, 1.3, 1.4], deadline=2.0)
+    h.hold(2, "k", second_fence, inv=1.15, got=second_got, steps=[second_got + 0.1],
+           deadline=second_got + 1, slot=slot)  # fmt: skip
+    return h
+
+
+def test_clean_hand_off_has_no_anomaly() -> None:
+    """B granted after A's last step and release: nothing to report."""
+    assert kinds(two_holders(1.5).sorted()) == []
+
+
+def test_overlap_of_two_protected_spans() -> None:
+    """B's lease began while A still stepped inside its own: an overlap."""
+    assert "overlap" in kinds(two_holders(1.25).sorted())
+
+
+def test_semaphore_permits_allow_that_many_spans() -> None:
+    """Two at once is no overlap for a 2-permit key, three is."""
+    h = two_holders(1.25, slot=1)
+    assert kinds(h.sorted(), spec=Spec(permits={"k": 2})) == []
+    h.hold(3, "k", 3, inv=1.0, got=1.26, steps=[1.27], deadline=3.0, slot=2)
+    h.proc(3)
+    assert "overlap" in kinds(h.sorted(), spec=Spec(permits={"k": 2}))
+
+
+def test_unprotected_step_refused_by_the_store_is_fine() -> None:
+    """A frozen holder wakes after its deadline: its step is unprotected, the store refuses
+    it (a later fence was written): no anomaly, the fence did its job."""
+    h = H()
+    h.proc(1)
+    h.proc(2)
+    h.hold(1, "k", 1, inv=1.0, got=1.1, steps=[1.2, 2.5], deadline=2.0, accepted=[True, False])
+    h.hold(2, "k", 2, inv=1.5, got=2.1, steps=[2.2], deadline=3.0)
+    h.add("fault", 1.3, 0, kind="sigstop", target=1)
+    h.add("resumed", 2.45, 0, target=1)
+    assert kinds(h.sorted()) == []
+
+
+def test_stale_write_accepted() -> None:
+    """The same history, but the store accepted the frozen holder's older fence after the
+    newer one: caught from the history alone and from the store's log."""
+    h = H()
+    h.proc(1)
+    h.proc(2)
+    h.hold(1, "k", 1, inv=1.0, got=1.1, steps=[1.2, 2.5], deadline=2.0)
+    h.hold(2, "k", 2, inv=1.5, got=2.1, steps=[2.2], deadline=3.0)
+    h.add("fault", 1.3, 0, kind="sigstop", target=1)
+    h.add("resumed", 2.45, 0, target=1)
+    assert kinds(h.sorted()) == ["stale-write"]
+    log = [(0, "k/0", 1, "a"), (1, "k/0", 2, "b"), (2, "k/0", 1, "a")]
+    assert [a.kind for a in check([], store_log=log)] == ["stale-write"]
+
+
+def test_protected_write_refused_means_a_grant_inside_the_lease() -> None:
+    h = H()
+    h.proc(1)
+    h.hold(1, "k", 1, inv=1.0, got=1.1, steps=[1.2, 1.3], deadline=2.0, accepted=[True, False])
+    assert kinds(h.sorted()) == ["refused-while-protected"]
+
+
+def test_fence_reversal_and_repeat() -> None:
+    """B invoked after A was granted, yet B's fence is lower (a reversal), or equal."""
+    assert kinds(two_holders(1.5, second_fence=0).sorted()) == ["fence-order", "stale-write"]
+    assert "fence-repeat" in kinds(two_holders(1.5, second_fence=1).sorted())
+
+
+def test_concurrent_acquires_may_return_in_either_order() -> None:
+    """A's grant returned after B was invoked: no real-time order, no fence constraint."""
+    h = H()
+    h.proc(1)
+    h.proc(2)
+    h.hold(1, "k", 2, inv=1.0, got=1.5, steps=[1.6], deadline=3.0)
+    h.hold(2, "k", 1, inv=1.1, got=1.2, steps=[1.3], deadline=3.0, rel=1.4)
+    assert kinds(h.sorted()) == []
+
+
+def test_per_slot_fences_only_order_one_slot() -> None:
+    h = H()
+    h.proc(1)
+    h.proc(2)
+    h.hold(1, "k", 5, inv=1.0, got=1.1, steps=[1.2], deadline=3.0, slot=0)
+    h.hold(2, "k", 3, inv=1.3, got=1.4, steps=[1.5], deadline=3.0, slot=1)
+    assert kinds(h.sorted(), spec=Spec(permits={"k": 2})) == ["fence-order"]
+    assert kinds(h.sorted(), spec=Spec(permits={"k": 2}, per_slot_fences=True)) == []
+
+
+def test_hang_past_timeout_discounting_sigstop() -> None:
+    """An acquire(timeout=1) that returned after 5 s hangs, unless it was frozen 4.5 s."""
+    h = H()
+    h.proc(1)
+    h.add("acquire", 1.0, 1, id="a", key="k", timeout=1.0, lease=1, renew=False)
+    h.add("busy", 6.0, 1, id="a", key="k", error="timeout")
+    assert kinds(h.sorted()) == ["hang"]
+    h.add("fault", 1.2, 0, kind="sigstop", target=1)
+    h.add("resumed", 5.7, 0, target=1)
+    assert kinds(h.sorted()) == []
+
+
+def test_process_killed_at_the_end_is_a_hang() -> None:
+    h = H()
+    h.proc(1)
+    h.add("unended", 9.0, 0, target=1, name="w1")
+    assert kinds(h.sorted()) == ["hang"]
+
+
+def test_late_interrupt() -> None:
+    """Steps went on 3 s past the deadline with the process running: no interrupt."""
+    h = H()
+    h.proc(1)
+    h.hold(1, "k", 1, inv=1.0, got=1.1, steps=[1.5, 5.0], deadline=2.0)
+    assert kinds(h.sorted()) == ["late-interrupt"]
+
+
+def test_alarm_swallowed_while_waiting() -> None:
+    h = H()
+    h.proc(1)
+    h.hold(1, "k", 1, inv=1.0, got=3.0, steps=[3.1], deadline=4.0)
+    clean = kinds(h.sorted())
+    h.add("alarm", 2.0, 1, id="w1:1")
+    assert clean == []
+    assert kinds(h.sorted()) == ["swallowed-interrupt"]
+
+
+def test_sigterm_survivor() -> None:
+    h = H()
+    h.proc(1, end=None)
+    h.add("fault", 1.0, 0, kind="sigterm", target=1)
+    h.add("acquire", 20.0, 1, id="x", key="k", timeout=None, lease=1, renew=False)
+    assert "survived-signal" in kinds(h.sorted())
+
+
+def test_lost_op_and_crash() -> None:
+    """An op with no end in a process that exited normally is lost; a process that
+    vanished with no fault crashed; one killed by the nemesis is neither."""
+    h = H()
+    h.proc(1)
+    h.add("acquire", 1.0, 1, id="x", key="k", timeout=None, lease=1, renew=False)
+    h.proc(2, end=None)
+    h.proc(3, end=None)
+    h.add("fault", 5.0, 0, kind="sigkill", target=3)
+    assert kinds(h.sorted()) == ["crash", "lost-op"]
+
+
+def task_history(*rows: tuple[str, float, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"t": t, "pid": 1, "w": "q", "op": op, **f} for op, t, f in rows]
+
+
+def test_tasks_lost_double_run_and_unexplained_failure() -> None:
+    ok = task_history(
+        ("submit", 0.0, {"task": "a"}),
+        ("run", 1.0, {"task": "a", "phase": "start", "pid": 5}),
+        ("run", 2.0, {"task": "a", "phase": "end", "pid": 5}),
+        ("outcome", 3.0, {"task": "a", "state": "success"}),
+    )
+    assert check_tasks(ok) == []
+    assert [a.kind for a in check_tasks(ok[:1])] == ["lost-task"]
+    twice = [
+        *ok,
+        {"t": 1.5, "pid": 6, "w": "q", "op": "run", "task": "a", "phase": "start"},
+        {"t": 2.5, "pid": 6, "w": "q", "op": "run", "task": "a", "phase": "end"},
+    ]
+    assert sorted(a.kind for a in check_tasks(twice)) == ["double-run", "double-run"]
+    failed = [
+        ok[0],
+        {
+            "t": 3.0,
+            "pid": 1,
+            "w": "q",
+            "op": "outcome",
+            "task": "a",
+            "state": "failure",
+            "error": "boom",
+        },
+    ]
+    assert [a.kind for a in check_tasks(failed)] == ["unexplained-failure"]
+    dealt = [*failed, {"t": 1.0, "pid": 0, "w": "n", "op": "fault", "kind": "revoke", "task": "a"}]
+    assert check_tasks(dealt) == []
+
+
+def test_a_retry_after_a_kill_may_run_again() -> None:
+    """The first run was killed (fault), the retry ran to its end: one run, no anomaly."""
+    rows = task_history(
+        ("submit", 0.0, {"task": "a", "unique": True}),
+        ("run", 1.0, {"task": "a", "phase": "start", "pid": 5}),
+        ("fault", 1.5, {"task": "a", "kind": "horse-kill", "target": 5}),
+        ("run", 3.0, {"task": "a", "phase": "start", "pid": 6}),
+        ("run", 4.0, {"task": "a", "phase": "end", "pid": 6}),
+        ("outcome", 5.0, {"task": "a", "state": "success"}),
+    )
+    assert check_tasks(rows) == []
+    skipped = [
+        *rows[:3],
+        {"t": 5.0, "pid": 1, "w": "q", "op": "outcome", "task": "a", "state": "skipped"},
+    ]
+    assert [a.kind for a in check_tasks(skipped)] == ["lost-task"]
+
+
+def test_a_dealt_time_limit_must_bite() -> None:
+    """A task with a 1 s limit whose body ran to its end 3 s after it began (it waited
+    for the lock past its limit): the limit was swallowed. Ending within it is fine."""
+    rows = task_history(
+        ("submit", 0.0, {"task": "a", "limit": 1.0}),
+        ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+        ("fault", 1.0, {"task": "a", "kind": "job-timeout"}),
+        ("run", 3.9, {"task": "a", "phase": "start", "pid": 5}),
+        ("run", 4.0, {"task": "a", "phase": "end", "pid": 5}),
+        ("outcome", 5.0, {"task": "a", "state": "success"}),
+    )
+    assert [a.kind for a in check_tasks(rows)] == ["swallowed-interrupt"]
+    rows[3]["t"], rows[4]["t"] = 1.5, 1.6
+    assert check_tasks(rows) == []
+
+
+def test_ticks_missed_and_repeated() -> None:
+    rows = task_history(("tick", 1.0, {"entry": "e", "slot": "s1"}),
+                        ("tick", 2.0, {"entry": "e", "slot": "s2"}),
+                        ("tick", 2.1, {"entry": "e", "slot": "s2"}))  # fmt: skip
+    found = check_ticks(rows, {"e": ["s1", "s2", "s3"]})
+    assert sorted(a.kind for a in found) == ["tick-missed", "tick-repeated"]
+
+
+def test_a_disk_stall_is_discounted_for_everyone() -> None:
+    """DiskCache's write lock held from outside for 4 s (a wedged disk): an acquire that
+    waited behind it is no hang; the same wait without the stall is."""
+    h = H()
+    h.proc(1)
+    h.add("acquire", 1.0, 1, id="a", key="k", timeout=0.0, lease=1, renew=False)
+    h.add("busy", 5.0, 1, id="a", key="k", error="timeout")
+    assert kinds(h.sorted()) == ["hang"]
+    h.add("fault", 0.9, 0, kind="disk-stall", target="server", length=4.0)
+    assert kinds(h.sorted()) == []
+
+
+def test_a_retry_of_one_task_may_reenter_its_fence() -> None:
+    """Two grants of one fence are a repeat, unless both are attempts of one Celery task
+    id (a retry re-enters its own lock, documented)."""
+    h = two_holders(1.5, second_fence=1)
+    assert "fence-repeat" in kinds(h.sorted())
+    for e in h.events:
+        if e["op"] == "acquire":
+            e["task"] = "t1"
+    assert kinds(h.sorted()) == []
