@@ -311,9 +311,12 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
 
     def start_worker(name: str) -> None:
         # A new name each time: RQ refuses a name a killed worker still has registered.
+        # rq_mutex.Worker: the worker that records its dead horses, so a job's retry can
+        # free what its killed attempt held (the RQ guide's requirement for that case).
         generation[name] = generation.get(name, -1) + 1
-        procs.start(name, ["rq", "worker", "--with-scheduler", "-u", REDIS, "-n",
-                           f"{name}-{run_id}-{generation[name]}", queue.name])  # fmt: skip
+        procs.start(name, ["rq", "worker", "-w", "rq_mutex.Worker", "--with-scheduler",
+                           "-u", REDIS, "-n", f"{name}-{run_id}-{generation[name]}",
+                           queue.name])  # fmt: skip
 
     generation: dict[str, int] = {}
 

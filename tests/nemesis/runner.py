@@ -171,10 +171,17 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
 
         try:
             with FaultProxy(pg.port) as proxy:
-                url = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres?connect_timeout=2"
+                # libpq's "socket timeout": connect_timeout (2 s is its least) for a new
+                # connection, tcp_user_timeout for unanswered bytes on an open one. An
+                # acquire is bounded by its timeout plus that one (DESIGN §4 rule 9).
+                url = (
+                    f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres"
+                    "?connect_timeout=2&tcp_user_timeout=2000"
+                )
                 cache = {"kind": "postgres", "url": url, "table": "nemlocks"}
+                spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.0)
                 yield Setup(cache, store, {**PROCESS_FAULTS, **LINK_FAULTS},
-                            checker.Spec(PERMITS, per_slot_fences=True), proxy, restart_pg,
+                            spec, proxy, restart_pg,
                             drop_store=lambda: open_store(store).drop())  # type: ignore[attr-defined]  # fmt: skip
         finally:
             pg.remove()
