@@ -16,14 +16,14 @@ from simple_mutex import SimpleMutexError, commands
 from simple_mutex.busy import shared_cache
 from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import ConditionalCache
-from simple_mutex.errors import ConstraintError
+from simple_mutex.errors import ConstraintValueError
 
 
 def _cache_of(ctx: click.Context) -> tuple[ConditionalCache, str]:
     conf = ctx.find_root().obj.app.conf
     spec = conf.get("mutex_cache")
     if spec is None:
-        raise ConstraintError(
+        raise ConstraintValueError(
             "app.conf.mutex_cache is not set: set it to your lock cache's URL "
             "(e.g. 'redis://host:6379/0'), or run simple-mutex with that URL"
         )

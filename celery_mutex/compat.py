@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from simple_mutex import ConstraintError
+from simple_mutex import ConstraintValueError
 from simple_mutex.busy import check_known
 from simple_mutex.busy.policy import check_bool
 from simple_mutex.durations import positive_seconds
@@ -193,7 +193,7 @@ class QueueOnce(MutexTask):
             )
             found["cache"] = "file://" + os.path.abspath(location)  # a DiskCache there
         elif kind != "Redis":
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"app.conf.ONCE: backend {backend!r} has no counterpart in celery_mutex; "
                 "set app.conf.mutex_cache to a cache URL (redis://, file:///, "
                 "postgresql://, ...)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from simple_mutex import ConstraintError, Mutex
+from simple_mutex import ConstraintTypeError, ConstraintValueError, Mutex
 from simple_mutex.busy import (
     SHARED,
     BusyPolicy,
@@ -49,13 +49,13 @@ def beside(kind: str, prefix: str) -> str:
 def check_prefix_room(where: str, prefix: str) -> str:
     clash = [name for name in BESIDE if prefix.startswith(name) or name.startswith(prefix)]
     if clash:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{where}: prefix {prefix!r} could meet the records celery_mutex keeps under "
             f"{', '.join(clash)}; choose one that starts otherwise, e.g. 'mutex.'"
         )
     longest = max(map(len, BESIDE))
     if len(prefix) > 64 - longest:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{where}: prefix must be at most {64 - longest} characters (its records get "
             f"up to {longest} more), got {len(prefix)}"
         )
@@ -78,14 +78,18 @@ def check_value(where: str, name: str, value: Any) -> Any:
     if name in SHARED:
         check_option(where, name, value)
     elif name == "enqueue" and value not in (None, "return", "raise"):
-        raise ConstraintError(f"{where}: enqueue must be None, 'return' or 'raise', got {value!r}")
+        raise ConstraintValueError(
+            f"{where}: enqueue must be None, 'return' or 'raise', got {value!r}"
+        )
     elif name == "enqueue_until" and value not in ("start", "end"):
-        raise ConstraintError(f"{where}: enqueue_until must be 'start' or 'end', got {value!r}")
+        raise ConstraintValueError(
+            f"{where}: enqueue_until must be 'start' or 'end', got {value!r}"
+        )
     elif name == "enqueue_ttl":
         positive_seconds(value, f"{where}: enqueue_ttl")
     elif name == "prefix":
         if not isinstance(value, str):
-            raise ConstraintError(f"{where}: prefix must be a str, got {value!r}")
+            raise ConstraintTypeError(f"{where}: prefix must be a str, got {value!r}")
         check_prefix_room(where, value)
     return value
 
@@ -129,7 +133,7 @@ def _build(task: Any) -> Config:
         **options.get("retry", {}),
     }
     if merged["cache"] is None:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{task.name}: no lock cache configured; set app.conf.mutex_cache "
             "(e.g. 'redis://host:6379/0') or mutex={'cache': ...} on the task. "
             "The broker is never used silently"

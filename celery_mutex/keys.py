@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from simple_mutex import ConstraintError
+from simple_mutex import ConstraintTypeError, ConstraintValueError
 from simple_mutex.decorator import key_function
 from simple_mutex.keys import template_fields
 
@@ -56,7 +56,7 @@ def make_key_of(
         known = set(signature.parameters)
         bad = [n for n in names if not isinstance(n, str) or n not in known]
         if bad:
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"{task_name}: key argument names {bad!r} are not arguments of the "
                 f"task; its arguments are: {', '.join(sorted(known)) or '(none)'}"
             )
@@ -72,7 +72,7 @@ def make_key_of(
         if constant and signature.parameters and permits == 1:
             _warn_constant(task_name, str(key), signature)
         return lambda name, args, kwargs: fn(*args, **kwargs)
-    raise ConstraintError(
+    raise ConstraintTypeError(
         f"{task_name}: mutex key must be a template like 'order.{{order_id}}', a callable, "
         f"a list of argument names, or omitted; got {key!r}"
     )
@@ -98,7 +98,7 @@ def _bound_arguments(
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise ConstraintError(f"arguments do not fit {task_name}: {exc}") from None
+        raise ConstraintTypeError(f"arguments do not fit {task_name}: {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -137,7 +137,7 @@ def _canonical(value: Any) -> Any:
     if pk is not None:
         model = f"{type(value).__module__}.{type(value).__qualname__}"
         return {"model": model, "pk": _canonical(pk)}
-    raise ConstraintError(
+    raise ConstraintTypeError(
         f"cannot build a stable lock key from a {type(value).__qualname__}; pass key= as a "
         "template or a callable that picks what identifies the work"
     )

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from simple_mutex import ConstraintError
+from simple_mutex import ConstraintValueError
 from simple_mutex.busy import check_known, check_option
 
 from .config import OPTIONS, Config
@@ -30,7 +30,7 @@ def check(task_name: str, given: object) -> dict[str, Any]:
     given = check_known(where, "mutex option", given, OPTIONS)  # a typo: the known names
     fixed = sorted(set(given) - PER_CALL)
     if fixed:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"{where}: {', '.join(map(repr, fixed))} cannot change per call (only key, "
             "on_busy and timeout can); set it on the task's mutex={...} or app.conf.mutex_*"
         )
@@ -38,7 +38,7 @@ def check(task_name: str, given: object) -> dict[str, Any]:
     for name, value in given.items():
         if name == "key":
             if not isinstance(value, str) or not value:
-                raise ConstraintError(f"{where}: key must be a non-empty str, got {value!r}")
+                raise ConstraintValueError(f"{where}: key must be a non-empty str, got {value!r}")
             checked[name] = value
         else:
             checked[name] = check_option(where, name, value)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from simple_mutex import ConstraintError
+from simple_mutex import ConstraintTypeError
 
 from . import acquire, enqueue, per_call
 from ._celery import Task
@@ -76,7 +76,7 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
     def mutex_key(self, *args: Any, **kwargs: Any) -> str:
         """The lock key a call with these arguments uses."""
         if self._mutex_spec is None:
-            raise ConstraintError(f"{self.name}: a MutexTask needs a run method")
+            raise ConstraintTypeError(f"{self.name}: a MutexTask needs a run method")
         return self._mutex_spec.key_of(self.name, args, kwargs)
 
     def mutex_defaults(self) -> dict[str, Any]:

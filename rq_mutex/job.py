@@ -41,7 +41,8 @@ from rq import Queue, Retry, get_current_job
 from rq.job import Job
 
 from simple_mutex import (
-    ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
     Lease,
     MalfunctionError,
     Mutex,
@@ -91,13 +92,15 @@ def mutex_job(
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
     if isinstance(cache, str) and "://" not in cache:
-        raise ConstraintError(f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}")
+        raise ConstraintValueError(
+            f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}"
+        )
 
     def decorate(fn: F) -> F:
         if not callable(fn) or inspect.isclass(fn):
-            raise ConstraintError(f"mutex_job wraps a job function, got {fn!r}")
+            raise ConstraintTypeError(f"mutex_job wraps a job function, got {fn!r}")
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"mutex_job cannot guard the generator function {fn.__qualname__}: its body "
                 "runs after the job returns; return a list, or lock inside the generator"
             )
@@ -263,7 +266,7 @@ class _Run:
         if limit == -1 or float(limit) >= lease:
             shown = "infinite (-1)" if limit == -1 else f"{limit} s"
             of = "" if key is None else f" of {key!r}"
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"job {job.id} ({self.fn.__qualname__}): job_timeout {shown} is not shorter "
                 f"than the lease ({lease:g} s){of} with renew=False, so the lease could "
                 "lapse while the job runs. Enqueue with a shorter job_timeout, raise lease, "

@@ -402,10 +402,12 @@ def test_bad_options_raise_when_decorating(options, match):
     def generator_work(order_id: int) -> Iterator[int]:
         yield order_id
 
-    with pytest.raises(ConstraintError, match=match):
+    with pytest.raises(ConstraintError, match=match) as info:
         mutex_job(**options)(work)
-    with pytest.raises(ConstraintError, match="generator"):
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(ConstraintError, match="generator") as info:
         mutex_job(key="k.{order_id}")(generator_work)
+    assert isinstance(info.value, TypeError)
 
 
 # -- rq cron: once per tick ---------------------------------------------------------------
