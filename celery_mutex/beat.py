@@ -11,11 +11,13 @@ in the shared cache with one put-if-absent (``Mutex.try_acquire``, never release
 lapses after ``max(3 periods, 10 s)``). Only the winner sends, stamping the slot into the
 ``mutex_beat_slot`` header, so a ``MutexTask`` on the worker drops a second copy of a tick.
 
-Slots: ``crontab``, the most recent due minute (UTC); an interval, the period containing
-now counted from the Unix epoch (``MutexScheduler`` also fires intervals on those
-boundaries, so no beat drifts over a slot edge); ``solar`` and custom schedules, the UTC
-minute. A beat's clock decides its slots, so skew between hosts below the claim's
-lifetime only delays the beats that are behind. ``MutexSchedulerMixin`` guards other
+Slots (``celery_mutex.slots`` has the rules): ``crontab``, its most recent due minute in
+its own time zone, DST changes included (written in UTC); an interval, the period
+containing now counted from the Unix epoch (``MutexScheduler`` also fires intervals on
+those boundaries, so no beat drifts over a slot edge); ``solar``, the observer's solar day
+of the most recent event; custom schedules, the due time they report. A beat's clock
+decides its slots, so skew between hosts below the claim's lifetime only delays the
+beats that are behind. ``MutexSchedulerMixin`` guards other
 schedulers (``class S(MutexSchedulerMixin, DatabaseScheduler)``); there intervals fire
 when *they* say, so only crontab ticks are exact.
 
@@ -23,12 +25,11 @@ A slot goes out at most once; exactly once unless the winner dies between its cl
 its publish. An unreachable cache sends nothing (``SchedulingError``: fails closed).
 Settings: ``mutex_beat_cache`` (default ``mutex_cache``), ``mutex_prefix`` (claims live
 under ``beat.<prefix>``), ``mutex_beat_run_ttl`` (worker side: ``drop_duplicate_tick``).
-The README's "Several beats, each tick once" says more.
+The Celery guide's "Several beats, each tick once" says more.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import heapq
 import logging
 import math
@@ -50,8 +51,9 @@ from celery.beat import (  # type: ignore[import-untyped]
     SchedulingError,
     event_t,
 )
-from celery.schedules import crontab  # type: ignore[import-untyped]
-from celery.schedules import schedule as interval_schedule
+from celery.schedules import schedule as interval_schedule  # type: ignore[import-untyped]
+
+from .slots import cron_slot, tick_slot
 
 log = logging.getLogger("celery_mutex")
 
@@ -65,68 +67,12 @@ HEADER = BEAT_SLOT
 body reads it as ``self.request.mutex_beat_slot`` (``bind=True``; None when the call did
 not come from a guarded beat)."""
 
-MIN_CLAIM = 10.0  # seconds a claim lives at least (the clock-skew tolerance floor)
-MAX_CLAIM = 7 * 24 * 3600.0
 RUN_TTL = 7200.0  # worker-side record of a started tick (mutex_beat_run_ttl)
 _WAKE_LATE = 0.015  # wake just past a boundary (Celery's tick wakes 10 ms early)
-_UTC = dt.timezone.utc
-_MINUTE = dt.timedelta(minutes=1)
-
-
-# -- slots --------------------------------------------------------------------------------
-
-
-def tick_slot(schedule: Any, now: float) -> tuple[str, float]:
-    """The slot a send at Unix time ``now`` belongs to, and how long its claim lives."""
-    if isinstance(schedule, interval_schedule):
-        period = schedule.run_every.total_seconds()
-        if period > 0:
-            start = math.floor(now / period) * period
-            return _iso(start), _claim_for(period)
-    if isinstance(schedule, crontab):
-        due = cron_slot(schedule, dt.datetime.fromtimestamp(now, _UTC))
-        if due is not None:
-            last, delta, _ = schedule.remaining_delta(due)
-            period = ((last + delta) - due).total_seconds()
-            return due.astimezone(_UTC).strftime("%Y-%m-%dT%H:%MZ"), _claim_for(period)
-    minute = math.floor(now / 60) * 60
-    return dt.datetime.fromtimestamp(minute, _UTC).strftime("%Y-%m-%dT%H:%MZ"), _claim_for(60)
-
-
-def cron_slot(schedule: Any, now: dt.datetime) -> dt.datetime | None:
-    """The most recent due time of a crontab at or before ``now`` (to the minute), in the
-    schedule's time zone; None if it has none in the last five years."""
-    minute = schedule.maybe_make_aware(now).replace(second=0, microsecond=0)
-
-    def next_after(t: dt.datetime) -> dt.datetime:  # first due minute strictly after t's
-        last, delta, _ = schedule.remaining_delta(t)
-        result: dt.datetime = last + delta
-        return result
-
-    back = _MINUTE
-    while back <= dt.timedelta(days=5 * 366):
-        due = next_after(minute - back)
-        if due <= minute:
-            while (following := next_after(due)) <= minute:
-                due = following
-            return due
-        back *= 2
-    return None
 
 
 def _is_interval(schedule: Any) -> bool:
     return isinstance(schedule, interval_schedule)
-
-
-def _claim_for(period: float) -> float:
-    return min(MAX_CLAIM, max(MIN_CLAIM, 3 * period))
-
-
-def _iso(ts: float) -> str:
-    when = dt.datetime.fromtimestamp(ts, _UTC)
-    if when.microsecond:
-        return when.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # -- the scheduler guard ------------------------------------------------------------------
@@ -155,7 +101,8 @@ class MutexSchedulerMixin:
     def mutex_claim(self, entry: Any, now: float | None = None) -> str | None:
         """Claim ``entry``'s current slot: ``"<entry>@<slot>"`` if this beat won, else None."""
         cache, prefix = self._mutex_beat_cache()
-        slot, lease = tick_slot(entry.schedule, time.time() if now is None else now)
+        when = time.time() if now is None else now
+        slot, lease = tick_slot(entry.schedule, when, getattr(entry, "last_run_at", None))
         tick = f"{entry.name}@{slot}"
         claim = Mutex(cache, lease=lease, prefix=prefix, label="beat", name="beat")
         return tick if claim.try_acquire(tick) is not None else None

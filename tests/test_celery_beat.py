@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -225,7 +226,13 @@ class Cluster(Processes):
         wait_until(lambda: "ready." in self.log_text("worker"), 30, "the worker to be ready")
 
     def start_beats(
-        self, count: int, scheduler: str, run: str, slow: bool = False, cron: bool = False
+        self,
+        count: int,
+        scheduler: str,
+        run: str,
+        slow: bool = False,
+        cron: bool = False,
+        **env: str,
     ) -> None:
         for i in range(count):
             beat = f"beat-{run}-{i}"
@@ -240,6 +247,7 @@ class Cluster(Processes):
                     CM_RUN=run,
                     CM_SLOW="1" if slow else "0",
                     CM_CRON="1" if cron else "0",
+                    **env,
                 )
             )
 
@@ -365,3 +373,38 @@ def test_three_guarded_beats_run_a_crontab_tick_exactly_once(cluster: Cluster) -
     rows = [row for row in cluster.runs(run) if row["entry"] == "cron"]
     due = dt.datetime.fromtimestamp(boundary, dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     assert [row["slot"] for row in rows] == [f"cron@{due}"], rows
+
+
+@pytest.mark.slow
+def test_guarded_beats_run_each_tick_of_a_kolkata_crontab_once(cluster: Cluster) -> None:
+    """2 real beats with MutexScheduler, the app in Asia/Kolkata (UTC+05:30), a crontab
+    every minute of the local hours the test runs in, across two minute boundaries: each
+    tick ran exactly once, stamped with its due minute in UTC. Before the fix, on Celery
+    5.3 to 5.6 (remaining_delta read a UTC datetime's hour as Kolkata's), every tick of
+    the day mapped to one slot and all but the first were dropped as already claimed."""
+    run = "kolkata-" + uuid.uuid4().hex[:6]
+    kolkata = ZoneInfo("Asia/Kolkata")
+    hours = sorted({dt.datetime.fromtimestamp(time.time() + s, kolkata).hour for s in (0, 240)})
+    fields = {"minute": "*", "hour": ",".join(map(str, hours))}
+    cluster.start_beats(
+        2, "celery_mutex.beat:MutexScheduler", run, cron=True,
+        CM_TIMEZONE="Asia/Kolkata", CM_CRON_FIELDS=json.dumps(fields),
+    )  # fmt: skip
+    names = [f"beat-{run}-{i}" for i in range(2)]
+    wait_until(
+        lambda: all("Starting..." in cluster.log_text(name) for name in names), 30, "the beats"
+    )
+    first = (int(time.time()) // 60 + 1) * 60
+    boundaries = [first, first + 60]
+    time.sleep(max(0.0, boundaries[-1] + 8 - time.time()))
+    cluster.stop_beats()
+    time.sleep(1.5)
+    slots = Counter(row["slot"] for row in cluster.runs(run) if row["entry"] == "cron")
+    due = [
+        f"cron@{dt.datetime.fromtimestamp(b, UTC).strftime('%Y-%m-%dT%H:%MZ')}" for b in boundaries
+    ]
+    assert [slots[slot] for slot in due] == [1, 1], (
+        slots,
+        [cluster.log_text(n)[-1500:] for n in names],
+    )
+    assert max(slots.values()) == 1  # a tick just before the first boundary: once too

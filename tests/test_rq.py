@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -24,16 +24,19 @@ import pytest
 import redis
 from rq import Queue, Retry, SimpleWorker, Worker
 from rq.command import send_stop_job_command
+from rq.cron import CronJob
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 from rq_support import jobs
-from workers import ROOT, ReleaseLater, start, stop, wait_until
+from workers import BIN, ENV, ROOT, ReleaseLater, start, stop, wait_until
 
 # isort: split
 from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
+from rq_mutex.cron import _registration
 from rq_mutex.job import NO_SCHEDULER_FLAG
 from simple_mutex import ConstraintError, Mutex, Semaphore
 from simple_mutex.caches import RedisCache
+from simple_mutex.inspect import live_locks
 
 
 @pytest.fixture(scope="module")
@@ -413,32 +416,36 @@ def test_bad_options_raise_when_decorating(options, match):
 # -- rq cron: once per tick ---------------------------------------------------------------
 
 
+def run_rq_cron(seconds: float, *environments: dict[str, str]) -> None:
+    """One ``rq cron tests/rq_support/cron_config.py`` process per environment, for
+    ``seconds``; all stopped at the end."""
+    config = str(ROOT / "tests" / "rq_support" / "cron_config.py")
+    procs = [start(["rq", "cron", "-u", jobs.REDIS_URL, config], **env) for env in environments]
+    try:
+        time.sleep(seconds)
+    finally:
+        stop(procs)
+
+
 def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     """Three guarded ``rq cron`` processes (one job every second) enqueue each tick once;
     three unguarded ones, as a control, enqueue duplicates. A second copy of a tick that
     reaches a worker anyway is dropped at run time."""
     guarded = Queue(f"rqt-cron-g-{run}", connection=conn)
     control = Queue(f"rqt-cron-c-{run}", connection=conn)
-    config = str(ROOT / "tests" / "rq_support" / "cron_config.py")
-    procs = [
-        start(
-            ["rq", "cron", "-u", jobs.REDIS_URL, config],
-            RQT_GUARD=guard,
-            RQT_QUEUE=queue.name,
-            RQT_NAME=f"{run}-{guard}",
-        )
-        for guard, queue in (("1", guarded), ("0", control))
-        for _ in range(3)
-    ]
-    try:
-        time.sleep(6)
-    finally:
-        stop(procs)
+    run_rq_cron(
+        6,
+        *[
+            {"RQT_GUARD": guard, "RQT_QUEUE": queue.name, "RQT_NAME": f"{run}-{guard}"}
+            for guard, queue in (("1", guarded), ("0", control))
+            for _ in range(3)
+        ],
+    )
     enqueued = guarded.get_jobs()
     ticks = [job.meta.get("rq_mutex_tick") for job in enqueued]
     assert len(ticks) >= 3
     assert len(set(ticks)) == len(ticks)  # each tick once
-    assert all(isinstance(t, str) and t.startswith(f"{run}-1@") for t in ticks)
+    assert all(isinstance(t, str) and t.startswith(f"{run}-1~") for t in ticks)
     assert len(control) >= len(ticks) + 3  # the control enqueued duplicates
 
     burst(guarded)
@@ -455,3 +462,77 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     assert duplicate.meta["rq_mutex_skipped"] is True  # what a dashboard sees
     assert duplicate.meta["rq_mutex_skip_reason"] == "duplicate tick"
     assert len(records(conn, f"{run}-1", "ticks")) == len(ticks)
+
+
+def test_cron_jobs_sharing_a_name_each_run_once_per_tick(conn, run):
+    """Two guarded ``rq cron`` processes, four ``cleanup`` registrations under one name
+    (users and orders every second, sessions and carts every 2 s): every registration is
+    enqueued once per tick, and each of its jobs runs. Before the fix the claim named only
+    the cron job's name: one registration per tick won and the others were dropped as
+    "already enqueued by another process", every tick."""
+    queue = Queue(f"rqt-cron-s-{run}", connection=conn)
+    shared = {"RQT_GUARD": "1", "RQT_SHARED": "1", "RQT_QUEUE": queue.name, "RQT_NAME": run}
+    run_rq_cron(8, shared, shared)
+    enqueued = queue.get_jobs()
+    by_table: dict[str, list[str]] = defaultdict(list)
+    for job in enqueued:
+        by_table[job.args[1]].append(job.meta["rq_mutex_tick"])
+    assert set(by_table) == {"users", "orders", "sessions", "carts"}, by_table
+    for table, ticks in by_table.items():
+        assert len(set(ticks)) == len(ticks), (table, ticks)  # each tick once
+    assert len(by_table["users"]) >= 4
+    assert set(by_table["users"]) & set(by_table["orders"]) == set()  # ticks name the job
+    users_at = sorted(t.rsplit("@", 1)[1] for t in by_table["users"])
+    orders_at = sorted(t.rsplit("@", 1)[1] for t in by_table["orders"])
+    assert len(set(users_at) ^ set(orders_at)) <= 2  # the same seconds (but the edges)
+    for table in ("sessions", "carts"):
+        assert 2 <= len(by_table[table]) <= 6, (table, by_table[table])  # one per 2 s window
+    # What `simple-mutex list ... --prefix rq_mutex:tick:` shows: the name, the tick, and
+    # which registration holds it.
+    claims = [c for c in live_locks(RedisCache(conn), "rq_mutex:tick:") if c.key.startswith(run)]
+    cron_ticks = {t for table in ("users", "orders") for t in by_table[table]}
+    assert cron_ticks <= {c.key for c in claims}  # a cron tick's claim is named by it
+    windows = {c.key.split("@")[0] for c in claims if c.key.endswith("@every-2000ms")}
+    assert len(windows) == 2  # an interval claims a window: one per registration
+    labels = {c.holder.label for c in claims}
+    assert (
+        f"rq cron rq_support.jobs.cleanup({run!r}, 'users') on {queue.name} cron '* * * * * *'"
+        in labels
+    )
+    assert f"rq cron rq_support.jobs.cleanup({run!r}, 'carts') on {queue.name} every 2 s" in labels
+
+    burst(queue)
+    ran = Counter(row["table"] for row in records(conn, run, "cleanups"))
+    assert ran == Counter({t: len(ticks) for t, ticks in by_table.items()})  # none dropped
+    assert all(job.return_value() == job.args[1] for job in enqueued)
+
+
+def test_a_registration_is_named_alike_in_every_process():
+    """The digest a claim names a registration by is the same in processes with other
+    hash seeds (set arguments iterate differently there), and differs when the function,
+    an argument, the queue or the schedule does."""
+    code = (
+        "from rq.cron import CronJob; from rq_mutex.cron import _registration; "
+        "print(_registration(CronJob('q', func_name='m.f', args=({'users', 'orders', 'x'},), "
+        "kwargs={'only': frozenset('abc')}, cron='0 3 * * *')))"
+    )
+    digests = {
+        subprocess.run(
+            [str(BIN / "python"), "-c", code],
+            env={**ENV, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.strip()
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert len(digests) == 1
+    base = {"queue_name": "q", "func_name": "m.f", "args": ("users",), "cron": "0 3 * * *"}
+    variants = [
+        base,
+        {**base, "func_name": "m.g"},
+        {**base, "args": ("orders",)},
+        {**base, "queue_name": "r"},
+        {**base, "cron": "0 4 * * *"},
+        {**{k: v for k, v in base.items() if k != "cron"}, "interval": 60},
+        {**base, "kwargs": {"dry_run": True}},
+    ]
+    assert len({_registration(CronJob(**v)) for v in variants}) == len(variants)

@@ -3,7 +3,9 @@
 Configured from the environment: ``CM_BROKER``, ``CM_CACHE`` (lock cache, result backend
 and records), ``CM_PREFIX``, ``CM_QUEUE``, ``CM_RUN`` (a run id, passed to every tick so
 runs of one test never mix with another's), ``CM_PERIOD`` (seconds), ``CM_SLOW`` ("1": add
-a job that outlives its period), ``CM_ROLE`` ("worker" registers ``remote``).
+a job that outlives its period), ``CM_ROLE`` ("worker" registers ``remote``), ``CM_CRON``
+("1": only the crontab entry ``cron``, whose fields ``CM_CRON_FIELDS`` may give as JSON),
+``CM_TIMEZONE`` (the app's ``timezone``; UTC when unset).
 
 Entries: ``fast`` (a plain task the beat imports: ``task.apply_async``), ``remote`` (a
 task only the worker registers: beat calls ``send_task``), ``slow``.
@@ -49,9 +51,21 @@ app.conf.update(
         },
     },
 )
+if os.environ.get("CM_ROLE"):
+    # In its own process the app is the current one, as a user's app is: beat reloads its
+    # schedule entries from the schedule file without their app, and Celery then reads
+    # the crontab's time zone from the current app (the default, UTC, otherwise).
+    app.set_current()
+if os.environ.get("CM_TIMEZONE"):
+    app.conf.timezone = os.environ["CM_TIMEZONE"]
 if os.environ.get("CM_CRON") == "1":
-    app.conf.beat_schedule = {  # only a crontab entry: every minute, on the minute
-        "cron": {"task": "celery_support.beat_app.cron", "schedule": crontab(), "args": (RUN,)}
+    fields = json.loads(os.environ.get("CM_CRON_FIELDS") or "{}")  # {}: every minute
+    app.conf.beat_schedule = {  # only a crontab entry
+        "cron": {
+            "task": "celery_support.beat_app.cron",
+            "schedule": crontab(**fields),
+            "args": (RUN,),
+        }
     }
 if os.environ.get("CM_SLOW") == "1":
     app.conf.beat_schedule["slow"] = {

@@ -1,5 +1,9 @@
 """An ``rq cron`` config: one job every second on queue ``$RQT_QUEUE``, named
-``$RQT_NAME``; with ``RQT_GUARD=1`` the once-per-tick guard is on (the one line)."""
+``$RQT_NAME``; with ``RQT_GUARD=1`` the once-per-tick guard is on (the one line).
+
+``RQT_SHARED=1`` registers instead four ``cleanup`` jobs under that one name (RQ allows
+it: a name defaults to the function's): tables ``users`` and ``orders`` every second
+(cron), ``sessions`` and ``carts`` every 2 s (interval)."""
 
 from __future__ import annotations
 
@@ -14,10 +18,18 @@ if os.environ.get("RQT_GUARD") == "1":
 
     once_per_tick()
 
-cron.register(
-    jobs.ticked,
-    os.environ["RQT_QUEUE"],
-    args=(os.environ["RQT_NAME"],),
-    cron="* * * * * *",  # croniter's sixth field: seconds
-    name=os.environ["RQT_NAME"],
-)
+QUEUE, NAME = os.environ["RQT_QUEUE"], os.environ["RQT_NAME"]
+
+if os.environ.get("RQT_SHARED") == "1":
+    for table in ("users", "orders"):
+        cron.register(jobs.cleanup, QUEUE, args=(NAME, table), cron="* * * * * *", name=NAME)
+    for table in ("sessions", "carts"):
+        cron.register(jobs.cleanup, QUEUE, args=(NAME, table), interval=2, name=NAME)
+else:
+    cron.register(
+        jobs.ticked,
+        QUEUE,
+        args=(NAME,),
+        cron="* * * * * *",  # croniter's sixth field: seconds
+        name=NAME,
+    )

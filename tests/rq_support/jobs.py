@@ -185,6 +185,15 @@ def ticked(run: str) -> str:
     return "ran"
 
 
+@mutex_job(key="cleanup.{run}.{table}", on_busy="skip")
+def cleanup(run: str, table: str) -> str:
+    """A cron job registered several times under one name, once per table."""
+    current = get_current_job()
+    tick = current.meta.get("rq_mutex_tick") if current else None
+    _record(run, "cleanups", table=table, tick=tick)
+    return table
+
+
 @mutex_job(key="sleep.{run}")
 def sleeper(run: str, seconds: float) -> str:
     _record(run, "log", stage="started")
