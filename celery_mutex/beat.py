@@ -36,7 +36,7 @@ import math
 import time
 from typing import Any
 
-from simple_mutex import ConstraintError, Mutex, SimpleMutexAcquireTimeoutError
+from simple_mutex import ConstraintValueError, Mutex, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import shared_cache, skip_marker
 from simple_mutex.durations import positive_seconds
 
@@ -88,7 +88,7 @@ class MutexSchedulerMixin:
         conf = self.app.conf
         cache = conf.get("mutex_beat_cache") or conf.get("mutex_cache")
         if cache is None:
-            raise ConstraintError(
+            raise ConstraintValueError(
                 "celery_mutex.beat: no cache for beat claims; set app.conf.mutex_cache or "
                 "app.conf.mutex_beat_cache (e.g. 'redis://host:6379/0'), shared by every beat"
             )
