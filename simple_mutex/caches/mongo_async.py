@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError
+from simple_mutex.errors import ConstraintError, ConstraintTypeError
 
 from .common import driver_imports
 from .mongo_core import Call, Flow, MongoCore, scanned
@@ -87,6 +87,16 @@ class AsyncMongoCache(MongoCore):
                 reply = await method(*step.args, **step.kwargs)
             except PyMongoError as exc:
                 error = self._failed(step, exc)
+            except RuntimeError as exc:
+                if "different event loop" not in str(exc):
+                    raise
+                # pymongo binds a client to the first loop that used it, and refuses any
+                # other before it sends anything: the caller's to fix, not a fault.
+                raise ConstraintTypeError(
+                    f"AsyncMongoCache: its AsyncMongoClient is bound to the event loop it was "
+                    f"first used on ({exc}); build the client and the cache inside each event "
+                    "loop (each asyncio.run, each thread running a loop)"
+                ) from exc
 
     # -- the contract --------------------------------------------------------------------
 
