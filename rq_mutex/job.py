@@ -153,8 +153,12 @@ class _Run:
             held = self._acquire(job, key)
         except SimpleMutexAcquireTimeoutError as busy:
             return self._busy(job, key, busy)
-        with running(held), held:
-            return self.fn(*args, **kwargs)
+        try:  # nothing runs between the grant and this try (a job timeout's alarm)
+            with running(held), held:
+                return self.fn(*args, **kwargs)
+        except BaseException:
+            held.let_go_at_the_door()  # an interrupt before the block was entered
+            raise
 
     async def run_async(self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An ``async def`` job: waiting, renewal and release never block the loop, and a

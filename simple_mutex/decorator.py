@@ -150,16 +150,22 @@ def with_simple_mutex(
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            with mutex.acquire(key_of(*args, **kwargs), timeout=wait, renew=renew):
-                result = fn(*args, **kwargs)
-                if inspect.isawaitable(result):
-                    # Its body would run after the lock is freed: refuse, loudly.
-                    getattr(result, "close", lambda: None)()
-                    raise ConstraintTypeError(
-                        f"{fn!r} returned an awaitable but is not an `async def` function; "
-                        "with_simple_mutex cannot tell: decorate the `async def` itself"
-                    )
-                return result
+            lease = mutex.acquire(key_of(*args, **kwargs), timeout=wait, renew=renew)
+            try:  # entered in this frame: nothing runs between the grant and the try
+                with lease:
+                    result = fn(*args, **kwargs)
+                    if inspect.isawaitable(result):
+                        # Its body would run after the lock is freed: refuse, loudly.
+                        getattr(result, "close", lambda: None)()
+                        raise ConstraintTypeError(
+                            f"{fn!r} returned an awaitable but is not an `async def` "
+                            "function; with_simple_mutex cannot tell: decorate the "
+                            "`async def` itself"
+                        )
+                    return result
+            except BaseException:
+                lease.let_go_at_the_door()  # an interrupt before the block was entered
+                raise
 
         return guarded  # type: ignore[return-value]
 

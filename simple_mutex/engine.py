@@ -353,19 +353,28 @@ def take_over(
 
 
 def extend(
-    slot_keys: Sequence[str], lease: float, owns: Owns, now: Callable[[], float]
+    slot_keys: Sequence[str],
+    lease: float,
+    owns: Owns,
+    now: Callable[[], float],
+    wall: Callable[[], float],
 ) -> Flow[Grant | None]:
     """Restart the expiry of the first record ``owns`` accepts (its holder's token), on
     behalf of that holder: the value stays, so the holder's own handle stays valid (its
-    next renewal misses the version, finds its value, and writes from there)."""
+    next renewal misses the version, finds its value, and writes from there).
+
+    Never shorter than the record has left (``wall``: Unix time, the clock of an Entry's
+    ``expires_at``): the holder knows nothing of the extension and keeps counting on the
+    time it was given, so a shorter record would let another holder in beside it."""
     for slot, cache_key in enumerate(slot_keys):
         for _ in range(RENEW_WRITES):
             entry = yield Get(cache_key)
             if entry is None or not owns(entry):
                 break
+            length = max(lease, entry.expires_at - wall())
             started = now()
             try:
-                extended = yield CompareAndSet(cache_key, entry.value, lease, entry.version)
+                extended = yield CompareAndSet(cache_key, entry.value, length, entry.version)
             except SimpleCacheConditionError:
                 continue  # renewed or freed in between: read it again
             return Grant(slot, extended, started)

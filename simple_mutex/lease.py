@@ -558,12 +558,26 @@ class Lease:
                     self._armed_thread = threading.get_ident()
                     self._book_next()
                     return self
-        except (KeyboardInterrupt, LeaseInterrupt):
-            # No __exit__ follows a failed __enter__: end the lease here.
-            self._disarm()
-            self.release()
+        except BaseException:
+            # An interrupt (Ctrl-C, a signal handler's exception, a lease's) landed here:
+            # no __exit__ follows a failed __enter__, so end the lease here.
+            self.let_go_at_the_door()
             raise
         raise self._ended_error()
+
+    def let_go_at_the_door(self) -> None:
+        """For code that runs ``with lease:`` right after the acquire: an exception that
+        left before the block was entered (a signal handler's, landing at ``__enter__``'s
+        first line, where no ``__exit__`` follows) must still free the record. Call it
+        from an ``except BaseException:`` around the acquire's ``with`` block; after a
+        block that ran, the lease is already released and this does nothing."""
+        if self._released or self._inherited:
+            return
+        self._disarm()
+        try:
+            self.release()
+        except MalfunctionError as fault:  # the exception in flight is the one to report
+            log.warning("could not release %r after an interrupt: %s", self.key, fault)
 
     def __exit__(
         self,

@@ -208,8 +208,10 @@ class _LockSpace:
         """Restart the permit of ``key`` held with ``token`` for ``lease`` seconds (the
         lock space's lease by default), from any process that knows the token (dmutex's
         ``extend``). False when no permit of ``key`` is held with it (it was released or
-        lapsed). The holder's own Lease stays valid and renews as before; its local
-        deadline is the one it last set itself (renew it there to move that)."""
+        lapsed). It only ever lengthens: a ``lease`` shorter than the permit has left
+        keeps what it has, since the holder still counts on that. The holder's own Lease
+        stays valid and renews as before; its local deadline is the one it last set
+        itself (renew it there to move that)."""
         self._sync("extend")
         check_token(token)
         length = self.lease if lease is None else positive_seconds(lease, "lease")
@@ -219,7 +221,11 @@ class _LockSpace:
             return secrets.compare_digest(held.encode("utf-8", "surrogatepass"), wanted)
 
         flow = engine.extend(
-            self._slot_keys(key), length, self._owned(key, held_with_token), time.monotonic
+            self._slot_keys(key),
+            length,
+            self._owned(key, held_with_token),
+            time.monotonic,
+            time.time,
         )
         return self._run(key, flow) is not None
 

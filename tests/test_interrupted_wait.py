@@ -99,3 +99,28 @@ def test_a_disk_wait_is_cut_short_by_the_alarm_too(tmp_path, alarm):
     with pytest.raises(Alarm):
         Mutex(cache).acquire("k", timeout=10)
     assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("where", ["_sync", "_book_next"])
+def test_an_interrupt_at_the_blocks_door_leaves_no_record(mutex, monkeypatch, where):
+    """A signal handler's exception landing in ``Lease.__enter__`` (at its first line,
+    ``_sync``, where no ``__exit__`` follows; or inside it, ``_book_next``, where the
+    reviewer's alarms landed): ``with_simple_mutex`` frees the record before the
+    exception leaves. Before, the key stayed held for the whole lease."""
+    from simple_mutex import Lease, with_simple_mutex
+
+    original = getattr(Lease, where)
+    fired = []
+
+    def ring_once(self, *args):  # type: ignore[no-untyped-def]
+        if not fired:
+            fired.append(1)
+            raise Alarm("time is up")
+        return original(self, *args)
+
+    monkeypatch.setattr(Lease, where, ring_once)
+    guarded = with_simple_mutex(lambda: "ran", key="k", cache=mutex.cache, lease=30)
+    with pytest.raises(Alarm):
+        guarded()
+    assert fired == [1]
+    assert not Mutex(mutex.cache).locked("k"), "the interrupted call left its record"

@@ -733,3 +733,15 @@ def test_a_renewing_holder_stays_valid_through_an_extension_by_its_token(any_cac
         assert not lease.lost
     assert lease.release() is False  # released by the block's exit, in time
     assert not locks.locked("k")
+
+
+def test_an_extension_never_shortens_the_permit_its_holder_counts_on(any_cache):
+    """extend(lease=1) on a permit held for 30 s keeps the 30 s: the holder does not
+    know of the extension, so a shorter record would let a rival in while it works
+    (the reviewer's case: a rival got the key 1.5 s later, the holder not interrupted)."""
+    mutex = Mutex(any_cache, lease=30)
+    lease = mutex.acquire("k")
+    assert Mutex(any_cache).extend("k", token=lease.token, lease=1) is True
+    time.sleep(1.3)
+    assert mutex.try_acquire("k") is None
+    assert lease.release() is True

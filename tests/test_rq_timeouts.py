@@ -39,3 +39,29 @@ def test_a_job_timeout_while_waiting_fails_the_job_and_skips_its_body():
     assert "JobTimeoutException" in (result.exc_string or "")
     assert conn.llen(f"rqt:{run}:ran") == 0, "the body ran after the job timed out"
     assert took < 6, f"the job waited {took:.1f} s, past its 1 s timeout"
+
+
+def test_a_job_timeout_at_the_blocks_door_leaves_no_record(monkeypatch):
+    """The job's alarm landing in ``Lease.__enter__`` (its first line, where no
+    ``__exit__`` follows): the job fails with it and its key is free at once, not held
+    for its lease (a reviewer saw 7 of 2500 synchronous jobs leave their key held)."""
+    from rq.timeouts import JobTimeoutException
+
+    from simple_mutex import Lease
+
+    original, fired = Lease._sync, []
+
+    def ring_once(self, method):  # type: ignore[no-untyped-def]
+        if not fired:
+            fired.append(method)
+            raise JobTimeoutException("Task exceeded maximum timeout value")
+        return original(self, method)
+
+    monkeypatch.setattr(Lease, "_sync", ring_once)
+    conn = redis.Redis.from_url(timeouts.REDIS_URL, socket_connect_timeout=2)
+    run = uuid.uuid4().hex[:10]
+    queue = Queue(f"rqto-{run}", connection=conn, is_async=False)
+    job = queue.enqueue(timeouts.waits_for_its_key, run)
+    assert fired == ["__enter__"]
+    assert job.get_status() == JobStatus.FAILED
+    assert not Mutex(RedisCache(conn)).locked(f"timeout.{run}"), "the key stayed held"
