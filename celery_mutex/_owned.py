@@ -2,10 +2,13 @@
 task id (hashed when it holds characters a record or a log should not carry), ``attempt``
 the task's ``retries``. So the worker's parent, which sees a child die (WorkerLostError,
 hard time limit, ``revoke(terminate=True)``), can free that child's lock by owner
-(``release_where``), and a retry of the same task id, which ``Task.retry`` publishes
-*before* the old run unwinds, takes over the record its earlier attempt still holds
-(``take_over``). An ``acks_late`` redelivery of the *same* attempt (its holder may still
-run) is busy until the holder frees the lock or its lease lapses (DESIGN §6).
+(``release_where``). A retry of the same task id, which ``Task.retry`` publishes
+*before* the old run unwinds, finds the record its earlier attempt still holds: it waits
+for that attempt to let go (up to a lease, whatever ``on_busy`` says), since the earlier
+attempt is still running its ``finally:`` blocks under the lock. (Taking the record over,
+as this did before, ran the retry beside that clean-up with the same fence.) An
+``acks_late`` redelivery of the *same* attempt (its holder may still run) is busy until
+the holder frees the lock or its lease lapses (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -55,11 +58,10 @@ class OwnedLocks:
                 held_by, held_attempt = _split(held)
                 return held_by == owner and 0 <= held_attempt < attempt
 
-            lease = self.space.take_over(
-                key, token=token, owns=earlier_attempt, renew=renew, label=label
-            )
-            if lease is not None:
-                return lease
+            if self.space.held_by(key, earlier_attempt):
+                # Our earlier attempt is unwinding (its finally: blocks run under the
+                # lock) or died (its parent frees it once its process is gone): wait.
+                timeout = None if timeout is None else max(timeout, self.space.lease)
         return self.space.acquire(key, timeout=timeout, renew=renew, label=label, token=token)
 
     def release_owner(self, key: str, owner: str) -> bool:

@@ -229,6 +229,14 @@ class _LockSpace:
         )
         return self._run(key, flow) is not None
 
+    def held_by(self, key: str, owns: Callable[[str], bool]) -> bool:
+        """Whether a permit of ``key`` is held now by a token ``owns`` accepts (an
+        integration's own earlier attempt, say); one read of each slot."""
+        self._sync("held_by")
+        owned = self._owned(key, owns)
+        entries = self._run(key, engine.read(self._slot_keys(key)))
+        return any(entry is not None and owned(entry) for entry in entries)
+
     def release_where(self, key: str, owns: Callable[[str], bool]) -> bool:
         """Free every permit of ``key`` whose holder's token ``owns`` accepts, from any
         process (a worker's parent freeing a killed child's lock). A record that changed

@@ -129,6 +129,29 @@ def tidy_past_lease(run: str) -> None:
     _sleep_then_tidy(run, 0.12)
 
 
+@app.task(
+    base=MutexTask, bind=True,
+    mutex={"key": "steps.{run}", "on_busy": "raise", "lease": 30, "renew": True},
+)  # fmt: skip
+def retries_with_clean_up(self: Any, run: str) -> list[float | int]:
+    """Attempt 0 calls ``self.retry(countdown=0)``, whose message goes out before its
+    ``finally:`` clean-up (50 steps, 5 ms apart) runs under the lock; attempt 1 records
+    when it entered and returns [its entry, its fence, attempt 0's fence]."""
+    from celery_mutex import current_lease
+
+    lease = current_lease()
+    assert lease is not None
+    if self.request.retries == 0:
+        _record.set(f"{PREFIX}fence.{run}", lease.fence, ex=300)
+        try:
+            raise self.retry(countdown=0)
+        finally:
+            for _ in range(50):
+                _step(run)
+                time.sleep(0.005)
+    return [time.monotonic(), lease.fence, int(_record.get(f"{PREFIX}fence.{run}") or 0)]
+
+
 class _SaysWhenItWaits(MutexTask):
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         _record.set(f"{PREFIX}waiting.{args[0]}", time.monotonic(), ex=300)

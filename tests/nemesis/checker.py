@@ -276,11 +276,6 @@ def _stale_writes(holds: dict[str, Hold], store_log: list[tuple[int, str, int, s
     return found
 
 
-def _owner(hold: Hold) -> str:
-    """Who holds: the Celery task id, whose retries re-enter its lock, or the op itself."""
-    return str(hold.acquire.get("task") or hold.id)
-
-
 def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
     grants: dict[tuple[str, int], list[Hold]] = defaultdict(list)
     for hold in holds.values():
@@ -289,9 +284,10 @@ def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
             grants[(hold.key, slot)].append(hold)
     found = []
     for (key, _slot), group in grants.items():
-        # A retry of one Celery task id re-enters its own lock with its fence (documented):
-        # one grant per task id and fence counts.
-        seen = Counter(f for f, _ in {(h.granted["fence"], _owner(h)) for h in group if h.granted})
+        # Every grant carries a fence of its own, a Celery retry's too: a retry waits for
+        # its earlier attempt to let go and is granted anew (it once took the record
+        # over, fence and all, and ran beside that attempt's clean-up).
+        seen = Counter(h.granted["fence"] for h in group if h.granted)
         for fence, n in seen.items():
             if n > 1:
                 ids = tuple(h.id for h in group if h.granted and h.granted["fence"] == fence)
@@ -310,8 +306,7 @@ def _fence_order(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
             if not i:
                 continue
             fence, first = best[i - 1]
-            same = fence == h.granted["fence"] and _owner(holds[first]) == _owner(h)
-            if fence >= h.granted["fence"] and first != h.id and not same:
+            if fence >= h.granted["fence"] and first != h.id:
                 found.append(Anomaly(
                     "fence-order", key,
                     f"{h.id} (pid {h.pid}) was granted fence {h.granted['fence']} after "
