@@ -24,6 +24,15 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     a unique token, so equality proves ownership. Otherwise raise
     ``SimpleCacheConditionError``.
 
+    The entry it returns says ``took_over=True`` when the key was last granted to a
+    holder that never freed it (its entry expired, or was renewed until it lapsed), as
+    far as the cache still remembers: within the window it keeps an expired key's trace
+    (``gc_after`` where the cache has one, the fence window on Redis). A first grant, a
+    grant after a ``compare_and_delete``, a grant once the cache forgot the key, and our
+    own earlier write returned again say False. Each semaphore slot (``key#N``) is a key
+    of its own here. Lock events, spans and the timeline report it as the grant's
+    ``took_over``.
+
 ``compare_and_set(key, value, ttl=..., version=...)``
     Replace the live entry whose version is ``version`` and restart its expiry; the fence
     does not change; the version does. Raise ``SimpleCacheConditionError`` if the entry is
@@ -92,6 +101,9 @@ class Entry(NamedTuple):
     """The key's grant counter as of this entry; only ever grows."""
     expires_at: float
     """When the entry lapses, in Unix seconds by the cache's clock."""
+    took_over: bool = False
+    """Set by ``put_if_absent`` only: this grant replaced a holder that never freed the
+    key (its entry lapsed). ``get``, ``compare_and_set`` and ``scan`` always say False."""
 
 
 @runtime_checkable

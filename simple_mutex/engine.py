@@ -174,8 +174,6 @@ class Grant:
     started: float
     """The monotonic time just before the winning write was sent: the lease runs from here
     on the holder's side, which is never later than the cache's own start."""
-    previous: Entry | None = None
-    """With ``observe``: the holder this acquire found in the way on the granted slot."""
 
 
 class Released(NamedTuple):
@@ -200,15 +198,6 @@ def settle(cache_key: str, value: str) -> Flow[Entry | None]:
     return entry if entry is not None and entry.value == value else None
 
 
-def peek(cache_key: str) -> Flow[Entry | None]:
-    """The entry at ``cache_key``, or None when it cannot be read (only for reporting)."""
-    try:
-        found: Entry | None = yield Get(cache_key)
-    except MalfunctionError:
-        return None
-    return found
-
-
 def acquire(
     *,
     key: str,
@@ -220,16 +209,14 @@ def acquire(
     now: Callable[[], float],
     rng: random.Random,
     courtesy: float = 0.0,
-    observe: bool = False,
 ) -> Flow[Grant]:
     """Put-if-absent on each slot, starting at a random one; when all are held, wait for a
-    release notification (at most a jittered poll interval) until the deadline. With
-    ``observe`` (someone listens to lock events), a slot found held is read once, so the
-    grant can tell whether it took over from a holder that lapsed."""
+    release notification (at most a jittered poll interval) until the deadline. Whether
+    the grant took over from a holder that never freed the slot is the cache's to say
+    (``Entry.took_over``): a clock cannot tell a lapse from a release."""
     deadline = None if timeout is None else now() + timeout
     count = len(slot_keys)
     wait_failed = False
-    seen: dict[int, Entry | None] | None = {} if observe else None
     if courtesy > 0 and timeout != 0:
         # We just handed this key to a waiter we woke: let it go first.
         yield Pause(courtesy if timeout is None else min(courtesy, timeout))
@@ -242,8 +229,6 @@ def acquire(
             try:
                 entry = yield PutIfAbsent(slot_keys[slot], value, lease)
             except SimpleCacheConditionError:
-                if seen is not None and slot not in seen:
-                    seen[slot] = yield from peek(slot_keys[slot])
                 continue
             except MalfunctionError as fault:
                 # Settle an unclear write, unless it was never sent or the wait is over (a
@@ -254,7 +239,7 @@ def acquire(
                 entry = yield from settle(slot_keys[slot], value)
                 if entry is None:
                     raise
-            return Grant(slot, entry, started, None if seen is None else seen.get(slot))
+            return Grant(slot, entry, started)
         remaining = None if deadline is None else deadline - now()
         if remaining is not None and remaining <= 0:
             raise SimpleMutexAcquireTimeoutError(

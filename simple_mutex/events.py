@@ -57,7 +57,9 @@ class LockEvent:
     held: float | None = None
     """released, lost: how long the lease was held."""
     took_over: bool = False
-    """acquired: the grant came after the holder seen in the way had lapsed."""
+    """acquired: the slot's last holder never freed it (it crashed, stalled or overran
+    its lease, and its record lapsed), as far as the cache still remembers that holder
+    (``Entry.took_over``); False after a release, on a first grant, or once forgotten."""
     reason: str | None = None
     """lost: why."""
 

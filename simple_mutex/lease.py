@@ -129,7 +129,7 @@ class Lease:
     _booked: float | None = None  # the keeper's next visit
     _renewing = False  # a background renewal is in flight
     _loop: asyncio.AbstractEventLoop | None = None
-    _previous: Entry | None = None  # the holder the acquire found in the way, if watched
+    _took_over = False  # the grant replaced a holder that never freed the slot
     _loss_reported = False
     _listening = False  # someone listened to lock events when it was acquired
     _renewing_sync: threading.Lock | None = None  # held by the renewal in flight
@@ -154,7 +154,7 @@ class Lease:
         self._granted = grant.started
         if claim.listening:  # reported from acquire to release or loss, as one story
             self._listening = True
-            self._previous = grant.previous
+            self._took_over = grant.entry.took_over
         self._lock = threading.Lock()  # guards state only; never held across a cache call
         self._generation = forksafe.generation  # a forked child's copy is not the holder
         self._set_deadline(grant.started, space.lease)
@@ -459,15 +459,13 @@ class Lease:
         reason: str | None = None,
     ) -> None:
         """Emit a lock event about this lease (only called when someone listens)."""
-        previous = self._previous
         record = Entry(self._value, self._version, self.fence, self._expires_wall)
         events.emit(events.LockEvent(
             kind, self.key, self._space.name, self._cache.name, events.now(),
             fence=self.fence, slot=self.slot,
             holder=holder_of(record, self._cache.name, self.key, self.slot),
             waited=waited, held=held, reason=reason,
-            took_over=kind == "acquired" and previous is not None
-            and time.time() >= previous.expires_at,
+            took_over=kind == "acquired" and self._took_over,
         ))  # fmt: skip
 
     def _message(self) -> str:

@@ -319,7 +319,6 @@ class _LockSpace:
             now=time.monotonic,
             rng=_rng,
             courtesy=self._handoffs.courtesy(claim.slot_keys),
-            observe=claim.listening and bool(events.subscribers),
         )
 
     def _unclear(self, claim: _Claim, fault: MalfunctionError) -> None:

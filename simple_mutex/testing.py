@@ -119,6 +119,7 @@ class FaultyCache:
         self.name = self.cache.name
         self.faults = Faults(self.cache.name)
         self._keys: set[str] = set()  # cache keys written through it (for expire)
+        self._lapsed: set[str] = set()  # cache keys expire() lapsed, not granted since
 
     cache: Any
 
@@ -171,9 +172,19 @@ class FaultyCache:
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         self._keys.add(key)
-        return self._call(  # type: ignore[no-any-return]
+        entry = self._call(
             "put_if_absent", key, lambda: self.cache.put_if_absent(key, value, ttl=ttl)
         )
+        return self._granted(key, entry)
+
+    def _granted(self, key: str, entry: Entry) -> Entry:
+        """The first grant after ``expire`` took over from the holder it lapsed, as after
+        a real lapse. (``expire`` frees the record: a record written to lapse a moment
+        later could be renewed by its holder in that moment.)"""
+        if key not in self._lapsed:
+            return entry
+        self._lapsed.discard(key)
+        return entry._replace(took_over=True)
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         return self._call(  # type: ignore[no-any-return]
@@ -192,13 +203,15 @@ class FaultyCache:
     def expire(self, key: str, prefix: str | None = None) -> int:
         """The record of the lock ``key`` (your key; ``prefix`` if the Mutex has its own)
         lapses now, as if its lease had run out: a renewing holder learns it at its next
-        renewal, and anyone may take the key at once. Returns how many records lapsed."""
+        renewal, and anyone may take the key at once (that grant says it took over).
+        Returns how many records lapsed."""
         lapsed = 0
         for cache_key in self._matching(key, prefix):
             entry = self.cache.get(cache_key)
             if entry is not None:
                 try:
                     self.cache.compare_and_delete(cache_key, version=entry.version)
+                    self._lapsed.add(cache_key)
                     lapsed += 1
                 except SimpleCacheConditionError:
                     pass  # released in between
@@ -222,9 +235,10 @@ class AsyncFaultyCache(FaultyCache):
 
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:  # type: ignore[override]
         self._keys.add(key)
-        return await self._call(  # type: ignore[no-any-return]
+        entry = await self._call(
             "put_if_absent", key, lambda: self.cache.put_if_absent(key, value, ttl=ttl)
         )
+        return self._granted(key, entry)
 
     async def compare_and_set(  # type: ignore[override]
         self, key: str, value: str, *, ttl: float, version: str
@@ -250,6 +264,7 @@ class AsyncFaultyCache(FaultyCache):
             if entry is not None:
                 try:
                     await self.cache.compare_and_delete(cache_key, version=entry.version)
+                    self._lapsed.add(cache_key)
                     lapsed += 1
                 except SimpleCacheConditionError:
                     pass

@@ -24,6 +24,7 @@ can find and drop what this suite wrote.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -48,8 +49,10 @@ from simple_mutex import (
     SimpleMutexAcquireTimeoutError,
     SimpleMutexLeaseExpiredError,
     cache_from_url,
+    events,
 )
 from simple_mutex.caches import registry
+from simple_mutex.events import LockEvent
 
 PREFIX = f"b{uuid.uuid4().hex[:8]}."
 POLL = 5.0  # the poll interval of notified waiters: a hand-off by poll would take seconds
@@ -59,6 +62,17 @@ PROCESSES = 4
 
 def new_key() -> str:
     return f"k{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def granted() -> Iterator[list[LockEvent]]:
+    """The ``acquired`` events emitted inside the block, in order."""
+    seen: list[LockEvent] = []
+    stop = events.subscribe(lambda event: seen.append(event) if event.kind == "acquired" else None)
+    try:
+        yield seen
+    finally:
+        stop()
 
 
 def assert_each_fails(cache: ConditionalCache, *operations: str, within: float = 5.0) -> None:
@@ -130,6 +144,20 @@ class LockBehaviour:
         assert holder.fence == fresh.fence
         assert fresh.release() is True
         assert short.holder(key) is None
+
+    def test_a_grant_after_a_lapse_reports_that_it_took_over(self, cache: ConditionalCache) -> None:
+        """took_over means the same on every tier: an acquire made after a holder left its
+        lease to lapse (nobody was waiting on it) says it took over; a first grant and a
+        grant after a release do not."""
+        key = new_key()
+        mutex = Mutex(cache, lease=0.3, prefix=PREFIX)
+        with granted() as grants:
+            crashed = mutex.acquire(key, timeout=5)  # never released: it lapses
+            time.sleep(0.5)
+            mutex.acquire(key, timeout=5).release()
+            mutex.acquire(key, timeout=5).release()
+        assert [e.took_over for e in grants] == [False, True, False]
+        assert grants[0].fence == crashed.fence
 
     def test_a_semaphore_admits_its_permits_and_no_more(self, cache: ConditionalCache) -> None:
         """Three permits: three holders on distinct slots, a fourth is refused or times out;
@@ -276,6 +304,20 @@ class SharedBehaviour(LockBehaviour):
             fences = [row.fence for row in rows if row.slot == slot]
             assert all(a < b for a, b in itertools.pairwise(fences)), (slot, fences)
 
+    def killed_holder(
+        self, url: str, key: str, lease: float, tmp_path: Path, children: list[Any]
+    ) -> dict[str, Any]:
+        """A spawned process takes ``key`` for ``lease`` seconds (no renewal) and is
+        SIGKILLed holding it: what it reported (pid, fence, monotonic time granted)."""
+        info = tmp_path / "holder.json"
+        holder_proc = procs.start(procs.hold_forever, url, PREFIX, key, lease, str(info))
+        children.append(holder_proc)
+        assert procs.wait_for_file(info, timeout=30), "the holder never reported its lease"
+        held: dict[str, Any] = procs.read_json(info)
+        os.kill(holder_proc.pid, signal.SIGKILL)
+        holder_proc.join(5)
+        return held
+
     @pytest.mark.slow
     def test_a_sigkilled_holders_lock_is_taken_over_after_its_lease(
         self, url: str, cache: ConditionalCache, tmp_path: Path, children
@@ -283,13 +325,8 @@ class SharedBehaviour(LockBehaviour):
         """A holder killed with SIGKILL never releases: its lock stays held (holder() names
         the dead pid) until its 1 s lease ends, then it is taken over soon after, with a
         larger fence."""
-        key, lease, info = new_key(), 1.0, tmp_path / "holder.json"
-        holder_proc = procs.start(procs.hold_forever, url, PREFIX, key, lease, str(info))
-        children.append(holder_proc)
-        assert procs.wait_for_file(info, timeout=30), "the holder never reported its lease"
-        held = procs.read_json(info)
-        os.kill(holder_proc.pid, signal.SIGKILL)
-        holder_proc.join(5)
+        key, lease = new_key(), 1.0
+        held = self.killed_holder(url, key, lease, tmp_path, children)
         mutex = Mutex(cache, lease=30, interval=0.05, prefix=PREFIX)
         seen = mutex.holder(key)
         assert seen is not None
@@ -302,6 +339,24 @@ class SharedBehaviour(LockBehaviour):
         assert taken.fence > held["fence"]
         assert taken.release() is True
         assert not mutex.locked(key)
+
+    @pytest.mark.slow
+    def test_an_acquire_after_a_sigkilled_holder_reports_that_it_took_over(
+        self, url: str, cache: ConditionalCache, tmp_path: Path, children
+    ) -> None:
+        """A holder in another process is SIGKILLed and nobody waits for its lock: the
+        first acquire after its lease ended says took_over (events, spans, timeline), and
+        the next one, after a release, does not."""
+        key, lease = new_key(), 0.5
+        held = self.killed_holder(url, key, lease, tmp_path, children)
+        time.sleep(max(0.0, held["granted"] + lease + 0.3 - time.monotonic()))
+        mutex = Mutex(cache, lease=30, prefix=PREFIX)
+        with granted() as grants:
+            taken = mutex.acquire(key, timeout=5)
+            assert taken.release() is True
+            mutex.acquire(key, timeout=5).release()
+        assert [e.took_over for e in grants] == [True, False]
+        assert grants[0].fence == taken.fence > held["fence"]
 
     def test_an_entry_another_program_wrote_is_a_malfunction(self, url: str) -> None:
         """One rule on every tier: an entry this library did not write is a MalfunctionError

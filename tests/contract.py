@@ -138,13 +138,14 @@ class CacheContract:
         assert cache.put_if_absent(key, "same", ttl=30).fence > first.fence
 
     def test_put_if_absent_on_an_expired_key_wins(self, cache: ConditionalCache) -> None:
-        """An expired entry counts as absent: a new put takes the key over."""
+        """An expired entry counts as absent: a new put takes the key over (and get shows
+        the entry it wrote, took_over being the put's own report)."""
         key = unique_key()
         cache.put_if_absent(key, "old", ttl=self.short_ttl)
         self.let_expire()
         entry = cache.put_if_absent(key, "new", ttl=30)
         assert entry.value == "new"
-        assert cache.get(key) == entry
+        assert cache.get(key) == entry._replace(took_over=False)
 
     def test_put_if_absent_on_a_freed_key_wins(self, cache: ConditionalCache) -> None:
         """A key freed by compare_and_delete can be taken again at once."""
@@ -196,6 +197,62 @@ class CacheContract:
         assert entry.version
         assert type(entry.fence) is int
         assert entry.fence >= 1
+
+    # -- took_over: the grant replaced a holder that never freed the key -----------------
+
+    def test_a_first_grant_did_not_take_over(self, cache: ConditionalCache) -> None:
+        """A key never granted before: took_over is False."""
+        _, entry = held(cache, "v1")
+        assert entry.took_over is False
+
+    def test_a_grant_after_a_lapse_took_over(self, cache: ConditionalCache) -> None:
+        """The holder never freed the key (its entry lapsed): the next grant says it took
+        over. Only that put's answer says so: get, a renewal, the same put repeated (a
+        lost reply's retry) and the grant after a release all say False."""
+        key, _ = held(cache, "crashed", self.short_ttl)
+        self.let_expire()
+        rescuer = cache.put_if_absent(key, "rescuer", ttl=30)
+        assert rescuer.took_over is True
+        assert cache.get(key) == rescuer._replace(took_over=False)
+        assert cache.put_if_absent(key, "rescuer", ttl=30).took_over is False
+        renewed = cache.compare_and_set(key, "rescuer", ttl=30, version=rescuer.version)
+        assert renewed.took_over is False
+        cache.compare_and_delete(key, version=renewed.version)
+        assert cache.put_if_absent(key, "next", ttl=30).took_over is False
+
+    def test_a_grant_after_a_release_did_not_take_over(self, cache: ConditionalCache) -> None:
+        """compare_and_delete freed the key: the next grant took nothing over."""
+        key, first = held(cache, "polite")
+        cache.compare_and_delete(key, version=first.version)
+        assert cache.put_if_absent(key, "next", ttl=30).took_over is False
+
+    def test_a_renewed_holder_that_lapsed_is_taken_over(self, cache: ConditionalCache) -> None:
+        """A holder that renewed, then stopped (crashed) without freeing: taken over."""
+        key, first = held(cache, "renewing", ttl=30)
+        cache.compare_and_set(key, "renewing", ttl=self.short_ttl, version=first.version)
+        self.let_expire()
+        assert cache.put_if_absent(key, "rescuer", ttl=30).took_over is True
+
+    def test_took_over_is_told_per_semaphore_slot(self, cache: ConditionalCache) -> None:
+        """A semaphore's slots (``key#N``) each answer for their own last holder: the one
+        that lapsed is taken over, the freed one and the never-granted one are not."""
+        base = unique_key()
+        lapsing, freed, fresh = base, base + "#1", base + "#2"
+        cache.put_if_absent(lapsing, "a", ttl=self.short_ttl)
+        cache.compare_and_delete(freed, version=cache.put_if_absent(freed, "b", ttl=30).version)
+        self.let_expire()
+        grants = [cache.put_if_absent(key, "new", ttl=30) for key in (lapsing, freed, fresh)]
+        assert [entry.took_over for entry in grants] == [True, False, False]
+
+    def test_a_takeover_that_lapses_in_turn_is_taken_over_again(
+        self, cache: ConditionalCache
+    ) -> None:
+        """Two crashes in a row: each grant after a lapse says it took over."""
+        key, _ = held(cache, "first", self.short_ttl)
+        self.let_expire()
+        assert cache.put_if_absent(key, "second", ttl=self.short_ttl).took_over is True
+        self.let_expire()
+        assert cache.put_if_absent(key, "third", ttl=30).took_over is True
 
     # -- fences -------------------------------------------------------------------------
 
@@ -317,7 +374,8 @@ class CacheContract:
         """After expiry and takeover, the old version never frees the new holder's entry."""
         key, old = held(cache, "old", self.short_ttl)
         self.let_expire()
-        assert_refused(cache, key, old.version, cache.put_if_absent(key, "new", ttl=30))
+        new = cache.put_if_absent(key, "new", ttl=30)
+        assert_refused(cache, key, old.version, new._replace(took_over=False))
 
     # -- wait ---------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -92,6 +93,29 @@ def test_a_takeover_of_a_lapsed_holder_says_so(seen):
     assert [(e.key, e.took_over) for e in grants] == [
         ("crashed", False), ("crashed", True), ("polite", False), ("polite", False)
     ]  # fmt: skip
+
+
+def test_a_waiter_handed_a_released_key_did_not_take_over(seen):
+    """took_over is what the cache knows, not a guess from the clock: a waiter that saw
+    the holder, then got the key only after that holder's lease would have ended, was
+    handed a released key (the holder freed it): no take-over."""
+    waiting, go_on = threading.Event(), threading.Event()
+
+    class HeldBack(InMemoryCache):
+        def wait(self, keys, timeout):  # the waiter sleeps until the test lets it go
+            waiting.set()
+            go_on.wait(10)
+
+    mutex = Mutex(HeldBack(), lease=0.3)
+    holder = mutex.acquire("k")
+    waiter = threading.Thread(target=lambda: mutex.acquire("k", timeout=10).release())
+    waiter.start()
+    assert waiting.wait(10)
+    assert holder.release() is True
+    time.sleep(0.4)  # past the end of the released holder's lease
+    go_on.set()
+    waiter.join(10)
+    assert [e.took_over for e in seen if e.kind == "acquired"] == [False, False]
 
 
 def test_names_come_from_the_template_the_class_or_the_caller(seen):

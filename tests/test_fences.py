@@ -205,11 +205,11 @@ class CollectedByTheLibrary:
 
 class TestMemoryFences(CollectedByTheLibrary, FenceBehaviour):
     """One counter per cache, started at the wall clock; freed keys are dropped, expired
-    ones when met or by the sweep every 4096 writes."""
+    ones by the sweep every 4096 writes once they are ``gc_after`` old."""
 
     @pytest.fixture
     def new_cache(self) -> NewCache:
-        return lambda gc_after=None: InMemoryCache()
+        return lambda gc_after=60.0: InMemoryCache(gc_after=gc_after)
 
     def footprint(self, cache: Any) -> int:
         return len(cache._entries)

@@ -128,27 +128,42 @@ class TestRedisBehaviour(NotifyBehaviour, SharedBehaviour):
 
 
 def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: redis.Redis):
-    """Entry, semaphore slots, last fence, waiter mark and signal list of one lock key hash
-    to one Cluster slot, so every script (and a BLPOP over all slots) runs on Redis
-    Cluster; the slots share one fence sequence; an entry carries the server's PX expiry;
-    a release that found a waiter leaves a one-token signal list that expires in about
-    1 s, and the waiter mark within 3 s."""
+    """Entry, semaphore slots, their held marks, last fence, waiter mark and signal list
+    of one lock key hash to one Cluster slot, so every script (and a BLPOP over all
+    slots) runs on Redis Cluster; the slots share one fence sequence; an entry carries
+    the server's PX expiry, and its held mark (a grant not freed yet) outlives it; a
+    release drops its slot's held mark, and if it found a waiter leaves a one-token
+    signal list that expires in about 1 s, and the waiter mark within 3 s."""
     key = unique_key()
     entries = {name: cache.put_if_absent(name, "v", ttl=30) for name in (key, f"{key}#1")}
     assert entries[f"{key}#1"].fence > entries[key].fence  # the slots share a sequence
+    stem = f"{PREFIX}{{{key}}}"
+    assert {stem + ":h", stem + ":h#1"} <= our_keys(client, f"{{{key}}}*")
     with pytest.raises(SimpleCacheConditionError):
         cache.put_if_absent(key, "other", ttl=30)  # marks a waiter...
     cache.compare_and_delete(key, version=entries[key].version)  # ...so this signals
-    stem = f"{PREFIX}{{{key}}}"
     names = our_keys(client, f"{{{key}}}*")
-    assert names == {stem + "#1", stem + ":f", stem + ":w", stem + ":signal"}
+    assert names == {stem + "#1", stem + ":h#1", stem + ":f", stem + ":w", stem + ":signal"}
     assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1
     assert 29_000 < client.pttl(stem + "#1") <= 30_000  # Redis itself drops it at the ttl
+    assert 59_000 < client.pttl(stem + ":h#1") <= 60_000  # max(2 x ttl, 60 s)
     assert client.lrange(stem + ":signal", 0, -1) == [b"1"]
     assert 0 < client.pttl(stem + ":signal") <= 1000
     time.sleep(1.1)
-    assert our_keys(client, f"{{{key}}}*") == {stem + "#1", stem + ":f", stem + ":w"}
+    assert our_keys(client, f"{{{key}}}*") == {stem + "#1", stem + ":h#1", stem + ":f", stem + ":w"}
     assert 0 < client.pttl(stem + ":w") <= 3000
+
+
+def test_a_renewal_keeps_the_held_mark_as_long_as_the_fence(cache: RedisCache, client):
+    """A lease renewed for longer than its grant kept the held mark is still known as
+    unfreed when it lapses: each renewal sets the mark's expiry to max(2 x ttl, 60 s)
+    from then, so a crash after hours of renewals still reads as a take-over."""
+    key = unique_key()
+    entry = cache.put_if_absent(key, "v", ttl=1)
+    held = f"{PREFIX}{{{key}}}:h"
+    assert 59_000 < client.pttl(held) <= 60_000
+    cache.compare_and_set(key, "v", ttl=45, version=entry.version)
+    assert 89_000 < client.pttl(held) <= 90_000
 
 
 def test_uncontended_cycles_leave_only_the_last_fence_and_it_expires(mutex: Mutex, client):

@@ -210,8 +210,9 @@ def test_a_stale_holder_cannot_release_or_renew_after_an_expiry_takeover(client:
     now[0] += 11
     taker = cache.put_if_absent(key, "same", ttl=10)
     assert taker.fence > stale.fence
+    assert taker.took_over
     now[0] -= 5  # the stale holder's clock still believes in its lease
-    assert_refused(cache, key, stale.version, taker)
+    assert_refused(cache, key, stale.version, taker._replace(took_over=False))
 
 
 class Counting:
@@ -263,6 +264,27 @@ def test_relocking_a_freed_key_costs_one_request_per_step(client: Any):
         cache.put_if_absent("mutex." + key, "mine", ttl=30)
     assert counting.calls == ["put", "get"]
     other.compare_and_delete("mutex." + key, version=entry.version)
+
+
+def test_a_take_over_through_a_hint_says_whether_the_holder_freed_the_key(client: Any):
+    """The hint a read leaves (the object it saw expired) remembers whether the object
+    still held a value: a put through it in one request says it took over from the
+    holder that never freed the key; through a release's hint it does not."""
+    now = [1_000_000_000.0]
+    counting = Counting(client)
+    cache = S3Cache(counting, BUCKET, PREFIX, clock=lambda: now[0])
+    key = unique_key()
+    cache.put_if_absent(key, "crashed", ttl=10)
+    now[0] += 11
+    assert cache.get(key) is None  # reads the lapsed object: the hint
+    counting.calls.clear()
+    rescuer = cache.put_if_absent(key, "rescuer", ttl=10)
+    assert counting.calls == ["put"]
+    assert rescuer.took_over
+    cache.compare_and_delete(key, version=rescuer.version)
+    counting.calls.clear()
+    assert not cache.put_if_absent(key, "next", ttl=10).took_over
+    assert counting.calls == ["put"]
 
 
 @pytest.mark.parametrize("server", ["seaweed", "moto"])

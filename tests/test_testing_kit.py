@@ -57,9 +57,10 @@ def test_delay_and_call_counts(faulty_cache):
     assert mutex.holder("k") is None
 
 
-def test_expire_makes_the_holders_record_lapse_now(faulty_cache):
-    """expire(key): another acquire succeeds at once with a larger fence, and the
-    renewing holder learns at its next renewal."""
+def test_expire_makes_the_holders_record_lapse_now(faulty_cache, mutex_events):
+    """expire(key): another acquire succeeds at once with a larger fence and says it
+    took over (as after a real lapse), and the renewing holder learns at its next
+    renewal."""
     mutex = Mutex(faulty_cache, lease=0.6)
     held = mutex.acquire("order.7", renew=True)
     assert faulty_cache.expire("order.7") == 1
@@ -67,6 +68,9 @@ def test_expire_makes_the_holders_record_lapse_now(faulty_cache):
     assert taker.fence > held.fence
     wait_until(lambda: held.lost, 2, "the holder to learn of the lapse")
     taker.release()
+    mutex.acquire("order.7", timeout=0).release()
+    grants = [e.took_over for e in mutex_events if e.kind == "acquired"]
+    assert grants == [False, True, False]
 
 
 def test_bad_fault_plans_are_refused(faulty_cache):

@@ -56,6 +56,18 @@ def new_version() -> str:
     return f"{random.getrandbits(64):016x}"
 
 
+TOOK_OVER = "+"
+"""Ends the version a grant writes over a record whose holder never freed it (it lapsed),
+on the tiers whose one statement sees the old record but returns only the new one (SQL's
+``RETURNING``, MongoDB's ``ReturnDocument.AFTER``): the put tells ``Entry.took_over`` from
+the version it gets back. ``new_version`` writes hex, so the mark is never part of one."""
+
+
+def took_over_version(version: str) -> str:
+    """The version a grant written as ``version`` has when it took over a lapsed record."""
+    return version + TOOK_OVER
+
+
 def clock_fence(seconds: float) -> int:
     """The clock floor of a fence: Unix time in whole microseconds (about 1.8e15 in 2026,
     exact in JSON and in a double up to 2**53, the year 2255).

@@ -11,6 +11,9 @@ the wake-up counters (``gate.py``: 4 KiB, fixed). Nothing else is created, ever.
   grant in 64 looks at the next 1024 rows (a cursor in the store, shared by every process)
   and deletes those freed or expired as long ago. The clock floor keeps fences growing
   after that, even in a new directory (a tmpfs after a reboot).
+* A grant over a row that expired with its value still there (its holder never freed
+  it) says it took over (``Entry.took_over``); over a freed row, or a new one, it does
+  not. Its version carries the mark (``common.TOOK_OVER``), so no column is added.
 * Expiry is judged by this machine's wall clock, shared by every process on it.
 * ``wait`` marks the held keys' rows and blocks on the gate until a release of a marked
   key, the earliest expiry of the keys (a crashed holder's lock is taken over as its
@@ -37,6 +40,7 @@ from simple_mutex.errors import ConstraintValueError, MalfunctionError, SimpleCa
 
 from .common import (
     DEFAULT_GC_AFTER,
+    TOOK_OVER,
     CacheBase,
     fault,
     gc_after_seconds,
@@ -44,6 +48,7 @@ from .common import (
     malformed,
     new_version,
     prefix_end,
+    took_over_version,
 )
 from .gate import open_gate
 
@@ -73,6 +78,8 @@ _SWEEP_ROWS = 1024  # rows one pass looks at: 16 per grant on average
 
 # Insert, or take over a freed or expired row; the fence is max(fence + 1, the clock in
 # µs: clock_fence, in SQL), and the waiters marked for the last holder must mark again.
+# Over a row its holder never freed (value not NULL: it lapsed) the version gets the
+# TOOK_OVER mark: RETURNING shows only the new row, and the version says what the old was.
 # The clock is read by a function SQLite calls inside the statement, after it took the
 # write lock: a floor read before waiting for the lock (or the guard) would be stale by
 # the time it lands, and a row granted and collected meanwhile would carry a larger fence
@@ -83,11 +90,12 @@ _PUT = f"""
 INSERT INTO entries (key, value, version, fence, expires_at)
 VALUES (?1, ?2, ?3, CAST({_CLOCK_FUNCTION}() * 1000000 AS INTEGER), ?4)
 ON CONFLICT (key) DO UPDATE
-    SET value = excluded.value, version = excluded.version,
+    SET value = excluded.value,
+        version = excluded.version || iif(entries.value IS NULL, '', '{TOOK_OVER}'),
         fence = max(entries.fence + 1, excluded.fence), expires_at = excluded.expires_at,
         waiting = NULL
     WHERE entries.value IS NULL OR entries.expires_at <= ?5
-RETURNING fence
+RETURNING fence, version
 """
 _GET = """
 SELECT value, version, fence, expires_at FROM entries
@@ -228,7 +236,7 @@ class DiskCache(CacheBase):
                 # operation reports a lasting fault itself.
                 with contextlib.suppress(MalfunctionError):
                     self.collect()
-            return Entry(value, version, won[0], now + ttl)
+            return Entry(value, won[1], won[0], now + ttl, won[1] == took_over_version(version))
         row = self._run("put_if_absent", key, _GET, (key, now)).fetchone()
         current = None if row is None else self._entry("put_if_absent", key, row)
         if current is not None and current.value == value:

@@ -3,9 +3,11 @@
 * Releases wake waiters at once: threads through the condition, asyncio waiters through
   their loop (``wait_async``).
 * Fences come from one counter for the whole cache, so they grow per key too, and a freed
-  key is dropped (no tombstone): nothing outlives a release. Expired entries are dropped
-  when met and by a sweep every few thousand writes. The counter starts at the wall clock
-  in µs, so fences keep growing across process restarts (for a store that outlives us).
+  key is dropped (no tombstone): nothing outlives a release. An expired entry stays
+  ``gc_after`` seconds past its expiry (60 by default), so that the next grant can say it
+  took over from a holder that never freed the key; a sweep every few thousand writes
+  drops older ones. The counter starts at the wall clock in µs, so fences keep growing
+  across process restarts (for a store that outlives us).
 * Expiry follows a monotonic clock anchored once to Unix time.
 
 Rationale: docs/design/memory.md.
@@ -22,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from simple_mutex.contract import Entry
 from simple_mutex.errors import SimpleCacheConditionError
 
-from .common import CacheBase, clock_fence
+from .common import DEFAULT_GC_AFTER, CacheBase, clock_fence, gc_after_seconds
 
 _SWEEP_EVERY = 4096
 
@@ -40,7 +42,15 @@ class InMemoryCache(CacheBase):
     name = "memory"
     nonblocking = True  # asyncio drivers call it on the loop: no operation ever waits
 
-    def __init__(self, *, clock: Callable[[], float] = steady_time) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = steady_time,
+        gc_after: float | None = DEFAULT_GC_AFTER,
+    ) -> None:
+        """``gc_after``: seconds an expired entry is remembered (None: until the key is
+        granted again), so that its key's next grant says it took over."""
+        self.gc_after = gc_after_seconds("InMemoryCache", gc_after)
         super().__init__()
         self._clock = clock
         # Enter the lock itself on hot paths: a Condition's own __enter__ is Python code.
@@ -62,10 +72,7 @@ class InMemoryCache(CacheBase):
 
     def _live(self, key: str, now: float) -> Entry | None:
         entry = self._entries.get(key)
-        if entry is None or entry.expires_at > now:
-            return entry
-        del self._entries[key]
-        return None
+        return entry if entry is not None and entry.expires_at > now else None
 
     def get(self, key: str) -> Entry | None:
         with self._guard:
@@ -86,10 +93,11 @@ class InMemoryCache(CacheBase):
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         with self._guard:
             now = self._clock()
-            current = self._live(key, now)
-            if current is not None:
-                if current.value == value:
-                    return current
+            # Still here, though expired: its holder never freed it (a release drops it).
+            lapsed = self._entries.get(key)
+            if lapsed is not None and lapsed.expires_at > now:
+                if lapsed.value == value:
+                    return lapsed
                 raise SimpleCacheConditionError(f"memory: {key!r} is held")
             fence = next(self._counter)
             entry = Entry(value, str(fence), fence, now + ttl)
@@ -97,7 +105,7 @@ class InMemoryCache(CacheBase):
             self._writes += 1
             if self._writes % _SWEEP_EVERY == 0:
                 self._sweep(now)
-            return entry
+            return entry if lapsed is None else entry._replace(took_over=True)
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         with self._guard:
@@ -163,7 +171,10 @@ class InMemoryCache(CacheBase):
         return earliest
 
     def _sweep(self, now: float) -> None:
-        expired = [k for k, e in self._entries.items() if e.expires_at <= now]
+        if self.gc_after is None:
+            return
+        before = now - self.gc_after
+        expired = [k for k, e in self._entries.items() if e.expires_at <= before]
         for key in expired:
             del self._entries[key]
 

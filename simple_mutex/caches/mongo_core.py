@@ -26,6 +26,7 @@ from .common import (
     malformed,
     new_version,
     prefix_end,
+    took_over_version,
     ttl_ms,
 )
 
@@ -56,6 +57,8 @@ _FREE_SERVER: dict[str, Any] = {
     "$or": [{"value": None}, {"$expr": {"$lte": [_EXPIRES_MS, _NOW_MS]}}]
 }
 _ENTRY_FIELDS = {"_id": 0, "value": 1, "version": 1, "fence": 1, "expires_at": 1}
+# Does the document a pipeline stage reads hold a value (a holder that never freed it)?
+_HELD_BEFORE = {"$eq": [{"$type": "$value"}, "string"]}
 
 
 T = TypeVar("T")
@@ -268,6 +271,9 @@ class MongoCore(CacheBase):
         version = new_version()
         if self.clock == "client":
             return (yield from self._putting_by_client_clock(key, value, version, ms))
+        # Over a document its holder never freed (it lapsed), the version gets the
+        # TOOK_OVER mark: the stage reads the old document, the reply is the new one.
+        took_over = took_over_version(version)
         try:
             doc = yield Call(
                 "put_if_absent", key, "find_one_and_update",
@@ -275,7 +281,7 @@ class MongoCore(CacheBase):
                     {"_id": key, **_FREE_SERVER},
                     [{"$set": {
                         "value": {"$literal": value},
-                        "version": version,
+                        "version": {"$cond": [_HELD_BEFORE, took_over, version]},
                         "fence": {"$max": [
                             {"$add": [{"$ifNull": ["$fence", 0]}, 1]},
                             {"$multiply": [_NOW_MS, 1000]},
@@ -289,7 +295,8 @@ class MongoCore(CacheBase):
         except DuplicateKeyError:
             doc = None  # a live document holds the key (or a racing put created it)
         if doc is not None:
-            return _entry(doc, "put_if_absent", key)
+            entry = _entry(doc, "put_if_absent", key)
+            return entry._replace(took_over=True) if entry.version == took_over else entry
         return _ours_or_held(key, value, (yield from self._reading("put_if_absent", key)))
 
     def _putting_by_client_clock(self, key: str, value: str, version: str, ms: int) -> Flow[Entry]:
@@ -304,12 +311,15 @@ class MongoCore(CacheBase):
         free = {"$or": [{"value": None}, {"expires_at": {"$lte": _date(now_ms)}}]}
 
         def taking(match: dict[str, Any], fence: int) -> Flow[Entry | None]:
-            done = yield Call(
+            before = yield Call(
                 "put_if_absent", key, "find_one_and_update",
                 ({"_id": key, **match, **free}, {"$set": {**fields, "fence": fence}}),
-                {"projection": {"_id": 1}},
+                {"projection": {"_id": 0, "value": 1}},  # the document it replaced
             )  # fmt: skip
-            return None if done is None else Entry(value, version, fence, _seconds(expires_at))
+            if before is None:
+                return None
+            lapsed = before.get("value") is not None  # its holder never freed it
+            return Entry(value, version, fence, _seconds(expires_at), lapsed)
 
         taken = yield from taking({"fence": {"$lt": floor}}, floor)
         if taken is not None:

@@ -18,6 +18,7 @@ from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheCo
 
 from .common import (
     DEFAULT_GC_AFTER,
+    TOOK_OVER,
     CacheBase,
     driver_imports,
     fault,
@@ -25,6 +26,7 @@ from .common import (
     gc_due,
     malformed,
     new_version,
+    took_over_version,
 )
 
 with driver_imports("postgres"):
@@ -70,13 +72,16 @@ _CLOCK_FENCE = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 # Insert, or take over a freed or expired row (max(fence + 1, the clock in µs)). When the
 # row is live the INSERT returns nothing and the second SELECT reads it (from the
 # statement's snapshot), so the caller can tell our own earlier write (same value: a lost
-# reply) from another holder in the same round trip.
+# reply) from another holder in the same round trip. Over a row its holder never freed
+# (value not NULL: it lapsed) the version gets the TOOK_OVER mark: RETURNING shows only
+# the new row (before PostgreSQL 18), and the version says what the old one was.
 _PUT = f"""
 WITH put AS (
     INSERT INTO {{t}} AS e (key, value, version, fence, expires_at)
     VALUES (%(key)s, %(value)s, %(version)s, {_CLOCK_FENCE}, {_EXPIRY})
     ON CONFLICT (key) DO UPDATE
-        SET value = excluded.value, version = excluded.version,
+        SET value = excluded.value,
+            version = excluded.version || CASE WHEN e.value IS NULL THEN '' ELSE '{TOOK_OVER}' END,
             fence = GREATEST(e.fence + 1, {_CLOCK_FENCE}), expires_at = excluded.expires_at
         WHERE e.value IS NULL OR e.expires_at <= clock_timestamp()
     RETURNING value, version, fence, {_EPOCH}
@@ -269,12 +274,14 @@ class PostgresCore(CacheBase):
 
     def _put(self, key: str, value: str, ttl: float) -> Statement[Entry]:
         version = new_version()
+        took_over = took_over_version(version)  # what the statement makes of it (_PUT)
 
         def finish(row: Any) -> Entry:
-            # Ours when just written (our version) or our own earlier write (same value).
-            if row is None or (row[1] != version and row[0] != value):
-                raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
-            return Entry(row[0], row[1], row[2], row[3])
+            if row is not None and row[1] in (version, took_over):  # just written by us
+                return Entry(row[0], row[1], row[2], row[3], row[1] == took_over)
+            if row is not None and row[0] == value:  # our own earlier write (a lost reply)
+                return Entry(row[0], row[1], row[2], row[3])
+            raise SimpleCacheConditionError(f"postgres: {key!r} is held", key=key)
 
         params = {"key": key, "value": value, "version": version, "ttl": ttl}
         return Statement("put_if_absent", key, self._sql["put"], params, finish)

@@ -7,10 +7,17 @@ Keys, for a cache key ``base`` or ``base#N`` (semaphore slot N), all under the h
 ``{base}``, so one script's keys and every slot of a semaphore share a Cluster slot; every
 one of them expires::
 
-    {base}, {base}#N   string  "<fence>.<n> <expires ms> <value>", PX ttl
-    {base}:f           string  the last fence granted, PX max(2 x ttl, 60 s)
-    {base}:w           string  waiters are blocked, PX 3 s (renewed by each failed put)
-    {base}:signal      list    one wake-up token, PX 1 s; only around a hand-off
+    {base}, {base}#N       string  "<fence>.<n> <expires ms> <value>", PX ttl
+    {base}:f               string  the last fence granted, PX max(2 x ttl, 60 s)
+    {base}:h, {base}:h#N   string  "1": the entry (slot N) was granted and not freed since;
+                                   set by a grant and each renewal, PX max(2 x ttl, 60 s),
+                                   deleted by a release
+    {base}:w               string  waiters are blocked, PX 3 s (renewed by each failed put)
+    {base}:signal          list    one wake-up token, PX 1 s; only around a hand-off
+
+The held mark outlives the entry it marks (PX lapses it first): a grant that finds it
+took over from a holder that never freed the key (``Entry.took_over``), for as long as
+the mark is kept after the holder's last grant or renewal.
 """
 
 from __future__ import annotations
@@ -35,14 +42,17 @@ with driver_imports("redis"):
 MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
 SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
-_MIN_KEEP_MS = 60_000  # a freed key's last fence is kept at least this long
+_MIN_KEEP_MS = 60_000  # a freed key's last fence (a lapsed one's held mark) kept this long
 
-# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark
-# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence (ms)
-# Returns the new fence (an integer) when written, or "<version> <expires ms>" of the live
-# entry when it already holds the same value (our own write whose reply was lost: a retry
-# must not report "busy"); 0 when the key holds something we never write (malformed);
-# nil when another value holds it, after marking a waiter.
+# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark, KEYS[4] held mark
+# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence and
+# the held mark (ms)
+# Returns the new fence (an integer) when written, negated when the held mark was there
+# (the last holder never freed the key: the grant took over; an integer reply, not a pair,
+# costs the client nothing to parse); "<version> <expires ms>" of the live entry when it
+# already holds the same value (our own write whose reply was lost: a retry must not
+# report "busy"); 0 when the key holds something we never write (malformed); nil when
+# another value holds it, after marking a waiter.
 # The fence is the server's clock in µs unless the last fence kept is at or past it (two
 # grants in one µs, or a clock stepped back): then that one plus one. Lua numbers are
 # doubles, exact to 2**53: µs since 1970 stay below that until the year 2255.
@@ -54,7 +64,9 @@ if last and last >= fence then fence = last + 1 end
 fence = string.format('%d', fence)
 if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
-    return tonumber(fence)
+    if redis.call('SET', KEYS[4], 1, 'NX', 'PX', ARGV[3]) then return tonumber(fence) end
+    redis.call('PEXPIRE', KEYS[4], ARGV[3])
+    return -tonumber(fence)
 end
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return 0 end
@@ -65,8 +77,10 @@ redis.call('SET', KEYS[3], 1, 'PX', {WAITER_MARK_MS})
 return nil
 """
 
-# KEYS[1] entry
-# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] expected version
+# KEYS[1] entry, KEYS[2] held mark
+# ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] expected version, ARGV[4] how
+# long to keep the held mark (ms): a lease renewed for longer than its grant kept it
+# must still be known as unfreed when it lapses
 # Returns the new write count n (the version becomes "<fence>.<n>") after replacing the
 # value and restarting the expiry; nil when the entry is absent (freed, expired) or at
 # another version.
@@ -76,18 +90,20 @@ if not cur or string.sub(cur, 1, #ARGV[3] + 1) ~= ARGV[3] .. ' ' then return nil
 local fence, n = string.match(ARGV[3], '^(%d+)%.(%d+)$')
 n = n + 1
 redis.call('SET', KEYS[1], fence .. '.' .. n .. ' ' .. ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
 return n
 """
 
-# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list
+# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list, KEYS[4] held mark
 # ARGV[1] expected version
 # Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
 # lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
-# waiting, 0 when absent or at another version. The last fence stays.
+# waiting, 0 when absent or at another version. The last fence stays; the held mark goes
+# with the entry (the next grant takes over nothing).
 DELETE = f"""
 local cur = redis.call('GET', KEYS[1])
 if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('DEL', KEYS[3])
     redis.call('LPUSH', KEYS[3], 1)
@@ -168,6 +184,11 @@ class RedisLayout:
         stem = f"{self.prefix}{{{base}}}"
         return stem + hash_ + slot, stem
 
+    def _held_mark(self, entry_key: str, stem: str) -> str:
+        """The held mark of an entry: ``{base}:h``, or ``{base}:h#N`` for slot N (no side
+        key's name ends in ``}`` or holds ``}#``, so a scan never takes one for an entry)."""
+        return stem + ":h" + entry_key[len(stem) :]
+
     # -- get ------------------------------------------------------------------------------
 
     def _entry_key(self, key: str) -> str:
@@ -190,8 +211,10 @@ class RedisLayout:
         """The script's arguments, and the expiry (Unix ms) the entry will report."""
         entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
-        keep = max(2 * ms, _MIN_KEEP_MS)
-        request = (3, entry_key, stem + ":f", stem + ":w", f"{expires} {value}", ms, keep)
+        held = self._held_mark(entry_key, stem)
+        request = (
+            4, entry_key, stem + ":f", stem + ":w", held, f"{expires} {value}", ms, _keep(ms)
+        )  # fmt: skip
         return request, expires
 
     def _put_reply(self, key: str, value: str, expires: int, reply: Any) -> Entry:
@@ -202,7 +225,8 @@ class RedisLayout:
                 self.name, "put_if_absent", key, f"{self._entry_key(key)!r} is not an entry"
             )
         if isinstance(reply, int):
-            return Entry(value, f"{reply}.1", reply, expires / 1000)
+            fence = abs(reply)  # negative: the grant took over (the PUT script)
+            return Entry(value, f"{fence}.1", fence, expires / 1000, reply < 0)
         version, expires_text = text(reply).split(" ")
         return Entry(value, version, int(version.partition(".")[0]), int(expires_text) / 1000)
 
@@ -222,8 +246,10 @@ class RedisLayout:
     # -- compare_and_set --------------------------------------------------------------------
 
     def _cas_request(self, key: str, value: str, ttl: float, version: str) -> tuple[Request, int]:
+        entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
-        return (1, self._entry_key(key), f"{expires} {value}", ms, version), expires
+        held = self._held_mark(entry_key, stem)
+        return (2, entry_key, held, f"{expires} {value}", ms, version, _keep(ms)), expires
 
     def _cas_reply(self, key: str, value: str, version: str, expires: int, n: Any) -> Entry:
         if n is None:
@@ -242,7 +268,8 @@ class RedisLayout:
 
     def _delete_request(self, key: str, version: str) -> Request:
         entry_key, stem = self._keys(key)
-        return (3, entry_key, stem + ":w", stem + ":signal", version)
+        held = self._held_mark(entry_key, stem)
+        return (4, entry_key, stem + ":w", stem + ":signal", held, version)
 
     def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
         if not freed:
@@ -274,7 +301,7 @@ class RedisLayout:
     def _scanned_keys(self, names: Sequence[bytes | str], prefix: str) -> list[str]:
         """The cache keys of the entries among ``names`` that ``SCAN`` found (once each, in
         order): ``{base}`` is ``base``, ``{base}#N`` is ``base#N`` (a base never holds
-        ``#``); the side keys (``:f``, ``:w``, ``:signal``) are no entries."""
+        ``#``); the side keys (``:f``, ``:h``, ``:w``, ``:signal``) are no entries."""
         keys = []
         for name in dict.fromkeys(text(name) for name in names):  # SCAN may repeat a key
             key = _cache_key(name[len(self.prefix) :])
@@ -341,6 +368,12 @@ def refused(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _keep(ms: int) -> int:
+    """How long the last fence and the held mark are kept after a grant or renewal of
+    ``ms``: past the entry's own expiry, for the next grant to read."""
+    return max(2 * ms, _MIN_KEEP_MS)
 
 
 def _ttl(ttl: float) -> tuple[int, int]:

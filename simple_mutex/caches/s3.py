@@ -10,6 +10,9 @@ One object per cache key, ``prefix + key``, whose JSON body is
 * A release writes a tombstone (value null, fence kept). A grant's fence is max(fence + 1,
   this client's clock in µs), so a deleted object never restarts it: a bucket lifecycle
   rule may expire objects under the prefix after 30 days or more (docs/guides/s3.md).
+  A grant that replaced an object still holding a value (expired: its holder never
+  freed it) says it took over (``Entry.took_over``); one over a tombstone, or a new
+  object, does not.
 * Expiry is the writer's wall clock plus the ttl, judged by the reader's clock: the clocks
   of every machine sharing a bucket must agree far better than a lease (``clock_skew``
   makes takers wait that much longer past every expiry).
@@ -84,6 +87,13 @@ class _Object(NamedTuple):
 class _Hint(NamedTuple):
     etag: str
     fence: int
+    lapsed: bool
+    """The object still held a value (expired, never freed); else a tombstone."""
+
+
+_UNFREED = ""
+"""The value of a lapsed object known from a hint: there, but not kept (never a lock
+record, which is JSON, and never live: its expiry is unknown, so 0)."""
 
 
 class _Miss(Exception):
@@ -198,7 +208,7 @@ class S3Cache(CacheBase):
             elif current is None:
                 # First try the hint: the freed or expired object we saw last.
                 assert hint is not None
-                current = _Object(hint.etag, None, hint.fence, 0.0, "")
+                current = _Object(hint.etag, _UNFREED if hint.lapsed else None, hint.fence, 0.0, "")
             if self._live(current, taker=True, now=now):
                 if current.value == value:
                     return _entry(current)  # our own earlier write whose reply was lost
@@ -209,7 +219,8 @@ class S3Cache(CacheBase):
                 etag = self._write(
                     "put_if_absent", key, value, fence, expires_at, nonce, current.etag
                 )
-                return _entry(_Object(etag, value, fence, expires_at, nonce))
+                granted = _Object(etag, value, fence, expires_at, nonce)
+                return _entry(granted, took_over=current.value is not None)
             except _Miss as miss:
                 create = miss.gone
             current = self._read("put_if_absent", key)
@@ -271,7 +282,7 @@ class S3Cache(CacheBase):
             new_etag = self._write("compare_and_delete", key, None, fence, now, nonce, etag)
         except _Miss:
             new_etag = self._ours("compare_and_delete", key, nonce, version)
-        self._put_hint(key, _Hint(new_etag, fence))
+        self._put_hint(key, _Hint(new_etag, fence, lapsed=False))
         # S3 cannot tell whether anyone waits: None lets the engine re-acquire at once.
 
     def verify(self) -> None:
@@ -344,7 +355,7 @@ class S3Cache(CacheBase):
             detail = f"object s3://{self.bucket}/{name}: {exc!r}"
             raise malformed(self.name, operation, key, detail) from None
         if not self._live(obj, taker=True):
-            self._put_hint(key, _Hint(etag, fence))
+            self._put_hint(key, _Hint(etag, fence, lapsed=value is not None))
         return obj
 
     def _write(
@@ -457,9 +468,9 @@ def check_s3_prefix(prefix: object) -> str:
     return prefix
 
 
-def _entry(obj: _Object) -> Entry:
+def _entry(obj: _Object, took_over: bool = False) -> Entry:
     assert obj.value is not None
-    return Entry(obj.value, _version(obj), obj.fence, obj.expires_at)
+    return Entry(obj.value, _version(obj), obj.fence, obj.expires_at, took_over)
 
 
 def _version(obj: _Object) -> str:
