@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError
+from simple_mutex.errors import ConstraintValueError
 
 from .common import driver_imports
 from .mongo_core import Call, Flow, MongoCore, scanned, split_url, url_options
@@ -126,7 +126,7 @@ def from_url(url: str) -> MongoCache:
         client = pymongo.MongoClient(plain, **url_options(plain))
     except (PyMongoError, TypeError, ValueError) as exc:
         # Only the scheme is echoed: the rest of a URL may hold a password.
-        raise ConstraintError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
+        raise ConstraintValueError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
     cache = MongoCache(client, **options)
     cache._url = plain
     cache._client = client

@@ -16,7 +16,13 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import (
+    ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+)
 
 from .common import (
     CacheBase,
@@ -105,10 +111,10 @@ class MongoCore(CacheBase):
     ) -> None:
         owner = type(self).__name__
         if clock not in ("server", "client"):
-            raise ConstraintError(f"{owner} clock must be 'server' or 'client', got {clock!r}")
+            raise ConstraintValueError(f"{owner} clock must be 'server' or 'client', got {clock!r}")
         gc_after = gc_after_seconds(owner, gc_after)
         if write_concern is not None and not isinstance(write_concern, (str, int)):
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"{owner} write_concern must be 'majority', an int or None, got {write_concern!r}"
             )
         coll = self._collection_of(client_or_collection, database, collection)
@@ -135,9 +141,13 @@ class MongoCore(CacheBase):
     def _collection_of(self, obj: Any, database: str, collection: str) -> Any:
         owner = type(self).__name__
         if not isinstance(database, str) or not database:
-            raise ConstraintError(f"{owner} database must be a non-empty str, got {database!r}")
+            raise ConstraintValueError(
+                f"{owner} database must be a non-empty str, got {database!r}"
+            )
         if not isinstance(collection, str) or not collection:
-            raise ConstraintError(f"{owner} collection must be a non-empty str, got {collection!r}")
+            raise ConstraintValueError(
+                f"{owner} collection must be a non-empty str, got {collection!r}"
+            )
         client_type, database_type, collection_type = self._kinds()
         # Types first: pymongo's Database and Collection answer any attribute.
         if isinstance(obj, collection_type):
@@ -148,7 +158,7 @@ class MongoCore(CacheBase):
             return obj[database][collection]
         if all(callable(getattr(obj, method, None)) for method in _COLLECTION_METHODS):
             return obj  # collection-like: a wrapper of one
-        raise ConstraintError(
+        raise ConstraintTypeError(
             f"{owner} needs a pymongo {client_type.__name__}, {database_type.__name__} or "
             f"{collection_type.__name__}, got {type(obj).__name__}"
         )
@@ -498,7 +508,7 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
     """
     scheme = url.partition(":")[0].lower()
     if scheme not in ("mongodb", "mongodb+srv"):
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"unknown MongoDB URL scheme {scheme!r}; use mongodb:// or mongodb+srv://"
         )
     parts = urlsplit(url)

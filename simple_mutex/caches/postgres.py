@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError
+from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
 from .common import driver_imports
 from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
@@ -236,7 +236,7 @@ def from_url(url: str) -> PostgresCache:
     options pass through, and ``?table=name`` picks the table."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("postgresql", "postgres"):
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"unknown PostgreSQL URL scheme {parts.scheme!r}; use postgresql:// or postgres://"
         )
     query = parse_qsl(parts.query, keep_blank_values=True)

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import (
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+)
 
 from .common import (
     DEFAULT_GC_AFTER,
@@ -164,7 +169,7 @@ class PostgresCore(CacheBase):
         owner = type(self).__name__
         self.gc_after = gc_after_seconds(owner, gc_after)
         if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"{owner} table must be a plain identifier (letters, digits, _; at "
                 f"most 63), got {table!r}; create it in a schema on the role's search_path"
             )
@@ -176,7 +181,7 @@ class PostgresCore(CacheBase):
             self._conninfo = _with_defaults(conninfo)
         elif isinstance(conninfo, self._connection_type):
             if not conninfo.autocommit:
-                raise ConstraintError(
+                raise ConstraintValueError(
                     f"{owner} needs an autocommit connection (connect(..., "
                     "autocommit=True)): a lock written inside your transaction would stay "
                     "invisible until you commit; or pass a conninfo string or a pool"
@@ -191,7 +196,7 @@ class PostgresCore(CacheBase):
             options = {k: v for k, v in (conninfo.kwargs or {}).items() if k in known}
             self._conninfo = _with_defaults(make_conninfo(conninfo.conninfo, **options))
         else:
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"{owner} needs a conninfo string or URL, a psycopg "
                 f"{self._connection_type.__name__} or a psycopg_pool {self._pool_type}, got "
                 f"{type(conninfo).__name__}"
@@ -403,7 +408,7 @@ def _with_defaults(conninfo: str) -> str:
         given = conninfo_to_dict(conninfo)
     except psycopg.Error:
         # Only the kind of problem is echoed: a conninfo may hold a password.
-        raise ConstraintError(
+        raise ConstraintValueError(
             "bad PostgreSQL conninfo or URL (expected postgresql://user@host/db or "
             "'host=... dbname=...')"
         ) from None

@@ -34,7 +34,12 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import (
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+)
 
 from .common import driver_imports, ttl_ms
 from .redis_protocol import (
@@ -69,7 +74,7 @@ class RedisCache(RedisLayout):
     def _connect(self, client: Any) -> bool:
         execute = getattr(client, "execute_command", None)
         if not callable(execute) or inspect.iscoroutinefunction(execute):
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"RedisCache needs a sync redis-py client (redis.Redis, redis.RedisCluster "
                 f"or a Sentinel master), got {type(client).__name__}; for a redis.asyncio "
                 "client use AsyncRedisCache (or pass the client to Mutex as it is)"
@@ -366,8 +371,8 @@ def from_url(url: str) -> Any:
             return make(_sentinel_master(url, driver))
     except (TypeError, ValueError) as exc:
         # Only the scheme is echoed: the rest of a URL may hold a password.
-        raise ConstraintError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
-    raise ConstraintError(
+        raise ConstraintValueError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
+    raise ConstraintValueError(
         f"unknown Redis URL scheme {scheme!r}; use redis://, rediss://, unix://, "
         "redis+socket:// or redis+sentinel://"
     )

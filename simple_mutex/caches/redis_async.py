@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintTypeError, MalfunctionError, SimpleCacheConditionError
 
 from .common import driver_imports, ttl_ms
 from .redis_protocol import (
@@ -78,7 +78,7 @@ class AsyncRedisCache(RedisLayout):
     def _connect(self, client: Any) -> bool:
         execute = getattr(client, "execute_command", None)
         if not inspect.iscoroutinefunction(execute):
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"AsyncRedisCache needs a redis.asyncio client (redis.asyncio.Redis, "
                 f"redis.asyncio.RedisCluster or an asyncio Sentinel master), got "
                 f"{type(client).__name__}; for a sync redis.Redis use RedisCache"

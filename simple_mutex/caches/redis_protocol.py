@@ -31,7 +31,13 @@ from typing import Any
 
 from simple_mutex.contract import Entry
 from simple_mutex.durations import positive_seconds
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import (
+    ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+)
 from simple_mutex.keys import check_prefix
 
 from .common import driver_imports, fault, malformed, ttl_ms
@@ -140,11 +146,11 @@ class RedisLayout:
     ) -> None:
         same_connection = self._connect(client)
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"{type(self).__name__} replicas must be an int >= 0, got {replicas!r}"
             )
         if replicas and not same_connection:
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"{type(self).__name__}(replicas=...) needs a plain Redis client or a "
                 "Sentinel master: WAIT must follow the write on the same connection"
             )

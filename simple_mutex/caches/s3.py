@@ -37,7 +37,13 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex.errors import (
+    ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+)
 
 from .common import (
     CacheBase,
@@ -123,11 +129,11 @@ class S3Cache(CacheBase):
         if not callable(getattr(client, "put_object", None)) or not callable(
             getattr(client, "get_object", None)
         ):
-            raise ConstraintError(
+            raise ConstraintTypeError(
                 f"S3Cache needs a boto3 S3 client (boto3.client('s3')), got {type(client).__name__}"
             )
         if not isinstance(bucket, str) or not _BUCKET_RE.fullmatch(bucket):
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"S3Cache needs a bucket name (3-63 characters from a-z 0-9 . -), got {bucket!r}"
             )
         _check_model(client)
@@ -139,7 +145,7 @@ class S3Cache(CacheBase):
             or not isinstance(clock_skew, (int, float))
             or not 0 <= clock_skew < math.inf
         ):
-            raise ConstraintError(f"clock_skew must be seconds >= 0, got {clock_skew!r}")
+            raise ConstraintValueError(f"clock_skew must be seconds >= 0, got {clock_skew!r}")
         self.clock_skew = float(clock_skew)
         self._clock = clock
         self._hints: OrderedDict[str, _Hint] = OrderedDict()
@@ -322,7 +328,7 @@ class S3Cache(CacheBase):
 
     def _name(self, key: str) -> str:
         if "/" in key or key in (".", ".."):
-            raise ConstraintError(f"s3: cache key {key!r} must not contain '/' or be a dot")
+            raise ConstraintValueError(f"s3: cache key {key!r} must not contain '/' or be a dot")
         return self.prefix + key
 
     def _live(self, obj: _Object, *, taker: bool, now: float | None = None) -> bool:
@@ -452,7 +458,7 @@ def _drop_connections(client: Any) -> None:
 def check_s3_prefix(prefix: object) -> str:
     """A prefix of "/"-separated safe segments ("locks/", "app/locks."), or ""."""
     if not isinstance(prefix, str) or len(prefix) > _MAX_PREFIX:
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"S3Cache prefix must be a str of at most {_MAX_PREFIX} characters, got {prefix!r}"
         )
     segments = prefix.split("/")
@@ -461,7 +467,7 @@ def check_s3_prefix(prefix: object) -> str:
     if prefix and (
         not segments or any(not _SEGMENT_RE.fullmatch(s) or s in (".", "..") for s in segments)
     ):
-        raise ConstraintError(
+        raise ConstraintValueError(
             f"S3Cache prefix must be '/'-separated segments of A-Z a-z 0-9 . _ : - (no "
             f"empty, '.' or '..' segment, no leading '/'), like 'locks/', got {prefix!r}"
         )
@@ -530,16 +536,18 @@ def from_url(url: str) -> S3Cache:
     objects in the folder ``locks/``, while ``s3://b/locks`` names them ``locks<key>``."""
     parts = urlsplit(url)
     if parts.scheme.lower() != "s3":
-        raise ConstraintError(f"unknown S3 URL scheme {parts.scheme!r}; use s3://bucket/prefix")
+        raise ConstraintValueError(
+            f"unknown S3 URL scheme {parts.scheme!r}; use s3://bucket/prefix"
+        )
     if parts.username or parts.password:
-        raise ConstraintError(
+        raise ConstraintValueError(
             "an s3:// URL must not carry credentials; set AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY (or a profile / role) instead"
         )
     options: dict[str, str] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name not in _URL_OPTIONS:
-            raise ConstraintError(
+            raise ConstraintValueError(
                 f"unknown s3:// URL option {name!r}; known: {', '.join(_URL_OPTIONS)}"
             )
         options[name] = value
@@ -548,12 +556,12 @@ def from_url(url: str) -> S3Cache:
     config_overrides: dict[str, Any] = {}
     if "addressing_style" in options:
         if options["addressing_style"] not in ("path", "virtual", "auto"):
-            raise ConstraintError("addressing_style must be path, virtual or auto")
+            raise ConstraintValueError("addressing_style must be path, virtual or auto")
         config_overrides["s3"] = {"addressing_style": options["addressing_style"]}
     try:
         skew = float(options.get("clock_skew", "0"))
     except ValueError:
-        raise ConstraintError("clock_skew in an s3:// URL must be seconds") from None
+        raise ConstraintValueError("clock_skew in an s3:// URL must be seconds") from None
     client = boto3.client(
         "s3",
         endpoint_url=options.get("endpoint_url") or None,
