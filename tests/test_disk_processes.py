@@ -200,3 +200,32 @@ def test_fork_while_another_thread_uses_the_cache(tmp_path):
     run_script("fork-busy", str(tmp_path / "cache"), str(result_path), "50", timeout=120)
     result = procs.read_json(result_path)
     assert result == {"forks": 50, "hung": 0, "failed": 0}
+
+
+_THREADS_ON_ONE_CACHE = """
+import sys, threading
+from simple_mutex import DiskCache, Mutex
+mutex = Mutex(DiskCache(sys.argv[1]), interval=0.005)
+def cycles(n):
+    for i in range(150):
+        with mutex.acquire(f"k{(n + i) % 3}", timeout=20):
+            pass
+threads = [threading.Thread(target=cycles, args=(n,)) for n in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("done")
+"""
+
+
+def test_threads_sharing_one_disk_cache_never_deadlock(tmp_path: Path):
+    """Eight threads cycle locks through one DiskCache (one SQLite connection) at once,
+    busy keys and free ones, in a process of their own (a deadlock there holds the GIL:
+    only a timeout from outside ends it). SQLite calls the clock function back under the
+    connection's mutex; a thread that read its reply outside the cache's guard held the
+    GIL waiting for that mutex: the process froze within a few hundred cycles."""
+    argv = [sys.executable, "-c", _THREADS_ON_ONE_CACHE, str(tmp_path / "locks")]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("threads sharing one DiskCache froze (a deadlock on its connection)")
+    assert done.stdout.strip() == "done", done.stderr

@@ -194,14 +194,23 @@ class DiskCache(CacheBase):
             raise
         return conn
 
-    def _run(self, operation: str, key: str, sql: str, params: tuple[object, ...]) -> Any:
-        """Run one statement: its cursor, faults named for the user."""
+    def _run(
+        self, operation: str, key: str, sql: str, params: tuple[object, ...], rows: bool = False
+    ) -> Any:
+        """Run one statement and read its reply (the first row, or every row with
+        ``rows``), faults named for the user.
+
+        The reply is read under the guard too: SQLite calls the clock function back while
+        it holds the connection's mutex, which then waits for the GIL; a thread reading
+        another statement's row from the same connection at that moment holds the GIL
+        and waits for that mutex (a deadlock, seen as a hung acquire)."""
         # A plain lock, not a contextmanager: this is the hot path of every operation.
         with self._guard:
             try:
                 if self._conn is None:
                     self._conn = self._connect()
-                return self._conn.execute(sql, params)
+                cursor = self._conn.execute(sql, params)
+                return cursor.fetchall() if rows else cursor.fetchone()
             except sqlite3.Error as exc:
                 raise fault(self.name, operation, key, exc, self._place) from exc
 
@@ -213,23 +222,23 @@ class DiskCache(CacheBase):
         raise malformed(self.name, operation, key, f"a row of {names}")
 
     def get(self, key: str) -> Entry | None:
-        row = self._run("get", key, _GET, (key, self._clock())).fetchone()
+        row = self._run("get", key, _GET, (key, self._clock()))
         return None if row is None else self._entry("get", key, row)
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
-        rows = self._run("scan", prefix, _SCAN, (prefix, prefix_end(prefix), self._clock()))
-        found = rows.fetchall()  # read at once: the connection serves the next call
+        bounds = (prefix, prefix_end(prefix), self._clock())
+        found = self._run("scan", prefix, _SCAN, bounds, rows=True)
         return iter([(row[0], self._entry("scan", row[0], row[1:])) for row in found])
 
     def waited_on(self, key: str) -> bool:
         """Is a waiter blocked on ``key``? Its ``wait`` marked the row until its timeout."""
-        return self._run("waited_on", key, _WAITED_ON, (key, self._clock())).fetchone() is not None
+        return self._run("waited_on", key, _WAITED_ON, (key, self._clock())) is not None
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         now = self._clock()
         version = new_version()
         params = (key, value, version, now + ttl, now)
-        won = self._run("put_if_absent", key, _PUT, params).fetchone()
+        won = self._run("put_if_absent", key, _PUT, params)
         if won is not None:
             if self.gc_after is not None and gc_due():
                 # The grant stands whatever the collection meets (a full disk): the next
@@ -237,7 +246,7 @@ class DiskCache(CacheBase):
                 with contextlib.suppress(MalfunctionError):
                     self.collect()
             return Entry(value, won[1], won[0], now + ttl, won[1] == took_over_version(version))
-        row = self._run("put_if_absent", key, _GET, (key, now)).fetchone()
+        row = self._run("put_if_absent", key, _GET, (key, now))
         current = None if row is None else self._entry("put_if_absent", key, row)
         if current is not None and current.value == value:
             return current  # our own earlier write, whose reply was lost
@@ -247,14 +256,14 @@ class DiskCache(CacheBase):
         now = self._clock()
         new = new_version()
         params = (key, value, new, now + ttl, version, now)
-        row = self._run("compare_and_set", key, _CAS, params).fetchone()
+        row = self._run("compare_and_set", key, _CAS, params)
         if row is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
         return Entry(value, new, row[0], now + ttl)
 
     def compare_and_delete(self, key: str, *, version: str) -> bool | None:
         now = self._clock()
-        freed = self._run("compare_and_delete", key, _DELETE, (key, version, now)).fetchone()
+        freed = self._run("compare_and_delete", key, _DELETE, (key, version, now))
         if freed is None:
             raise SimpleCacheConditionError(f"disk: {key!r} is not at version {version}")
         if self._gate is None:
@@ -289,7 +298,7 @@ class DiskCache(CacheBase):
         now = self._clock()
         sql = _MARK.format(keys=",".join("?" * len(distinct)))
         params = (now + timeout + 1.0, *distinct, now)
-        held = self._run("wait", keys[0], sql, params).fetchall()
+        held = self._run("wait", keys[0], sql, params, rows=True)
         if len(held) < len(distinct):
             return  # a key is free already
         lapse = min((row[0] for row in held if type(row[0]) is float), default=now + timeout)
