@@ -48,9 +48,12 @@ class OwnedLocks:
         timeout: float | None,
         renew: bool,
         label: str,
+        retry_takes_over: bool = False,
     ) -> Lease:
         """Take a permit of ``key`` for ``owner``; raises SimpleMutexAcquireTimeoutError
-        when it stays busy for ``timeout`` (0: one try)."""
+        when it stays busy for ``timeout`` (0: one try). ``retry_takes_over``: a record
+        that only says "this call started" (a beat tick's), not a lock around work: a
+        retry takes it over from its earlier attempt instead of waiting for it."""
         token = f"{owner}.{attempt}"
         if attempt > 0:
 
@@ -58,7 +61,13 @@ class OwnedLocks:
                 held_by, held_attempt = _split(held)
                 return held_by == owner and 0 <= held_attempt < attempt
 
-            if self.space.held_by(key, earlier_attempt):
+            if retry_takes_over:
+                lease = self.space.take_over(
+                    key, token=token, owns=earlier_attempt, renew=renew, label=label
+                )
+                if lease is not None:
+                    return lease
+            elif self.space.held_by(key, earlier_attempt):
                 # Our earlier attempt is unwinding (its finally: blocks run under the
                 # lock) or died (its parent frees it once its process is gone): wait.
                 timeout = None if timeout is None else max(timeout, self.space.lease)

@@ -186,6 +186,7 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
             timeout=0,
             renew=False,
             label=f"{task.name}[{task_id}]",
+            retry_takes_over=True,  # the record says "started"; it guards no work
         )
     except SimpleMutexAcquireTimeoutError:
         holder = runs.holder_label(tick)

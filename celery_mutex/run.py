@@ -124,8 +124,9 @@ def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
     except SimpleMutexLeaseExpiredError:
         if not isinstance(exc, Retry):
             raise
-        # Task.retry publishes before this run unwinds: the retry (same task id, next
-        # attempt) may already have taken the record over. The work runs again anyway.
+        # Task.retry publishes before this run unwinds; the retry (same task id, next
+        # attempt) waits for this one, but if our lease lapsed meanwhile it may already
+        # hold the key. The work runs again anyway.
         log.debug("%s[%s]: %r passed on to its retry", task.name, request.id, lease.key)
     finally:
         held = time.monotonic() - getattr(request, "mutex_started", time.monotonic())

@@ -242,7 +242,7 @@ def test_fixed_lease_refuses_longer_job_timeout(conn, run, queue):
     fits = queue.enqueue(jobs.fixed_lease, run, job_timeout=2)
     burst(queue)
     assert by_hand.get_status(refresh=True) == JobStatus.FAILED
-    assert "ConstraintError" in exc_text(by_hand)
+    assert "ConstraintValueError" in exc_text(by_hand)
     assert "shorter job_timeout" in exc_text(by_hand)
     assert fits.get_status(refresh=True) == JobStatus.FINISHED
     assert len(records(conn, run)) == 1

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintValueError
+from simple_mutex.errors import ConstraintError, ConstraintValueError
 
 from .common import driver_imports
 from .mongo_core import Call, Flow, MongoCore, scanned, split_url, url_options
@@ -124,6 +124,8 @@ def from_url(url: str) -> MongoCache:
     try:
         plain, options = split_url(url)
         client = pymongo.MongoClient(plain, **url_options(plain))
+    except ConstraintError:
+        raise  # our own checks name the fix and echo no secret
     except (PyMongoError, TypeError, ValueError) as exc:
         # Only the scheme is echoed: the rest of a URL may hold a password.
         raise ConstraintValueError(f"bad {scheme}:// URL: {type(exc).__name__}") from None

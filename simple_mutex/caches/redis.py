@@ -35,6 +35,7 @@ from urllib.parse import parse_qsl, unquote
 
 from simple_mutex.contract import Entry
 from simple_mutex.errors import (
+    ConstraintError,
     ConstraintTypeError,
     ConstraintValueError,
     MalfunctionError,
@@ -369,6 +370,8 @@ def from_url(url: str) -> Any:
             return make(driver.Redis(unix_socket_path=path, db=int(given.get("virtual_host", 0))))
         if scheme == "redis+sentinel":
             return make(_sentinel_master(url, driver))
+    except ConstraintError:
+        raise  # our own checks name the fix and echo no secret
     except (TypeError, ValueError) as exc:
         # Only the scheme is echoed: the rest of a URL may hold a password.
         raise ConstraintValueError(f"bad {scheme}:// URL: {type(exc).__name__}") from None

@@ -99,8 +99,10 @@ def self_retry(self: Any, order_id: int) -> int:
     RUNS.append(("self_retry", self.request.retries))
     if self.request.retries == 0:
         retry = self.retry(countdown=0, throw=False)
-        time.sleep(0.3)  # the retry (same task id) starts meanwhile and takes the lock over
+        time.sleep(0.3)  # the retry (same task id) arrives meanwhile and waits for us
+        RUNS.append(("self_retry unwound", time.monotonic()))
         raise retry
+    RUNS.append(("self_retry entered", time.monotonic()))
     return int(self.request.retries)
 
 
