@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -124,3 +126,23 @@ def test_an_interrupt_at_the_blocks_door_leaves_no_record(mutex, monkeypatch, wh
         guarded()
     assert fired == [1]
     assert not Mutex(mutex.cache).locked("k"), "the interrupted call left its record"
+
+
+def test_an_interrupt_as_postgres_enters_a_session_leaves_the_cache_usable():
+    """A signal handler's exception can land as a ``@contextmanager``'s ``__enter__``
+    returns (CPython runs pending signal handlers when a call returns). Raised there, at
+    each such point of the library an acquire and release pass through, its traceback
+    kept alive (a log record, a stored failure, as RQ and Celery keep them): the next call
+    on the cache still answers. Before, PostgresCache took its session guard inside the
+    generator, which then sat suspended holding it, and every later call hung (so the
+    probe runs in a process of its own, which a hang cannot take the suite down with)."""
+    probe = Path(__file__).with_name("enter_probe.py")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(probe), POSTGRES_URL], capture_output=True, text=True, timeout=90
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the probe hung: an interrupted call left the cache's guard held")
+    assert done.returncode == 0, done.stdout + done.stderr
+    points = int(done.stdout.split()[-1])
+    assert points >= 1, "no interrupt landed: the probe no longer reaches the session"

@@ -101,8 +101,17 @@ class PostgresCache(PostgresCore):
                 self._denied(statement, exc)
         self._ready = True
 
+    def _session_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """What a caller holds around ``_connection``: the guard of our one session, or
+        nothing for a pool (it hands each thread a session of its own). Callers take it
+        in a plain ``with`` of their own, never inside the generator: a signal handler's
+        exception (a job timeout) landing as the generator's ``__enter__`` returns would
+        leave a guard taken there held for good, and every later call would hang."""
+        return contextlib.nullcontext() if self._pool is not None else self._guard
+
     @contextmanager
     def _connection(self, operation: str, key: str) -> Iterator[psycopg.Connection[Any]]:
+        """A session to run on; the caller holds ``_session_guard()``."""
         if self._pool is not None:
             broken = False
             try:
@@ -117,22 +126,21 @@ class PostgresCache(PostgresCore):
                 # A broken pooled session was an idle one the server ended.
                 raise self._fault(operation, key, exc, broken) from exc
             return
-        with self._guard:
-            reused = False
-            try:
-                reused = self._conn is not None and not self._conn.closed
-                if self._conn is None or not reused:
-                    self._conn = self._connect()
-                if not self._ready:
-                    self._create_table(self._conn)
-                yield self._conn
-            except psycopg.Error as exc:
-                ended = reused and self._conn is not None and self._conn.broken
-                self._drop(exc)
-                raise self._fault(operation, key, exc, ended) from exc
-            except BaseException:
-                self._drop(None)
-                raise
+        reused = False
+        try:
+            reused = self._conn is not None and not self._conn.closed
+            if self._conn is None or not reused:
+                self._conn = self._connect()
+            if not self._ready:
+                self._create_table(self._conn)
+            yield self._conn
+        except psycopg.Error as exc:
+            ended = reused and self._conn is not None and self._conn.broken
+            self._drop(exc)
+            raise self._fault(operation, key, exc, ended) from exc
+        except BaseException:
+            self._drop(None)
+            raise
 
     def _run(self, statement: Statement[T]) -> T:
         """One statement, its first row read by ``statement.finish``. A reused session
@@ -145,7 +153,7 @@ class PostgresCache(PostgresCore):
             return self._run_once(statement)
 
     def _run_once(self, statement: Statement[T]) -> T:
-        with self._connection(statement.operation, statement.key) as conn:
+        with self._session_guard(), self._connection(statement.operation, statement.key) as conn:
             row = conn.execute(statement.sql, statement.params).fetchone()
         return statement.finish(row)
 
@@ -165,7 +173,7 @@ class PostgresCache(PostgresCore):
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
         params = {"pattern": like_prefix(prefix)}
-        with self._connection("scan", prefix) as conn:
+        with self._session_guard(), self._connection("scan", prefix) as conn:
             return iter(scanned(conn.execute(self._sql["scan"], params).fetchall()))
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
@@ -188,7 +196,7 @@ class PostgresCache(PostgresCore):
         if self.gc_after is None:
             return 0
         try:
-            with self._connection("collect", "") as conn:
+            with self._session_guard(), self._connection("collect", "") as conn:
                 return conn.execute(self._sql["collect"], self._collect_params()).rowcount
         except MalfunctionError as exc:
             return self._collect_failed(exc)
