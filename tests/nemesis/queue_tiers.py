@@ -126,6 +126,35 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
+def _resume(rec: history.Recorder, stopped: list[tuple[float, int]], now: float) -> None:
+    """SIGCONT every stopped process whose pause ended by ``now`` (all of them at
+    ``math.inf``), recording each."""
+    _resume(rec, stopped, now)
+
+
+def _check_queue_run(
+    tier: str,
+    seed: int,
+    duration: float,
+    workdir: Path,
+    hist: Path,
+    run_id: str,
+    store_prefix: str,
+    conn: Any,
+    what: str,
+) -> Result:
+    """Read and drop the run's fenced store and keys, then check its history."""
+    store = RedisStore(REDIS, store_prefix)
+    log = store.log()
+    store.drop()
+    for name in conn.scan_iter(match=f"*{run_id}*", count=1000):
+        conn.delete(name)
+    events = history.load(hist)
+    anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
+    return finish(tier, seed, duration, events, anomalies, workdir,
+                  [f"{what}; store log {len(log)} writes"])  # fmt: skip
+
+
 # -- Celery ---------------------------------------------------------------------------
 
 CELERY_FAULTS = {
@@ -243,28 +272,15 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             while plan and start + plan[0].at <= now:
                 fault = plan.pop(0)
                 deal(fault.kind, fault.length, fault.pick)
-            for when, pid in list(stopped):
-                if now >= when:
-                    _signal(pid, signal.SIGCONT)
-                    rec("resumed", target=pid)
-                    stopped.remove((when, pid))
+            _resume(rec, stopped, now)
             time.sleep(0.02)
-        for _, pid in stopped:
-            _signal(pid, signal.SIGCONT)
-            rec("resumed", target=pid)
+        _resume(rec, stopped, math.inf)
         _outcomes(rec, submitted, timeout=45)
     finally:
         procs.stop(rec)
         rec("exit")
-    store = RedisStore(REDIS, store_prefix)
-    log = store.log()
-    store.drop()
-    for name in conn.scan_iter(match=f"*{run_id}*", count=1000):
-        conn.delete(name)
-    events = history.load(hist)
-    anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
-    return finish("celery", seed, duration, events, anomalies, workdir,
-                  [f"{len(submitted)} tasks submitted; store log {len(log)} writes"])  # fmt: skip
+    return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
+                            f"{len(submitted)} tasks submitted")  # fmt: skip
 
 
 def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float) -> None:
@@ -396,28 +412,15 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
                     rec("fault", kind="horse-kill", task=job_id, target=pid)
                     _signal(pid, signal.SIGKILL)
                     to_kill.remove(job_id)
-            for when, pid in list(stopped):
-                if now >= when:
-                    _signal(pid, signal.SIGCONT)
-                    rec("resumed", target=pid)
-                    stopped.remove((when, pid))
+            _resume(rec, stopped, now)
             time.sleep(0.02)
-        for _, pid in stopped:
-            _signal(pid, signal.SIGCONT)
-            rec("resumed", target=pid)
+        _resume(rec, stopped, math.inf)
         _rq_outcomes(rec, jobs, timeout=45)
     finally:
         procs.stop(rec)
         rec("exit")
-    store = RedisStore(REDIS, store_prefix)
-    log = store.log()
-    store.drop()
-    for name in conn.scan_iter(match=f"*{run_id}*", count=1000):
-        conn.delete(name)
-    events = history.load(hist)
-    anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
-    return finish("rq", seed, duration, events, anomalies, workdir,
-                  [f"{len(jobs)} jobs enqueued; store log {len(log)} writes"])  # fmt: skip
+    return _check_queue_run("rq", seed, duration, workdir, hist, run_id, store_prefix, conn,
+                            f"{len(jobs)} jobs enqueued")  # fmt: skip
 
 
 def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) -> None:
@@ -548,20 +551,14 @@ def _periodic(tier: str, seed: int, duration: float, workdir: Path, procs: Procs
                     rec("fault", kind="sigstop", target=pid, length=fault.length)
                     _signal(pid, signal.SIGSTOP)
                     stopped.append((now + fault.length, pid))
-            for when, pid in list(stopped):
-                if now >= when:
-                    _signal(pid, signal.SIGCONT)
-                    rec("resumed", target=pid)
-                    stopped.remove((when, pid))
+            _resume(rec, stopped, now)
             for when, name in list(restart):
                 if now >= when:
                     procs.procs[name].wait(10)
                     start_one(name)
                     restart.remove((when, name))
             time.sleep(0.02)
-        for _, pid in stopped:
-            _signal(pid, signal.SIGCONT)
-            rec("resumed", target=pid)
+        _resume(rec, stopped, math.inf)
         end = time.time() - 2
         time.sleep(4)  # the last ticks reach the worker
     finally:
