@@ -17,6 +17,9 @@ and carries the key so it reads well even if it escapes untranslated.
 from __future__ import annotations
 
 import ctypes
+import dis
+import signal
+from types import CodeType
 from typing import Any
 
 from .errors import SimpleMutexLeaseExpiredError, _rebuild
@@ -60,3 +63,39 @@ def raise_in_thread(thread_id: int, exc_class: type[BaseException]) -> None:
 def cancel_pending(thread_id: int) -> None:
     """Withdraw an interrupt that was scheduled but has not been raised yet."""
     _clear_async_exc(thread_id, None)
+
+
+def pre_empted_signal(exc: BaseException) -> int | None:
+    """The signal whose Python handler ``exc`` (our interrupt) landed on before the
+    handler ran a single instruction, if any.
+
+    CPython runs a pending signal handler first and raises a pending thread exception at
+    the handler's first instruction: when a SIGTERM arrives as the lease lapses, our
+    interrupt replaces the handler's ``sys.exit()`` before it runs, and the process lives
+    on (found by the nemesis). The handler never ran, so the signal is the caller's to
+    deliver again. A handler our interrupt caught part-way is not reported: it ran."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if tb.tb_lasti > _first_instruction(code):
+        return None
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (OSError, ValueError):  # pragma: no cover - a signal this OS reserves
+            continue
+        if getattr(getattr(handler, "__func__", handler), "__code__", None) is code:
+            return int(signum)
+    return None
+
+
+def _first_instruction(code: CodeType) -> int:
+    """The offset at which a frame of ``code`` first checks for pending exceptions: its
+    RESUME (3.11 on), or before its first instruction (3.10 reports -2 there)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "RESUME":
+            return instruction.offset
+    return -1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import signal
 import sys
 import threading
 import time
@@ -48,7 +49,13 @@ from .errors import (
     displaced_by,
     passes_through,
 )
-from .interrupt import LeaseInterrupt, cancel_pending, interrupt_class, raise_in_thread
+from .interrupt import (
+    LeaseInterrupt,
+    cancel_pending,
+    interrupt_class,
+    pre_empted_signal,
+    raise_in_thread,
+)
 from .keeper import keeper
 from .records import holder_of
 
@@ -608,6 +615,7 @@ class Lease:
         leaves carrying a note of the loss (DESIGN §4 rule 13)."""
         if self._is_ours(exc):
             assert exc is not None
+            _deliver_pre_empted_signal(exc, self._message())
             displaced = displaced_by(exc)
             if displaced is not None:  # our interrupt landed while Ctrl-C/SystemExit unwound
                 add_note(
@@ -712,3 +720,19 @@ class Lease:
             except LeaseInterrupt as exc:
                 if type(exc) is not self._interrupt_sent:
                     foreign = exc
+
+
+def _deliver_pre_empted_signal(exc: BaseException, message: str) -> None:
+    """Our interrupt landed on a signal handler before it ran (a SIGTERM as the lease
+    lapsed): deliver that signal again, so what its handler raises (SIGTERM's
+    SystemExit) leaves instead of the loss, carrying the loss as a note (DESIGN §4 rule
+    13). Python runs handlers in the main thread only, where this code then runs."""
+    signum = pre_empted_signal(exc)
+    if signum is None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        signal.raise_signal(signum)  # its handler runs as this call returns
+    except BaseException as raised:
+        if passes_through(raised):
+            add_note(raised, f"simple-mutex: while this signal was handled, {message}")
+        raise

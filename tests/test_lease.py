@@ -378,6 +378,33 @@ def test_an_interrupt_landing_while_a_system_exit_unwinds_lets_the_system_exit_l
     assert any("was lost" in n for n in getattr(info.value, "__notes__", []))
 
 
+def test_a_sigterm_arriving_as_the_lease_lapses_still_ends_the_block_with_system_exit(
+    memory_cache, key
+):
+    """The lease lapses while the body sleeps (the interrupt waits for the sleep to
+    return), then SIGTERM wakes the sleep: CPython runs the SIGTERM handler and raises the
+    waiting interrupt at the handler's first instruction, before its ``sys.exit()`` ran
+    (found by the nemesis: a worker lived on 23 s after SIGTERM). The block still ends in
+    the handler's SystemExit, carrying the loss as a note."""
+    import signal
+    import sys
+
+    mutex = Mutex(memory_cache, lease=0.2)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main = threading.get_ident()
+    later = threading.Timer(0.6, signal.pthread_kill, (main, signal.SIGTERM))
+    later.start()
+    try:
+        with pytest.raises(SystemExit) as info, mutex.acquire(key):
+            time.sleep(3)  # lapses at 0.2 s; SIGTERM at 0.6 s cuts the sleep short
+    finally:
+        later.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert info.value.code == 143
+    assert any("was lost" in n for n in getattr(info.value, "__notes__", []))
+    assert not mutex.locked(key)
+
+
 async def _hold_then(cache, key, leaving, lease_length=30.0):
     mutex = Mutex(cache, lease=lease_length)
     async with mutex.acquire_async(key) as lease:

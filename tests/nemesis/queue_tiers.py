@@ -129,7 +129,11 @@ def _signal(pid: int, sig: int) -> bool:
 def _resume(rec: history.Recorder, stopped: list[tuple[float, int]], now: float) -> None:
     """SIGCONT every stopped process whose pause ended by ``now`` (all of them at
     ``math.inf``), recording each."""
-    _resume(rec, stopped, now)
+    for when, pid in list(stopped):
+        if now >= when:
+            _signal(pid, signal.SIGCONT)
+            rec("resumed", target=pid)
+            stopped.remove((when, pid))
 
 
 def _check_queue_run(
