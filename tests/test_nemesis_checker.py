@@ -198,6 +198,19 @@ def test_sigterm_survivor() -> None:
     assert "survived-signal" in kinds(h.sorted())
 
 
+def test_a_revoke_of_a_task_already_ended_sends_no_sigterm() -> None:
+    """A revoke that reaches the worker after the task's body ended terminates nothing:
+    the child going on is no survivor. One whose body never ended is."""
+    h = H()
+    h.proc(1, end=None)
+    h.add("run", 1.0, 1, task="a", phase="end")
+    h.add("fault", 1.1, 0, kind="revoke", task="a", target=1)
+    h.add("acquire", 20.0, 1, id="x", key="k", timeout=None, lease=1, renew=False)
+    assert "survived-signal" not in kinds(h.sorted())
+    h.add("fault", 1.2, 0, kind="revoke", task="b", target=1)
+    assert "survived-signal" in kinds(h.sorted())
+
+
 def test_lost_op_and_crash() -> None:
     """An op with no end in a process that exited normally is lost; a process that
     vanished with no fault crashed; one killed by the nemesis is neither."""

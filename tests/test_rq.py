@@ -416,13 +416,17 @@ def test_bad_options_raise_when_decorating(options, match):
 # -- rq cron: once per tick ---------------------------------------------------------------
 
 
-def run_rq_cron(seconds: float, *environments: dict[str, str]) -> None:
+def run_rq_cron(
+    seconds: float, *environments: dict[str, str], before_stop: Callable[[], Any] = lambda: None
+) -> Any:
     """One ``rq cron tests/rq_support/cron_config.py`` process per environment, for
-    ``seconds``; all stopped at the end."""
+    ``seconds``; all stopped at the end. Returns what ``before_stop`` read while they
+    still ran (a claim of an interval's window lives less than the interval)."""
     config = str(ROOT / "tests" / "rq_support" / "cron_config.py")
     procs = [start(["rq", "cron", "-u", jobs.REDIS_URL, config], **env) for env in environments]
     try:
         time.sleep(seconds)
+        return before_stop()
     finally:
         stop(procs)
 
@@ -464,6 +468,19 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
     assert len(records(conn, f"{run}-1", "ticks")) == len(ticks)
 
 
+def claims_seen(conn: Any, run: str, seconds: float) -> list[Any]:
+    """Every tick claim of ``run`` live at some moment of ``seconds`` (a listing every
+    0.1 s): a claim of an interval's window lives 90% of each interval."""
+    seen: dict[str, Any] = {}
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for claim in live_locks(RedisCache(conn), "rq_mutex:tick:"):
+            if claim.key.startswith(run):
+                seen[claim.key] = claim
+        time.sleep(0.1)
+    return list(seen.values())
+
+
 def test_cron_jobs_sharing_a_name_each_run_once_per_tick(conn, run):
     """Two guarded ``rq cron`` processes, four ``cleanup`` registrations under one name
     (users and orders every second, sessions and carts every 2 s): every registration is
@@ -472,7 +489,16 @@ def test_cron_jobs_sharing_a_name_each_run_once_per_tick(conn, run):
     "already enqueued by another process", every tick."""
     queue = Queue(f"rqt-cron-s-{run}", connection=conn)
     shared = {"RQT_GUARD": "1", "RQT_SHARED": "1", "RQT_QUEUE": queue.name, "RQT_NAME": run}
-    run_rq_cron(8, shared, shared)
+    claims = run_rq_cron(
+        8,
+        shared,
+        shared,
+        before_stop=lambda: (
+            {job.meta["rq_mutex_tick"] for job in queue.get_jobs()},  # enqueued by now
+            claims_seen(conn, run, 2.5),
+        ),
+    )
+    early, claims = claims
     enqueued = queue.get_jobs()
     by_table: dict[str, list[str]] = defaultdict(list)
     for job in enqueued:
@@ -487,10 +513,10 @@ def test_cron_jobs_sharing_a_name_each_run_once_per_tick(conn, run):
     assert len(set(users_at) ^ set(orders_at)) <= 2  # the same seconds (but the edges)
     for table in ("sessions", "carts"):
         assert 2 <= len(by_table[table]) <= 6, (table, by_table[table])  # one per 2 s window
-    # What `simple-mutex list ... --prefix rq_mutex:tick:` shows: the name, the tick, and
-    # which registration holds it.
-    claims = [c for c in live_locks(RedisCache(conn), "rq_mutex:tick:") if c.key.startswith(run)]
-    cron_ticks = {t for table in ("users", "orders") for t in by_table[table]}
+    # What `simple-mutex list ... --prefix rq_mutex:tick:` shows (read while the cron
+    # processes ran): the name, the tick, and which registration holds it.
+    cron_ticks = {t for table in ("users", "orders") for t in by_table[table]} & early
+    assert cron_ticks
     assert cron_ticks <= {c.key for c in claims}  # a cron tick's claim is named by it
     windows = {c.key.split("@")[0] for c in claims if c.key.endswith("@every-2000ms")}
     assert len(windows) == 2  # an interval claims a window: one per registration

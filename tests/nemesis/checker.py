@@ -388,10 +388,15 @@ def _swallowed(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: 
 
 
 def _survivors(events: list[Event], stops: Stops, spec: Spec) -> list[Anomaly]:
+    # A revoke terminates only a task still running when the worker reads it: one whose
+    # body ended normally (its "end" phase) had finished first, and no SIGTERM was sent.
+    finished = {e["task"] for e in events if e["op"] == "run" and e.get("phase") == "end"}
     termed: dict[int, float] = {}
     last: dict[int, Event] = {}
     for e in events:
-        if e["op"] == "fault" and e["kind"] in ("sigterm", "revoke"):
+        if e["op"] == "fault" and (
+            e["kind"] == "sigterm" or (e["kind"] == "revoke" and e.get("task") not in finished)
+        ):
             termed.setdefault(e["target"], e["t"])
         elif e["op"] not in ("fault", "resumed", "unended"):
             last[e.get("os", e["pid"])] = e

@@ -179,7 +179,11 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
                     "?connect_timeout=2&tcp_user_timeout=2000"
                 )
                 cache = {"kind": "postgres", "url": url, "table": "nemlocks"}
-                spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.0)
+                # A release has no timeout of its own: under the proxy's delay (1.5 s each
+                # way at most) one statement takes a 3 s round trip, which libpq's
+                # tcp_user_timeout does not cut (the proxy acknowledges every byte).
+                spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.0,
+                                    release_slack=4.0)  # fmt: skip
                 yield Setup(cache, store, {**PROCESS_FAULTS, **LINK_FAULTS},
                             spec, proxy, restart_pg,
                             drop_store=lambda: open_store(store).drop())  # type: ignore[attr-defined]  # fmt: skip
