@@ -37,8 +37,8 @@ def _render(conn: Any, statement: _sql.Statement) -> tuple[Any, list[object]]:
 def _execute(conn: Any, statement: _sql.Statement, operation: str, rows: str) -> Any:
     import psycopg
 
-    query, params = _render(conn, statement)
     try:
+        query, params = _render(conn, statement)  # quoting asks the connection's encoding
         return conn.execute(query, params).fetchone()
     except psycopg.Error as exc:
         raise MalfunctionError(f"postgresql {operation} of {rows} failed: {exc!r}") from exc
