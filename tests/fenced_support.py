@@ -91,11 +91,12 @@ def writer(kind: str, target: str) -> Write:
         class Base(orm.DeclarativeBase):
             pass
 
-        class Row(Base):
-            __tablename__ = target
-            id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
-            writer: orm.Mapped[str | None]
-            fence: orm.Mapped[int | None] = orm.mapped_column(sa.BigInteger)
+        # Built without annotations: they would be resolved at module level.
+        Row = type(
+            "Row", (Base,),
+            {"__tablename__": target, "id": orm.mapped_column(sa.Integer, primary_key=True),
+             "writer": orm.mapped_column(sa.Text), "fence": orm.mapped_column(sa.BigInteger)},
+        )  # fmt: skip
 
         engine = sa.create_engine(SA_URL, poolclass=sa.pool.NullPool)
 
