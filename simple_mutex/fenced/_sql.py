@@ -1,9 +1,12 @@
 """The fenced SQL statements, as tokens any driver renders with its own quoting.
 
-A statement is a list of ``("sql", text)``, ``("id", name)`` and ``("param", value)``:
-the psycopg module renders identifiers with ``psycopg.sql.Identifier`` and values as
-``%s`` placeholders, the SQLAlchemy module with its dialect's identifier quoting and
-bound parameters. No name or value is ever formatted into SQL text here.
+A statement is a tuple of ``("sql", text)``, ``("id", name)`` and ``("param", name)``
+tokens, and depends only on the shape of the call (the table, the column names, which
+``where`` values are None): the drivers render each shape once and cache it (rendering
+costs as much as a round trip). Values travel apart, as named parameters. The psycopg
+module renders identifiers with ``psycopg.sql.Identifier`` and ``%(name)s`` placeholders,
+the SQLAlchemy module with its dialect's quoting and bound parameters. No name or value
+is ever formatted into SQL text here.
 
 **NULL in the fence column** is a row written before the table adopted fences: it counts
 as fence 0, so any fenced write is accepted there and stores its fence.
@@ -51,15 +54,19 @@ on PostgreSQL); a second read, only on that path, says how large, for the error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError
 
 from ._common import check_name
 
-Token = tuple[Literal["sql", "id", "param"], Any]
+Token = tuple[Literal["sql", "id", "param"], str]
+Tokens = tuple[Token, ...]
+# The shape of a where / key mapping: each column, and whether its value is None.
+Shape = tuple[tuple[str, bool], ...]
 Dialect = Literal["postgresql", "sqlite"]
 
 
@@ -106,8 +113,8 @@ class Statement:
         self.tokens.append(("id", name))
         return self
 
-    def param(self, value: object) -> Statement:
-        self.tokens.append(("param", value))
+    def param(self, name: str) -> Statement:
+        self.tokens.append(("param", name))
         return self
 
     def table(self, target: Target) -> Statement:
@@ -115,100 +122,100 @@ class Statement:
             self.id(target.schema).sql(".")
         return self.id(target.name)
 
-    def conditions(self, where: Mapping[str, object], prefix: str | None = None) -> Statement:
-        """``a = :v AND b IS NULL ...``: a None in ``where`` means SQL NULL, matched by
+    def conditions(self, where: Shape) -> Statement:
+        """``a = :w0 AND b IS NULL ...``: a None in ``where`` means SQL NULL, matched by
         IS NULL (``= NULL`` would match nothing)."""
-        for n, (column, value) in enumerate(where.items()):
+        for n, (column, is_null) in enumerate(where):
             if n:
                 self.sql(" AND ")
-            if prefix is not None:
-                self.id(prefix).sql(".")
             self.id(column)
-            if value is None:
+            if is_null:
                 self.sql(" IS NULL")
             else:
-                self.sql(" = ").param(value)
+                self.sql(" = ").param(f"w{n}")
         return self
 
-    def fence_not_above(self, column: str, fence: int, prefix: str | None = None) -> Statement:
-        """``(fence IS NULL OR fence <= :f)``: NULL is a row from before fences, fence 0."""
+    def fence_not_above(self, column: str) -> Statement:
+        """``(fence IS NULL OR fence <= :fence)``: NULL is a row from before fences, 0."""
+        self.sql("(").id(column).sql(" IS NULL OR ").id(column)
+        return self.sql(" <= ").param("fence").sql(")")
 
-        def ref() -> None:
-            if prefix is not None:
-                self.id(prefix).sql(".")
-            self.id(column)
-
-        self.sql("(")
-        ref()
-        self.sql(" IS NULL OR ")
-        ref()
-        self.sql(" <= ").param(fence)
-        return self.sql(")")
+    def done(self) -> Tokens:
+        return tuple(self.tokens)
 
 
+def shape(where: Mapping[str, object]) -> Shape:
+    return tuple((column, value is None) for column, value in where.items())
+
+
+def params(
+    where: Mapping[str, object], values: Mapping[str, object], fence: int
+) -> dict[str, object]:
+    """The named values of a statement built from the same mappings."""
+    named: dict[str, object] = {"fence": fence}
+    named.update((f"w{n}", value) for n, value in enumerate(where.values()) if value is not None)
+    named.update((f"v{n}", value) for n, value in enumerate(values.values()))
+    return named
+
+
+@functools.lru_cache(maxsize=256)
 def update(
-    dialect: Dialect,
-    target: Target,
-    where: Mapping[str, object],
-    values: Mapping[str, object],
-    fence: int,
-    fence_column: str,
-) -> Statement:
+    dialect: Dialect, target: Target, where: Shape, values: tuple[str, ...], fence_column: str
+) -> Tokens:
     """The guarded UPDATE. PostgreSQL: one row (written, current). SQLite: a rowcount."""
     s = Statement()
     if dialect == "postgresql":
         s.sql("WITH matched(fence_seen) AS MATERIALIZED (SELECT ").id(fence_column)
         s.sql(" FROM ").table(target).sql(" WHERE ").conditions(where).sql(" FOR UPDATE), ")
         s.sql("verdict AS (SELECT max(fence_seen) FILTER (WHERE fence_seen > ")
-        s.param(fence).sql(") AS current FROM matched), written AS (UPDATE ").table(target)
-        _set(s, values, fence_column, fence)
-        s.sql(" WHERE ").conditions(where).sql(" AND ").fence_not_above(fence_column, fence)
+        s.param("fence").sql(") AS current FROM matched), written AS (UPDATE ").table(target)
+        _set(s, values, fence_column)
+        s.sql(" WHERE ").conditions(where).sql(" AND ").fence_not_above(fence_column)
         s.sql(" AND (SELECT current FROM verdict) IS NULL RETURNING 1) ")
-        return s.sql("SELECT (SELECT count(*) FROM written), (SELECT current FROM verdict)")
+        s.sql("SELECT (SELECT count(*) FROM written), (SELECT current FROM verdict)")
+        return s.done()
     s.sql("UPDATE ").table(target)
-    _set(s, values, fence_column, fence)
-    s.sql(" WHERE ").conditions(where).sql(" AND ").fence_not_above(fence_column, fence)
+    _set(s, values, fence_column)
+    s.sql(" WHERE ").conditions(where).sql(" AND ").fence_not_above(fence_column)
     s.sql(" AND NOT EXISTS (SELECT 1 FROM ").table(target).sql(" WHERE ").conditions(where)
-    return s.sql(" AND ").id(fence_column).sql(" > ").param(fence).sql(")")
+    return s.sql(" AND ").id(fence_column).sql(" > ").param("fence").sql(")").done()
 
 
-def stale_fence(target: Target, where: Mapping[str, object], fence: int, column: str) -> Statement:
+@functools.lru_cache(maxsize=256)
+def stale_fence(target: Target, where: Shape, column: str) -> Tokens:
     """The largest fence above ours among the rows ``where`` names (NULL: none)."""
     s = Statement().sql("SELECT max(").id(column).sql(") FROM ").table(target).sql(" WHERE ")
-    return s.conditions(where).sql(" AND ").id(column).sql(" > ").param(fence)
+    return s.conditions(where).sql(" AND ").id(column).sql(" > ").param("fence").done()
 
 
-def upsert(
-    target: Target,
-    key: Mapping[str, object],
-    values: Mapping[str, object],
-    fence: int,
-    fence_column: str,
-) -> Statement:
-    """The guarded INSERT ... ON CONFLICT; returns a row only when it wrote."""
-    row = {**key, **values, fence_column: fence}
+@functools.lru_cache(maxsize=256)
+def upsert(target: Target, key: Shape, values: tuple[str, ...], fence_column: str) -> Tokens:
+    """The guarded INSERT ... ON CONFLICT; returns a row only when it wrote. Its named
+    values are those of ``params(key, values, fence)``."""
+    columns = [*(c for c, _ in key), *values, fence_column]
+    names = [*(f"w{n}" for n in range(len(key))), *(f"v{n}" for n in range(len(values)))]
     s = Statement().sql("INSERT INTO ").table(target).sql(" AS fenced_target (")
-    for n, column in enumerate(row):
+    for n, column in enumerate(columns):
         s.sql(", " if n else "").id(column)
     s.sql(") VALUES (")
-    for n, value in enumerate(row.values()):
-        s.sql(", " if n else "").param(value)
+    for n, name in enumerate([*names, "fence"]):
+        s.sql(", " if n else "").param(name)
     s.sql(") ON CONFLICT (")
-    for n, column in enumerate(key):
+    for n, (column, _) in enumerate(key):
         s.sql(", " if n else "").id(column)
     s.sql(") DO UPDATE SET ")
     for n, column in enumerate([*values, fence_column]):
         s.sql(", " if n else "").id(column).sql(" = EXCLUDED.").id(column)
     s.sql(" WHERE ").id("fenced_target").sql(".").id(fence_column).sql(" IS NULL OR ")
     s.id("fenced_target").sql(".").id(fence_column).sql(" <= EXCLUDED.").id(fence_column)
-    return s.sql(" RETURNING 1")
+    return s.sql(" RETURNING 1").done()
 
 
-def _set(s: Statement, values: Mapping[str, object], fence_column: str, fence: int) -> None:
+def _set(s: Statement, values: tuple[str, ...], fence_column: str) -> None:
     s.sql(" SET ")
-    for column, value in values.items():
-        s.id(column).sql(" = ").param(value).sql(", ")
-    s.id(fence_column).sql(" = ").param(fence)
+    for n, column in enumerate(values):
+        s.id(column).sql(" = ").param(f"v{n}").sql(", ")
+    s.id(fence_column).sql(" = ").param("fence")
 
 
 def describe(target: Target, where: Mapping[str, object]) -> str:

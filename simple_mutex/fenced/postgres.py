@@ -15,13 +15,18 @@ from simple_mutex.errors import FencedOutError, MalfunctionError
 
 from . import _sql
 
+# Rendered statements by (tokens, client encoding): quoting depends on nothing else.
+_RENDERED: dict[tuple[_sql.Tokens, str], str] = {}
 
-def _render(conn: Any, statement: _sql.Statement) -> tuple[Any, list[object]]:
+
+def _render(conn: Any, tokens: _sql.Tokens) -> str:
+    cached = _RENDERED.get((tokens, conn.info.encoding))
+    if cached is not None:
+        return cached
     from psycopg import sql
 
     parts: list[Any] = []
-    params: list[object] = []
-    for kind, value in statement.tokens:
+    for kind, value in tokens:
         if kind == "sql":
             parts.append(sql.SQL(value))
         elif kind == "id":
@@ -29,16 +34,21 @@ def _render(conn: Any, statement: _sql.Statement) -> tuple[Any, list[object]]:
             quoted = sql.Identifier(value).as_string(conn)
             parts.append(sql.SQL(quoted.replace("%", "%%")))
         else:
-            parts.append(sql.Placeholder())
-            params.append(value)
-    return sql.Composed(parts), params
+            parts.append(sql.Placeholder(value))
+    text: str = sql.Composed(parts).as_string(conn)
+    if len(_RENDERED) >= 256:
+        _RENDERED.clear()  # bounded: shapes are few in a real program
+    _RENDERED[(tokens, conn.info.encoding)] = text
+    return text
 
 
-def _execute(conn: Any, statement: _sql.Statement, operation: str, rows: str) -> Any:
+def _execute(
+    conn: Any, tokens: _sql.Tokens, params: dict[str, object], operation: str, rows: str
+) -> Any:
     import psycopg
 
     try:
-        query, params = _render(conn, statement)  # quoting asks the connection's encoding
+        query = _render(conn, tokens)  # quoting asks the connection for its encoding
         return conn.execute(query, params).fetchone()
     except psycopg.Error as exc:
         raise MalfunctionError(f"postgresql {operation} of {rows} failed: {exc!r}") from exc
@@ -52,9 +62,10 @@ def update(
     fence: int,
     fence_column: str,
 ) -> int:
+    tokens = _sql.update("postgresql", target, _sql.shape(where), tuple(values), fence_column)
+    params = _sql.params(where, values, fence)
     rows = _sql.describe(target, where)
-    statement = _sql.update("postgresql", target, where, values, fence, fence_column)
-    written, current = _execute(conn, statement, "fenced_update", rows)
+    written, current = _execute(conn, tokens, params, "fenced_update", rows)
     if current is not None:
         raise FencedOutError.refused("postgresql", rows, fence, int(current))
     return int(written)
@@ -69,11 +80,11 @@ def upsert(
     fence_column: str,
 ) -> None:
     rows = _sql.describe(target, key)
-    statement = _sql.upsert(target, key, values, fence, fence_column)
-    if _execute(conn, statement, "fenced_upsert", rows) is not None:
+    tokens = _sql.upsert(target, _sql.shape(key), tuple(values), fence_column)
+    if _execute(conn, tokens, _sql.params(key, values, fence), "fenced_upsert", rows):
         return
     # Refused. The statement decided; this read only says by how much, for the error.
-    stale = _sql.stale_fence(target, key, fence, fence_column)
-    (current,) = _execute(conn, stale, "fenced_upsert", rows)
+    stale = _sql.stale_fence(target, _sql.shape(key), fence_column)
+    (current,) = _execute(conn, stale, _sql.params(key, {}, fence), "fenced_upsert", rows)
     current = None if current is None else int(current)
     raise FencedOutError.refused("postgresql", rows, fence, current)

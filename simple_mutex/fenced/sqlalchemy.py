@@ -15,6 +15,7 @@ already-loaded objects are not refreshed: ``session.expire_all()`` or re-query.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -85,31 +86,31 @@ def _dialect(conn: Any, operation: str) -> _sql.Dialect:
     return name  # type: ignore[no-any-return]
 
 
-def _render(conn: Any, statement: _sql.Statement) -> tuple[Any, dict[str, object]]:
+@functools.lru_cache(maxsize=256)
+def _render(dialect: Any, tokens: _sql.Tokens) -> Any:
+    """The statement as ``text()``, once per dialect and shape (dialects hash by identity)."""
     import sqlalchemy as sa
 
-    quote = conn.dialect.identifier_preparer.quote_identifier
+    quote = dialect.identifier_preparer.quote_identifier
     text: list[str] = []
-    params: dict[str, object] = {}
-    for kind, value in statement.tokens:
+    for kind, value in tokens:
         if kind == "sql":
             text.append(value)
         elif kind == "id":
             # text() reads ":name" as a bound parameter, even inside quotes: escape it.
             text.append(quote(value).replace(":", "\\:"))
         else:
-            name = f"fenced_{len(params)}"
-            text.append(f":{name}")
-            params[name] = value
-    return sa.text("".join(text)), params
+            text.append(f":{value}")
+    return sa.text("".join(text))
 
 
-def _execute(conn: Any, statement: _sql.Statement, operation: str, rows: str) -> Any:
+def _execute(
+    conn: Any, tokens: _sql.Tokens, params: dict[str, object], operation: str, rows: str
+) -> Any:
     import sqlalchemy as sa
 
-    query, params = _render(conn, statement)
     try:
-        return conn.execute(query, params)
+        return conn.execute(_render(conn.dialect, tokens), params)
     except sa.exc.SQLAlchemyError as exc:
         raise MalfunctionError(
             f"{conn.dialect.name} {operation} of {rows} failed: {exc!r}"
@@ -126,17 +127,18 @@ def update(
 ) -> int:
     target = target_of(table, [*where, *values, fence_column])
     rows = _sql.describe(target, where)
+    params = _sql.params(where, values, fence)
     with connection(conn) as c:
         dialect = _dialect(c, "fenced_update")
-        statement = _sql.update(dialect, target, where, values, fence, fence_column)
-        result = _execute(c, statement, "fenced_update", rows)
+        tokens = _sql.update(dialect, target, _sql.shape(where), tuple(values), fence_column)
+        result = _execute(c, tokens, params, "fenced_update", rows)
         if dialect == "postgresql":
             written, current = result.one()
         else:
             written, current = result.rowcount, None
             if not written:
-                stale = _sql.stale_fence(target, where, fence, fence_column)
-                current = _execute(c, stale, "fenced_update", rows).scalar()
+                stale = _sql.stale_fence(target, _sql.shape(where), fence_column)
+                current = _execute(c, stale, params, "fenced_update", rows).scalar()
         if current is not None:
             raise FencedOutError.refused(dialect, rows, fence, int(current))
         return int(written)
@@ -152,12 +154,13 @@ def upsert(
 ) -> None:
     target = target_of(table, [*key, *values, fence_column])
     rows = _sql.describe(target, key)
+    params = _sql.params(key, values, fence)
     with connection(conn) as c:
         dialect = _dialect(c, "fenced_upsert")
-        statement = _sql.upsert(target, key, values, fence, fence_column)
-        if _execute(c, statement, "fenced_upsert", rows).first() is not None:
+        tokens = _sql.upsert(target, _sql.shape(key), tuple(values), fence_column)
+        if _execute(c, tokens, params, "fenced_upsert", rows).first() is not None:
             return
-        stale = _sql.stale_fence(target, key, fence, fence_column)
-        current = _execute(c, stale, "fenced_upsert", rows).scalar()
+        stale = _sql.stale_fence(target, _sql.shape(key), fence_column)
+        current = _execute(c, stale, _sql.params(key, {}, fence), "fenced_upsert", rows).scalar()
         current = None if current is None else int(current)
         raise FencedOutError.refused(dialect, rows, fence, current)
