@@ -69,21 +69,23 @@ def _paused_holder(kind: str, target: str, lock_key: str, report: str) -> None:
     try:
         with mutex.acquire(lock_key, renew=True) as lease:
 
+            def attempt() -> None:
+                started = time.monotonic()
+                try:
+                    verdict = "1" if write(lease.fence, "paused") else "0"
+                except Exception as exc:  # reported, so the test fails on it
+                    verdict = f"error:{exc!r}".replace(" ", "_")
+                log.write(f"{started} {verdict}\n")
+
             def write_until_stopped() -> None:
-                while True:
+                while not stop.is_set():
                     time.sleep(0.01)  # paused in here, it writes again when resumed
-                    started = time.monotonic()
-                    try:
-                        verdict = "1" if write(lease.fence, "paused") else "0"
-                    except Exception as exc:  # reported, so the test fails on it
-                        verdict = f"error:{exc!r}".replace(" ", "_")
-                    log.write(f"{started} {verdict}\n")
-                    if stop.is_set():
-                        return
+                    attempt()
+                attempt()  # once more after the loss: begun after the takeover, surely
 
             helper = threading.Thread(target=write_until_stopped)
+            Path(report).write_text(str(lease.fence))  # before any write is logged
             helper.start()
-            Path(report).write_text(str(lease.fence))
             while True:
                 time.sleep(0.01)
     except SimpleMutexLeaseExpiredError:
@@ -102,12 +104,12 @@ def paused_holder_scenario(kind: str, target: str, tmp_path: Path) -> tuple[list
     holder.start()
     try:
         deadline = time.monotonic() + 10
-        while not Path(report).exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        old_fence = int(Path(report).read_text())
         attempts = Path(report + ".attempts")
-        while " 1" not in attempts.read_text() and time.monotonic() < deadline:
+        # Both files may exist before they are written: wait for their content.
+        while not (attempts.exists() and " 1" in attempts.read_text()):
+            assert time.monotonic() < deadline, "the holder never took the lock and wrote"
             time.sleep(0.01)  # the rightful holder's writes land first
+        old_fence = int(Path(report).read_text())
         os.kill(holder.pid, signal.SIGSTOP)
         taker = Mutex(cache_from_url(REDIS_URL), lease=10)
         with taker.acquire(lock_key, timeout=5) as lease:  # once the paused lease lapses

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))  # scripts/servers.py: standard library onl
 import servers  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
-DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq")
+DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq", "sqlalchemy")
 SINKS = ("prometheus_client", "opentelemetry")  # simple_mutex.contrib only, never the core
 
 
@@ -93,6 +93,7 @@ def async_round_trip(open_cache: Callable[[], Awaitable[tuple[Any, Any]]], label
 
 def check_core() -> None:
     import simple_mutex
+    import simple_mutex.fenced  # its modules import a driver only when called
     from simple_mutex import DiskCache, InMemoryCache, cache_from_url
 
     loaded = sorted(name for name in DRIVERS + SINKS if name in sys.modules)
@@ -138,6 +139,30 @@ def check_postgres() -> None:
     async_round_trip(connection, "AsyncPostgresCache(AsyncConnection)")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+
+
+def check_sqlalchemy() -> None:
+    """The extra brings SQLAlchemy alone (a PostgreSQL driver is the postgres extra's):
+    the fenced writes on SQLite, which needs nothing more, refuse a stale fence."""
+    import sqlalchemy as sa
+
+    from simple_mutex import FencedOutError
+    from simple_mutex.fenced import fenced_update, fenced_upsert
+
+    with tempfile.TemporaryDirectory() as path:
+        engine = sa.create_engine(f"sqlite:///{path}/fenced.db")
+        with engine.begin() as c:
+            c.exec_driver_sql("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT, fence INTEGER)")
+        fenced_upsert(engine, "t", {"id": 1}, {"v": "new"}, fence=5)
+        require(fenced_update(engine, "t", {"id": 1}, {"v": "same"}, fence=5) == 1, "not written")
+        try:
+            fenced_update(engine, "t", {"id": 1}, {"v": "stale"}, fence=4)
+        except FencedOutError as exc:
+            require(exc.current == 5, f"FencedOutError.current is {exc.current}, not 5")
+        else:
+            require(False, "a stale fence was accepted")
+        engine.dispose()
+    ok(f"simple_mutex.fenced on SQLAlchemy {sa.__version__} (SQLite): a stale fence refused")
 
 
 def check_mongo() -> None:
@@ -303,6 +328,7 @@ def main(spec: str) -> None:
         "postgres": check_postgres,
         "mongo": check_mongo,
         "s3": check_s3,
+        "sqlalchemy": check_sqlalchemy,
         "celery": lambda: check_celery(extras),
         "rq": check_rq,
         "prometheus": check_prometheus,
