@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 
@@ -126,12 +127,19 @@ def writer(kind: str, target: str) -> Write:
 
             return plain_put
         return lambda fence, who: _refused(lambda: fenced_put(s3, S3_BUCKET, key, who, fence=fence))
+    if kind == "django":
+        from simple_mutex.fenced.django import fenced_update_queryset
+
+        rows = django_model(target).objects.filter(id=1)
+        return lambda fence, who: _refused(
+            lambda: fenced_update_queryset(rows, {"writer": who}, fence=fence)
+        )
     raise AssertionError(kind)
 
 
 def final_state(kind: str, target: str) -> tuple[str, int | None]:
     """(writer, fence) the store holds now."""
-    if kind.startswith(("psycopg", "sqlalchemy")):
+    if kind.startswith(("psycopg", "sqlalchemy", "django")):
         return pg_row(target)
     if kind.startswith("redis"):
         import redis
@@ -142,3 +150,28 @@ def final_state(kind: str, target: str) -> tuple[str, int | None]:
     s3 = s3_client(endpoint)
     got = s3.get_object(Bucket=S3_BUCKET, Key=key)
     return got["Body"].read().decode(), int(got["Metadata"]["fence"])
+
+
+def django_model(table: str) -> Any:
+    """A Django model over ``table`` (settings configured once, on first use: PostgreSQL
+    through Django's psycopg 3 backend)."""
+    import django
+    from django.conf import settings
+    from django.db import models
+
+    if not settings.configured:
+        url = urlsplit(POSTGRES_URL)
+        settings.configure(
+            DATABASES={"default": {
+                "ENGINE": "django.db.backends.postgresql", "NAME": url.path.lstrip("/"),
+                "USER": url.username or "postgres", "HOST": url.hostname, "PORT": url.port,
+            }},
+            USE_TZ=True, INSTALLED_APPS=[],
+        )  # fmt: skip
+        django.setup()
+    meta = type("Meta", (), {"app_label": "fenced_tests", "db_table": table, "managed": False})
+    return type(
+        f"Row_{table}", (models.Model,),
+        {"__module__": __name__, "Meta": meta, "id": models.IntegerField(primary_key=True),
+         "writer": models.TextField(null=True), "fence": models.BigIntegerField(null=True)},
+    )  # fmt: skip

@@ -44,7 +44,7 @@ def s3_endpoint() -> Iterator[str]:
 
 def target_for(kind: str, request: pytest.FixtureRequest) -> str:
     """A fresh table, Redis key or S3 object for ``kind``; removed at teardown."""
-    if kind.startswith(("psycopg", "sqlalchemy")):
+    if kind.startswith(("psycopg", "sqlalchemy", "django")):
         table = new_table()
         request.addfinalizer(lambda: drop_table(table))
         return table
@@ -130,7 +130,7 @@ def paused_holder_scenario(kind: str, target: str, tmp_path: Path) -> tuple[list
     return [verdict for started, verdict in attempts if float(started) > taken_at], lease.fence
 
 
-GUARDS = ["psycopg", "sqlalchemy-core", "sqlalchemy-orm", "redis", "s3"]
+GUARDS = ["psycopg", "sqlalchemy-core", "sqlalchemy-orm", "django", "redis", "s3"]
 PLAIN = ["psycopg-plain", "redis-plain", "s3-plain"]
 
 
