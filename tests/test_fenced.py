@@ -420,3 +420,21 @@ def test_s3_a_lost_race_is_retried_and_judged_again(s3_endpoint):
     fenced_put(early, S3_BUCKET, key, b"ours", fence=10)
     assert early.heads == 2
     assert real.get_object(Bucket=S3_BUCKET, Key=key)["Body"].read() == b"ours"
+
+
+@pytest.mark.slow
+def test_redis_cluster_runs_the_script_on_whichever_master_holds_the_key(redis_servers, tmp_path):
+    """A three-master Redis Cluster: keys spread over several masters are each written,
+    read back and guarded (the value and its fence share one key, so one slot)."""
+    from servers import own_cluster
+
+    ports = own_cluster(redis_servers, tmp_path)
+    cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0], socket_timeout=5)
+    keys = [f"fenced.{n}" for n in range(12)]
+    assert len({cluster.get_node_from_key(k).port for k in keys}) > 1
+    for key in keys:
+        fenced_set(cluster, key, b"v", fence=7)
+        assert fenced_get(cluster, key) == (b"v", 7)
+        with pytest.raises(FencedOutError):
+            fenced_set(cluster, key, b"stale", fence=6)
+    cluster.close()
