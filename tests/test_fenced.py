@@ -221,6 +221,18 @@ def test_bad_input_names_the_fix(conn, table, call, error, words):
     assert rows(conn, table) == [(1, "nobody", None)]
 
 
+def test_an_async_connection_is_refused(table):
+    """An AsyncConnection would hand back coroutines: refused up front, naming the fix."""
+    import asyncio
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_URL) as aconn:
+            with pytest.raises(ConstraintTypeError, match=r"blocking psycopg\.Connection"):
+                fenced_update(aconn, table, {"id": 1}, {"writer": "x"}, fence=1)
+
+    asyncio.run(main())
+
+
 def test_a_down_server_is_a_malfunction(table):
     """A driver failure is a MalfunctionError naming the backend and the operation."""
     c = psycopg.connect(POSTGRES_URL, autocommit=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from simple_mutex.errors import FencedOutError, MalfunctionError
+from simple_mutex.errors import ConstraintTypeError, FencedOutError, MalfunctionError
 
 from . import _sql
 
@@ -47,6 +47,11 @@ def _execute(
 ) -> Any:
     import psycopg
 
+    if not isinstance(conn, psycopg.Connection):
+        raise ConstraintTypeError(
+            f"{operation} needs a blocking psycopg.Connection, got {type(conn).__name__} "
+            "(an AsyncConnection or a pool is not supported: take a connection from the pool)"
+        )
     try:
         query = _render(conn, tokens)  # quoting asks the connection for its encoding
         return conn.execute(query, params).fetchone()
