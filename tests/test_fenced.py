@@ -450,3 +450,39 @@ def test_redis_cluster_runs_the_script_on_whichever_master_holds_the_key(redis_s
         with pytest.raises(FencedOutError):
             fenced_set(cluster, key, b"stale", fence=6)
     cluster.close()
+
+
+# -- with_simple_mutex: the function's own lease through current_lease() -----------------
+
+
+def test_a_with_simple_mutex_function_writes_with_its_own_fence(conn, table, tmp_path):
+    """Inside a decorated function (sync and async), current_lease() is its lease, so it
+    can pass the fence; outside, None again."""
+    import asyncio
+
+    from simple_mutex import DiskCache, with_simple_mutex
+    from simple_mutex.fenced import current_lease
+
+    locks = DiskCache(tmp_path / "locks")
+
+    @with_simple_mutex(key="account.{account_id}", cache=locks, lease=30)
+    def settle(account_id: int, who: str) -> int:
+        lease = current_lease()
+        assert lease is not None
+        assert lease.key == f"account.{account_id}"
+        fenced_update(conn, table, {"id": account_id}, {"writer": who}, fence=lease.fence)
+        return lease.fence
+
+    @with_simple_mutex(key="account.{account_id}", cache=locks, lease=30)
+    async def settle_async(account_id: int, who: str) -> int:
+        lease = current_lease()
+        assert lease is not None
+        fenced_update(conn, table, {"id": account_id}, {"writer": who}, fence=lease.fence)
+        return lease.fence
+
+    first = settle(1, "sync")
+    assert rows(conn, table) == [(1, "sync", first)]
+    second = asyncio.run(settle_async(1, "async"))
+    assert second > first
+    assert rows(conn, table) == [(1, "async", second)]
+    assert current_lease() is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from simple_mutex.current import current_lease
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, FencedOutError
 
 from . import _sql
@@ -30,6 +31,7 @@ from .s3 import fenced_put
 
 __all__ = [
     "FencedOutError",
+    "current_lease",
     "fenced_get",
     "fenced_put",
     "fenced_set",
