@@ -38,7 +38,7 @@ else
     wanted=(core)
     while read -r extras; do wanted+=("$extras"); done < <(documented_extras)
     # The ones the issue names must be among them: a doc that stops naming one is a bug.
-    for must in redis postgres mongo s3 celery rq celery,redis prometheus otel; do
+    for must in redis postgres mongo s3 sqlalchemy django celery rq celery,redis prometheus otel; do
         [[ " ${wanted[*]} " == *" $must "* ]] || die "the docs no longer name simple-mutex[$must]"
     done
 fi

@@ -15,7 +15,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
-USER_EXTRAS="redis,postgres,mongo,s3,celery,rq,prometheus,otel"
+USER_EXTRAS="redis,postgres,mongo,s3,sqlalchemy,django,celery,rq,prometheus,otel"
 # One file per tier and integration; the slowest process tests are left to the main run.
 # The beat guard's slots depend on Celery's own date arithmetic, which changed in 5.7: its
 # simulated-clock tests and one real beat in a non-UTC zone run on the lowest Celery too.
@@ -24,7 +24,7 @@ INTEGRATION_TESTS=(
     tests/test_celery_inproc.py tests/test_celery_prefork.py tests/test_rq.py
     tests/test_rq_dead_horse.py tests/test_celery_enqueue.py
     tests/test_prometheus.py tests/test_opentelemetry.py tests/test_observe_workers.py
-    tests/test_beat_slots.py
+    tests/test_beat_slots.py tests/test_fenced.py tests/test_fenced_django.py
     tests/test_celery_beat.py::test_guarded_beats_run_each_tick_of_a_kolkata_crontab_once
 )
 

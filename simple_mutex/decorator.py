@@ -9,6 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
+from .current import holding
 from .durations import Duration, timeout_seconds
 from .errors import ConstraintTypeError, MalfunctionError, bad_input
 from .keys import check_key, check_template, render_template
@@ -144,7 +145,8 @@ def with_simple_mutex(
                 lease_ = await mutex.acquire_async(
                     key_of(*args, **kwargs), timeout=wait, renew=renew
                 )
-                return await run_guarded_async(lease_, lambda: fn(*args, **kwargs))
+                with holding(lease_):  # the work's task copies it: current_lease() there
+                    return await run_guarded_async(lease_, lambda: fn(*args, **kwargs))
 
             return guarded_async  # type: ignore[return-value]
 
@@ -152,7 +154,7 @@ def with_simple_mutex(
         def guarded(*args: Any, **kwargs: Any) -> Any:
             lease = mutex.acquire(key_of(*args, **kwargs), timeout=wait, renew=renew)
             try:  # entered in this frame: nothing runs between the grant and the try
-                with lease:
+                with lease, holding(lease):
                     result = fn(*args, **kwargs)
                     if inspect.isawaitable(result):
                         # Its body would run after the lock is freed: refuse, loudly.

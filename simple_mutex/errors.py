@@ -8,6 +8,7 @@
     │   ├── ConstraintTypeError              a wrong type (also a TypeError)
     │   ├── SimpleMutexAcquireTimeoutError   (also a TimeoutError)
     │   └── SimpleMutexLeaseExpiredError     the lease lapsed or was taken while the work ran
+    │       └── FencedOutError                   a store refused a write: it holds a larger fence
     ├── MalfunctionError                a system fault: backend down, corrupt record
     └── SimpleCacheConditionError       a precondition miss inside a cache: a lost race;
                                         the engine handles it and it never escapes a Mutex
@@ -85,6 +86,48 @@ class SimpleMutexLeaseExpiredError(ConstraintError):
     The work was interrupted (or is reported as unprotected): another holder may have
     entered. Raise the lease above the section's worst case, or use ``renew=True``.
     """
+
+
+class FencedOutError(SimpleMutexLeaseExpiredError):
+    """A fenced write (``simple_mutex.fenced``) was refused: the store already holds a
+    larger fence than ours, so a later holder of the lock has written there and this one's
+    lease is gone, whatever it believes. A ``SimpleMutexLeaseExpiredError``, so code that
+    handles a lost lease handles this too.
+
+    ``fence`` is the fence the refused write carried; ``current`` the store's (``None``
+    when the store could not say, e.g. the row vanished before it could be read back);
+    ``store`` names where (``"postgresql"``, ``"redis"``, ``"s3"``...); ``key`` the row,
+    key or object, as the caller named it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        *,
+        fence: int | None = None,
+        current: int | None = None,
+        store: str | None = None,
+    ) -> None:
+        super().__init__(message, key)
+        self.fence = fence
+        self.current = current
+        self.store = store
+
+    @classmethod
+    def refused(cls, store: str, key: str, fence: int, current: int | None) -> FencedOutError:
+        """The error for ``store`` refusing our ``fence`` on ``key``, in one wording."""
+        held = "a larger fence" if current is None else f"fence {current}"
+        message = (
+            f"{store} refused a write to {key} with fence {fence}: it holds {held}, so a "
+            "later holder of the lock has written there (this lease was lost)"
+        )
+        return cls(message, key, fence=fence, current=current, store=store)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The fences travel as state: Celery and RQ pickle the error to report it.
+        state = {"fence": self.fence, "current": self.current, "store": self.store}
+        return _rebuild, (type(self), self.message, self.key), state
 
 
 class MalfunctionError(SimpleMutexError):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))  # scripts/servers.py: standard library onl
 import servers  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
-DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq")
+DRIVERS = ("redis", "psycopg", "pymongo", "boto3", "celery", "kombu", "rq", "sqlalchemy", "django")
 SINKS = ("prometheus_client", "opentelemetry")  # simple_mutex.contrib only, never the core
 
 
@@ -93,6 +93,7 @@ def async_round_trip(open_cache: Callable[[], Awaitable[tuple[Any, Any]]], label
 
 def check_core() -> None:
     import simple_mutex
+    import simple_mutex.fenced  # its modules import a driver only when called
     from simple_mutex import DiskCache, InMemoryCache, cache_from_url
 
     loaded = sorted(name for name in DRIVERS + SINKS if name in sys.modules)
@@ -138,6 +139,71 @@ def check_postgres() -> None:
     async_round_trip(connection, "AsyncPostgresCache(AsyncConnection)")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+
+
+def check_sqlalchemy() -> None:
+    """The extra brings SQLAlchemy alone (a PostgreSQL driver is the postgres extra's):
+    the fenced writes on SQLite, which needs nothing more, refuse a stale fence."""
+    import sqlalchemy as sa
+
+    from simple_mutex import FencedOutError
+    from simple_mutex.fenced import fenced_update, fenced_upsert
+
+    with tempfile.TemporaryDirectory() as path:
+        engine = sa.create_engine(f"sqlite:///{path}/fenced.db")
+        with engine.begin() as c:
+            c.exec_driver_sql("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT, fence INTEGER)")
+        fenced_upsert(engine, "t", {"id": 1}, {"v": "new"}, fence=5)
+        require(fenced_update(engine, "t", {"id": 1}, {"v": "same"}, fence=5) == 1, "not written")
+        try:
+            fenced_update(engine, "t", {"id": 1}, {"v": "stale"}, fence=4)
+        except FencedOutError as exc:
+            require(exc.current == 5, f"FencedOutError.current is {exc.current}, not 5")
+        else:
+            require(False, "a stale fence was accepted")
+        engine.dispose()
+    ok(f"simple_mutex.fenced on SQLAlchemy {sa.__version__} (SQLite): a stale fence refused")
+
+
+def check_django() -> None:
+    """The extra brings Django alone: the fenced queryset update on SQLite (which needs
+    nothing more) refuses a stale fence."""
+    import django
+    from django.conf import settings
+
+    from simple_mutex import FencedOutError
+
+    with tempfile.TemporaryDirectory() as path:
+        settings.configure(
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
+                                   "NAME": f"{path}/fenced.db"}},
+            INSTALLED_APPS=[], USE_TZ=True,
+        )  # fmt: skip
+        django.setup()
+        from django.db import connection, models
+
+        from simple_mutex.fenced.django import fenced_update_queryset, fenced_upsert_model
+
+        class Account(models.Model):
+            balance = models.IntegerField()
+            fence = models.BigIntegerField(null=True)
+
+            class Meta:
+                app_label = "check_extras"
+
+        with connection.schema_editor() as editor:
+            editor.create_model(Account)
+        fenced_upsert_model(Account, {"id": 1}, {"balance": 10}, fence=5)
+        one = Account.objects.filter(id=1)
+        require(fenced_update_queryset(one, {"balance": 9}, fence=5) == 1, "not written")
+        try:
+            fenced_update_queryset(one, {"balance": 0}, fence=4)
+        except FencedOutError as exc:
+            require(exc.current == 5, f"FencedOutError.current is {exc.current}, not 5")
+        else:
+            require(False, "a stale fence was accepted")
+        connection.close()
+    ok(f"simple_mutex.fenced.django on Django {django.__version__} (SQLite): a stale fence refused")
 
 
 def check_mongo() -> None:
@@ -303,6 +369,8 @@ def main(spec: str) -> None:
         "postgres": check_postgres,
         "mongo": check_mongo,
         "s3": check_s3,
+        "sqlalchemy": check_sqlalchemy,
+        "django": check_django,
         "celery": lambda: check_celery(extras),
         "rq": check_rq,
         "prometheus": check_prometheus,

@@ -11,9 +11,11 @@ the other, and nothing here imports either.
 
 from __future__ import annotations
 
+from simple_mutex.current import current_lease
+
 from .per_process import PerProcess, reset, shared_cache
 from .policy import SHARED, BusyPolicy, check_known, check_option
-from .running import SKIPPED, current_lease, is_skipped, running, skip_marker
+from .running import SKIPPED, is_skipped, running, skip_marker
 
 __all__ = [
     "SHARED",

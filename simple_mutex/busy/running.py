@@ -4,24 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 from simple_mutex import Lease, SimpleMutexLeaseExpiredError
+from simple_mutex.current import _current
 from simple_mutex.errors import add_note, displaced_by
 from simple_mutex.interrupt import LeaseInterrupt
 
 SKIPPED = "skipped"
 SOURCES = ("celery_mutex", "rq_mutex")
 """Who may have made a skip marker: ``{"<source>": "skipped", "key": ..., ...}``."""
-
-_current: ContextVar[Lease | None] = ContextVar("simple_mutex_busy_lease", default=None)
-
-
-def current_lease() -> Lease | None:
-    """The lease of the task or job body running now (its ``key``, ``fence``,
-    ``expires_at``), or None outside one. Pass ``fence`` to the store you write to."""
-    return _current.get()
 
 
 @contextmanager
