@@ -288,6 +288,7 @@ class OwnServer:
         self.port = free_port()
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         self.user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.extra = ""  # more server options for pg_ctl -o (test_tls.py: ssl=on ...)
         if self.user:
             shutil.chown(self.dir, "postgres")
         self._run("initdb", "-D", "data", "-A", "trust", "-U", "postgres", "--no-sync")
@@ -300,6 +301,7 @@ class OwnServer:
 
     def pg_ctl(self, action: str) -> None:
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options += f" {self.extra}" if self.extra else ""
         self._run("pg_ctl", "-D", "data", "-l", "log", "-w", "-o", options, action)
 
     def remove(self) -> None:

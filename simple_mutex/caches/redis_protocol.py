@@ -507,5 +507,13 @@ def _where(client: Any) -> str:
     if kwargs.get("path"):
         return f" at unix://{kwargs['path']}"
     if kwargs.get("host"):
-        return f" at redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+        # A TLS connection's class (redis.SSLConnection) or its options give the scheme
+        # away: a message must say rediss:// for a rediss:// URL, or the reader hunts a
+        # plaintext port.
+        pool = getattr(client, "connection_pool", None)
+        tls = "SSL" in getattr(getattr(pool, "connection_class", None), "__name__", "") or any(
+            name.startswith("ssl_") for name in kwargs
+        )
+        scheme = "rediss" if tls else "redis"
+        return f" at {scheme}://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
     return ""
