@@ -254,7 +254,7 @@ class RedisLayout:
         try:
             version, expiry, value = text(payload).split(" ", 2)
             return Entry(value, version, int(version.partition(".")[0]), int(expiry) / 1000)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: an expiry of 10**400 ms
             raise malformed(
                 self.name, "get", key, f"{self._entry_key(key)!r} is not an entry"
             ) from None
