@@ -223,3 +223,36 @@ def test_the_guides_print_the_words_acl_rules_returns() -> None:
             lines = [line for line in f if line.startswith("ACL SETUSER")]
         assert len(lines) == 1, page
         assert lines[0].split("-@all ", 1)[1].split() == RedisCache.acl_rules(prefixes), page
+
+
+def test_celery_enqueue_markers_under_acl_prefixes(admin) -> None:
+    """A real ``apply_async`` (kombu's in-memory broker) with ``enqueue="raise"``, the
+    lock cache reached as a user made from ``acl_rules(celery_mutex.acl_prefixes())``:
+    the first call writes its "queued" marker and is sent, an equal one is refused; a
+    user without the ``queued.`` pattern fails closed, naming the key."""
+    prefix = f"acl{RUN}e."
+    with as_user(admin, RedisCache.acl_rules(celery_mutex.acl_prefixes(prefix))) as url:
+        app = Celery(set_as_current=False, broker="memory://")
+        app.conf.update(mutex_cache=url, mutex_prefix=prefix, task_default_queue=f"q{RUN}")
+
+        @app.task(
+            base=celery_mutex.MutexTask, shared=False, mutex={"key": "o.{n}", "enqueue": "raise"}
+        )
+        def order(n: int) -> None: ...
+
+        order.delay(1)
+        with pytest.raises(celery_mutex.AlreadyQueuedError):
+            order.delay(1)
+        assert admin.exists(f"{{queued.{prefix}o.1}}")
+    no_queued = [p for p in celery_mutex.acl_prefixes(prefix) if not p.startswith("queued.")]
+    with as_user(admin, RedisCache.acl_rules(no_queued)) as url:
+        app = Celery(set_as_current=False, broker="memory://")
+        app.conf.update(mutex_cache=url, mutex_prefix=prefix, task_default_queue=f"q{RUN}")
+
+        @app.task(
+            base=celery_mutex.MutexTask, shared=False, mutex={"key": "o.{n}", "enqueue": "raise"}
+        )
+        def refused(n: int) -> None: ...
+
+        with pytest.raises(MalfunctionError, match=r"lacks access to the key '\{queued\."):
+            refused.delay(2)  # fails closed: nothing sent unmarked
