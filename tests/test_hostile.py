@@ -1,5 +1,6 @@
 """Hostile data in the store (Hypothesis), on every tier this machine runs: memory, disk,
-the Redis at REDIS_URL and the PostgreSQL at POSTGRES_URL; and the CLI reading it.
+the Redis at REDIS_URL, the PostgreSQL at POSTGRES_URL, MongoDB (secantusd-py) and S3
+(moto) of this module's own; and the CLI reading it.
 
 Another program (or an attacker with write access to the prefix) may leave anything
 where a lock record goes: truncated JSON, huge values, wrong types, a fence that is a
@@ -25,14 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pymongo
 import pytest
 import redis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from servers import scripts
+from test_s3 import BUCKET as S3_BUCKET
+from test_s3 import moto_server
+from test_s3 import new_client as new_s3_client
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, MalfunctionError, Mutex
 from simple_mutex import cli as simple_mutex_cli
-from simple_mutex.caches import PostgresCache, RedisCache
+from simple_mutex.caches import MongoCache, PostgresCache, RedisCache, S3Cache
 from simple_mutex.keys import MAX_KEY_CHARS, decode_key, encode_key, is_hashed
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -116,10 +122,21 @@ def check_mutex_on(cache: ConditionalCache, key: str) -> None:
 # -- the tiers ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["memory", "disk", "redis", "postgres"])
+@pytest.fixture(scope="module", params=["memory", "disk", "redis", "postgres", "mongo", "s3"])
 def tier(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Each tier's cache, one per module (Hypothesis runs many examples on it)."""
-    if request.param == "memory":
+    """Each tier's cache, one per module (Hypothesis runs many examples on it): MongoDB on
+    a secantusd-py and S3 on a moto server of this module's own."""
+    if request.param == "mongo":
+        with scripts.mongo_server() as url:
+            client: Any = pymongo.MongoClient(url, serverSelectionTimeoutMS=5000)
+            yield MongoCache(client[f"hostile_{RUN}"]["locks"])
+            client.close()
+    elif request.param == "s3":
+        with moto_server() as endpoint:
+            s3 = new_s3_client(endpoint)
+            s3.create_bucket(Bucket=S3_BUCKET)
+            yield S3Cache(s3, S3_BUCKET, f"h{RUN}/")
+    elif request.param == "memory":
         yield InMemoryCache()
     elif request.param == "disk":
         yield DiskCache(tmp_path_factory.mktemp("hostile") / "locks")
