@@ -17,6 +17,7 @@ from __future__ import annotations
 from simple_mutex.busy import SKIPPED, current_lease, is_skipped
 
 from . import safety_net, signals
+from .config import acl_prefixes
 from .errors import AlreadyQueuedError, ConstantKeyWarning
 from .task import MutexTask
 
@@ -25,6 +26,7 @@ __all__ = [
     "AlreadyQueuedError",
     "ConstantKeyWarning",
     "MutexTask",
+    "acl_prefixes",
     "current_lease",
     "is_skipped",
     "safety_net",  # imported for its signal handlers (release on every ending)

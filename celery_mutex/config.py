@@ -19,6 +19,7 @@ from simple_mutex.busy import (
     shared_cache,
 )
 from simple_mutex.durations import positive_seconds
+from simple_mutex.keys import check_prefix
 
 from ._owned import OwnedLocks
 
@@ -44,6 +45,14 @@ def beside(kind: str, prefix: str) -> str:
     """The prefix of ``kind``'s records ("queued.", "beat." or "ticks.") beside ``prefix``."""
     assert kind in BESIDE
     return kind + prefix
+
+
+def acl_prefixes(prefix: str = "mutex.") -> tuple[str, ...]:
+    """Every lock prefix celery_mutex writes under for ``mutex_prefix = prefix``: the task
+    locks and the records beside them (enqueue markers, beat claims, beat-run ticks). For
+    ``RedisCache.acl_rules(prefixes=acl_prefixes())``, the words of a least-privileged
+    Redis user for a Celery app."""
+    return (check_prefix(prefix), *(beside(kind, prefix) for kind in BESIDE))
 
 
 def check_prefix_room(where: str, prefix: str) -> str:

@@ -271,6 +271,15 @@ ensure_chromium() {
     apt_install chromium || die "cannot install chromium (no apt-get or no root): install it by hand at $CHROMIUM"
 }
 
+# The TLS tests make a private CA with the openssl command (tests/tls.py).
+ensure_openssl() {
+    if command -v openssl >/dev/null 2>&1; then
+        return 0
+    fi
+    say "openssl is missing; installing it with apt-get"
+    apt_install openssl || die "cannot install openssl (no apt-get or no root): install it by hand"
+}
+
 # Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
 ensure_services() {
     # Every tier's tests run by default; SIMPLE_MUTEX_SERVICES="" starts none.

@@ -16,6 +16,7 @@ pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
 # -- services: start what the enabled backend tiers test against -----------------------
 ensure_services
 ensure_chromium
+ensure_openssl
 
 # Lint first: it takes seconds and a style or type error fails the run like a test would.
 # SIMPLE_MUTEX_LINT=0 skips it (for a quick local pytest pass).

@@ -96,7 +96,9 @@ def holder_of(entry: Entry, cache_name: str, key: str, slot: int) -> Holder:
             fence=entry.fence,
             slot=slot,
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, OSError) as exc:
+        # OverflowError: a pid or time of 1e400 (JSON's Infinity) or 2**1000; OSError:
+        # a time the platform's gmtime cannot take. Each is a record we never wrote.
         raise MalfunctionError(
             f"{cache_name} cache holds a malformed lock record for key {key!r}: {exc!r}",
             key=key,
@@ -106,7 +108,7 @@ def holder_of(entry: Entry, cache_name: str, key: str, slot: int) -> Holder:
 def _decode(entry: Entry, cache_name: str, key: str) -> dict[str, Any]:
     try:
         record = json.loads(entry.value)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested 10**5 deep
         record = None
     if not isinstance(record, dict) or not isinstance(record.get("token"), str):
         raise MalfunctionError(

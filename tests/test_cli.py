@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from redis_acl import lock_user, url_as
 from workers import wait_until
+
+from simple_mutex.caches import RedisCache
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -87,13 +91,22 @@ def cli(*args: str, stdin: str | None = None, **env: str) -> subprocess.Complete
     )  # fmt: skip
 
 
-@pytest.fixture(params=["redis", "postgres", "disk"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+@pytest.fixture(params=["redis", "redis-lock-user", "postgres", "disk"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "redis":
-        return REDIS_URL
+        yield REDIS_URL
+        return
+    if request.param == "redis-lock-user":
+        # list, show and release as a user made from RedisCache.acl_rules() alone
+        admin = redis.Redis.from_url(REDIS_URL)
+        with lock_user(admin, RedisCache.acl_rules(prefixes=("clitest.",))) as (user, password):
+            yield url_as(REDIS_URL, user, password)
+        admin.close()
+        return
     if request.param == "postgres":
-        return POSTGRES_URL
-    return f"file://{tmp_path / 'locks'}"
+        yield POSTGRES_URL
+        return
+    yield f"file://{tmp_path / 'locks'}"
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import procs
 import psycopg
@@ -135,6 +135,85 @@ class TestPostgresBehaviour(NotifyBehaviour, SharedBehaviour):
 
     def unreachable_url(self, tmp_path: Path) -> str:
         return f"postgresql://postgres@127.0.0.1:{free_port()}/test?connect_timeout=1"
+
+
+# -- least privilege: a DML-only role behind a hostile search_path ---------------------------
+
+DML_TABLE = f"{RUN}_dml"
+EVIL = f"evil_{RUN}"
+
+
+@pytest.fixture(scope="module")
+def dml_url(admin: psycopg.Connection[Any]) -> Iterator[str]:
+    """A role that may only SELECT/INSERT/UPDATE/DELETE the lock table its owner made
+    with ``create_schema``, whose search_path puts a hostile schema first: a table of the
+    same name (holding a live-looking row for every key) and a clock_timestamp() stuck
+    in 1970 (every lock would look expired: granted twice), ahead of pg_catalog."""
+    role = f"{RUN}_dml"
+    admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        PostgresCache.create_schema(POSTGRES_URL, table=DML_TABLE, grant_to=role)
+        admin.execute(f'CREATE SCHEMA "{EVIL}"')
+        admin.execute(f'CREATE TABLE "{EVIL}"."{DML_TABLE}" (LIKE public."{DML_TABLE}")')
+        admin.execute(
+            f'CREATE FUNCTION "{EVIL}".clock_timestamp() RETURNS timestamptz '
+            "LANGUAGE sql AS $$ SELECT '1970-01-01'::timestamptz $$"
+        )
+        admin.execute(f'GRANT USAGE ON SCHEMA "{EVIL}" TO "{role}"')
+        admin.execute(f'GRANT ALL ON "{EVIL}"."{DML_TABLE}" TO "{role}"')
+        path = quote(f"-c search_path={EVIL},pg_catalog,public")
+        parts = urlsplit(POSTGRES_URL)
+        host = parts.netloc.rpartition("@")[2]
+        yield urlunsplit(parts._replace(netloc=f"{role}@{host}", query=f"options={path}"))
+        assert admin.execute(f'SELECT count(*) FROM "{EVIL}"."{DML_TABLE}"').fetchone() == (0,)
+    finally:
+        admin.execute(f'DROP SCHEMA IF EXISTS "{EVIL}" CASCADE')
+        admin.execute(f'DROP TABLE IF EXISTS public."{DML_TABLE}"')
+        admin.execute(f'DROP OWNED BY "{role}"')
+        admin.execute(f'DROP ROLE "{role}"')
+
+
+def test_the_hostile_search_path_would_bite_an_unqualified_statement(dml_url: str) -> None:
+    """The trap is real: as the DML role, an unqualified table and clock_timestamp() are
+    the hostile schema's, and the role may create no table."""
+    with psycopg.connect(dml_url, autocommit=True) as conn:
+        assert conn.execute("SELECT clock_timestamp()").fetchone()[0].year == 1970  # type: ignore[index]
+        schema = conn.execute(
+            "SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = %s::regclass",
+            (f'"{DML_TABLE}"',),
+        ).fetchone()
+        assert schema == (EVIL,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("CREATE TABLE public.nope (x int)")
+
+
+class TestPostgresCacheContractAsDmlRole(NotifyContract, CacheContract):
+    """The shared contract as the DML-only role behind the hostile search_path."""
+
+    wake_bound = 0.5
+
+    @pytest.fixture
+    def cache(self, dml_url: str) -> Iterator[PostgresCache]:
+        cache = PostgresCache(dml_url, table=DML_TABLE)
+        yield cache
+        cache.close()
+
+
+class TestPostgresBehaviourAsDmlRole(TestPostgresBehaviour):
+    """The behaviour suite (processes, killed holders, hand-off) as that role."""
+
+    @pytest.fixture
+    def url(self, dml_url: str) -> str:
+        return with_query(dml_url, table=DML_TABLE)
+
+    def write_foreign(self, url: str, cache_key: str) -> str:
+        """Another program's table of another shape, which the role may read."""
+        table = f"{RUN}_foreign_dml"
+        with connect() as conn:
+            conn.execute(f'CREATE TABLE "{table}" (key text PRIMARY KEY, payload jsonb)')
+            conn.execute(f'INSERT INTO "{table}" VALUES (%s, %s)', (cache_key, "{}"))
+            conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table}" TO "{RUN}_dml"')
+        return with_query(url, table=table)
 
 
 def with_query(url: str, **options: str) -> str:
@@ -288,6 +367,7 @@ class OwnServer:
         self.port = free_port()
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         self.user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.extra = ""  # more server options for pg_ctl -o (test_tls.py: ssl=on ...)
         if self.user:
             shutil.chown(self.dir, "postgres")
         self._run("initdb", "-D", "data", "-A", "trust", "-U", "postgres", "--no-sync")
@@ -300,6 +380,7 @@ class OwnServer:
 
     def pg_ctl(self, action: str) -> None:
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options += f" {self.extra}" if self.extra else ""
         self._run("pg_ctl", "-D", "data", "-l", "log", "-w", "-o", options, action)
 
     def remove(self) -> None:

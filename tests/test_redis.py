@@ -29,6 +29,7 @@ from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, NotifyContract, unique_key
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis_acl import lock_user, url_as
 from servers import RedisServer, free_port, own_cluster, own_redis
 from workers import ReleaseLater
 
@@ -107,6 +108,32 @@ class TestRedisCacheContractDecodedResponses(NotifyContract, CacheContract):
         conn.close()
 
 
+@pytest.fixture(scope="module")
+def lock_url(client: redis.Redis) -> Iterator[str]:
+    """REDIS_URL as a user made from nothing but ``RedisCache.acl_rules()`` (plus
+    ``resetchannels``): for this module's cache prefix (the contract's keys) and for the
+    behaviour suite's Mutex prefix. Redis 7 checks every command a script calls, and its
+    keys, against the user: a script touching a key outside the rules fails the suite."""
+    rules = (
+        RedisCache.acl_rules(prefixes=("",), cache_prefix=PREFIX),
+        RedisCache.acl_rules(prefixes=(BEHAVIOUR_PREFIX,)),
+    )
+    with lock_user(client, *rules) as (user, password):
+        yield url_as(REDIS_URL, user, password)
+
+
+class TestRedisCacheContractAsLockUser(NotifyContract, CacheContract):
+    """The shared contract, hand-off included, as the least-privileged lock user."""
+
+    wake_bound = 0.2
+
+    @pytest.fixture
+    def cache(self, lock_url: str) -> Iterator[RedisCache]:
+        conn = new_client(lock_url)
+        yield RedisCache(conn, prefix=PREFIX)
+        conn.close()
+
+
 class TestRedisBehaviour(NotifyBehaviour, SharedBehaviour):
     """The behaviour suite against the server at REDIS_URL."""
 
@@ -122,6 +149,17 @@ class TestRedisBehaviour(NotifyBehaviour, SharedBehaviour):
 
     def unreachable_url(self, tmp_path: Path) -> str:
         return "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
+
+
+class TestRedisBehaviourAsLockUser(TestRedisBehaviour):
+    """The behaviour suite (processes, semaphores, asyncio hand-off, a killed holder, a
+    foreign entry) with every cache built from a URL of the least-privileged lock user."""
+
+    @pytest.fixture
+    def url(self, client: redis.Redis, lock_url: str) -> Iterator[str]:
+        yield lock_url
+        for key in client.scan_iter(match="{" + BEHAVIOUR_PREFIX + "*", count=1000):
+            client.delete(key)
 
 
 # -- layout: keys, hash tags, what is left behind ---------------------------------------

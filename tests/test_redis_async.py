@@ -30,6 +30,7 @@ import redis
 import redis.asyncio
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
+from redis_acl import lock_user, url_as
 from servers import free_port, own_cluster, own_redis
 
 from simple_mutex import (
@@ -89,6 +90,25 @@ class TestAsyncRedisCacheContract(NotifyContract, CacheContract):
     @pytest.fixture
     def cache(self, face: BlockingFace) -> BlockingFace:
         return face
+
+
+class TestAsyncRedisCacheContractAsLockUser(NotifyContract, CacheContract):
+    """...and as a user made from nothing but ``RedisCache.acl_rules()`` plus
+    ``resetchannels``: the loop's wake-up listener (its own SET, LPUSH, PEXPIRE, BLPOP)
+    and every script stay inside the rules."""
+
+    wake_bound = 0.2
+
+    @pytest.fixture
+    def cache(self, client: redis.Redis) -> Iterator[BlockingFace]:
+        rules = RedisCache.acl_rules(prefixes=("",), cache_prefix=PREFIX)
+        with lock_user(client, rules) as (user, password):
+            aio = redis.asyncio.Redis.from_url(url_as(REDIS_URL, user, password))
+            face = BlockingFace(AsyncRedisCache(aio, prefix=PREFIX))
+            yield face
+            face.call(face.cache.aclose())
+            face.call(aio.aclose())
+            face.close()
 
 
 class TestAsyncRedisCacheContractDecodedResponses(NotifyContract, CacheContract):

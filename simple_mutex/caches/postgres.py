@@ -1,17 +1,24 @@
 """PostgresCache: every machine that reaches one PostgreSQL (psycopg 3).
 
 One table holds every lock, created on first use; where the lock role may not create
-tables, run this once (``simple_mutex_locks`` is the default ``table``)::
+tables, its owner runs ``PostgresCache.create_schema(url, grant_to="lock_role")`` once, or
+these statements (``public.simple_mutex_locks`` is the default ``schema`` and ``table``)::
 
-    CREATE TABLE simple_mutex_locks (
-        key text PRIMARY KEY,
-        value text,                     -- NULL once freed: the row stays gc_after
-        version text NOT NULL,          -- random per write: the compare-and-set condition
-        fence bigint NOT NULL,          -- max(fence + 1, the server's clock in µs)
-        expires_at timestamptz NOT NULL -- the lease's end, or when it was freed
+    CREATE TABLE IF NOT EXISTS "public"."simple_mutex_locks" (
+        key pg_catalog.text PRIMARY KEY,
+        value pg_catalog.text,                  -- NULL once freed: the row stays gc_after
+        version pg_catalog.text NOT NULL,       -- random per write: the compare-and-set condition
+        fence pg_catalog.int8 NOT NULL,         -- max(fence + 1, the server's clock in µs)
+        expires_at pg_catalog.timestamptz NOT NULL -- the lease's end, or when it was freed
     );
-    CREATE INDEX simple_mutex_locks_gc ON simple_mutex_locks (expires_at);
-    GRANT SELECT, INSERT, UPDATE, DELETE ON simple_mutex_locks TO lock_role;
+    CREATE INDEX IF NOT EXISTS "simple_mutex_locks_gc"
+        ON "public"."simple_mutex_locks" (expires_at);
+    GRANT USAGE ON SCHEMA "public" TO "lock_role";
+    GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."simple_mutex_locks" TO "lock_role";
+
+The lock role needs nothing else (no CREATE, no other table; LISTEN and NOTIFY need no
+privilege). Every statement names the table with its schema and pg_catalog's functions
+and types with theirs, so a hostile ``search_path`` changes nothing.
 
 * Each operation is one statement, atomic on the server, whose ``clock_timestamp()``
   decides expiry and floors fences: a grant's fence is max(the row's fence + 1, the
@@ -40,13 +47,22 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
-from .common import driver_imports
-from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
+from .common import driver_imports, fault
+from .postgres_core import (
+    LOST_RACE,
+    PostgresCore,
+    SessionEnded,
+    Statement,
+    _with_defaults,
+    like_prefix,
+    scanned,
+    schema_statements,
+)
 
 with driver_imports("postgres"):
     import psycopg
@@ -55,7 +71,10 @@ T = TypeVar("T")
 
 
 class PostgresCache(PostgresCore):
-    """A ConditionalCache in one PostgreSQL table.
+    """A ConditionalCache in one PostgreSQL table (``schema.table``, ``public`` by default).
+
+    ``PostgresCache.create_schema(conninfo, table=..., schema=..., grant_to=role)``: the
+    owner's one-time setup for a lock role without CREATE (the module docstring).
 
     ``conninfo`` is a libpq conninfo string or ``postgresql://`` URL, an autocommit
     ``psycopg.Connection``, or a ``psycopg_pool.ConnectionPool``. ``gc_after``: seconds a
@@ -89,6 +108,16 @@ class PostgresCache(PostgresCore):
         if setup is not None:
             conn.execute(setup)
         return conn
+
+    @staticmethod
+    def create_schema(
+        conninfo: str,
+        *,
+        table: str = "simple_mutex_locks",
+        schema: str = "public",
+        grant_to: str | None = None,
+    ) -> list[str]:
+        return _create_schema(conninfo, table=table, schema=schema, grant_to=grant_to)
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         for statement, name, lookup in self._setup_steps():
@@ -239,16 +268,39 @@ class PostgresCache(PostgresCore):
                 conn.execute("UNLISTEN *")
 
 
+def _create_schema(
+    conninfo: str,
+    *,
+    table: str = "simple_mutex_locks",
+    schema: str = "public",
+    grant_to: str | None = None,
+) -> list[str]:
+    """Create the lock table and its index as their owner (the role of ``conninfo``),
+    and grant a lock role (``grant_to``) exactly what it needs; the statements run, for
+    the record. Safe to run again."""
+    statements = schema_statements(table, schema, grant_to)
+    try:
+        with psycopg.connect(_with_defaults(conninfo), autocommit=True) as conn:
+            for statement in statements:
+                conn.execute(statement)
+    except psycopg.Error as exc:
+        raise fault("postgres", "create_schema", table, exc) from exc
+    return statements
+
+
 def from_url(url: str) -> PostgresCache:
     """A PostgresCache from ``postgresql://`` or ``postgres://`` URL; libpq's own query
-    options pass through, and ``?table=name`` picks the table."""
+    options pass through; ``?table=name`` and ``?schema=name`` pick the table."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("postgresql", "postgres"):
         raise ConstraintValueError(
             f"unknown PostgreSQL URL scheme {parts.scheme!r}; use postgresql:// or postgres://"
         )
     query = parse_qsl(parts.query, keep_blank_values=True)
-    tables = [value for name, value in query if name == "table"]
-    rest = urlencode([(name, value) for name, value in query if name != "table"])
+    ours = {name: value for name, value in query if name in ("table", "schema")}
+    # quote, not urlencode's quote_plus: libpq reads "+" as a plus, never as a space, so
+    # "options=-c search_path=..." came out as "-c+search_path" (a server error).
+    rest = urlencode([(n, v) for n, v in query if n not in ours], quote_via=quote)
     plain = urlunsplit(parts._replace(query=rest))
-    return PostgresCache(plain, table=tables[-1]) if tables else PostgresCache(plain)
+    table, schema = ours.get("table", "simple_mutex_locks"), ours.get("schema", "public")
+    return PostgresCache(plain, table=table, schema=schema)

@@ -19,6 +19,7 @@ from simple_mutex.errors import (
     ConstraintValueError,
     MalfunctionError,
     SimpleCacheConditionError,
+    bad_input,
 )
 
 from .common import (
@@ -57,22 +58,27 @@ _COLLECT_ROWS = 256  # rows one collection pass deletes at most: 4 per grant on 
 # (operator), datatype mismatch, no unique key for ON CONFLICT.
 _OTHER_SHAPE = ("42703", "42883", "42804", "42P10")
 
+# Every name a statement uses is qualified: the table with its schema, functions and
+# types with pg_catalog. So a schema placed earlier on the role's search_path (one another
+# role may create objects in) cannot put its own table or clock_timestamp() in their
+# place. Operators (=, >, ||) are pg_catalog's too, which PostgreSQL searches first
+# unless a search_path names pg_catalog after another schema: don't.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t} (
-    key text PRIMARY KEY,
-    value text,
-    version text NOT NULL,
-    fence bigint NOT NULL,
-    expires_at timestamptz NOT NULL
+    key pg_catalog.text PRIMARY KEY,
+    value pg_catalog.text,
+    version pg_catalog.text NOT NULL,
+    fence pg_catalog.int8 NOT NULL,
+    expires_at pg_catalog.timestamptz NOT NULL
 )
 """
 # Finds the rows to collect without a scan; created with the table, or added to a table
 # of an earlier version by a role that owns it (others collect by a bounded scan).
 _INDEX = "CREATE INDEX IF NOT EXISTS {i} ON {t} (expires_at)"
-_EPOCH = "extract(epoch FROM expires_at)::float8"
-_EXPIRY = "clock_timestamp() + make_interval(secs => %(ttl)s)"
-_LIVE = "value IS NOT NULL AND expires_at > clock_timestamp()"
-_CLOCK_FENCE = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+_EPOCH = "extract(epoch FROM expires_at)::pg_catalog.float8"
+_EXPIRY = "pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => %(ttl)s)"
+_LIVE = "value IS NOT NULL AND expires_at > pg_catalog.clock_timestamp()"
+_CLOCK_FENCE = "(extract(epoch FROM pg_catalog.clock_timestamp()) * 1000000)::pg_catalog.int8"
 
 # Insert, or take over a freed or expired row (max(fence + 1, the clock in µs)). When the
 # row is live the INSERT returns nothing and the second SELECT reads it (from the
@@ -88,7 +94,7 @@ WITH put AS (
         SET value = excluded.value,
             version = excluded.version || CASE WHEN e.value IS NULL THEN '' ELSE '{TOOK_OVER}' END,
             fence = GREATEST(e.fence + 1, {_CLOCK_FENCE}), expires_at = excluded.expires_at
-        WHERE e.value IS NULL OR e.expires_at <= clock_timestamp()
+        WHERE e.value IS NULL OR e.expires_at <= pg_catalog.clock_timestamp()
     RETURNING value, version, fence, {_EPOCH}
 )
 SELECT * FROM put
@@ -107,18 +113,18 @@ RETURNING fence, {_EPOCH}
 # woken waiter finds the key free.
 _DELETE = f"""
 WITH freed AS (
-    UPDATE {{t}} SET value = NULL, expires_at = clock_timestamp()
+    UPDATE {{t}} SET value = NULL, expires_at = pg_catalog.clock_timestamp()
     WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
     RETURNING key
 )
-SELECT pg_notify(%(channel)s, '') FROM freed
+SELECT pg_catalog.pg_notify(%(channel)s, '') FROM freed
 """
 # Rows freed or expired more than gc_after ago (a live row expires after now), the oldest
 # first; rows another session has locked are left for a later pass, never waited for.
 _COLLECT = """
 DELETE FROM {t} WHERE key IN (
     SELECT key FROM {t}
-    WHERE expires_at < clock_timestamp() - make_interval(secs => %(after)s)
+    WHERE expires_at < pg_catalog.clock_timestamp() - pg_catalog.make_interval(secs => %(after)s)
     ORDER BY expires_at LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
@@ -130,7 +136,7 @@ _SCAN = f"""
 SELECT key, value, version, fence, {_EPOCH} FROM {{t}}
 WHERE key LIKE %(pattern)s ESCAPE '\\' AND {_LIVE}
 """
-_LIVE_COUNT = f"SELECT count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
+_LIVE_COUNT = f"SELECT pg_catalog.count(*) FROM {{t}} WHERE key = ANY(%(keys)s) AND {_LIVE}"
 
 
 T = TypeVar("T")
@@ -164,16 +170,13 @@ class PostgresCore(CacheBase):
         conninfo: Any,
         *,
         table: str = "simple_mutex_locks",
+        schema: str = "public",
         gc_after: float | None = DEFAULT_GC_AFTER,
     ) -> None:
         owner = type(self).__name__
         self.gc_after = gc_after_seconds(owner, gc_after)
-        if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
-            raise ConstraintValueError(
-                f"{owner} table must be a plain identifier (letters, digits, _; at "
-                f"most 63), got {table!r}; create it in a schema on the role's search_path"
-            )
-        self.table = table
+        self.table = check_identifier(owner, "table", table)
+        self.schema = check_identifier(owner, "schema", schema)
         self._pool: Any = None
         self._conn: Any = None
         self._given: Any = conninfo  # never closed here
@@ -201,7 +204,7 @@ class PostgresCore(CacheBase):
                 f"{self._connection_type.__name__} or a psycopg_pool {self._pool_type}, got "
                 f"{type(conninfo).__name__}"
             )
-        quoted = sql.Identifier(table).as_string(None)
+        quoted = qualified(schema, table)
         self._index = _index_name(table)
         index = sql.Identifier(self._index).as_string(None)
         self._sql = {
@@ -220,7 +223,7 @@ class PostgresCore(CacheBase):
         """Set up what only the blocking or the asyncio subclass keeps (its listener)."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(table={self.table!r})"
+        return f"{type(self).__name__}(table={self.table!r}, schema={self.schema!r})"
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -248,7 +251,7 @@ class PostgresCore(CacheBase):
         at the same instant collide in the catalog: the loser uses the winner's) and pass
         InsufficientPrivilege to ``_denied``."""
         for name, statement in ((self.table, "schema"), (self._index, "index")):
-            yield statement, sql.Identifier(name).as_string(None), "SELECT to_regclass(%s)"
+            yield statement, qualified(self.schema, name), "SELECT pg_catalog.to_regclass(%s)"
 
     def _denied(self, statement: str, exc: BaseException) -> None:
         if statement == "schema":
@@ -386,6 +389,39 @@ LOST_RACE = (
 
 class SessionEnded(MalfunctionError):
     """A reused session the server had ended: the statement sent on it never ran."""
+
+
+def check_identifier(owner: str, what: str, name: object) -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+        raise bad_input(
+            name, str,
+            f"{owner} {what} must be a plain identifier (letters, digits, _; at most 63), "
+            f"got {name!r}",
+        )  # fmt: skip
+    return name
+
+
+def qualified(schema: str, name: str) -> str:
+    """``"schema"."name"``: never resolved through the session's search_path."""
+    return f"{sql.Identifier(schema).as_string(None)}.{sql.Identifier(name).as_string(None)}"
+
+
+def schema_statements(table: str, schema: str = "public", grant_to: str | None = None) -> list[str]:
+    """The statements the table's owner runs once (``create_schema``, or by hand), the
+    GRANT of exactly the four privileges a lock role needs included when ``grant_to``
+    names that role. LISTEN and NOTIFY need no privilege."""
+    owner = "PostgresCache.create_schema"
+    schema = check_identifier(owner, "schema", schema)
+    t = qualified(schema, check_identifier(owner, "table", table))
+    i = sql.Identifier(_index_name(table)).as_string(None)
+    statements = [_SCHEMA.format(t=t).strip(), _INDEX.format(t=t, i=i)]
+    if grant_to is not None:
+        role = sql.Identifier(check_identifier(owner, "grant_to", grant_to)).as_string(None)
+        statements += [
+            f"GRANT USAGE ON SCHEMA {sql.Identifier(schema).as_string(None)} TO {role}",
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {t} TO {role}",
+        ]
+    return statements
 
 
 def _index_name(table: str) -> str:

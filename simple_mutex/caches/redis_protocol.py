@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -119,6 +120,41 @@ end
 return 1
 """
 
+# Every command a Redis cache sends, in its scripts or directly (asyncio's wake-up listener
+# sends SET, LPUSH and PEXPIRE itself), and nothing else: Redis 7 checks each command a
+# script calls against the user's ACL too. Not CONFIG: ``CONFIG GET *`` would also show
+# ``requirepass``; a user without it skips the eviction check (as on a managed server).
+# SELECT: redis-py sends it on connect for a URL's /db other than 0. SCRIPT LOAD: a
+# restarted server forgets the scripts. WAIT: only with replicas=N (acl_rules(replicas=True)).
+ACL_COMMANDS = (
+    "evalsha", "script|load", "get", "set", "del", "exists", "pexpire", "lpush", "blpop",
+    "time", "scan", "select",
+)  # fmt: skip
+
+
+def acl_rules(
+    prefixes: Sequence[str] = ("mutex.",), *, cache_prefix: str = "", replicas: bool = False
+) -> list[str]:
+    """The ``ACL SETUSER`` words a Redis user needs to take, hold, free, wait for and list
+    the locks of a ``Mutex`` / ``Semaphore`` whose ``prefix`` is one of ``prefixes``, on a
+    cache built with ``prefix=cache_prefix``: one key pattern per prefix (every companion
+    key of a lock, ``{base}:f``, ``:h``, ``:w``, ``:signal``, shares its entry's
+    ``{base`` head) and the exact commands. No channel rule: nothing is published, so a
+    user made with ``resetchannels`` (Redis 7's default) works. ``replicas=True`` adds
+    ``WAIT``, for a cache with ``replicas=N``."""
+    cache_prefix = check_prefix(cache_prefix)
+    if isinstance(prefixes, str) or not isinstance(prefixes, Sequence) or not prefixes:
+        raise ConstraintTypeError(
+            "acl_rules(prefixes=...) takes a non-empty tuple of lock prefixes, e.g. "
+            f"('mutex.', 'semaphore.'), got {prefixes!r}"
+        )
+    patterns = [
+        f"~{_glob_escape(cache_prefix + '{' + check_prefix(prefix))}*" for prefix in prefixes
+    ]
+    commands = [f"+{name}" for name in (*ACL_COMMANDS, *(("wait",) if replicas else ()))]
+    return [*dict.fromkeys(patterns), *commands]
+
+
 Request = tuple[Any, ...]
 """The arguments of one script call after its SHA-1: numkeys, KEYS, ARGV."""
 
@@ -172,6 +208,8 @@ class RedisLayout:
             MAX_BLOCK_S if not socket_timeout else min(MAX_BLOCK_S, 0.8 * float(socket_timeout))
         )
 
+    acl_rules = staticmethod(acl_rules)
+
     def _connect(self, client: Any) -> bool:
         """The subclass's I/O: refuse a client it cannot drive (ConstraintError), set up
         its command path, and say whether a ``WAIT`` can follow a write on the connection
@@ -182,7 +220,17 @@ class RedisLayout:
         return f"{type(self).__name__}({self.client!r}, prefix={self.prefix!r})"
 
     def _fault(self, operation: str, key: str, exc: RedisError) -> MalfunctionError:
-        return redis_fault(operation, key, exc, _where(self.client))
+        error = redis_fault(operation, key, exc, _where(self.client))
+        redis_key = None if operation == "scan" else self._entry_key(key)
+        missing = missing_permission(exc, operation, redis_key)
+        if missing is not None:
+            # NOPERM says "a key" or "this command" at best; the operator needs the word.
+            error.message += (
+                f"; the Redis user lacks {missing}: grant it the words "
+                "RedisCache.acl_rules(prefixes=(...)) returns (docs/guides/redis.md)"
+            )
+            error.args = (error.message, error.key)
+        return error
 
     def _keys(self, key: str) -> tuple[str, str]:
         """The Redis key of an entry, and the hash-tagged stem of its companions."""
@@ -206,7 +254,7 @@ class RedisLayout:
         try:
             version, expiry, value = text(payload).split(" ", 2)
             return Entry(value, version, int(version.partition(".")[0]), int(expiry) / 1000)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: an expiry of 10**400 ms
             raise malformed(
                 self.name, "get", key, f"{self._entry_key(key)!r} is not an entry"
             ) from None
@@ -427,11 +475,45 @@ def redis_fault(operation: str, key: str, exc: RedisError, where: str = "") -> M
     return error
 
 
+_SCRIPTS = {"put_if_absent": PUT, "compare_and_set": CAS, "compare_and_delete": DELETE}
+
+
+def missing_permission(exc: BaseException, operation: str, redis_key: str | None) -> str | None:
+    """The ACL permission a refused command lacked, as an ``ACL SETUSER`` word where the
+    reply tells which (a command), else the key it was refused on; None when ``exc`` is no
+    ACL refusal. Inside a script Redis names only the script's line: the command on it
+    is ours to read."""
+    message = str(exc)
+    command = re.search(r"no permissions to run the '([^']+)' command", message)
+    if command:
+        return f"the command +{command.group(1).lower()}"
+    line = re.search(r"executing the script can't run this command.*@user_script:(\d+)", message)
+    if line:
+        lines = _SCRIPTS.get(operation, "").split("\n")
+        number = int(line.group(1)) - 1
+        called = re.search(r"redis\.p?call\('(\w+)'", lines[number] if number < len(lines) else "")
+        if called:
+            return f"the command +{called.group(1).lower()} (called by the {operation} script)"
+        return f"a command the {operation} script calls"
+    if "NOPERM" in message or "no permissions to access" in message or "can't access" in message:
+        where = f" {redis_key!r}" if redis_key else ""
+        return f"access to the key{where} (a key pattern covering its lock prefix)"
+    return None
+
+
 def _where(client: Any) -> str:
     """`` at redis://host:port/db`` (never a password), for messages; "" if unknown."""
     kwargs = connection_kwargs(client)
     if kwargs.get("path"):
         return f" at unix://{kwargs['path']}"
     if kwargs.get("host"):
-        return f" at redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+        # A TLS connection's class (redis.SSLConnection) or its options give the scheme
+        # away: a message must say rediss:// for a rediss:// URL, or the reader hunts a
+        # plaintext port.
+        pool = getattr(client, "connection_pool", None)
+        tls = "SSL" in getattr(getattr(pool, "connection_class", None), "__name__", "") or any(
+            name.startswith("ssl_") for name in kwargs
+        )
+        scheme = "rediss" if tls else "redis"
+        return f" at {scheme}://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
     return ""
