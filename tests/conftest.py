@@ -17,6 +17,12 @@ from servers import RedisServer
 
 from simple_mutex import DiskCache, InMemoryCache
 
+# A shell without job control starts background commands with SIGINT ignored, and an
+# ignored signal stays ignored across exec: every process the tests start would be deaf to
+# Ctrl-C (the CLI's watch tests send it). A handled signal is reset at exec instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture
 def memory_cache() -> InMemoryCache:
