@@ -65,6 +65,8 @@ say "installed: $("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
     | paste -sd' ')"
 
 ensure_services
-if [[ $# -eq 0 ]]; then set -- "${INTEGRATION_TESTS[@]}"; fi
+# The restricted-user and DML-role runs of the Redis and PostgreSQL suites repeat the
+# same calls under other credentials; the drivers' lower bounds change nothing there.
+if [[ $# -eq 0 ]]; then set -- -k "not AsLockUser and not AsDmlRole" "${INTEGRATION_TESTS[@]}"; fi
 say "pytest $* (on the lower bounds)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
