@@ -179,10 +179,12 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
                     "?connect_timeout=2&tcp_user_timeout=2000"
                 )
                 cache = {"kind": "postgres", "url": url, "table": "nemlocks"}
-                # A release has no timeout of its own: under the proxy's delay (1.5 s each
-                # way at most) one statement takes a 3 s round trip, which libpq's
-                # tcp_user_timeout does not cut (the proxy acknowledges every byte).
-                spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.0,
+                # Under the proxy's delay (1.5 s each way at most) one statement takes a
+                # 3 s round trip, which libpq's tcp_user_timeout does not cut (the proxy
+                # acknowledges every byte): an acquire's last try, sent just before its
+                # timeout, and a release (no timeout of its own) each get one round trip
+                # and scheduling on top.
+                spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.5,
                                     release_slack=4.0)  # fmt: skip
                 yield Setup(cache, store, {**PROCESS_FAULTS, **LINK_FAULTS},
                             spec, proxy, restart_pg,
