@@ -12,6 +12,17 @@ from typing import Any
 from nemesis.history import Recorder
 from nemesis.store import open_store
 
+FINISH = 5.0  # seconds an interrupted step waits for its write (the store is never faulted)
+
+
+def _finish(done: threading.Event) -> None:
+    deadline = time.monotonic() + FINISH
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            done.wait(0.05)
+        except BaseException:  # a second interrupt: the first one is on its way already
+            continue
+
 
 class Steps:
     def __init__(self, rec: Recorder, store_url: str) -> None:
@@ -28,8 +39,17 @@ class Steps:
             self._thread.start()
         done = threading.Event()
         self._jobs.put((done, op, key, lease, n, fields))
-        while not done.wait(0.05):
-            pass
+        try:
+            while not done.wait(0.05):
+                pass
+        except BaseException:
+            # An interrupt (a lapse, a time limit, a revoke's SIGTERM) landed while the
+            # write was in flight: the body unwinds and its lock is freed next. Let the
+            # write finish first, as one made by the body's own thread is ordered before
+            # its release; left running, it lands after the next holder's grant and reads
+            # as an overlap that only this thread made.
+            _finish(done)
+            raise
 
     def _writer(self) -> None:
         store = open_store(self.store_url)  # its connection belongs to this thread
