@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
-from simple_mutex.busy import skip_marker
+from simple_mutex.busy import RunAgain, Skip, skip_marker, unreachable
 
 from . import per_call, signals
 from ._celery import Retry
@@ -90,14 +90,32 @@ def _busy(
     signals.mutex_busy.send(sender=task, task_id=request.id, key=key, policy=policy, holder=holder)
     count = int(getattr(request, BUSY_HEADER, None) or 0)
     try:
-        delay = cfg.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
+        decision = cfg.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
     except SimpleMutexAcquireTimeoutError:
         log.info("%s[%s] failed: %r is busy (held by %s)", task.name, request.id, key, holder)
         raise
-    if delay is None:
-        log.info("skipped %s[%s]: %r is held by %s", task.name, request.id, key, holder)
-        _skip(task, skip_marker("celery_mutex", key, holder=holder), reason="busy", holder=holder)
-        return
+    match decision:
+        case Skip():
+            log.info("skipped %s[%s]: %r is held by %s", task.name, request.id, key, holder)
+            marker = skip_marker("celery_mutex", key, holder=holder)
+            _skip(task, marker, reason="busy", holder=holder)
+        case RunAgain(delay=delay):
+            _run_again(task, key, holder, busy, args, kwargs, count, delay)
+        case _ as unknown:
+            unreachable(unknown)
+
+
+def _run_again(
+    task: Any,
+    key: str,
+    holder: str | None,
+    busy: SimpleMutexAcquireTimeoutError,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    count: int,
+    delay: float,
+) -> NoReturn:
+    request = task.request
     # Our own re-publish, not Task.retry: ``retries`` stays as it was, so waiting for a
     # busy key never uses up the task's max_retries (nor counts as a new attempt).
     call = per_call.of_request(request)  # a worker keeps it as an attribute, not a header

@@ -49,7 +49,16 @@ from simple_mutex import (
     Semaphore,
     SimpleMutexAcquireTimeoutError,
 )
-from simple_mutex.busy import BusyPolicy, PerProcess, running, shared_cache, skip_marker
+from simple_mutex.busy import (
+    BusyPolicy,
+    PerProcess,
+    RunAgain,
+    Skip,
+    running,
+    shared_cache,
+    skip_marker,
+    unreachable,
+)
 from simple_mutex.contract import is_async
 from simple_mutex.decorator import key_function
 from simple_mutex.durations import Duration
@@ -231,26 +240,33 @@ class _Run:
     def _busy(self, job: Job, key: str, busy: SimpleMutexAcquireTimeoutError) -> Any:
         count = job.number_of_retries or 0
         synchronous = job.worker_name == SYNC_WORKER
-        delay = self.policy.after_busy(busy, synchronous=synchronous, busy_retries=count)
-        if delay is None:
-            holder = self._holder_label(job, key)
-            if holder == f"rq:{job.id}":  # an attempt of this very job: is it alive?
-                log.warning(
-                    "job %s skipped: %r is held by another attempt of this job id, which "
-                    "is still running or whose work horse died unrecorded (start workers "
-                    "with `rq worker -w rq_mutex.Worker`; see rq_mutex.horses)",
-                    job.id,
-                    key,
-                )
-            else:
-                log.info("job %s skipped: %r is busy (held by %s)", job.id, key, holder)
-            flag_skipped(job, "busy", holder)
-            return skip_marker("rq_mutex", key)
-        interval = max(1, math.ceil(delay))  # RQ schedules by the second; Retry takes ints
-        _warn_if_no_scheduler(job)
-        log.info("job %s: %r is busy, retrying in %d s", job.id, key, interval)
-        limit = self.policy.retry.max
-        return Retry(max=UNLIMITED_RETRIES if limit is None else limit, interval=interval)
+        match self.policy.after_busy(busy, synchronous=synchronous, busy_retries=count):
+            case Skip():
+                return self._skip(job, key)
+            case RunAgain(delay=delay):
+                interval = max(1, math.ceil(delay))  # RQ schedules by the second (int)
+                _warn_if_no_scheduler(job)
+                log.info("job %s: %r is busy, retrying in %d s", job.id, key, interval)
+                limit = self.policy.retry.max
+                return Retry(max=UNLIMITED_RETRIES if limit is None else limit, interval=interval)
+            case _ as unknown:
+                return unreachable(unknown)
+
+    def _skip(self, job: Job, key: str) -> Any:
+        """The skip marker of a busy run, with who held the key in the job's meta."""
+        holder = self._holder_label(job, key)
+        if holder == f"rq:{job.id}":  # an attempt of this very job: is it alive?
+            log.warning(
+                "job %s skipped: %r is held by another attempt of this job id, which "
+                "is still running or whose work horse died unrecorded (start workers "
+                "with `rq worker -w rq_mutex.Worker`; see rq_mutex.horses)",
+                job.id,
+                key,
+            )
+        else:
+            log.info("job %s skipped: %r is busy (held by %s)", job.id, key, holder)
+        flag_skipped(job, "busy", holder)
+        return skip_marker("rq_mutex", key)
 
     def _holder_label(self, job: Job, key: str) -> str | None:
         """Who was in the way, for the job's meta: best effort, never failing the skip."""

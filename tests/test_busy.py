@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,6 +16,7 @@ from celery_mutex import MutexTask
 from rq_mutex import mutex_job
 from simple_mutex import (
     ConstraintError,
+    ConstraintValueError,
     InMemoryCache,
     Mutex,
     SimpleMutexAcquireTimeoutError,
@@ -22,14 +24,17 @@ from simple_mutex import (
 )
 from simple_mutex.busy import (
     BusyPolicy,
+    OnBusy,
     PerProcess,
+    RunAgain,
+    Skip,
     current_lease,
     is_skipped,
     running,
     shared_cache,
     skip_marker,
 )
-from simple_mutex.busy.policy import RetryPolicy, retry_policy
+from simple_mutex.busy.policy import ON_BUSY, RetryPolicy, retry_policy
 from simple_mutex.interrupt import LeaseInterrupt
 
 # -- the retry schedule -----------------------------------------------------------------
@@ -85,18 +90,26 @@ def test_wait_before_busy_in_a_worker_and_synchronously(options, in_worker, sync
     assert policy.wait_for(synchronous=True) == pytest.approx(synchronously)
 
 
+def test_the_busy_policies_are_one_closed_type():
+    """ON_BUSY (what option checks accept) is exactly the OnBusy literal that every match
+    is checked against by mypy: a policy added to one is in the other."""
+    assert ON_BUSY == typing.get_args(OnBusy) == ("skip", "retry", "wait", "raise")
+    with pytest.raises(ConstraintValueError, match="on_busy must be one of skip, retry"):
+        BusyPolicy.from_options("t", {"on_busy": "queue"})
+
+
 def test_after_busy_skips_retries_or_raises():
-    """skip: None (the marker); retry: a delay, until max; wait/raise, and a synchronous
-    retry: the acquire timeout error, naming why."""
+    """skip: Skip (the marker); retry: RunAgain after a delay, until max; wait/raise, and
+    a synchronous retry: the acquire timeout error, naming why."""
     busy = SimpleMutexAcquireTimeoutError("busy", key="k")
 
     def after(on_busy: str, synchronous: bool = False, retries: int = 0, **retry: Any) -> Any:
         policy = BusyPolicy.from_options("t", {"on_busy": on_busy, "retry": retry})
         return policy.after_busy(busy, synchronous=synchronous, busy_retries=retries)
 
-    assert after("skip") is None
-    assert after("skip", synchronous=True) is None
-    assert after("retry", countdown=2, jitter=False, retries=1) == 4
+    assert after("skip") == Skip()
+    assert after("skip", synchronous=True) == Skip()
+    assert after("retry", countdown=2, jitter=False, retries=1) == RunAgain(4.0)
     for on_busy in ("wait", "raise"):
         with pytest.raises(SimpleMutexAcquireTimeoutError) as caught:
             after(on_busy)

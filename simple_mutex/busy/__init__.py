@@ -14,14 +14,28 @@ from __future__ import annotations
 from simple_mutex.current import current_lease
 
 from .per_process import PerProcess, reset, shared_cache
-from .policy import SHARED, BusyPolicy, check_known, check_option
+from .policy import (
+    SHARED,
+    Busy,
+    BusyPolicy,
+    OnBusy,
+    RunAgain,
+    Skip,
+    check_known,
+    check_option,
+    unreachable,
+)
 from .running import SKIPPED, is_skipped, running, skip_marker
 
 __all__ = [
     "SHARED",
     "SKIPPED",
+    "Busy",
     "BusyPolicy",
+    "OnBusy",
     "PerProcess",
+    "RunAgain",
+    "Skip",
     "check_known",
     "check_option",
     "current_lease",
@@ -30,4 +44,5 @@ __all__ = [
     "running",
     "shared_cache",
     "skip_marker",
+    "unreachable",
 ]

@@ -13,6 +13,10 @@ never more than one ``lease`` (a holder that still has the key after a lease is 
 or is the caller itself one call up), or exactly ``timeout`` when that is set. If the key
 is still busy then, the call fails with ``SimpleMutexAcquireTimeoutError``. ``skip``,
 ``wait`` and ``raise`` behave the same in a worker and synchronously.
+
+The policies are a closed type (``OnBusy``) and what a busy key leads to is another
+(``Busy``: ``Skip`` or ``RunAgain``, or the busy error raised): each consumer matches
+them exhaustively, so adding a policy makes mypy name every place that must handle it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,36 @@ import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NoReturn, TypeAlias, get_args
 
 from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
 from simple_mutex.durations import positive_seconds, timeout_seconds
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
-ON_BUSY = ("skip", "retry", "wait", "raise")
+OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise"]
+ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Finish without running: the call returns the skip marker."""
+
+
+@dataclass(frozen=True)
+class RunAgain:
+    """Run the call again after ``delay`` seconds, through the queue (a busy retry)."""
+
+    delay: float
+
+
+Busy: TypeAlias = Skip | RunAgain
+"""What a key that stayed busy leads to, when it does not raise."""
+
+
+def unreachable(value: NoReturn) -> NoReturn:
+    """The last case of an exhaustive ``match`` (``typing.assert_never`` from 3.11 on):
+    mypy rejects a call whose argument can still be a value, i.e. a case left out."""
+    raise AssertionError(f"simple_mutex.busy: no case for {value!r}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +98,7 @@ class RetryPolicy:
 class BusyPolicy:
     """The shared options of one task or job function, checked."""
 
-    on_busy: str = "retry"
+    on_busy: OnBusy = "retry"
     timeout: float | None = None
     retry: RetryPolicy = RetryPolicy()
     lease: float = 60.0  # short, renewed: a killed worker's lock frees within a minute
@@ -85,30 +112,40 @@ class BusyPolicy:
 
     def wait_for(self, synchronous: bool) -> float | None:
         """How long an acquire waits before the key counts as busy (None: forever)."""
-        if self.on_busy == "wait" or self.timeout is not None:
+        if self.timeout is not None:
             return self.timeout
-        if self.on_busy == "retry" and synchronous:
-            return min(self.lease, self.retry.budget())
-        return 0.0
+        match self.on_busy:
+            case "wait":
+                return None
+            case "retry":
+                return min(self.lease, self.retry.budget()) if synchronous else 0.0
+            case "skip" | "raise":
+                return 0.0
+            case _ as unknown:
+                unreachable(unknown)
 
     def after_busy(
         self, busy: SimpleMutexAcquireTimeoutError, *, synchronous: bool, busy_retries: int
-    ) -> float | None:
-        """Once the key stayed busy: None to finish with the skip marker, or the seconds
-        after which to run again. Raises for ``wait`` and ``raise``, for ``retry`` once
-        its retries are used up, and for ``retry`` in synchronous execution."""
-        if self.on_busy == "skip":
-            return None
-        if self.on_busy == "retry" and synchronous:
-            raise SimpleMutexAcquireTimeoutError(
-                f"{busy.key!r} stayed busy; a synchronous call cannot be re-queued, so "
-                "on_busy='retry' waited instead (bounded by timeout, or the retry budget "
-                "and one lease)",
-                key=busy.key,
-            ) from busy
-        if self.on_busy != "retry":
-            raise busy
-        return self.retry.next_delay(busy_retries, busy)
+    ) -> Busy:
+        """Once the key stayed busy: ``Skip``, or ``RunAgain`` after a delay. Raises for
+        ``wait`` and ``raise``, for ``retry`` once its retries are used up, and for
+        ``retry`` in synchronous execution."""
+        match self.on_busy:
+            case "skip":
+                return Skip()
+            case "retry" if synchronous:
+                raise SimpleMutexAcquireTimeoutError(
+                    f"{busy.key!r} stayed busy; a synchronous call cannot be re-queued, so "
+                    "on_busy='retry' waited instead (bounded by timeout, or the retry budget "
+                    "and one lease)",
+                    key=busy.key,
+                ) from busy
+            case "retry":
+                return RunAgain(self.retry.next_delay(busy_retries, busy))
+            case "wait" | "raise":
+                raise busy
+            case _ as unknown:
+                unreachable(unknown)
 
     def lock_space(
         self, cache: object, prefix: str | None = None, name: str | None = None
@@ -143,12 +180,13 @@ def check_known(where: str, what: str, given: object, known: frozenset[str]) -> 
     return given
 
 
-def check_on_busy(where: str, value: object) -> str:
-    if not isinstance(value, str) or value not in ON_BUSY:
-        raise bad_input(
-            value, str, f"{where}: on_busy must be one of {', '.join(ON_BUSY)}, got {value!r}"
-        )
-    return value
+def check_on_busy(where: str, value: object) -> OnBusy:
+    for known in ON_BUSY:
+        if value == known and isinstance(value, str):
+            return known
+    raise bad_input(
+        value, str, f"{where}: on_busy must be one of {', '.join(ON_BUSY)}, got {value!r}"
+    )
 
 
 RETRY_FIELDS = frozenset(f.name for f in dataclasses.fields(RetryPolicy))
