@@ -570,3 +570,23 @@ def test_unix_socket_urls_in_redis_pys_and_celery_onces_spelling(redis_servers, 
         lease = Mutex(cache).acquire("unix.k", timeout=0)
         assert redis.Redis(port=server.port, db=2).exists("{mutex.unix.k}")
         lease.release()
+
+
+def _client_ids(client: redis.Redis) -> set[int]:
+    return {int(c["id"]) for c in client.client_list()}
+
+
+def test_close_disconnects_the_caches_own_connections_and_keeps_the_client(
+    client: redis.Redis,
+) -> None:
+    """close(), as on the other caches: the connections the cache opened for its own
+    commands leave the server's client list; the client (and a later call) still work."""
+    cache = RedisCache(client, prefix=PREFIX)
+    before = _client_ids(client)
+    Mutex(cache).acquire(unique_key(), timeout=0).release()
+    opened = _client_ids(client) - before
+    assert opened, "the cache opened no connection of its own"
+    cache.close()
+    assert not opened & _client_ids(client)
+    assert client.ping()
+    Mutex(cache).acquire(unique_key(), timeout=0).release()  # opens a new one

@@ -739,3 +739,34 @@ def test_threads_each_running_event_loops_at_once_share_one_cache():
         thread.join(120)
     assert failures == []
     assert released == [True] * (4 * 4 * 30)
+
+
+def test_close_and_waited_on_on_the_asyncio_cache(client: redis.Redis) -> None:
+    """The asyncio face's close() (aclose() its old name) drops the cache's own
+    connections on the loop; waited_on() sees a waiter blocked on the key, as the sync
+    face's does."""
+    ids = lambda: {int(c["id"]) for c in client.client_list()}  # noqa: E731
+
+    async def main() -> None:
+        aio = redis.asyncio.Redis.from_url(REDIS_URL)
+        cache = AsyncRedisCache(aio, prefix=PREFIX)
+        mutex, key = Mutex(cache, lease=30), unique_key()
+        stored = "mutex." + key  # the cache's key: the Mutex's prefix and the lock's key
+        before = ids()
+        held = await mutex.acquire_async(key, timeout=0)
+        assert await cache.waited_on(stored) is False
+        waiter = asyncio.ensure_future(mutex.acquire_async(key, timeout=10))
+        deadline = time.monotonic() + 10
+        while not await cache.waited_on(stored) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert await cache.waited_on(stored) is True
+        await held.release_async()
+        await (await waiter).release_async()
+        opened = ids() - before
+        assert opened, "the cache opened no connection of its own"
+        await cache.close()
+        assert not opened & ids()
+        assert cache.aclose == cache.close
+        await aio.aclose()
+
+    run(main())

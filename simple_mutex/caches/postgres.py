@@ -117,6 +117,9 @@ class PostgresCache(PostgresCore):
         schema: str = "public",
         grant_to: str | None = None,
     ) -> list[str]:
+        """Create the lock table and its index as their owner (the role of ``conninfo``),
+        and grant a lock role (``grant_to``) exactly what it needs; the statements run,
+        for the record. Safe to run again."""
         return _create_schema(conninfo, table=table, schema=schema, grant_to=grant_to)
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:

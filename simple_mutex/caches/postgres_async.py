@@ -29,6 +29,7 @@ from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
 from .common import driver_imports
+from .postgres import PostgresCache
 from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
 
 with driver_imports("postgres"):
@@ -46,6 +47,9 @@ class AsyncPostgresCache(PostgresCore):
 
     _connection_type = psycopg.AsyncConnection
     _pool_type = "AsyncConnectionPool"
+
+    # A deploy step, run once as the table's owner: the same blocking call on both faces.
+    create_schema = staticmethod(PostgresCache.create_schema)
 
     def _own_state(self) -> None:
         # Sessions and asyncio locks belong to one loop: each loop has its own.

@@ -157,6 +157,12 @@ class RedisCache(RedisLayout):
             if entry is not None:
                 yield key, entry
 
+    def close(self) -> None:
+        """Close this cache's own connections (the client stays open; close it
+        yourself), as ``close`` does on the other caches."""
+        if self._own is not None:
+            self._own.close()
+
     def waited_on(self, key: str) -> bool:
         """Did a put on ``key`` (any slot) fail within the last few seconds, i.e. is a
         waiter blocked on it? The waiter mark (``{base}:w``) says so."""
@@ -276,6 +282,10 @@ class _OwnConnections:
             return self._idle.pop()
         except IndexError:
             return own_connection(self._pool, Retry(NoBackoff(), 0))
+
+    def close(self) -> None:
+        """Disconnect the idle ones (one lent out is closed when it comes back)."""
+        _close_all(self._idle, self._pid)
 
     def give(self, conn: Any) -> None:
         if len(self._idle) < _MAX_IDLE:

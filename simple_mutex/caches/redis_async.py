@@ -91,11 +91,13 @@ class AsyncRedisCache(RedisLayout):
         )
         return self._own is not None
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         """Close this cache's own connections on the running loop (the client stays
-        open; close it yourself)."""
+        open; close it yourself), as ``close`` does on the other asyncio caches."""
         if self._own is not None:
             await self._own.close()
+
+    aclose = close  # its first name, kept: redis-py's asyncio clients say aclose
 
     async def _script(self, script: str, operation: str, key: str, request: Request) -> Any:
         try:
@@ -152,6 +154,14 @@ class AsyncRedisCache(RedisLayout):
         except RedisError as exc:
             raise self._fault("get", key, exc) from exc
         return self._read_entry(key, payload)
+
+    async def waited_on(self, key: str) -> bool:
+        """RedisCache.waited_on for asyncio: is a waiter blocked on ``key``?"""
+        _, stem = self._keys(key)
+        try:
+            return bool(await self._execute("EXISTS", stem + ":w"))
+        except RedisError as exc:
+            raise self._fault("waited_on", key, exc) from exc
 
     async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
         """RedisCache.scan for asyncio: every live entry under ``prefix``, as ``get``
