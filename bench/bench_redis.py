@@ -59,20 +59,31 @@ def client() -> redis.Redis:
 
 
 # -- contenders: each builds (acquire, release) for one key in the current process ------
+# acquire blocks; with ``timeout`` (seconds) it raises TimeoutError once that runs out.
 
 
-def simple_mutex_pair(key: str, interval: float = 5.0) -> Pair:
+def _timed_out(name: str, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"{name}: not acquired within {timeout} s")
+
+
+def simple_mutex_pair(key: str, interval: float = 5.0, timeout: float | None = None) -> Pair:
     mutex = Mutex(RedisCache(client()), lease=LEASE, prefix="bench.sm.", interval=interval)
     held: list[Any] = []
-    return (lambda: held.append(mutex.acquire(key)), lambda: held.pop().release())
+    # SimpleMutexAcquireTimeoutError is a TimeoutError
+    return (lambda: held.append(mutex.acquire(key, timeout=timeout)), lambda: held.pop().release())
 
 
-def redis_py_pair(key: str) -> Pair:
-    lock = client().lock(f"bench.rp.{key}", timeout=LEASE)
-    return (lambda: lock.acquire() and None, lock.release)
+def redis_py_pair(key: str, timeout: float | None = None) -> Pair:
+    lock = client().lock(f"bench.rp.{key}", timeout=LEASE, blocking_timeout=timeout)
+
+    def acquire() -> None:
+        if not lock.acquire():
+            raise _timed_out(lock.name, timeout)
+
+    return acquire, lock.release
 
 
-def python_redis_lock_pair(key: str) -> Pair:
+def python_redis_lock_pair(key: str, timeout: float | None = None) -> Pair:
     import redis_lock  # type: ignore[import-untyped]
 
     conn = client()
@@ -80,20 +91,26 @@ def python_redis_lock_pair(key: str) -> Pair:
 
     def acquire() -> None:
         lock = redis_lock.Lock(conn, f"bench.prl.{key}", expire=int(LEASE))
-        lock.acquire()
+        if not lock.acquire(timeout=timeout):  # at most expire, whole seconds
+            raise _timed_out(f"bench.prl.{key}", timeout)
         held.append(lock)
 
     return acquire, lambda: held.pop().release()
 
 
-def pottery_pair(key: str) -> Pair:
+def pottery_pair(key: str, timeout: float | None = None) -> Pair:
     from pottery import Redlock  # type: ignore[import-untyped]
 
     lock = Redlock(key=f"bench.pot.{key}", masters={client()}, auto_release_time=LEASE)
-    return (lambda: lock.acquire() and None, lock.release)
+
+    def acquire() -> None:
+        if not lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise _timed_out(lock.key, timeout)
+
+    return acquire, lock.release
 
 
-CONTENDERS: dict[str, Callable[[str], Pair]] = {
+CONTENDERS: dict[str, Callable[..., Pair]] = {
     "simple-mutex": simple_mutex_pair,
     "redis-py Lock": redis_py_pair,
     "python-redis-lock": python_redis_lock_pair,
