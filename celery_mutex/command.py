@@ -1,6 +1,6 @@
 """``celery -A proj mutex list|show|release``: the ``simple-mutex`` commands on the app's
 own lock cache (``app.conf.mutex_cache``, prefix ``app.conf.mutex_prefix``), registered
-through Celery's ``celery.commands`` entry point. The work is ``simple_mutex.commands``,
+through Celery's ``celery.commands`` entry point. The work is ``simple_mutex.admin.commands``,
 shared with ``simple-mutex``; this module only finds the cache and maps the exit status
 (2, one line, for a missing setting, a bad URL or a server down)."""
 
@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from simple_mutex import SimpleMutexError, commands
+from simple_mutex import SimpleMutexError
+from simple_mutex.admin import commands
 from simple_mutex.busy import shared_cache
 from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import ConditionalCache

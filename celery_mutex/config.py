@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from simple_mutex import ConstraintTypeError, ConstraintValueError, Mutex
+from simple_mutex._core.durations import positive_seconds
+from simple_mutex._core.keys import check_prefix
 from simple_mutex.busy import (
     SHARED,
     BusyPolicy,
@@ -18,8 +20,6 @@ from simple_mutex.busy import (
     check_option,
     shared_cache,
 )
-from simple_mutex.durations import positive_seconds
-from simple_mutex.keys import check_prefix
 
 from ._owned import OwnedLocks
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from simple_mutex import ConstraintTypeError, ConstraintValueError
+from simple_mutex._core.keys import template_fields
 from simple_mutex.decorator import key_function
-from simple_mutex.keys import template_fields
 
 from .errors import ConstantKeyWarning
 

@@ -51,8 +51,8 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     events,
     journal,
-    timeline,
 )
+from simple_mutex.journal import timeline
 
 WORKERS = 4
 SECTIONS = 30  # per worker

@@ -49,6 +49,7 @@ from simple_mutex import (
     Semaphore,
     SimpleMutexAcquireTimeoutError,
 )
+from simple_mutex._core.durations import Duration
 from simple_mutex.busy import (
     BusyPolicy,
     PerProcess,
@@ -61,7 +62,6 @@ from simple_mutex.busy import (
 )
 from simple_mutex.contract import is_async
 from simple_mutex.decorator import key_function
-from simple_mutex.durations import Duration
 
 from .connection import cache_on
 from .cron import META_TICK, first_run_of_tick

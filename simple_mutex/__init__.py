@@ -10,6 +10,7 @@ import os as _os
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it
 
+from ._core.records import Holder
 from .caches import DiskCache, InMemoryCache, cache_from_url
 from .contract import ConditionalCache, Entry
 from .decorator import with_simple_mutex
@@ -26,7 +27,6 @@ from .errors import (
 )
 from .lease import Lease
 from .mutex import Mutex, Semaphore
-from .records import Holder
 
 if _os.environ.get("SIMPLE_MUTEX_JOURNAL"):  # opt-in; unset costs this one look-up
     from .journal import start_from_environment as _start_journal

@@ -1,7 +1,7 @@
-"""``python -m simple_mutex``: the ``simple-mutex`` command (simple_mutex.cli)."""
+"""``python -m simple_mutex``: the ``simple-mutex`` command (simple_mutex.admin.cli)."""
 
 import sys
 
-from .cli import main
+from .admin.cli import main
 
 sys.exit(main())

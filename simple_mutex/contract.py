@@ -2,7 +2,7 @@
 
 A cache is a small key/value store with expiry, a version per entry and a counter per key.
 It holds **no locking logic**: each method is one non-blocking, compare-then-act step, and
-the lock engine (``simple_mutex.engine``) builds mutexes and semaphores from them. The
+the lock engine (``simple_mutex._core.flows``) builds mutexes and semaphores from them. The
 contract is shaped by the weakest backend (S3 has only ``If-None-Match: *`` and
 ``If-Match: <etag>``), so a new backend needs nothing more than those two conditions.
 
@@ -57,7 +57,7 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     records (fence counters, waiter marks). Every character of ``prefix`` is literal: a
     ``*``, ``%``, ``_``, ``[`` or ``.`` matches only itself (escape it for the backend's
     pattern language, or use a range on the key). A key written or freed while the scan
-    runs may or may not show. Operators' tools (``simple_mutex.inspect``, the
+    runs may or may not show. Operators' tools (``simple_mutex.admin``, the
     ``simple-mutex`` command) need it; locking never calls it.
 
 ``waited_on(key)`` (optional)

@@ -9,12 +9,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
+from ._core.durations import Duration, timeout_seconds
+from ._core.keys import check_key, check_template, render_template
+from ._core.timing import DEFAULT_INTERVAL, DEFAULT_LEASE
 from .current import holding
-from .durations import Duration, timeout_seconds
 from .errors import ConstraintTypeError, MalfunctionError, bad_input
-from .keys import check_key, check_template, render_template
 from .lease import Lease
-from .mutex import DEFAULT_INTERVAL, DEFAULT_LEASE, Mutex, check_renew
+from .mutex import Mutex, check_renew
 
 log = logging.getLogger("simple_mutex")
 

@@ -2,7 +2,7 @@
 
 ::
 
-    from simple_mutex import events
+    from . import events
 
     unsubscribe = events.subscribe(lambda event: print(event.kind, event.key, event.waited))
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-from .records import Holder
+from ._core.records import Holder
 
 log = logging.getLogger("simple_mutex")
 

@@ -17,7 +17,7 @@ rates). A may still act in the gap if it is paused at the wrong moment: only a d
 check of ``fence`` closes that gap.
 
 A lease keeps state, renewal scheduling and interruption. Its cache decisions are the
-engine's flows (``engine.release``, ``engine.renew``), run by the blocking or the asyncio
+engine's flows (``flows.release``, ``flows.renew``), run by the blocking or the asyncio
 driver, and no lock of the lease is held while a cache is called: the keeper's deadline
 check never waits behind I/O.
 """
@@ -36,10 +36,23 @@ from datetime import datetime, timezone
 from types import TracebackType
 from typing import Protocol
 
-from . import engine, events, forksafe
+from . import events
+from ._core import flows
+from ._core.durations import positive_seconds
+from ._core.flows import Flow, Grant
+from ._core.records import holder_of
+from ._core.timing import lapse_margin, renew_after, retry_renew_after
+from ._runtime import forksafe
+from ._runtime.drivers import Handoffs, in_background, run, run_async
+from ._runtime.interrupt import (
+    LeaseInterrupt,
+    cancel_pending,
+    interrupt_class,
+    pre_empted_signal,
+    raise_in_thread,
+)
+from ._runtime.keeper import keeper
 from .contract import AnyCache, ConditionalCache, Entry
-from .durations import positive_seconds
-from .engine import Flow, Grant, Handoffs, in_background, run, run_async
 from .errors import (
     ConstraintError,
     ConstraintTypeError,
@@ -49,15 +62,6 @@ from .errors import (
     displaced_by,
     passes_through,
 )
-from .interrupt import (
-    LeaseInterrupt,
-    cancel_pending,
-    interrupt_class,
-    pre_empted_signal,
-    raise_in_thread,
-)
-from .keeper import keeper
-from .records import holder_of
 
 log = logging.getLogger("simple_mutex")
 
@@ -94,23 +98,6 @@ class Claim(Protocol):
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 _LOSS_REPORTS = threading.RLock()  # see Lease._report_loss
-
-
-def lapse_margin(length: float) -> float:
-    """How much before the cache's own expiry the holder's deadline falls. The interrupt
-    reaches the work within this (a keeper wake-up and a GIL switch take milliseconds), so
-    the work stops before the cache could grant the key to anyone else."""
-    return min(length / 10.0, 0.05)
-
-
-def renew_after(length: float) -> float:
-    """Renew at a third of the lease: two renewals can fail before the lease lapses."""
-    return length / 3.0
-
-
-def retry_renew_after(length: float) -> float:
-    """After a failed renewal (backend fault), try again soon but without hammering."""
-    return min(max(length / 10.0, 0.01), 1.0)
 
 
 class Lease:
@@ -221,7 +208,7 @@ class Lease:
             # An interrupt (Ctrl-C, a lease's, a job timeout's signal handler) landed
             # before or after our delete was sent: make sure it was, or the lock outlives
             # us by a whole lease.
-            run(self._blocking(), engine.abandon([self._cache_key], self._value))
+            run(self._blocking(), flows.abandon([self._cache_key], self._value))
             self._released = True
             raise
 
@@ -242,7 +229,7 @@ class Lease:
         # run behind ours): compare-and-delete cannot touch another holder's.
         in_time = self._lost_reason is None and time.monotonic() < self._deadline
         try:
-            outcome = yield from engine.release(self._cache_key, self._value, self._version)
+            outcome = yield from flows.release(self._cache_key, self._value, self._version)
         except MalfunctionError as exc:
             if not in_time:
                 self._released = True
@@ -326,7 +313,7 @@ class Lease:
             length = self._length if new_length is None else new_length
         sent = time.monotonic()
         try:
-            renewed = yield from engine.renew(
+            renewed = yield from flows.renew(
                 self._cache_key, self._value, version, length, time.monotonic
             )
         except MalfunctionError as exc:
@@ -352,7 +339,7 @@ class Lease:
             return
         # The renewal landed after this lease was released or declared lost: give back
         # the record it extended, or the key stays held for a lease with nobody in it.
-        yield from engine.abandon([self._cache_key], self._value)
+        yield from flows.abandon([self._cache_key], self._value)
         raise self._ended_error()
 
     def _pull_deadline(self, started: float, length: float) -> None:

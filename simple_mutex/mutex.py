@@ -13,24 +13,33 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import engine, events
+from . import events
+from ._core import flows
+from ._core.durations import Duration, positive_seconds, timeout_seconds
+from ._core.flows import Flow, Grant
+from ._core.keys import check_key, check_prefix, encode_key, is_hashed, slot_key
+from ._core.records import (
+    Holder,
+    check_token,
+    encode_record,
+    holder_of,
+    new_token,
+    record_token,
+)
+from ._core.timing import DEFAULT_INTERVAL, DEFAULT_LEASE
+from ._runtime import drivers
+from ._runtime.drivers import Handoffs, run, run_async
+from ._runtime.keeper import keeper
 from .caches.adapt import as_cache
 from .contract import Entry, is_async
-from .durations import Duration, positive_seconds, timeout_seconds
-from .engine import Flow, Grant, Handoffs, run, run_async
 from .errors import (
     ConstraintTypeError,
     MalfunctionError,
     SimpleMutexAcquireTimeoutError,
     bad_input,
 )
-from .keeper import keeper
-from .keys import check_key, check_prefix, encode_key, is_hashed, slot_key
 from .lease import Lease
-from .records import Holder, check_token, encode_record, holder_of, new_token, record_token
 
-DEFAULT_LEASE = 30 * 60.0
-DEFAULT_INTERVAL = 1.0
 MAX_PERMITS = 10_000
 
 T = TypeVar("T")
@@ -123,7 +132,7 @@ class _LockSpace:
             # land inside a write or just after it: free what we may have written, or it
             # stays held for a lease. Nothing below runs Python code a signal could stop
             # until the caller has the lease in hand.
-            run(self.cache, engine.abandon(claim.slot_keys, claim.value))
+            run(self.cache, flows.abandon(claim.slot_keys, claim.value))
             raise
         return lease
 
@@ -198,7 +207,7 @@ class _LockSpace:
         carries ``token`` and the fence stays. None when no such permit is held."""
         self._sync("take_over")
         claim = self._claim(key, renew, label, token)
-        flow = engine.take_over(
+        flow = flows.take_over(
             claim.slot_keys, claim.value, self.lease, self._owned(key, owns), time.monotonic
         )
         grant = self._run(key, flow)
@@ -220,7 +229,7 @@ class _LockSpace:
         def held_with_token(held: str) -> bool:
             return secrets.compare_digest(held.encode("utf-8", "surrogatepass"), wanted)
 
-        flow = engine.extend(
+        flow = flows.extend(
             self._slot_keys(key),
             length,
             self._owned(key, held_with_token),
@@ -234,7 +243,7 @@ class _LockSpace:
         integration's own earlier attempt, say); one read of each slot."""
         self._sync("held_by")
         owned = self._owned(key, owns)
-        entries = self._run(key, engine.read(self._slot_keys(key)))
+        entries = self._run(key, flows.read(self._slot_keys(key)))
         return any(entry is not None and owned(entry) for entry in entries)
 
     def release_where(self, key: str, owns: Callable[[str], bool]) -> bool:
@@ -242,7 +251,7 @@ class _LockSpace:
         process (a worker's parent freeing a killed child's lock). A record that changed
         in between is left alone."""
         self._sync("release_where")
-        flow = engine.release_where(self._slot_keys(key), self._owned(key, owns))
+        flow = flows.release_where(self._slot_keys(key), self._owned(key, owns))
         return self._run(key, flow) > 0
 
     def holders(self, key: str) -> list[Holder]:
@@ -251,11 +260,11 @@ class _LockSpace:
 
     def _read_holders(self, key: str, method: str) -> list[Holder]:
         self._sync(method)  # the error names the method the user called
-        return self._holders(key, self._run(key, engine.read(self._slot_keys(key))))
+        return self._holders(key, self._run(key, flows.read(self._slot_keys(key))))
 
     async def holders_async(self, key: str) -> list[Holder]:
         """``holders`` for asyncio."""
-        return self._holders(key, await self._run_async(key, engine.read(self._slot_keys(key))))
+        return self._holders(key, await self._run_async(key, flows.read(self._slot_keys(key))))
 
     def _holders(self, key: str, entries: list[Entry | None]) -> list[Holder]:
         return [
@@ -309,7 +318,7 @@ class _LockSpace:
         self, claim: _Claim, timeout: Duration | None, interval: Duration | None
     ) -> Flow[Grant]:
         claim.timeout = timeout_seconds(timeout)
-        return engine.acquire(
+        return flows.acquire(
             key=claim.key,
             slot_keys=claim.slot_keys,
             value=claim.value,
@@ -327,13 +336,13 @@ class _LockSpace:
         fault.about(claim.key, claim.slot_keys)  # the user's key, verbatim, for grepping logs
         if fault.unsent:
             return
-        abandon = engine.abandon(claim.slot_keys, claim.value)
+        abandon = flows.abandon(claim.slot_keys, claim.value)
         if self._aio:
-            engine.in_background(run_async(self.cache, abandon))
+            drivers.in_background(run_async(self.cache, abandon))
         else:
             keeper().submit(run, self.cache, abandon)
 
-    def _owned(self, key: str, owns: Callable[[str], bool]) -> engine.Owns:
+    def _owned(self, key: str, owns: Callable[[str], bool]) -> flows.Owns:
         def owned(entry: Entry) -> bool:
             return owns(record_token(entry, self.cache.name, key))
 

@@ -2,8 +2,8 @@
 
 ::
 
-    from simple_mutex import InMemoryCache, Mutex
-    from simple_mutex.testing import FaultyCache
+    from . import InMemoryCache, Mutex
+    from .testing import FaultyCache
 
     cache = FaultyCache(InMemoryCache())
     cache.fail("compare_and_set", times=3)      # renewals fail: a renewing holder is lost
@@ -25,10 +25,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ._core.keys import check_key, check_prefix, encode_key
 from .caches.adapt import as_cache
 from .contract import DRIVER_ERRORS, AnyCache, Entry, is_async
 from .errors import ConstraintValueError, MalfunctionError, SimpleCacheConditionError, bad_input
-from .keys import check_key, check_prefix, encode_key
 
 OPERATIONS = ("get", "put_if_absent", "compare_and_set", "compare_and_delete", "wait")
 

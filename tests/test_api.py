@@ -23,7 +23,7 @@ from simple_mutex import (
     SimpleMutexAcquireTimeoutError,
     cache_from_url,
 )
-from simple_mutex.keys import encode_key
+from simple_mutex._core.keys import encode_key
 
 # -- keys, prefixes, timeouts (grant, busy, release, fences: tests/behaviour.py) ------
 

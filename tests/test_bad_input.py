@@ -32,8 +32,8 @@ from simple_mutex import (
     cache_from_url,
     with_simple_mutex,
 )
+from simple_mutex._core.durations import MAX_SECONDS
 from simple_mutex.contract import Entry
-from simple_mutex.durations import MAX_SECONDS
 
 
 class SpyCache(InMemoryCache):

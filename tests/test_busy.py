@@ -22,6 +22,7 @@ from simple_mutex import (
     SimpleMutexAcquireTimeoutError,
     SimpleMutexLeaseExpiredError,
 )
+from simple_mutex._runtime.interrupt import LeaseInterrupt
 from simple_mutex.busy import (
     BusyPolicy,
     OnBusy,
@@ -35,7 +36,6 @@ from simple_mutex.busy import (
     skip_marker,
 )
 from simple_mutex.busy.policy import ON_BUSY, RetryPolicy, retry_policy
-from simple_mutex.interrupt import LeaseInterrupt
 
 # -- the retry schedule -----------------------------------------------------------------
 

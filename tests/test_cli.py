@@ -400,13 +400,13 @@ def test_timeline_delegates_to_the_timeline_module(tmp_path: Path) -> None:
 def test_timeline_without_its_module_is_one_line_and_status_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The subcommand imports simple_mutex.timeline only when run: where it is missing,
-    one line and status 2 (the other commands never needed it)."""
-    import simple_mutex
-    from simple_mutex import cli as command
+    """The subcommand imports simple_mutex.journal.timeline only when run: where it is
+    missing, one line and status 2 (the other commands never needed it)."""
+    import simple_mutex.journal
+    from simple_mutex.admin import cli as command
 
-    monkeypatch.setitem(sys.modules, "simple_mutex.timeline", None)  # import fails
-    monkeypatch.delattr(simple_mutex, "timeline", raising=False)  # even once imported
+    monkeypatch.setitem(sys.modules, "simple_mutex.journal.timeline", None)  # import fails
+    monkeypatch.delattr(simple_mutex.journal, "timeline", raising=False)  # even once imported
     assert command.main(["timeline", "somewhere", "-o", "out.html"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1

@@ -1,4 +1,4 @@
-"""simple_mutex.commands in-process: the watch loop's takeovers and its handling of a
+"""simple_mutex.admin.commands in-process: the watch loop's takeovers and its handling of a
 server that fails, frame by frame, without a subprocess or a real clock."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from simple_mutex import InMemoryCache, MalfunctionError, Mutex
-from simple_mutex.commands import release_lock, watch_locks
+from simple_mutex.admin.commands import release_lock, watch_locks
 from simple_mutex.contract import Entry
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,10 +23,9 @@ from simple_mutex import (
     Mutex,
     SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
-    engine,
 )
-from simple_mutex.contract import Entry
-from simple_mutex.engine import (
+from simple_mutex._core import flows, timing
+from simple_mutex._core.flows import (
     CompareAndDelete,
     CompareAndSet,
     Get,
@@ -33,11 +33,11 @@ from simple_mutex.engine import (
     PutIfAbsent,
     Released,
     Wait,
-    execute,
-    poll_pause,
-    run,
-    run_async,
 )
+from simple_mutex._core.timing import poll_pause
+from simple_mutex._runtime import drivers
+from simple_mutex._runtime.drivers import execute, run, run_async
+from simple_mutex.contract import Entry
 
 VALUE = '{"token":"ours"}'
 OTHER = '{"token":"theirs"}'
@@ -149,7 +149,7 @@ def acquire_flow(
     now: FakeClock | None = None,
 ) -> Any:
     """An acquire flow of key "k" (our VALUE, a 30 s lease, a 10 s timeout by default)."""
-    return engine.acquire(
+    return flows.acquire(
         courtesy=courtesy,
         key="k",
         slot_keys=list(slot_keys),
@@ -393,7 +393,7 @@ def miss() -> SimpleCacheConditionError:
 
 
 def renewal(version: str = "v1", length: float = 9.0) -> Any:
-    return engine.renew("mutex.k", VALUE, version, length, FakeClock())
+    return flows.renew("mutex.k", VALUE, version, length, FakeClock())
 
 
 def test_renew_is_one_compare_and_set_on_our_version():
@@ -435,7 +435,7 @@ def test_a_renewal_whose_record_keeps_changing_under_it_is_a_fault():
     """Bounded: a record that moves under every write (another process with our token)
     ends as a MalfunctionError, never a loop."""
     answers = []
-    for n in range(engine.RENEW_WRITES):
+    for n in range(flows.RENEW_WRITES):
         answers += [miss(), Entry(VALUE, f"w{n}", 7, 1e9)]
     with pytest.raises(MalfunctionError, match="changed under each"):
         drive(renewal(), *answers)
@@ -443,7 +443,7 @@ def test_a_renewal_whose_record_keeps_changing_under_it_is_a_fault():
 
 def test_release_is_one_compare_and_delete_and_reports_a_woken_waiter():
     """A release is one compare-and-delete on our version; the cache's wake-up is kept."""
-    outcome, ops = drive(engine.release("mutex.k", VALUE, "v1"), True)
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), True)
     assert outcome == Released(freed=True, woke=True)
     assert ops == [CompareAndDelete("mutex.k", "v1")]
 
@@ -451,7 +451,7 @@ def test_release_is_one_compare_and_delete_and_reports_a_woken_waiter():
 def test_a_release_miss_frees_our_record_at_the_version_it_reads():
     """A renewal whose reply was lost moved our version: the read finds it, and the
     second delete uses it."""
-    outcome, ops = drive(engine.release("mutex.k", VALUE, "v1"), miss(), OURS, False)
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), miss(), OURS, False)
     assert outcome == Released(freed=True, woke=False)
     assert ops == [
         CompareAndDelete("mutex.k", "v1"),
@@ -463,7 +463,7 @@ def test_a_release_miss_frees_our_record_at_the_version_it_reads():
 @pytest.mark.parametrize("seen", [THEIRS, None])
 def test_a_release_never_frees_another_holders_record(seen):
     """When the read shows someone else (or nothing), nothing more is written."""
-    outcome, ops = drive(engine.release("mutex.k", VALUE, "v1"), miss(), seen)
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), miss(), seen)
     assert outcome == Released(freed=False, woke=False)
     assert [type(op) for op in ops] == [CompareAndDelete, Get]
 
@@ -472,7 +472,7 @@ def test_a_release_fault_propagates_for_the_lease_to_decide():
     """A fault is not a verdict: it goes up unchanged (the lease may retry)."""
     fault = MalfunctionError("down")
     with pytest.raises(MalfunctionError) as info:
-        drive(engine.release("mutex.k", VALUE, "v1"), fault)
+        drive(flows.release("mutex.k", VALUE, "v1"), fault)
     assert info.value is fault
 
 
@@ -482,7 +482,7 @@ def owned_by_theirs(entry: Entry) -> bool:
 
 def test_take_over_swaps_only_an_accepted_record_and_keeps_its_fence():
     """Slot 0 belongs to someone else, slot 1 is accepted: compare-and-set on slot 1."""
-    flow = engine.take_over(["s", "s#1"], VALUE, 30.0, owned_by_theirs, FakeClock())
+    flow = flows.take_over(["s", "s#1"], VALUE, 30.0, owned_by_theirs, FakeClock())
     grant, ops = drive(flow, OURS, THEIRS, Entry(VALUE, "v10", 8, 1e9))
     assert grant.slot == 1
     assert grant.entry.fence == THEIRS.fence
@@ -491,7 +491,7 @@ def test_take_over_swaps_only_an_accepted_record_and_keeps_its_fence():
 
 def test_take_over_finds_nothing_when_no_record_is_accepted():
     """No accepted holder: None, and nothing written."""
-    flow = engine.take_over(["s"], VALUE, 30.0, owned_by_theirs, FakeClock())
+    flow = flows.take_over(["s"], VALUE, 30.0, owned_by_theirs, FakeClock())
     grant, ops = drive(flow, OURS)
     assert grant is None
     assert ops == [Get("s")]
@@ -499,7 +499,7 @@ def test_take_over_finds_nothing_when_no_record_is_accepted():
 
 def test_release_where_frees_accepted_records_on_the_version_read():
     """Each accepted record is deleted on the version read; a changed one is skipped."""
-    flow = engine.release_where(["s", "s#1", "s#2"], owned_by_theirs)
+    flow = flows.release_where(["s", "s#1", "s#2"], owned_by_theirs)
     freed, ops = drive(flow, THEIRS, True, None, THEIRS, miss())
     assert freed == 1
     assert ops == [
@@ -513,7 +513,7 @@ def test_release_where_frees_accepted_records_on_the_version_read():
 
 def test_abandon_frees_only_slots_holding_our_value_and_swallows_faults():
     """An interrupted acquire frees what it may have written, best effort."""
-    flow = engine.abandon(["s", "s#1", "s#2"], VALUE)
+    flow = flows.abandon(["s", "s#1", "s#2"], VALUE)
     result, ops = drive(flow, MalfunctionError("down"), THEIRS, OURS, True)
     assert result is None
     assert ops == [Get("s"), Get("s#1"), Get("s#2"), CompareAndDelete("s#2", "v2")]
@@ -521,7 +521,7 @@ def test_abandon_frees_only_slots_holding_our_value_and_swallows_faults():
 
 def test_read_returns_each_slots_entry():
     """holders() reads every slot once."""
-    entries, ops = drive(engine.read(["s", "s#1"]), OURS, None)
+    entries, ops = drive(flows.read(["s", "s#1"]), OURS, None)
     assert entries == [OURS, None]
     assert ops == [Get("s"), Get("s#1")]
 
@@ -653,17 +653,16 @@ def test_a_release_that_woke_a_waiter_makes_the_next_acquire_hold_back(monkeypat
     """After a release that woke someone, the same Mutex's next acquire of that key
     pauses first; a release that woke nobody leaves the next acquire immediate."""
     pauses: list[float] = []
-    real_apply = engine.Pause.apply
-    monkeypatch.setattr(
-        engine.Pause,
-        "apply",
-        lambda self, cache: (pauses.append(self.seconds), real_apply(self, cache)),
+    clock = types.SimpleNamespace(  # the blocking driver sleeps a Pause through its `time`
+        sleep=lambda seconds: (pauses.append(seconds), time.sleep(seconds)),
+        monotonic=time.monotonic,
     )
+    monkeypatch.setattr(drivers, "time", clock)
     woken = Mutex(_WakingCache(), lease=30)
     woken.acquire("k").release()
     woken.acquire("k").release()
     assert len(pauses) == 1
-    assert 0 < pauses[0] <= engine.HANDOFF_COURTESY
+    assert 0 < pauses[0] <= timing.HANDOFF_COURTESY
     quiet = Mutex(InMemoryCache(), lease=30)
     quiet.acquire("k").release()
     quiet.acquire("k").release()

@@ -19,7 +19,7 @@ from simple_mutex import (
     SimpleMutexError,
     SimpleMutexLeaseExpiredError,
 )
-from simple_mutex.interrupt import LeaseInterrupt
+from simple_mutex._runtime.interrupt import LeaseInterrupt
 
 ERRORS = [
     SimpleMutexError,

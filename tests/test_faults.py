@@ -43,8 +43,8 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
+from simple_mutex._runtime.interrupt import LeaseInterrupt
 from simple_mutex.caches import AsyncRedisCache, RedisCache
-from simple_mutex.interrupt import LeaseInterrupt
 
 LEASE = 2.0
 ON_TIME = 0.05  # the bound: interrupted at most this long after the holder's deadline

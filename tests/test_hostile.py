@@ -37,9 +37,9 @@ from test_s3 import moto_server
 from test_s3 import new_client as new_s3_client
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, MalfunctionError, Mutex
-from simple_mutex import cli as simple_mutex_cli
+from simple_mutex._core.keys import MAX_KEY_CHARS, decode_key, encode_key, is_hashed
+from simple_mutex.admin import cli as simple_mutex_cli
 from simple_mutex.caches import MongoCache, PostgresCache, RedisCache, S3Cache
-from simple_mutex.keys import MAX_KEY_CHARS, decode_key, encode_key, is_hashed
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

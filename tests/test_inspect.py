@@ -1,4 +1,4 @@
-"""simple_mutex.inspect on the local caches: cache keys map back to the user's keys
+"""simple_mutex.admin on the local caches: cache keys map back to the user's keys
 exactly, semaphore slots are separate holders, and release frees exactly the holder read."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from simple_mutex import ConstraintError, DiskCache, InMemoryCache, Mutex, Semaphore
-from simple_mutex.inspect import live_locks, locks_of, release, waited_on
-from simple_mutex.keys import MAX_KEY_CHARS, decode_key, encode_key
+from simple_mutex._core.keys import MAX_KEY_CHARS, decode_key, encode_key
+from simple_mutex.admin import live_locks, locks_of, release, waited_on
 
 ODD_KEYS = [
     "report.daily",

@@ -1,7 +1,7 @@
 """The journal (SIMPLE_MUTEX_JOURNAL) and its timeline page, as an operator uses them:
 real OS processes turn the journal on by the environment variable alone (one of them
 killed with SIGKILL while it holds a lock, another taking it over, one forking), the page
-is drawn by ``python -m simple_mutex.timeline`` and opened in a real Chromium."""
+is drawn by ``python -m simple_mutex.journal.timeline`` and opened in a real Chromium."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from playwright.sync_api import sync_playwright
 from procs import wait_for_file
 from servers import ROOT
 
-from simple_mutex import InMemoryCache, Mutex, journal, timeline
+from simple_mutex import InMemoryCache, Mutex, journal
+from simple_mutex.journal import timeline
 
 CHILD = ROOT / "tests" / "journal_children.py"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")  # scripts/lib.sh installs it
@@ -192,7 +193,7 @@ def test_a_journal_directory_that_cannot_be_made_is_a_warning_not_a_failed_impor
 
 
 def run_timeline(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "simple_mutex.timeline", *args],
+    return subprocess.run([sys.executable, "-m", "simple_mutex.journal.timeline", *args],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
@@ -318,8 +319,8 @@ def test_holds_are_built_from_partial_journals():
     read twice counts once."""
     from datetime import datetime, timedelta, timezone
 
+    from simple_mutex._core.records import Holder
     from simple_mutex.events import LockEvent
-    from simple_mutex.records import Holder
 
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

@@ -23,7 +23,7 @@ from simple_mutex import (
     SimpleCacheConditionError,
     SimpleMutexLeaseExpiredError,
 )
-from simple_mutex.lease import lapse_margin
+from simple_mutex._core.timing import lapse_margin
 
 # An interrupted loop ends soon after the lease; a broken interrupt runs to spin's guard.
 PROMPT = 1.5

@@ -35,8 +35,8 @@ from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
 from rq_mutex.cron import _registration
 from rq_mutex.job import NO_SCHEDULER_FLAG
 from simple_mutex import ConstraintError, Mutex, Semaphore
+from simple_mutex.admin import live_locks
 from simple_mutex.caches import RedisCache
-from simple_mutex.inspect import live_locks
 
 
 @pytest.fixture(scope="module")

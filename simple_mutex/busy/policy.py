@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeAlias, get_args
 
 from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
-from simple_mutex.durations import positive_seconds, timeout_seconds
+from simple_mutex._core.durations import positive_seconds, timeout_seconds
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
 OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise"]

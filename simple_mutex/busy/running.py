@@ -7,9 +7,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from simple_mutex import Lease, SimpleMutexLeaseExpiredError
+from simple_mutex._runtime.interrupt import LeaseInterrupt
 from simple_mutex.current import _current
 from simple_mutex.errors import add_note, displaced_by
-from simple_mutex.interrupt import LeaseInterrupt
 
 SKIPPED = "skipped"
 SOURCES = ("celery_mutex", "rq_mutex")

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from simple_mutex import forksafe
+from simple_mutex._runtime import forksafe
 from simple_mutex.errors import ConstraintError, MalfunctionError, bad_input
 
 from . import registry

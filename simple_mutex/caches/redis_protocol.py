@@ -30,8 +30,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from simple_mutex._core.durations import positive_seconds
+from simple_mutex._core.keys import check_prefix
 from simple_mutex.contract import Entry
-from simple_mutex.durations import positive_seconds
 from simple_mutex.errors import (
     ConstraintError,
     ConstraintTypeError,
@@ -39,7 +40,6 @@ from simple_mutex.errors import (
     MalfunctionError,
     SimpleCacheConditionError,
 )
-from simple_mutex.keys import check_prefix
 
 from .common import driver_imports, fault, malformed, ttl_ms
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from simple_mutex.durations import positive_seconds
+from simple_mutex._core.durations import positive_seconds
 from simple_mutex.errors import ConstraintTypeError, FencedOutError, MalfunctionError
 
 from ._common import check_fence

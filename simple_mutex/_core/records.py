@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .contract import Entry
-from .errors import MalfunctionError, bad_input
+from simple_mutex.contract import Entry
+from simple_mutex.errors import MalfunctionError, bad_input
 
 _HOST_JSON = json.dumps(socket.gethostname())
 
@@ -47,7 +47,7 @@ def encode_record(token: str, label: str | None, acquired_at: float, key: str | 
     """The JSON record. Formatted by hand (json.dumps was a third of an in-memory cycle):
     the token is hex and the pid an int, so only host and label need escaping. ``key`` is
     the user's key, written only when its cache key was hashed (too long to decode back):
-    ``simple_mutex.inspect`` then reads it from here."""
+    ``simple_mutex.admin`` then reads it from here."""
     # The pid is read at call time: a forked child is a different holder.
     tail = "" if key is None else f',"key":{json.dumps(key)}'
     return (

@@ -6,7 +6,7 @@ Turn it on without touching code::
 
 Any process that imports ``simple_mutex`` with that variable set subscribes a writer to
 ``simple_mutex.events``. From code: ``stop = journal.start(directory)``. Read it back, or
-draw it, with ``simple-mutex timeline DIR -o timeline.html`` (``simple_mutex.timeline``).
+draw it, with ``simple-mutex timeline DIR -o timeline.html`` (``simple_mutex.journal.timeline``).
 
 Each process writes its own file, ``<host>-<pid>.jsonl`` (opened at its first event, so a
 process that never locks leaves nothing); a forked child opens its own on its first event.
@@ -20,7 +20,7 @@ the holder is the one in the way).
 With the variable unset nothing is subscribed: the event stream builds nothing.
 
 ``read(paths)`` parses journal files back into ``Record``s, reporting each line that is not
-a journal line as ``file:line: why``; ``simple_mutex.timeline`` draws them.
+a journal line as ``file:line: why``; ``simple_mutex.journal.timeline`` draws them.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from . import events, forksafe
-from .events import KINDS, LockEvent
-from .records import Holder
+from simple_mutex import events
+from simple_mutex._core.records import Holder
+from simple_mutex._runtime import forksafe
+from simple_mutex.events import KINDS, LockEvent
 
 ENV = "SIMPLE_MUTEX_JOURNAL"
 VERSION = 1

@@ -21,11 +21,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import commands
-from .caches.url import cache_from_url
-from .contract import ConditionalCache
-from .errors import SimpleMutexError
-from .inspect import DEFAULT_PREFIX
+from simple_mutex.admin import DEFAULT_PREFIX, commands
+from simple_mutex.caches.url import cache_from_url
+from simple_mutex.contract import ConditionalCache
+from simple_mutex.errors import SimpleMutexError
 
 FAULT = 2
 
@@ -105,9 +104,9 @@ def fail(problem: BaseException | str) -> int:
 
 
 def timeline(files: list[str], output: str) -> int:
-    """Delegated to ``simple_mutex.timeline`` (imported only here: it may be absent)."""
+    """Delegated to ``simple_mutex.journal.timeline`` (imported only here: may be absent)."""
     try:
-        from . import timeline as drawing  # type: ignore[attr-defined, unused-ignore]
+        from simple_mutex.journal import timeline as drawing  # type: ignore[attr-defined, unused-ignore]
     except ImportError as exc:
         return fail(f"the timeline command is not available in this install ({exc})")
     status: int = drawing.cli_main(files, output)

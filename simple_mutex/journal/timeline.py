@@ -3,7 +3,7 @@
 ::
 
     simple-mutex timeline /var/log/mutex-journal -o timeline.html
-    python -m simple_mutex.timeline host-1-4242.jsonl host-2-*.jsonl -o timeline.html
+    python -m simple_mutex.journal.timeline host-1-4242.jsonl host-2-*.jsonl -o timeline.html
 
 The page is an SVG Gantt chart, one row per key: each hold a bar coloured by its holder
 (``<rect class="hold" data-key data-fence data-pid>`` with a ``<title>`` naming holder,
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .events import LockEvent
-from .journal import Record, read
+from simple_mutex.events import LockEvent
+from simple_mutex.journal import Record, read
 
 # -- what happened: holds, waits, ticks ---------------------------------------------------
 
@@ -461,7 +461,7 @@ def cli_main(files: list[str], output: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m simple_mutex.timeline",
+        prog="python -m simple_mutex.journal.timeline",
         description="Draw simple-mutex journal files (SIMPLE_MUTEX_JOURNAL) as one HTML page.",
     )
     parser.add_argument("files", nargs="+", metavar="FILE_OR_DIR",

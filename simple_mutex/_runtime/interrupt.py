@@ -22,7 +22,7 @@ import signal
 from types import CodeType
 from typing import Any
 
-from .errors import SimpleMutexLeaseExpiredError, _rebuild
+from simple_mutex.errors import SimpleMutexLeaseExpiredError, _rebuild
 
 # Two prototypes of one C function: one passes an exception class, one passes NULL
 # (which withdraws a pending exception).
@@ -82,6 +82,11 @@ def pre_empted_signal(exc: BaseException) -> int | None:
     code = tb.tb_frame.f_code
     if tb.tb_lasti > _first_instruction(code):
         return None
+    return _handled_by(code)
+
+
+def _handled_by(code: CodeType) -> int | None:
+    """The signal whose installed Python handler is the function of ``code``, if any."""
     for signum in signal.valid_signals():
         try:
             handler = signal.getsignal(signum)

@@ -1,6 +1,6 @@
 """What the operator commands do, given a cache: ``list``, ``show``, ``release``, ``watch``.
 
-``simple-mutex`` (``simple_mutex.cli``) and ``celery mutex`` (``celery_mutex.command``)
+``simple-mutex`` (``simple_mutex.admin.cli``) and ``celery mutex`` (``celery_mutex.command``)
 differ only in how they find the cache (a URL, or the app's ``mutex_cache``); both call
 these. Each returns the exit status: 0 done, 1 nothing to do or refused (a free key, a
 changed holder, an answer other than yes). Faults (a bad URL, a server down, a missing
@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from .contract import ConditionalCache
-from .errors import MalfunctionError
-from .inspect import LiveLock, live_locks, locks_of, release, waited_on
+from simple_mutex.admin import LiveLock, live_locks, locks_of, release, waited_on
+from simple_mutex.contract import ConditionalCache
+from simple_mutex.errors import MalfunctionError
 
 Ask = Callable[[str], str]
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
-from .errors import ConstraintValueError, bad_input
+from simple_mutex.errors import ConstraintValueError, bad_input
 
 MAX_KEY_CHARS = 200
 _HEAD_CHARS = MAX_KEY_CHARS - 64  # 1 + 64 + this > MAX_KEY_CHARS: never equal to an unhashed key

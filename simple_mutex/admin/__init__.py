@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from .contract import ConditionalCache, Entry, Scannable, is_async
-from .errors import ConstraintTypeError, SimpleCacheConditionError
-from .keys import check_key, check_prefix, decode_key, encode_key, split_slot
-from .records import Holder, holder_of, record_key
+from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key, split_slot
+from simple_mutex._core.records import Holder, holder_of, record_key
+from simple_mutex.contract import ConditionalCache, Entry, Scannable, is_async
+from simple_mutex.errors import ConstraintTypeError, SimpleCacheConditionError
 
 DEFAULT_PREFIX = "mutex."
 """The prefix of ``Mutex`` (and of Celery and RQ locks unless configured otherwise)."""

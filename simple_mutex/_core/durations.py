@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from datetime import timedelta
 
-from .errors import ConstraintTypeError, ConstraintValueError
+from simple_mutex.errors import ConstraintTypeError, ConstraintValueError
 
 Duration = int | float | timedelta | Mapping[str, int | float]
 

@@ -1,0 +1,170 @@
+"""The folders are the layers, and the map says so (issue 22).
+
+* ``_core`` decides and does no I/O: its modules, and what they import of the package,
+  import nothing that sleeps, blocks, spawns or touches a socket or a file.
+* The lower layers never import the higher ones: ``_core`` imports no ``_runtime``,
+  neither imports the user API, the backends or the integrations.
+* ``docs/contributing.md`` names every module of ``simple_mutex/`` (its Layout map), and
+  every name it gives exists.
+* Every public import path of DESIGN §3 and §9 still imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "simple_mutex"
+
+# What a module of _core may import: computation only.
+CORE_STDLIB = {"__future__", "collections", "dataclasses", "typing", "hashlib", "json",
+               "re", "string", "math", "functools", "secrets", "enum", "datetime",
+               "urllib"}  # fmt: skip
+# records.py reads the host name and pid once, for the record's holder fields: the one
+# allowed look at the process (no I/O per lock cycle).
+ALLOWED = {("records.py", "os"), ("records.py", "socket")}
+CORE_PACKAGE = {"simple_mutex._core", "simple_mutex.contract", "simple_mutex.errors"}
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """Every module ``path`` imports, and whether only for type checking."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, bool]] = []
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(n) for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, id(node) in typing_only) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 or path.parent.name != "_core", f"{path}: relative import"
+            module = node.module or ""
+            if module == "simple_mutex._core" or module == "simple_mutex":
+                found += [(f"{module}.{a.name}", id(node) in typing_only) for a in node.names]
+            else:
+                found.append((module, id(node) in typing_only))
+    return found
+
+
+CORE = sorted(p for p in (PACKAGE / "_core").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", CORE, ids=[p.name for p in CORE])
+def test_the_core_imports_nothing_that_waits_or_does_io(path: Path) -> None:
+    for module, typing_only in _imports(path):
+        if typing_only:
+            continue
+        top = module.split(".")[0]
+        if top == "simple_mutex":
+            assert any(module == m or module.startswith(m + ".") for m in CORE_PACKAGE), (
+                f"{path.name} imports {module}: the core may use only the core, the "
+                "contract and the errors"
+            )
+        else:
+            assert top in CORE_STDLIB or (path.name, top) in ALLOWED, (
+                f"{path.name} imports {module}, which may wait or do I/O"
+            )
+
+
+def test_what_the_core_leans_on_does_no_io_either() -> None:
+    """The contract and the errors, which the core imports, import no I/O module."""
+    for name in ("contract.py", "errors.py"):
+        for module, typing_only in _imports(PACKAGE / name):
+            top = module.split(".")[0]
+            assert typing_only or top in CORE_STDLIB | {"inspect"}, (name, module)
+
+
+def test_the_runtime_does_not_reach_up_into_the_user_api_or_the_backends() -> None:
+    upper = ("simple_mutex.mutex", "simple_mutex.lease", "simple_mutex.caches",
+             "simple_mutex.decorator", "celery_mutex", "rq_mutex",
+             "simple_mutex.admin")  # fmt: skip
+    for path in sorted((PACKAGE / "_runtime").glob("*.py")):
+        for module, _ in _imports(path):
+            assert not module.startswith(upper), f"{path.name} imports {module}"
+
+
+def _layout_block() -> str:
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    section = text[text.index("## Layout") :]
+    return section[section.index("```\n") + 4 : section.index("\n```", section.index("```\n") + 4)]
+
+
+def test_the_contributing_map_names_every_module_and_nothing_else() -> None:
+    block = _layout_block()
+    lines = block.splitlines()
+    # The block of simple_mutex/: up to the next top-level folder.
+    end = next(i for i, line in enumerate(lines) if line.startswith("celery_mutex/"))
+    ours = "\n".join(lines[1:end])
+    named: set[str] = set()
+    folder = ""
+    for line in ours.splitlines():
+        head = re.match(r"  (\S+/)", line)
+        if head:
+            folder = head.group(1)
+        elif re.match(r"  \S", line):
+            folder = ""
+        for word in re.findall(r"\b[\w]+\.py\b", line):
+            named.add(folder + word)
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    # A folder's __init__.py comes with the folder, unless the map says what it holds.
+    folders = {name.split("/")[0] + "/" for name in named if "/" in name}
+    named |= {f + "__init__.py" for f in folders}
+    assert files - named == set(), "modules the map of docs/contributing.md leaves out"
+    assert named - files == set(), "names in the map of docs/contributing.md that do not exist"
+
+
+def test_the_readme_names_the_same_folders_as_the_map_and_the_package() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## How it is built") :]
+    section = section[: section.index("\n## ")]
+    in_readme = set(re.findall(r"`(\w+)/`", section)) - {"simple_mutex"}
+    in_map = set(re.findall(r"^  (\w+)/ ", _layout_block(), re.M))
+    on_disk = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert in_readme == in_map == on_disk
+
+
+PUBLIC = [
+    "simple_mutex", "simple_mutex.caches", "simple_mutex.contract", "simple_mutex.errors",
+    "simple_mutex.events", "simple_mutex.testing", "simple_mutex.pytest_plugin",
+    "simple_mutex.contrib.prometheus", "simple_mutex.contrib.opentelemetry",
+    "simple_mutex.fenced", "simple_mutex.journal", "simple_mutex.journal.timeline",
+    "simple_mutex.admin", "simple_mutex.admin.cli", "simple_mutex.busy",
+    "celery_mutex", "celery_mutex.beat", "rq_mutex",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_import_path_imports(name: str) -> None:
+    if name.startswith("simple_mutex.contrib.prometheus"):
+        pytest.importorskip("prometheus_client", exc_type=ImportError)
+    if name.startswith("simple_mutex.contrib.opentelemetry"):
+        pytest.importorskip("opentelemetry", exc_type=ImportError)
+    importlib.import_module(name)
+
+
+def test_the_names_of_design_section_3_import() -> None:
+    from celery_mutex import MutexTask  # noqa: F401
+    from celery_mutex.beat import MutexScheduler  # noqa: F401
+    from rq_mutex import mutex_job  # noqa: F401
+    from simple_mutex import (  # noqa: F401
+        ConstraintError,
+        DiskCache,
+        InMemoryCache,
+        Lease,
+        MalfunctionError,
+        Mutex,
+        Semaphore,
+        SimpleCacheConditionError,
+        SimpleMutexAcquireTimeoutError,
+        SimpleMutexError,
+        SimpleMutexLeaseExpiredError,
+        cache_from_url,
+        with_simple_mutex,
+    )
+    from simple_mutex.caches import MongoCache, PostgresCache, RedisCache, S3Cache  # noqa: F401
