@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from ._core.records import Holder
+from ._runtime.interrupt import not_theirs
 
 log = logging.getLogger("simple_mutex")
 
@@ -109,7 +110,12 @@ def emit(event: LockEvent) -> None:
     for callback in subscribers:
         try:
             callback(event)
-        except Exception:
+        except Exception as exc:
+            # A signal handler's exception (RQ's job timeout, Celery's soft time limit)
+            # that landed while a subscriber ran is the caller's, not the subscriber's
+            # failure: swallowed, it let the job run on past its timeout.
+            if not_theirs(exc):
+                raise
             log.exception("simple_mutex.events subscriber %r failed", callback)
 
 

@@ -97,6 +97,22 @@ def _handled_by(code: CodeType) -> int | None:
     return None
 
 
+def not_theirs(exc: BaseException) -> bool:
+    """Did ``exc`` come from outside the code it was raised in: a Python signal handler
+    (a job timeout, a soft time limit, an alarm: the handler is one of the frames it
+    passed through) or a lease's interrupt? Code that catches the failures of callbacks
+    (event subscribers) must pass such an exception on, or the caller's timeout is lost:
+    a handler runs inside whatever Python code the main thread runs at that moment."""
+    if isinstance(exc, LeaseInterrupt):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if _handled_by(tb.tb_frame.f_code) is not None:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _first_instruction(code: CodeType) -> int:
     """The offset at which a frame of ``code`` first checks for pending exceptions: its
     RESUME (3.11 on), or before its first instruction (3.10 reports -2 there)."""
