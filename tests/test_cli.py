@@ -45,10 +45,12 @@ class Holders:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def hold(
-        self, name: str, key: str, *, permits: int = 1, lease: float = 30, renew: bool = True,
+        self, name: str, key: str, *, permits: int = 1, lease: float = 6, renew: bool = True,
         wait: float | None = None, started: bool = True,
     ) -> dict[str, Any]:  # fmt: skip
-        """Start a holder; its held report once it holds (``started``), else {}."""
+        """Start a holder; its held report once it holds (``started``), else {}. A renewed
+        6 s lease: a freed holder learns it at its next renewal, within 2 s (at 30 s, each
+        test that waits for that took 10 s)."""
         argv = [
             sys.executable, str(HERE / "cli_holder.py"), self.url, self.prefix, str(permits),
             key, str(lease), "renew" if renew else "fixed", str(self.folder), name,
