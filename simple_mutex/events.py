@@ -2,7 +2,7 @@
 
 ::
 
-    from . import events
+    from simple_mutex import events
 
     unsubscribe = events.subscribe(lambda event: print(event.kind, event.key, event.waited))
 

@@ -164,9 +164,20 @@ class _LockSpace:
         except MalfunctionError as fault:
             self._unclear(claim, fault)
             raise
-        lease = claim.lease(grant, asyncio.get_running_loop() if self._aio else None)
-        if claim.listening:
-            lease._report("acquired", waited=time.monotonic() - claim.started)
+        try:
+            lease = claim.lease(grant, asyncio.get_running_loop() if self._aio else None)
+            if claim.listening:
+                lease._report("acquired", waited=time.monotonic() - claim.started)
+        except BaseException:
+            # A job timeout's signal handler (or a cancellation) landing in the lease's
+            # construction or an "acquired" subscriber: the caller never gets the lease,
+            # so free the grant, in a task of its own that a second cancel cannot skip.
+            abandon = flows.abandon(claim.slot_keys, claim.value)
+            if self._aio:
+                await asyncio.shield(drivers.in_background(run_async(self.cache, abandon)))
+            else:
+                await asyncio.shield(asyncio.to_thread(run, self.cache, abandon))
+            raise
         return lease
 
     def _busy(

@@ -2,8 +2,8 @@
 
 ::
 
-    from . import InMemoryCache, Mutex
-    from .testing import FaultyCache
+    from simple_mutex import InMemoryCache, Mutex
+    from simple_mutex.testing import FaultyCache
 
     cache = FaultyCache(InMemoryCache())
     cache.fail("compare_and_set", times=3)      # renewals fail: a renewing holder is lost

@@ -4,11 +4,13 @@ with the fields operators need and never a token; a failing subscriber breaks no
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from workers import spin
@@ -192,6 +194,78 @@ def test_a_job_timeout_landing_in_a_subscriber_reaches_the_caller(alarm, kind):
     finally:
         stop()
     assert not Mutex(cache).locked("k"), "the interrupted cycle left its record"
+
+
+@pytest.mark.parametrize("face", ["asyncio cache", "blocking cache awaited"])
+def test_a_job_timeout_in_an_acquired_subscriber_of_an_async_acquire_frees_the_grant(alarm, face):
+    """acquire_async: the timeout reaches the caller and the grant it never got is freed
+    (found by review: it stayed held for the whole lease)."""
+    from async_memory import AsyncMemory
+
+    def slow_dashboard(event: LockEvent) -> None:
+        if event.kind == "acquired":
+            signal.raise_signal(signal.SIGALRM)
+
+    cache: object = AsyncMemory() if face == "asyncio cache" else InMemoryCache()
+    mutex = Mutex(cache, lease=600)
+
+    async def main() -> bool:
+        stop = events.subscribe(slow_dashboard)
+        try:
+            with pytest.raises(Alarm):
+                async with mutex.acquire_async("k", timeout=0):
+                    pytest.fail("the body ran")
+        finally:
+            stop()
+        return await mutex.locked_async("k")
+
+    assert asyncio.run(main()) is False, "the grant stayed held for its lease"
+
+
+def _traced(function: Any) -> Any:
+    """A decorator as tracing SDKs write them: every function it wraps shares one code."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_decorated_subscriber_s_own_failure_is_not_taken_for_a_decorated_handler_s(caplog):
+    """The handler and the subscriber share a wrapper's code: told apart by what each
+    wrapped (found by review: the subscriber's KeyError failed the acquire). A job
+    timeout raised through the same wrapper still reaches the caller."""
+
+    @_traced
+    def ring(signum: int, frame: object) -> None:
+        raise Alarm("the job's time is up")
+
+    @_traced
+    def buggy(event: LockEvent) -> None:
+        raise KeyError("bug in the dashboard")
+
+    @_traced
+    def slow(event: LockEvent) -> None:
+        signal.raise_signal(signal.SIGALRM)
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    try:
+        stop = events.subscribe(buggy)
+        try:
+            with Mutex(InMemoryCache()).acquire("k", timeout=0):
+                pass
+        finally:
+            stop()
+        assert "bug in the dashboard" in caplog.text
+        stop = events.subscribe(slow)
+        try:
+            with pytest.raises(Alarm):
+                Mutex(InMemoryCache()).acquire("k", timeout=0)
+        finally:
+            stop()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_lease_interrupt_landing_in_a_subscriber_is_not_swallowed_either():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import dis
 import signal
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 from simple_mutex.errors import SimpleMutexLeaseExpiredError, _rebuild
@@ -79,22 +79,42 @@ def pre_empted_signal(exc: BaseException) -> int | None:
         return None
     while tb.tb_next is not None:
         tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    if tb.tb_lasti > _first_instruction(code):
+    if tb.tb_lasti > _first_instruction(tb.tb_frame.f_code):
         return None
-    return _handled_by(code)
+    return _handled_by(tb.tb_frame)
 
 
-def _handled_by(code: CodeType) -> int | None:
-    """The signal whose installed Python handler is the function of ``code``, if any."""
+def _handled_by(frame: FrameType) -> int | None:
+    """The signal whose installed Python handler ``frame`` runs, if any. A code object
+    alone does not tell: every function a decorator wrapped, and every closure a factory
+    made, shares one; their free variables (and a bound handler's ``self``) do."""
+    code = frame.f_code
     for signum in signal.valid_signals():
         try:
             handler = signal.getsignal(signum)
         except (OSError, ValueError):  # pragma: no cover - a signal this OS reserves
             continue
-        if getattr(getattr(handler, "__func__", handler), "__code__", None) is code:
+        function = getattr(handler, "__func__", handler)
+        if getattr(function, "__code__", None) is code and _runs(frame, function, handler):
             return int(signum)
     return None
+
+
+def _runs(frame: FrameType, function: Any, handler: Any) -> bool:
+    """Is ``frame`` (running ``function``'s code) a call of ``handler`` itself?"""
+    seen = frame.f_locals
+    for name, cell in zip(frame.f_code.co_freevars, function.__closure__ or (), strict=False):
+        try:
+            if seen.get(name, _MISSING) is not cell.cell_contents:
+                return False
+        except ValueError:  # an empty cell: nothing to tell them apart by
+            continue
+    bound = getattr(handler, "__self__", None)
+    names = frame.f_code.co_varnames
+    return bound is None or not names or seen.get(names[0], _MISSING) is bound
+
+
+_MISSING = object()
 
 
 def not_theirs(exc: BaseException) -> bool:
@@ -107,7 +127,7 @@ def not_theirs(exc: BaseException) -> bool:
         return True
     tb = exc.__traceback__
     while tb is not None:
-        if _handled_by(tb.tb_frame.f_code) is not None:
+        if _handled_by(tb.tb_frame) is not None:
             return True
         tb = tb.tb_next
     return False
