@@ -590,3 +590,25 @@ def test_close_disconnects_the_caches_own_connections_and_keeps_the_client(
     assert not opened & _client_ids(client)
     assert client.ping()
     Mutex(cache).acquire(unique_key(), timeout=0).release()  # opens a new one
+
+
+def test_close_also_disconnects_a_connection_lent_out_when_it_comes_back(
+    client: redis.Redis,
+) -> None:
+    """A waiter blocked in BLPOP holds a connection while close() runs: it is
+    disconnected when the wait returns, not kept idle (found by review)."""
+    before = _client_ids(client)
+    cache = RedisCache(client, prefix=PREFIX)
+    key = unique_key()
+    held = Mutex(cache, lease=30).acquire(key, timeout=0)
+    waiter = threading.Thread(target=lambda: Mutex(cache).acquire(key, timeout=10).release())
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not cache.waited_on("mutex." + key) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    opened = _client_ids(client) - before  # every connection of this cache, the lent one too
+    assert len(opened) >= 2, "the waiter and this thread should each hold one"
+    cache.close()
+    held.release()
+    waiter.join(10)
+    assert not opened & _client_ids(client), "a connection lent out at close() stayed open"

@@ -263,6 +263,8 @@ class _OwnConnections:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._idle: list[Any] = []  # list.pop and append are atomic: no lock needed
+        self._lent_at: dict[int, int] = {}  # id of a lent connection -> closes before it
+        self._closes = 0
         self._pid = os.getpid()
         weakref.finalize(self, _close_all, self._idle, self._pid)
 
@@ -276,19 +278,25 @@ class _OwnConnections:
     def take(self) -> Any:
         if self._pid != os.getpid():
             # The parent's sockets: never used (nor closed) here; the parent keeps them.
-            self._pid, self._idle = os.getpid(), []
+            self._pid, self._idle, self._lent_at = os.getpid(), [], {}
             weakref.finalize(self, _close_all, self._idle, self._pid)
         try:
-            return self._idle.pop()
+            conn = self._idle.pop()
         except IndexError:
-            return own_connection(self._pool, Retry(NoBackoff(), 0))
+            conn = own_connection(self._pool, Retry(NoBackoff(), 0))
+        self._lent_at[id(conn)] = self._closes
+        return conn
 
     def close(self) -> None:
-        """Disconnect the idle ones (one lent out is closed when it comes back)."""
+        """Disconnect the idle ones; one lent out (a waiter's BLPOP) is disconnected when
+        it comes back. Later commands open new ones."""
+        self._closes += 1
         _close_all(self._idle, self._pid)
 
     def give(self, conn: Any) -> None:
-        if len(self._idle) < _MAX_IDLE:
+        if self._lent_at.pop(id(conn), self._closes) != self._closes:
+            conn.disconnect()  # lent out before a close(): it goes with the others
+        elif len(self._idle) < _MAX_IDLE:
             self._idle.append(conn)
         else:
             conn.disconnect()
