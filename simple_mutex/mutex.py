@@ -173,10 +173,7 @@ class _LockSpace:
             # construction or an "acquired" subscriber: the caller never gets the lease,
             # so free the grant, in a task of its own that a second cancel cannot skip.
             abandon = flows.abandon(claim.slot_keys, claim.value)
-            if self._aio:
-                await asyncio.shield(drivers.in_background(run_async(self.cache, abandon)))
-            else:
-                await asyncio.shield(asyncio.to_thread(run, self.cache, abandon))
+            await asyncio.shield(drivers.in_background(run_async(self.cache, abandon)))
             raise
         return lease
 

@@ -150,7 +150,9 @@ class Pause:
     seconds: float
 
 
-Op = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait | Pause
+Call = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait
+"""An operation that asks the cache; a driver runs it."""
+Op = Call | Pause
 T = TypeVar("T")
 Flow = Generator[Op, Any, T]
 Owns = Callable[[Entry], bool]

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from simple_mutex._core.flows import Flow, Op, Pause, PutIfAbsent, T, Wait, abandon
+from simple_mutex._core.flows import Call, Flow, Pause, PutIfAbsent, T, Wait, abandon
 from simple_mutex._core.timing import HANDOFF_COURTESY
 from simple_mutex.contract import DRIVER_ERRORS, AnyCache, ConditionalCache, is_async
 from simple_mutex.errors import MalfunctionError, SimpleCacheConditionError, SimpleMutexError
@@ -38,11 +38,8 @@ class Handoffs:
         return max(self._until.pop(k, 0.0) for k in slot_keys) - time.monotonic()
 
 
-def execute(cache: ConditionalCache, op: Op) -> Any:
+def execute(cache: ConditionalCache, op: Call) -> Any:
     """Run one operation, mapping a stray driver error to a MalfunctionError."""
-    if isinstance(op, Pause):
-        time.sleep(op.seconds)
-        return None
     try:
         return op.apply(cache)
     except SimpleMutexError:
@@ -62,7 +59,7 @@ def is_driver_error(cache: AnyCache, exc: Exception) -> bool:
     return isinstance(exc, getattr(cache, "driver_errors", DRIVER_ERRORS))
 
 
-def stray(cache: AnyCache, op: Op, exc: Exception) -> MalfunctionError:
+def stray(cache: AnyCache, op: Call, exc: Exception) -> MalfunctionError:
     """A driver error the backend forgot to map (backends map their own; this is the net)."""
     where = getattr(op, "key", op)
     return MalfunctionError(
@@ -77,7 +74,7 @@ class Outcome(NamedTuple):
     error: SimpleMutexError | None = None
 
 
-def attempt(cache: ConditionalCache, op: Op) -> Outcome:
+def attempt(cache: ConditionalCache, op: Call) -> Outcome:
     try:
         return Outcome(execute(cache, op))
     except (SimpleCacheConditionError, MalfunctionError) as exc:
@@ -113,7 +110,7 @@ def run(cache: ConditionalCache, flow: Flow[T]) -> T:
 async def run_async(cache: AnyCache, flow: Flow[T]) -> T:
     """The asyncio driver: the same flows. An asyncio cache is awaited directly; a cache
     that never blocks (InMemoryCache) is called on the loop; others run in threads."""
-    attempt_one: Callable[[Any, Op], Awaitable[Outcome]]
+    attempt_one: Callable[[Any, Call], Awaitable[Outcome]]
     if is_async(cache):
         attempt_one = attempt_native
     elif vars(type(cache)).get("nonblocking", False):  # declared by the class itself:
@@ -123,16 +120,17 @@ async def run_async(cache: AnyCache, flow: Flow[T]) -> T:
     try:
         op = next(flow)
         while True:
-            result, error = await attempt_one(cache, op)
+            if isinstance(op, Pause):
+                await asyncio.sleep(op.seconds)
+                result, error = None, None
+            else:
+                result, error = await attempt_one(cache, op)
             op = flow.send(result) if error is None else flow.throw(error)
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]
 
 
-async def attempt_native(cache: Any, op: Op) -> Outcome:
-    if isinstance(op, Pause):
-        await asyncio.sleep(op.seconds)
-        return Outcome()
+async def attempt_native(cache: Any, op: Call) -> Outcome:
     try:
         return Outcome(await op.apply_async(cache))
     except (SimpleCacheConditionError, MalfunctionError) as exc:
@@ -152,22 +150,16 @@ async def attempt_native(cache: Any, op: Op) -> Outcome:
         return Outcome(error=error)
 
 
-async def attempt_inline(cache: Any, op: Op) -> Outcome:
+async def attempt_inline(cache: Any, op: Call) -> Outcome:
     """A cache whose operations never block, on the loop itself; its waits park on a
     future (``wait_async``)."""
-    if isinstance(op, Pause):
-        await asyncio.sleep(op.seconds)
-    elif isinstance(op, Wait):
+    if isinstance(op, Wait):
         await cache.wait_async(op.keys, op.seconds)
-    else:
-        return attempt(cache, op)
-    return Outcome()
-
-
-async def attempt_async(cache: Any, op: Op) -> Outcome:
-    if isinstance(op, Pause):
-        await asyncio.sleep(op.seconds)
         return Outcome()
+    return attempt(cache, op)
+
+
+async def attempt_async(cache: Any, op: Call) -> Outcome:
     if isinstance(op, Wait):
         # A blocking wait (Redis BLPOP, a sleep) in a pool of its own, so that waiters
         # never fill the loop's default executor that the other operations run in.
