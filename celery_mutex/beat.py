@@ -37,8 +37,7 @@ import time
 from typing import Any
 
 from simple_mutex import ConstraintValueError, Mutex, SimpleMutexAcquireTimeoutError
-from simple_mutex._core.durations import positive_seconds
-from simple_mutex.busy import shared_cache, skip_marker
+from simple_mutex.busy import positive_seconds, shared_cache, skip_marker
 
 from ._celery import Signal
 from ._owned import OwnedLocks, owner_of

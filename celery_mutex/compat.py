@@ -47,8 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from simple_mutex import ConstraintValueError
-from simple_mutex._core.durations import positive_seconds
-from simple_mutex.busy import check_known
+from simple_mutex.busy import check_known, positive_seconds
 from simple_mutex.busy.policy import check_bool
 
 from . import enqueue, per_call

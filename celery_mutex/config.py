@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from simple_mutex import ConstraintTypeError, ConstraintValueError, Mutex
-from simple_mutex._core.durations import positive_seconds
-from simple_mutex._core.keys import check_prefix
 from simple_mutex.busy import (
     SHARED,
     BusyPolicy,
     PerProcess,
     check_known,
     check_option,
+    check_prefix,
+    positive_seconds,
     shared_cache,
 )
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from simple_mutex import ConstraintTypeError, ConstraintValueError
-from simple_mutex._core.keys import template_fields
+from simple_mutex.busy import template_fields
 from simple_mutex.decorator import key_function
 
 from .errors import ConstantKeyWarning

@@ -49,9 +49,9 @@ from simple_mutex import (
     Semaphore,
     SimpleMutexAcquireTimeoutError,
 )
-from simple_mutex._core.durations import Duration
 from simple_mutex.busy import (
     BusyPolicy,
+    Duration,
     PerProcess,
     RunAgain,
     Skip,

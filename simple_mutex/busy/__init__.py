@@ -7,10 +7,15 @@ the other, and nothing here imports either.
 * ``running``: ``current_lease()``, the loss interrupt turned into the public error, and
   the skip marker that ``is_skipped`` recognizes.
 * ``per_process``: caches and lock spaces built once per process, again after fork.
+* The core's checks the integrations apply to their own options (``positive_seconds``,
+  ``Duration``, ``check_prefix``, ``template_fields``): re-exported here, so neither
+  integration imports a private module of the core (``tests/test_layers.py``).
 """
 
 from __future__ import annotations
 
+from simple_mutex._core.durations import Duration, positive_seconds
+from simple_mutex._core.keys import check_prefix, template_fields
 from simple_mutex.current import current_lease
 
 from .per_process import PerProcess, reset, shared_cache
@@ -32,17 +37,21 @@ __all__ = [
     "SKIPPED",
     "Busy",
     "BusyPolicy",
+    "Duration",
     "OnBusy",
     "PerProcess",
     "RunAgain",
     "Skip",
     "check_known",
     "check_option",
+    "check_prefix",
     "current_lease",
     "is_skipped",
+    "positive_seconds",
     "reset",
     "running",
     "shared_cache",
     "skip_marker",
+    "template_fields",
     "unreachable",
 ]
