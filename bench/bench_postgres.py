@@ -36,9 +36,8 @@ import psycopg
 from rounds import interleaved_rounds, print_ratio_table
 
 from simple_mutex import Mutex
-from simple_mutex.caches import postgres_core as postgres
-from simple_mutex.caches.postgres import PostgresCache
-from simple_mutex.caches.postgres_async import AsyncPostgresCache
+from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
+from simple_mutex.caches.postgres import statements as postgres
 
 URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 TABLE = f"bench_{secrets.token_hex(4)}"

@@ -19,7 +19,7 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     own clock: the server's where it has one). In the same atomic step the key's fence
     becomes max(its previous fence + 1, the clock in µs): a freed tombstone keeps the
     counter for a while, and the clock floor keeps fences growing once it is collected or
-    lost (``caches.common.clock_fence``). If a live entry already holds exactly ``value``,
+    lost (``caches._base.clock_fence``). If a live entry already holds exactly ``value``,
     return it unchanged: it is our own earlier write whose reply was lost, and values carry
     a unique token, so equality proves ownership. Otherwise raise
     ``SimpleCacheConditionError``.

@@ -13,12 +13,9 @@ from typing import Any
 import pytest
 
 from simple_mutex import Lease, Mutex, Semaphore
-from simple_mutex.caches.mongo import MongoCache
-from simple_mutex.caches.mongo_async import AsyncMongoCache
-from simple_mutex.caches.postgres import PostgresCache
-from simple_mutex.caches.postgres_async import AsyncPostgresCache
-from simple_mutex.caches.redis import RedisCache
-from simple_mutex.caches.redis_async import AsyncRedisCache
+from simple_mutex.caches.mongo import AsyncMongoCache, MongoCache
+from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
+from simple_mutex.caches.redis import AsyncRedisCache, RedisCache
 
 CACHES = [
     (RedisCache, AsyncRedisCache),

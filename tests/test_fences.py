@@ -43,10 +43,12 @@ import pytest
 from servers import OwnServer, free_port
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, Mutex
-from simple_mutex.caches import disk, mongo_core, postgres_core
-from simple_mutex.caches.common import clock_fence
+from simple_mutex.caches._base import clock_fence
+from simple_mutex.caches.disk import cache as disk
 from simple_mutex.caches.mongo import MongoCache
+from simple_mutex.caches.mongo import core as mongo_core
 from simple_mutex.caches.postgres import PostgresCache
+from simple_mutex.caches.postgres import statements as postgres_core
 from simple_mutex.caches.s3 import S3Cache, client_config
 
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

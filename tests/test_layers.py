@@ -117,11 +117,18 @@ def test_the_contributing_map_names_every_module_and_nothing_else() -> None:
             folder = head.group(1)
         elif re.match(r"  \S", line):
             folder = ""
-        for word in re.findall(r"\b[\w]+\.py\b", line):
-            named.add(folder + word)
+        # A line of a folder may name a folder of its own ("redis/ sync.py ..."): the
+        # modules after it on that line are in it.
+        sub = ""
+        for word in re.findall(r"(?<![\w/])\w+/(?=\s)|\b\w+\.py\b", line):
+            if word.endswith("/"):
+                sub = "" if folder == word else word
+            else:
+                named.add(folder + sub + word)
     files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
     # A folder's __init__.py comes with the folder, unless the map says what it holds.
-    folders = {name.split("/")[0] + "/" for name in named if "/" in name}
+    folders = {name.rsplit("/", 1)[0] + "/" for name in named if "/" in name}
+    folders |= {f.split("/")[0] + "/" for f in folders}
     named |= {f + "__init__.py" for f in folders}
     assert files - named == set(), "modules the map of docs/contributing.md leaves out"
     assert named - files == set(), "names in the map of docs/contributing.md that do not exist"

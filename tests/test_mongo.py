@@ -31,8 +31,8 @@ from contract import CacheContract, unique_key
 from servers import free_port, scripts
 
 from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
-from simple_mutex.caches import mongo_core
 from simple_mutex.caches.mongo import MongoCache, from_url
+from simple_mutex.caches.mongo import core as mongo_core
 
 DB = f"smx_test_{uuid.uuid4().hex[:8]}"
 HOUR = timedelta(hours=1)

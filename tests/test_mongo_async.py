@@ -26,8 +26,7 @@ from pymongo import AsyncMongoClient
 
 from simple_mutex import ConstraintError, Mutex
 from simple_mutex.caches import as_cache
-from simple_mutex.caches.mongo import MongoCache
-from simple_mutex.caches.mongo_async import AsyncMongoCache
+from simple_mutex.caches.mongo import AsyncMongoCache, MongoCache
 from simple_mutex.contract import AsyncConditionalCache, is_async
 
 DB = f"smx_async_{uuid.uuid4().hex[:8]}"

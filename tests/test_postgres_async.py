@@ -27,8 +27,7 @@ from test_postgres import POSTGRES_URL, tables_of_run
 
 from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
 from simple_mutex.caches import as_cache
-from simple_mutex.caches.postgres import PostgresCache
-from simple_mutex.caches.postgres_async import AsyncPostgresCache
+from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
 from simple_mutex.contract import AsyncConditionalCache, is_async
 
 RUN = f"a{uuid.uuid4().hex[:8]}"

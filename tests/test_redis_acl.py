@@ -35,7 +35,7 @@ from simple_mutex import (
     cache_from_url,
 )
 from simple_mutex.caches import AsyncRedisCache, RedisCache
-from simple_mutex.caches.redis_protocol import CAS, DELETE, PUT
+from simple_mutex.caches.redis.protocol import CAS, DELETE, PUT
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 RUN = uuid.uuid4().hex[:8]

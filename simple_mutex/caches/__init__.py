@@ -29,12 +29,9 @@ from .memory import InMemoryCache
 from .url import cache_from_url
 
 if TYPE_CHECKING:
-    from .mongo import MongoCache
-    from .mongo_async import AsyncMongoCache
-    from .postgres import PostgresCache
-    from .postgres_async import AsyncPostgresCache
-    from .redis import RedisCache
-    from .redis_async import AsyncRedisCache
+    from .mongo import AsyncMongoCache, MongoCache
+    from .postgres import AsyncPostgresCache, PostgresCache
+    from .redis import AsyncRedisCache, RedisCache
     from .s3 import S3Cache
 
 __all__ = [

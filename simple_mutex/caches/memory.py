@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from simple_mutex.contract import Entry
 from simple_mutex.errors import SimpleCacheConditionError
 
-from .common import DEFAULT_GC_AFTER, CacheBase, clock_fence, gc_after_seconds
+from ._base import DEFAULT_GC_AFTER, CacheBase, clock_fence, gc_after_seconds
 
 _SWEEP_EVERY = 4096
 

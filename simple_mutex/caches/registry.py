@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 class Backend(NamedTuple):
     name: str
-    """The cache's ``name`` in messages, and its module: ``simple_mutex.caches.<name>``."""
+    """The cache's ``name`` in messages."""
     cls: str
     """The cache class that module defines."""
     schemes: tuple[str, ...]
@@ -25,44 +25,49 @@ class Backend(NamedTuple):
     """The install extra that brings the drivers: ``pip install 'simple-mutex[<extra>]'``."""
     needs: str = ""
     """What a raw client alone lacks, when ``as_cache`` cannot wrap it by itself."""
+    where: str = ""
+    """The module defining ``cls`` (and ``from_url``), under ``simple_mutex.caches``:
+    ``<folder>.sync`` or ``<folder>.asyncio`` for a backend with a folder."""
 
     @property
     def module(self) -> str:
-        return f"{__package__}.{self.name}"
+        return f"{__package__}.{self.where or self.name}"
 
 
 BACKENDS = (
     Backend("memory", "InMemoryCache", ("memory",), (), (), None),
-    Backend("disk", "DiskCache", ("file",), (), (), None),
+    Backend("disk", "DiskCache", ("file",), (), (), None, where="disk.cache"),
     Backend(
         "redis", "RedisCache", ("redis", "rediss", "unix", "redis+socket", "redis+sentinel"),
         ("redis.Redis", "redis.RedisCluster"), ("redis",), "redis",
+        where="redis.sync",
     ),
     Backend(
         "redis_async", "AsyncRedisCache", (),
         ("redis.asyncio.Redis", "redis.asyncio.RedisCluster"), ("redis",), "redis",
+        where="redis.asyncio",
     ),
     Backend(
         "postgres", "PostgresCache", ("postgresql", "postgres"),
         ("psycopg.Connection", "psycopg_pool.ConnectionPool"), ("psycopg", "psycopg_pool"),
-        "postgres",
+        "postgres", where="postgres.sync",
     ),
     # asyncio twins: no URL scheme (cache_from_url builds the blocking caches); their
     # drivers' async classes derive from none of the blocking ones.
     Backend(
         "postgres_async", "AsyncPostgresCache", (),
         ("psycopg.AsyncConnection", "psycopg_pool.AsyncConnectionPool"),
-        ("psycopg", "psycopg_pool"), "postgres",
+        ("psycopg", "psycopg_pool"), "postgres", where="postgres.asyncio",
     ),
     Backend(
         "mongo", "MongoCache", ("mongodb", "mongodb+srv"),
         ("pymongo.MongoClient", "pymongo.Database", "pymongo.Collection"), ("pymongo", "bson"),
-        "mongo",
+        "mongo", where="mongo.sync",
     ),
     Backend(
         "mongo_async", "AsyncMongoCache", (),
         ("pymongo.AsyncMongoClient", "pymongo.AsyncDatabase", "pymongo.AsyncCollection"),
-        ("pymongo", "bson"), "mongo",
+        ("pymongo", "bson"), "mongo", where="mongo.asyncio",
     ),
     Backend(
         "s3", "S3Cache", ("s3",), ("botocore.BaseClient",), ("boto3", "botocore"), "s3",

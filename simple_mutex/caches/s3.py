@@ -45,7 +45,7 @@ from simple_mutex.errors import (
     SimpleCacheConditionError,
 )
 
-from .common import (
+from ._base import (
     CacheBase,
     clock_fence,
     driver_imports,

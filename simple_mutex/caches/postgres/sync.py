@@ -36,7 +36,7 @@ and types with theirs, so a hostile ``search_path`` changes nothing.
   the operation and the key.
 
 The statements and what they mean are shared with ``AsyncPostgresCache`` (psycopg's
-asyncio connections) in ``postgres_core.py``. Rationale: docs/design/postgres.md.
+asyncio connections) in ``statements.py``. Rationale: docs/design/postgres.md.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
+from simple_mutex.caches._base import driver_imports, fault
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
-from .common import driver_imports, fault
-from .postgres_core import (
+from .statements import (
     LOST_RACE,
     PostgresCore,
     SessionEnded,

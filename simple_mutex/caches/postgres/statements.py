@@ -1,7 +1,7 @@
 """What PostgresCache and AsyncPostgresCache share: the table, every statement, its
 parameters and the meaning of its rows, conninfo defaults and fault mapping. No I/O here:
 ``postgres.py`` runs the statements on psycopg's blocking connections,
-``postgres_async.py`` on its asyncio ones. Rationale: docs/design/postgres.md.
+``asyncio.py`` on its asyncio ones. Rationale: docs/design/postgres.md.
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from simple_mutex.contract import Entry
-from simple_mutex.errors import (
-    ConstraintTypeError,
-    ConstraintValueError,
-    MalfunctionError,
-    SimpleCacheConditionError,
-    bad_input,
-)
-
-from .common import (
+from simple_mutex.caches._base import (
     DEFAULT_GC_AFTER,
     TOOK_OVER,
     CacheBase,
@@ -33,6 +24,14 @@ from .common import (
     malformed,
     new_version,
     took_over_version,
+)
+from simple_mutex.contract import Entry
+from simple_mutex.errors import (
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+    bad_input,
 )
 
 with driver_imports("postgres"):

@@ -2,7 +2,7 @@
 
 The same table, statements, fences, garbage collection, retry of a statement sent on a
 session the server had ended, and fault mapping as ``PostgresCache``: all of it lives in
-``postgres_core.py``; this module only awaits. ``Mutex(psycopg.AsyncConnection)`` and
+``statements.py``; this module only awaits. ``Mutex(psycopg.AsyncConnection)`` and
 ``Mutex(psycopg_pool.AsyncConnectionPool)`` wrap the connection in this cache.
 
 * One autocommit connection per process and event loop, opened from a conninfo or URL
@@ -25,12 +25,12 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
+from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
-from .common import driver_imports
-from .postgres import PostgresCache
-from .postgres_core import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
+from .statements import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
+from .sync import PostgresCache
 
 with driver_imports("postgres"):
     import psycopg

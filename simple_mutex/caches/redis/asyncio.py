@@ -1,7 +1,7 @@
 """AsyncRedisCache: RedisCache for ``redis.asyncio``, awaited on the event loop.
 
 The same keys, scripts, fences, signal list and eviction check as ``RedisCache``: both
-build their requests and read their replies in ``redis_protocol.py``; this module does
+build their requests and read their replies in ``protocol.py``; this module does
 only the awaited I/O.
 
 * A plain ``redis.asyncio.Redis`` (Sentinel masters included) is used through a few
@@ -34,11 +34,11 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from simple_mutex.caches._base import driver_imports, ttl_ms
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintTypeError, MalfunctionError, SimpleCacheConditionError
 
-from .common import driver_imports, ttl_ms
-from .redis_protocol import (
+from .protocol import (
     CAS,
     DELETE,
     PUT,
@@ -348,7 +348,7 @@ def _own_pool(client: Any) -> Any:
 
 class _OwnConnections:
     """Up to ``_MAX_OWN`` connections per event loop that this cache opens itself, with
-    its client's connection class and settings but no retry policy (``redis.py``:
+    its client's connection class and settings but no retry policy (``sync.py``:
     ``_own_connections`` says why) and outside the client's pool, each lent to one
     command at a time; a command that finds them all busy waits its turn (first come,
     first served) instead of opening another socket. The listeners' connections

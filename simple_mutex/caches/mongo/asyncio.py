@@ -1,7 +1,7 @@
 """AsyncMongoCache: MongoCache on pymongo's asyncio client (``AsyncMongoClient``).
 
 The same documents, statements, clocks, fences, TTL index and fault mapping as
-``MongoCache``: every operation is a flow of ``mongo_core.py``, which this module only
+``MongoCache``: every operation is a flow of ``core.py``, which this module only
 awaits. ``Mutex(AsyncMongoClient)``, ``Mutex(AsyncDatabase)`` and
 ``Mutex(AsyncCollection)`` wrap the object in this cache.
 
@@ -18,11 +18,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, ConstraintTypeError
 
-from .common import driver_imports
-from .mongo_core import Call, Flow, MongoCore, scanned
+from .core import Call, Flow, MongoCore, scanned
 
 with driver_imports("mongo"):
     import pymongo

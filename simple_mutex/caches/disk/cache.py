@@ -35,10 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintValueError, MalfunctionError, SimpleCacheConditionError
-
-from .common import (
+from simple_mutex.caches._base import (
     DEFAULT_GC_AFTER,
     TOOK_OVER,
     CacheBase,
@@ -50,6 +47,9 @@ from .common import (
     prefix_end,
     took_over_version,
 )
+from simple_mutex.contract import Entry
+from simple_mutex.errors import ConstraintValueError, MalfunctionError, SimpleCacheConditionError
+
 from .gate import open_gate
 
 FILENAME = "simple-mutex.sqlite3"

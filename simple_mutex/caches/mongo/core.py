@@ -2,7 +2,7 @@
 run in, and the meaning of their replies. No I/O here: each operation is a *flow*, a
 generator that yields the collection calls it needs (``Call``) and pauses (``Pause``) and
 is sent each reply; ``mongo.py`` runs flows on pymongo's ``MongoClient``,
-``mongo_async.py`` on its ``AsyncMongoClient``. Rationale: docs/design/mongo.md.
+``asyncio.py`` on its ``AsyncMongoClient``. Rationale: docs/design/mongo.md.
 """
 
 from __future__ import annotations
@@ -15,16 +15,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
-from simple_mutex.contract import Entry
-from simple_mutex.errors import (
-    ConstraintError,
-    ConstraintTypeError,
-    ConstraintValueError,
-    MalfunctionError,
-    SimpleCacheConditionError,
-)
-
-from .common import (
+from simple_mutex.caches._base import (
     CacheBase,
     driver_imports,
     fault,
@@ -34,6 +25,14 @@ from .common import (
     prefix_end,
     took_over_version,
     ttl_ms,
+)
+from simple_mutex.contract import Entry
+from simple_mutex.errors import (
+    ConstraintError,
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
 )
 
 with driver_imports("mongo"):

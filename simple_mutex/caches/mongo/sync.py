@@ -19,7 +19,7 @@ One collection holds every lock, one document per key::
   naming mongo, the operation and the key; a retried put finds its own value.
 
 The statements, as flows, are shared with ``AsyncMongoCache`` (pymongo's
-``AsyncMongoClient``) in ``mongo_core.py``. Rationale: docs/design/mongo.md.
+``AsyncMongoClient``) in ``core.py``. Rationale: docs/design/mongo.md.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, ConstraintValueError
 
-from .common import driver_imports
-from .mongo_core import Call, Flow, MongoCore, scanned, split_url, url_options
+from .core import Call, Flow, MongoCore, scanned, split_url, url_options
 
 with driver_imports("mongo"):
     import pymongo

@@ -32,6 +32,7 @@ from typing import Any
 
 from simple_mutex._core.durations import positive_seconds
 from simple_mutex._core.keys import check_prefix
+from simple_mutex.caches._base import driver_imports, fault, malformed, ttl_ms
 from simple_mutex.contract import Entry
 from simple_mutex.errors import (
     ConstraintError,
@@ -40,8 +41,6 @@ from simple_mutex.errors import (
     MalfunctionError,
     SimpleCacheConditionError,
 )
-
-from .common import driver_imports, fault, malformed, ttl_ms
 
 with driver_imports("redis"):
     from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError

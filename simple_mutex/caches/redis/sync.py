@@ -1,7 +1,7 @@
 """RedisCache: every machine that reaches one Redis (or Valkey, a Sentinel master, a Cluster).
 
-The key layout and the Lua scripts live in ``redis_protocol.py``, shared with
-``AsyncRedisCache`` (``redis_async.py``); this module does the blocking I/O.
+The key layout and the Lua scripts live in ``protocol.py``, shared with
+``AsyncRedisCache`` (``asyncio.py``); this module does the blocking I/O.
 
 * Each operation is one round trip (a Lua script; ``get`` a plain ``GET``): compare and act
   are atomic, and the server's clock decides expiry (``PX``). Needs Redis >= 6.0.
@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
+from simple_mutex.caches._base import driver_imports, ttl_ms
 from simple_mutex.contract import Entry
 from simple_mutex.errors import (
     ConstraintError,
@@ -42,8 +43,7 @@ from simple_mutex.errors import (
     SimpleCacheConditionError,
 )
 
-from .common import driver_imports, ttl_ms
-from .redis_protocol import (
+from .protocol import (
     CAS,
     DELETE,
     PUT,
@@ -146,7 +146,7 @@ class RedisCache(RedisLayout):
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
         """``SCAN`` (never ``KEYS``: it would stall the server) for the entry keys under
-        ``prefix`` (``redis_protocol``), then each entry read as ``get`` reads it. A key
+        ``prefix`` (``protocol.py``), then each entry read as ``get`` reads it. A key
         that lapses between the two steps is skipped."""
         try:
             names = list(self.client.scan_iter(match=self._scan_pattern(prefix), count=1000))
@@ -370,7 +370,7 @@ def from_url(url: str) -> Any:
     driver: types.ModuleType = redis
     cache_class: Callable[..., Any] = RedisCache
     if _yes(own.get("asyncio", "false")):
-        from .redis_async import AsyncRedisCache
+        from .asyncio import AsyncRedisCache
 
         driver, cache_class = redis.asyncio, AsyncRedisCache
     try:
