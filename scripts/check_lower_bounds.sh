@@ -20,12 +20,12 @@ USER_EXTRAS="redis,postgres,mongo,s3,sqlalchemy,django,celery,rq,prometheus,otel
 # The beat guard's slots depend on Celery's own date arithmetic, which changed in 5.7: its
 # simulated-clock tests and one real beat in a non-UTC zone run on the lowest Celery too.
 INTEGRATION_TESTS=(
-    tests/test_redis.py tests/test_postgres.py tests/test_mongo.py tests/test_s3.py
-    tests/test_celery_inproc.py tests/test_celery_prefork.py tests/test_rq.py
-    tests/test_rq_dead_horse.py tests/test_celery_enqueue.py
-    tests/test_prometheus.py tests/test_opentelemetry.py tests/test_observe_workers.py
-    tests/test_beat_slots.py tests/test_fenced.py tests/test_fenced_django.py
-    tests/test_celery_beat.py::test_guarded_beats_run_each_tick_of_a_kolkata_crontab_once
+    tests/caches/test_redis.py tests/caches/test_postgres.py tests/caches/test_mongo.py tests/caches/test_s3.py
+    tests/celery_mutex/test_celery_inproc.py tests/celery_mutex/test_celery_prefork.py tests/rq_mutex/test_rq.py
+    tests/rq_mutex/test_rq_dead_horse.py tests/celery_mutex/test_celery_enqueue.py
+    tests/contrib/test_prometheus.py tests/contrib/test_opentelemetry.py tests/contrib/test_observe_workers.py
+    tests/celery_mutex/test_beat_slots.py tests/fenced/test_fenced.py tests/fenced/test_fenced_django.py
+    tests/celery_mutex/test_celery_beat.py::test_guarded_beats_run_each_tick_of_a_kolkata_crontab_once
 )
 
 python="${PYTHON:-$(python_for 3.10)}" \

@@ -1,9 +1,11 @@
-"""Processes that lock and know nothing of the journal: ``test_journal.py`` runs each as
+"""Processes that lock and know nothing of the journal:
+``tests/journal/test_journal_timeline.py`` runs each as
 ``python tests/journal_children.py ROLE CACHE_DIR KEY [ARG]`` with only the environment
 variable SIMPLE_MUTEX_JOURNAL set, the way an operator would turn it on.
 
 Roles:
-  worker N LABEL   N cycles: a try-once (busy when another holds it), then a wait for it
+  worker N LABEL [GROUP]  N cycles: a try-once (busy when another holds it), then a wait
+                   for it; with GROUP, first waits until GROUP workers of KEY started
   stuck MARKER     takes KEY with a 3 s lease, writes MARKER (pid, fence, token), hangs
   rescuer          waits for KEY (held by a stuck one), takes it over, releases it
   timeout          one acquire of KEY with a 0.1 s timeout (KEY is held: it times out)
@@ -28,11 +30,26 @@ from simple_mutex import (
 )
 
 
+def _meet(cache_dir: str, key: str, group: int) -> None:
+    """Wait (at most 30 s) until ``group`` workers of ``key`` have started: on a loaded
+    machine three interpreters started together may otherwise run one after another."""
+    os.makedirs(cache_dir, exist_ok=True)
+    mark = os.path.join(cache_dir, f"started.{key}.")
+    open(mark + str(os.getpid()), "w").close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sum(name.startswith(os.path.basename(mark)) for name in os.listdir(cache_dir)) >= group:
+            return
+        time.sleep(0.005)
+
+
 def main(role: str, cache_dir: str, key: str, *rest: str) -> None:
     label = rest[1] if role == "worker" else role
     lease = {"stuck": 3.0, "loser": 0.3}.get(role, 10.0)
     mutex = Mutex(DiskCache(cache_dir), lease=lease, interval=0.005, label=label)
     if role == "worker":
+        if len(rest) > 2:  # start together with the rest of the group, or they may not overlap
+            _meet(cache_dir, key, int(rest[2]))
         for _ in range(int(rest[0])):
             lease = mutex.try_acquire(key) or mutex.acquire(key, timeout=30)
             with lease:

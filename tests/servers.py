@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"  # the support modules and scripts every test folder shares
 
 
 def load_module(path: Path) -> ModuleType:

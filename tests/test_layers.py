@@ -144,6 +144,22 @@ def test_the_readme_names_the_same_folders_as_the_map_and_the_package() -> None:
     assert in_readme == in_map == on_disk
 
 
+def test_the_tests_mirror_the_packages() -> None:
+    """A folder of tests is a folder of simple_mutex/ or an integration package, and each
+    of those with tests of its own has its folder (the support folders hold no tests)."""
+    tests = ROOT / "tests"
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")}
+    package_folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    integrations = {"celery_mutex", "rq_mutex"}
+    assert folders <= package_folders | integrations, "test folders that mirror nothing"
+    assert integrations <= folders
+    # Nothing of an integration or a package folder is tested from the top level.
+    top = {p.stem.removeprefix("test_") for p in tests.glob("test_*.py")}
+    strays = {t for t in top if t.split("_")[0] in {"celery", "rq", "beat", "cli", "fenced"}}
+    assert strays == set(), f"tests of a folder at the top of tests/: {strays}"
+    assert {"contract.py", "behaviour.py", "conftest.py"} <= {p.name for p in tests.glob("*.py")}
+
+
 PUBLIC = [
     "simple_mutex", "simple_mutex.caches", "simple_mutex.contract", "simple_mutex.errors",
     "simple_mutex.events", "simple_mutex.testing", "simple_mutex.pytest_plugin",

@@ -346,7 +346,8 @@ def check_prometheus() -> None:
 
 def check_otel() -> None:
     # The API alone (no SDK): the providers are no-ops, and instrumenting must cost nothing
-    # more than that. Spans themselves are tested with the SDK in tests/test_opentelemetry.py.
+    # more than that. Spans themselves are tested with the SDK in
+    # tests/contrib/test_opentelemetry.py.
     from opentelemetry import trace
 
     from simple_mutex import InMemoryCache

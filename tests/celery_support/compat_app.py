@@ -1,5 +1,5 @@
-"""The app of the migration suite (tests/test_compat.py): each peer behaviour the Celery
-guide's migration table maps, as a task on the drop-in class (``once``: celery-once's
+"""The app of the migration suite (tests/celery_mutex/test_compat.py): each peer behaviour
+the Celery guide's migration table maps, as a task on the drop-in class (``once``: celery-once's
 ``QueueOnce``, ``singleton``: celery-singleton's ``Singleton``) and as the ``MutexTask``
 the table maps it to (``mutex``). ``TASKS[behaviour][variant]`` is the task.
 

@@ -1,4 +1,4 @@
-"""The app of ``tests/test_celery_timeouts.py``'s ``celery worker -P prefork``:
+"""The app of ``tests/celery_mutex/test_celery_timeouts.py``'s ``celery worker -P prefork``:
 ``celery_support.app`` (configured by the ``CM_*`` variables) plus a task that waits for
 its key under a soft time limit."""
 

@@ -1,4 +1,4 @@
-"""Job functions for ``tests/test_rq.py``, importable by worker processes.
+"""Job functions for ``tests/rq_mutex/test_rq.py``, importable by worker processes.
 
 Every job records what it saw in Redis (db 12) under ``rqt:<run>:...`` so the test process
 can check it: intervals as ``time.monotonic()`` (one clock for every process on Linux),

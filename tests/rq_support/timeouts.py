@@ -1,4 +1,4 @@
-"""A job for the job-timeout case of ``tests/test_rq_timeouts.py``, importable by the work
+"""A job for the job-timeout case of ``tests/rq_mutex/test_rq_timeouts.py``, importable by the work
 horse: it waits for its key, and records in Redis (db 12) whether its body ran."""
 
 from __future__ import annotations

@@ -22,11 +22,12 @@ from typing import Any
 import procs
 import pytest
 from behaviour import PREFIX, NotifyBehaviour, SharedBehaviour, new_key
+from servers import TESTS
 
 from simple_mutex import DiskCache, Mutex
 from simple_mutex.caches.disk import FILENAME, GATE_FILENAME
 
-HERE = Path(__file__).resolve().parent
+HERE = TESTS  # procs.py
 
 
 class TestDiskBehaviour(NotifyBehaviour, SharedBehaviour):

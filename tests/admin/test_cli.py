@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 import redis
 from redis_acl import lock_user, url_as
+from servers import TESTS
 from workers import wait_until
 
 from simple_mutex.caches import RedisCache
 
-HERE = Path(__file__).parent
+HERE = TESTS  # cli_holder.py
 BIN = Path(sys.executable).parent
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

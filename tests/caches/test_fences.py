@@ -40,7 +40,7 @@ import boto3
 import psycopg
 import pymongo
 import pytest
-from servers import OwnServer, free_port
+from servers import ROOT, OwnServer, free_port
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, Mutex
 from simple_mutex.caches._base import clock_fence
@@ -56,7 +56,6 @@ RUN = f"f{uuid.uuid4().hex[:8]}"
 BUCKET = "simple-mutex-fences"
 SHORT = 0.4  # a lease that lapses within the test
 MANY = 10_000
-ROOT = Path(__file__).resolve().parent.parent
 
 NewCache = Callable[..., ConditionalCache]
 

@@ -53,8 +53,8 @@ def journal_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     semaphore of two permits, and a process that forks."""
     base = tmp_path_factory.mktemp("journal")
     jdir, cache = base / "journal", base / "locks"
-    workers = [spawn(jdir, cache, "worker", "account.alice", str(CYCLES), f"worker-{n}")
-               for n in range(WORKERS)]  # fmt: skip
+    workers = [spawn(jdir, cache, "worker", "account.alice", str(CYCLES), f"worker-{n}",
+                     str(WORKERS)) for n in range(WORKERS)]  # fmt: skip
     hostile = spawn(jdir, cache, "worker", HOSTILE_KEY, "2", "<b>bold</b>")
     loser = spawn(jdir, cache, "loser", "import.feed")
     permits = [spawn(jdir, cache, "permit", "api.quota", "3") for _ in range(3)]

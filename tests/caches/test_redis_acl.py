@@ -23,6 +23,7 @@ from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler, SchedulingError
 from celery.schedules import schedule
 from redis_acl import lock_user, url_as
+from servers import ROOT
 
 import celery_mutex
 from celery_mutex.beat import MutexSchedulerMixin, drop_duplicate_tick
@@ -217,7 +218,7 @@ def test_celery_records_work_under_acl_prefixes(admin) -> None:
 def test_the_guides_print_the_words_acl_rules_returns() -> None:
     """The ACL SETUSER lines of the Redis and Celery guides are the rules of today's code
     (for the defaults), so a new command cannot leave the guides behind."""
-    docs = os.path.join(os.path.dirname(__file__), "..", "docs", "guides")
+    docs = os.path.join(ROOT, "docs", "guides")
     for page, prefixes in (("redis.md", ("mutex.",)), ("celery.md", celery_mutex.acl_prefixes())):
         with open(os.path.join(docs, page)) as f:
             lines = [line for line in f if line.startswith("ACL SETUSER")]
