@@ -2,7 +2,8 @@
 
 A lease ends in exactly one of three ways: ``release()`` by its holder, a lapse (the local
 deadline passed without renewal), or a loss discovered by renewal (the record was gone or
-had another owner). Once ended it never becomes live again.
+had another owner). Once ended it never becomes live again: ``_core/lifecycle.py`` holds
+the lease's state as one value and the only moves between its values.
 
 Timeline of the race a local deadline guards against::
 
@@ -40,7 +41,7 @@ from . import events
 from ._core import flows
 from ._core.durations import positive_seconds
 from ._core.flows import Flow, Grant
-from ._core.lifecycle import HELD, RELEASING, Held, Lost, Released, State, step
+from ._core.lifecycle import HELD, RELEASING, Held, Lost, Released, Releasing, State, step
 from ._core.records import holder_of
 from ._core.timing import lapse_margin, renew_after, retry_renew_after
 from ._runtime import forksafe
@@ -113,19 +114,26 @@ class Lease:
 
     # State that most leases never change lives on the class: a lease is built on every
     # acquire, and each attribute set in __init__ costs on that hot path.
-    _state: State = HELD  # held, releasing, lost or released: moved on only by _move
+
+    # Where the lease stands: held, releasing, lost or released (_core/lifecycle.py).
+    # Replaced whole, only by _move, under _lock.
+    _state: State = HELD
+    # The protected block: the thread a loss interrupts, the interrupt sent to it, and
+    # who else hears of a loss.
     _armed_thread: int | None = None
     _interrupt_sent: type[LeaseInterrupt] | None = None
-    _cancelled_by_loss = False
+    _cancelled_by_loss = False  # our on-lost callback cancelled the `async with` task
     _on_lost: tuple[Callable[[], None], ...] = ()
+    # The keeper's schedule and the renewals.
     _booked: float | None = None  # the keeper's next visit
     _renewing = False  # a background renewal is in flight
-    _loop: asyncio.AbstractEventLoop | None = None
-    _took_over = False  # the grant replaced a holder that never freed the slot
-    _loss_reported = False
-    _listening = False  # someone listened to lock events when it was acquired
     _renewing_sync: threading.Lock | None = None  # held by the renewal in flight
     _renewing_async: asyncio.Lock | None = None  # the same, for a lease renewed on a loop
+    # Fixed at the grant.
+    _loop: asyncio.AbstractEventLoop | None = None  # an asyncio cache's lease: its loop
+    _listening = False  # someone listened to lock events when it was acquired
+    _took_over = False  # the grant replaced a holder that never freed the slot
+    _loss_reported = False  # the "lost" event is out (once; under _LOSS_REPORTS)
 
     def __init__(
         self, claim: Claim, grant: Grant, loop: asyncio.AbstractEventLoop | None = None
@@ -201,7 +209,7 @@ class Lease:
         shown = (
             "released" if isinstance(state, Released)
             else "lost" if self.lost
-            else "releasing" if state is RELEASING
+            else "releasing" if isinstance(state, Releasing)
             else "held"
         )  # fmt: skip
         return f"<Lease key={self.key!r} fence={self.fence} slot={self.slot} {shown}>"

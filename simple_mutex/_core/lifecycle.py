@@ -9,6 +9,12 @@
                ▼  lapsed / taken over / not renewable
          Lost(reason) ──release()──► Released(in_time=False, loss=reason)
 
+A release that came too late ends ``Released(in_time=False, loss=...)`` from Releasing
+too; a forked child's copy, or a release cut short by an interrupt (its record abandoned),
+ends ``Released(in_time=False)`` from any live state. A release whose delete was sent in
+time keeps ``in_time=True`` if the keeper found the deadline passed while that delete was
+in flight; the loss is kept beside it.
+
 A lease ends in exactly one of three ways: released by its holder, lapsed, or lost at
 renewal (its record gone or another owner's). Once it has ended it never becomes live
 again, and the first loss is the one reported: a move the lifecycle does not allow (a
