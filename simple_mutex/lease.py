@@ -2,7 +2,8 @@
 
 A lease ends in exactly one of three ways: ``release()`` by its holder, a lapse (the local
 deadline passed without renewal), or a loss discovered by renewal (the record was gone or
-had another owner). Once ended it never becomes live again.
+had another owner). Once ended it never becomes live again: ``_core/lifecycle.py`` holds
+the lease's state as one value and the only moves between its values.
 
 Timeline of the race a local deadline guards against::
 
@@ -40,6 +41,7 @@ from . import events
 from ._core import flows
 from ._core.durations import positive_seconds
 from ._core.flows import Flow, Grant
+from ._core.lifecycle import HELD, RELEASING, Held, Lost, Released, Releasing, State, step
 from ._core.records import holder_of
 from ._core.timing import lapse_margin, renew_after, retry_renew_after
 from ._runtime import forksafe
@@ -112,22 +114,26 @@ class Lease:
 
     # State that most leases never change lives on the class: a lease is built on every
     # acquire, and each attribute set in __init__ costs on that hot path.
-    _released = False
-    _released_in_time = False  # what the first release() returned
-    _lost_reason: str | None = None
-    _record_gone = False  # known freed or taken over: nothing left to release
+
+    # Where the lease stands: held, releasing, lost or released (_core/lifecycle.py).
+    # Replaced whole, only by _move, under _lock.
+    _state: State = HELD
+    # The protected block: the thread a loss interrupts, the interrupt sent to it, and
+    # who else hears of a loss.
     _armed_thread: int | None = None
     _interrupt_sent: type[LeaseInterrupt] | None = None
-    _cancelled_by_loss = False
+    _cancelled_by_loss = False  # our on-lost callback cancelled the `async with` task
     _on_lost: tuple[Callable[[], None], ...] = ()
+    # The keeper's schedule and the renewals.
     _booked: float | None = None  # the keeper's next visit
     _renewing = False  # a background renewal is in flight
-    _loop: asyncio.AbstractEventLoop | None = None
-    _took_over = False  # the grant replaced a holder that never freed the slot
-    _loss_reported = False
-    _listening = False  # someone listened to lock events when it was acquired
     _renewing_sync: threading.Lock | None = None  # held by the renewal in flight
     _renewing_async: asyncio.Lock | None = None  # the same, for a lease renewed on a loop
+    # Fixed at the grant.
+    _loop: asyncio.AbstractEventLoop | None = None  # an asyncio cache's lease: its loop
+    _listening = False  # someone listened to lock events when it was acquired
+    _took_over = False  # the grant replaced a holder that never freed the slot
+    _loss_reported = False  # the "lost" event is out (once; under _LOSS_REPORTS)
 
     def __init__(
         self, claim: Claim, grant: Grant, loop: asyncio.AbstractEventLoop | None = None
@@ -168,16 +174,25 @@ class Lease:
         """When the lease lapses unless renewed (UTC), as seen from this holder."""
         return datetime.fromtimestamp(self._expires_wall, timezone.utc)
 
-    @property
-    def _done(self) -> bool:
-        return self._released or self._lost_reason is not None
+    def _move(self, to: State) -> None:
+        """Take the lifecycle's step towards ``to`` (``lifecycle.step`` decides; a move it
+        does not allow leaves the state as it is). The caller holds ``_lock``, or is a
+        forked child's copy (see ``_let_go``). Readers need no lock: the state is one
+        immutable value, replaced whole."""
+        self._state = step(self._state, to)
 
     @property
     def lost(self) -> bool:
         """True once the lease is known gone: lapsed, taken over, or not renewable."""
-        return self._lost_reason is not None or (
-            not self._released and time.monotonic() >= self._deadline
+        state = self._state
+        return state.loss is not None or (
+            not isinstance(state, Released) and time.monotonic() >= self._deadline
         )
+
+    @property
+    def _renews(self) -> bool:
+        """Renewed in the background: asked for, and not being let go or ended."""
+        return self._renew and isinstance(self._state, Held)
 
     @property
     def _inherited(self) -> bool:
@@ -190,8 +205,14 @@ class Lease:
         return self._length
 
     def __repr__(self) -> str:
-        state = "released" if self._released else "lost" if self.lost else "held"
-        return f"<Lease key={self.key!r} fence={self.fence} slot={self.slot} {state}>"
+        state = self._state
+        shown = (
+            "released" if isinstance(state, Released)
+            else "lost" if self.lost
+            else "releasing" if isinstance(state, Releasing)
+            else "held"
+        )  # fmt: skip
+        return f"<Lease key={self.key!r} fence={self.fence} slot={self.slot} {shown}>"
 
     # -- release ------------------------------------------------------------------------
 
@@ -209,7 +230,7 @@ class Lease:
             # before or after our delete was sent: make sure it was, or the lock outlives
             # us by a whole lease.
             run(self._blocking(), flows.abandon([self._cache_key], self._value))
-            self._released = True
+            self._let_go()
             raise
 
     async def release_async(self) -> bool:
@@ -217,38 +238,40 @@ class Lease:
         return await run_async(self._cache, self._release_flow())
 
     def _release_flow(self) -> Flow[bool]:
-        if self._released:
+        if isinstance(self._state, Released):
             return False
         if self._inherited:
-            self._released = True  # this copy lets go; the holder's record is the holder's
+            self._let_go()  # this copy lets go; the holder's record is the holder's
             return False
-        if self._record_gone:
-            self._released = True
-            return False
-        # A lapsed lease still frees its record if the cache kept it (the cache's clock may
-        # run behind ours): compare-and-delete cannot touch another holder's.
-        in_time = self._lost_reason is None and time.monotonic() < self._deadline
+        with self._lock:
+            state = self._state
+            if isinstance(state, Lost) and state.record_gone:
+                self._move(Released(in_time=False))
+                return False
+            # A lapsed lease still frees its record if the cache kept it (the cache's clock
+            # may run behind ours): compare-and-delete cannot touch another holder's.
+            in_time = state.live and time.monotonic() < self._deadline
+            self._move(RELEASING)  # no more background renewals: we mean to let go
         try:
             outcome = yield from flows.release(self._cache_key, self._value, self._version)
         except MalfunctionError as exc:
             if not in_time:
-                self._released = True
-                self._lost_reason = self._lost_reason or "it lapsed before release"
+                with self._lock:
+                    self._move(Released(in_time=False, loss="it lapsed before release"))
                 return False  # best effort: the lease was over anyway, and lapses alone
-            # Not released: the record may still be ours, so a retry must reach it. Stop
-            # renewing, though: we meant to let go, and if nobody retries, it lapses.
-            self._renew = False
+            # Not released: the record may still be ours, so a retry must reach it. It stays
+            # Releasing (not renewed): if nobody retries, it lapses.
             exc.about(self.key, [self._cache_key])
             raise
+        if not outcome.freed:
+            ending = Released(in_time=False, loss="taken over before release")
+        elif in_time:
+            ending = Released(in_time=True)
+        else:
+            ending = Released(in_time=False, loss="it lapsed before release")
+        in_time = ending.in_time
         with self._lock:
-            self._released = True
-            if not outcome.freed:
-                self._record_gone = True
-                self._lost_reason = self._lost_reason or "taken over before release"
-                in_time = False
-            elif not in_time:
-                self._lost_reason = self._lost_reason or "it lapsed before release"
-            self._released_in_time = in_time
+            self._move(ending)
         if outcome.woke:
             self._space._handoffs.woke(self._cache_key)
         if not in_time:
@@ -303,11 +326,9 @@ class Lease:
                 "forked child has only a copy and cannot renew it (acquire in the child)"
             )
         with self._lock:
-            if self._released:
-                raise self._ended_error()
-            if self._lost_reason is None and time.monotonic() >= self._deadline:
+            if self._state.live and time.monotonic() >= self._deadline:
                 self._mark_lost(f"it lapsed after {self._length:g} s")
-            if self._lost_reason is not None:
+            if not self._state.live:
                 raise self._ended_error()
             version = self._version
             length = self._length if new_length is None else new_length
@@ -324,11 +345,11 @@ class Lease:
             raise
         with self._lock:
             if renewed is None:
-                if not self._released:
-                    self._record_gone = True
-                    self._mark_lost("its record was gone or held by another owner at renewal")
+                self._mark_lost(
+                    "its record was gone or held by another owner at renewal", record_gone=True
+                )
                 raise self._ended_error()
-            kept = not self._done
+            kept = self._state.live
             if kept:
                 self._version = renewed.entry.version
                 self._set_deadline(renewed.started, length)
@@ -347,7 +368,7 @@ class Lease:
         the earlier of the two (and the keeper comes by then)."""
         with self._lock:
             deadline = started + length - lapse_margin(length)
-            if self._done or deadline >= self._deadline:
+            if not self._state.live or deadline >= self._deadline:
                 return
             self._deadline = deadline
             self._expires_wall = time.time() - time.monotonic() + deadline
@@ -406,12 +427,12 @@ class Lease:
 
     # -- loss ---------------------------------------------------------------------------
 
-    def _mark_lost(self, reason: str) -> None:
-        """Record the loss and interrupt the protected block (caller holds ``_lock``)."""
-        if self._lost_reason is not None:
-            return
-        self._lost_reason = reason
-        if self._armed_thread is not None:
+    def _mark_lost(self, reason: str, *, record_gone: bool = False) -> None:
+        """Record the loss and interrupt the protected block (caller holds ``_lock``). A
+        lease already ended keeps its first ending, and is not interrupted again."""
+        was_live = self._state.live
+        self._move(Lost(reason, record_gone))
+        if was_live and self._armed_thread is not None:
             self._interrupt_sent = interrupt_class(self.key, self._message())
             raise_in_thread(self._armed_thread, self._interrupt_sent)
 
@@ -425,7 +446,7 @@ class Lease:
     def _fire(self) -> None:
         """Report a loss and run on-lost callbacks, outside ``_lock`` (they may call back
         into the lease)."""
-        if self._lost_reason is None:
+        if self._state.loss is None:
             return
         self._report_loss()
         callbacks, self._on_lost = self._on_lost, ()
@@ -437,12 +458,12 @@ class Lease:
         # second waits until the event is out, so once the holder sees its error, the
         # "lost" event has reached every subscriber. Losses are rare: one lock for all.
         with _LOSS_REPORTS:
-            if self._loss_reported or self._lost_reason is None:
+            reason = self._state.loss
+            if self._loss_reported or reason is None:
                 return
             self._loss_reported = True
             if self._listening or events.wanted("lost"):
-                held = time.monotonic() - self._granted
-                self._report("lost", held=held, reason=self._lost_reason)
+                self._report("lost", held=time.monotonic() - self._granted, reason=reason)
 
     def _report(
         self,
@@ -464,7 +485,7 @@ class Lease:
 
     def _message(self) -> str:
         return (
-            f"lease on {self.key!r} was lost while the work ran ({self._lost_reason}); "
+            f"lease on {self.key!r} was lost while the work ran ({self._state.loss}); "
             "another holder may have entered. Raise the lease above the work's worst case, "
             "or pass renew=True"
         )
@@ -473,7 +494,7 @@ class Lease:
         return SimpleMutexLeaseExpiredError(self._message(), key=self.key)
 
     def _ended_error(self) -> SimpleMutexLeaseExpiredError:
-        if self._lost_reason is None:
+        if self._state.loss is None:
             return SimpleMutexLeaseExpiredError(
                 f"lease on {self.key!r} was already released; acquire it again", key=self.key
             )
@@ -484,11 +505,11 @@ class Lease:
     def _next_visit(self) -> float | None:
         """When the keeper must look next (caller holds ``_lock``): the renewal time, and
         the deadline whenever someone must hear of a lapse."""
-        if self._done:
+        if not self._state.live:
             return None
-        if self._renew and not self._renewing:
+        if self._renews and not self._renewing:
             return min(self._renew_at, self._deadline)
-        if self._renew or self._armed_thread is not None or self._on_lost:
+        if self._renews or self._armed_thread is not None or self._on_lost:
             return self._deadline
         return None
 
@@ -514,13 +535,13 @@ class Lease:
             if when != self._booked:
                 return None  # superseded by an earlier booking
             self._booked = None
-            if self._done:
+            if not self._state.live:
                 return None
             if now >= self._deadline:
                 self._mark_lost(f"it lapsed after {self._length:g} s")
                 keeper().submit(self._fire)
                 return None
-            if self._renew and not self._renewing and now >= self._renew_at:
+            if self._renews and not self._renewing and now >= self._renew_at:
                 self._renewing = True
                 keeper().submit(self._renew_in_background)
             self._booked = self._next_visit()
@@ -544,9 +565,9 @@ class Lease:
             )
         try:
             with self._lock:
-                if not self._done and time.monotonic() >= self._deadline:
+                if self._state.live and time.monotonic() >= self._deadline:
                     self._mark_lost(f"it lapsed after {self._length:g} s, before the work began")
-                if not self._done:
+                if self._state.live:
                     self._armed_thread = threading.get_ident()
                     self._book_next()
                     return self
@@ -563,7 +584,7 @@ class Lease:
         first line, where no ``__exit__`` follows) must still free the record. Call it
         from an ``except BaseException:`` around the acquire's ``with`` block; after a
         block that ran, the lease is already released and this does nothing."""
-        if self._released or self._inherited:
+        if isinstance(self._state, Released) or self._inherited:
             return
         self._disarm()
         try:
@@ -579,7 +600,7 @@ class Lease:
     ) -> None:
         if self._inherited:  # a forked child leaving the parent's block: not the holder
             self._armed_thread = None
-            self._released = True
+            self._let_go()
             return
         try:
             foreign = self._disarm()
@@ -588,7 +609,8 @@ class Lease:
             raise
         try:
             # Released early, inside the block, in time: not a loss (its result stands).
-            released = self._released_in_time if self._released else self.release()
+            early = self._released_early()
+            released = self.release() if early is None else early
         except MalfunctionError as fault:
             released = self._release_failed(exc, fault)
         if foreign is not None and not passes_through(exc):
@@ -659,11 +681,12 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         if self._inherited:  # a forked child leaving the parent's block: not the holder
-            self._released = True
+            self._let_go()
             return
         # Shielded: a second cancel must not skip the release.
         try:
-            released = self._released_in_time or await asyncio.shield(self.release_async())
+            early = self._released_early()
+            released = await asyncio.shield(self.release_async()) if early is None else early
         except MalfunctionError as fault:
             released = self._release_failed(exc, fault)
         if not released and self._cancelled_by_loss:
@@ -675,6 +698,23 @@ class Lease:
             if others == 0 and isinstance(exc, asyncio.CancelledError):
                 raise self._expired_error() from exc
         self._leave(released, exc)
+
+    def _released_early(self) -> bool | None:
+        """What ``release()`` returned if the holder has let go already (inside the block),
+        else None."""
+        state = self._state
+        return state.in_time if isinstance(state, Released) else None
+
+    def _let_go(self) -> None:
+        """End the lease with no word to the cache: its record was abandoned, or this is a
+        forked child's copy (the holder's record is the holder's)."""
+        if self._inherited:
+            # Only this copy: the lock may have been held, at the instant of fork, by a
+            # thread that does not exist here, and nothing else in the child touches it.
+            self._move(Released(in_time=False))
+            return
+        with self._lock:
+            self._move(Released(in_time=False))
 
     def _blocking(self) -> ConditionalCache:
         return self._cache  # type: ignore[return-value]  # _sync() refused an asyncio one

@@ -114,14 +114,11 @@ class _LockSpace:
         ``token`` is for integrations that need an owner another process can recognize
         (a task id); by default it is 128 random bits."""
         self._sync("acquire")
-        claim = self._claim(key, renew, label, token)
-        flow = self._acquiring(claim, timeout, interval)
+        claim, flow = self._acquiring(key, timeout, interval, renew, label, token)
         try:
-            lease = claim.lease(run(self.cache, flow))
-            if claim.listening:
-                lease._report("acquired", waited=time.monotonic() - claim.started)
+            lease = claim.granted(run(self.cache, flow))
         except SimpleMutexAcquireTimeoutError as busy:
-            if claim.listening or events.wanted("timed_out"):
+            if claim.tells_busy:
                 self._busy(claim, busy, self.holder(key) if events.subscribers else None)
             raise
         except MalfunctionError as fault:
@@ -149,15 +146,14 @@ class _LockSpace:
         """``acquire`` for asyncio: waiting does not block the event loop, and an asyncio
         cache is awaited directly (no thread). ``await`` it for the Lease, or use it as
         it is: ``async with mutex.acquire_async(key) as lease:``."""
-        claim = self._claim(key, renew, label, token)
-        flow = self._acquiring(claim, timeout, interval)
+        claim, flow = self._acquiring(key, timeout, interval, renew, label, token)
         return Acquiring(self._granted_async(claim, flow))
 
     async def _granted_async(self, claim: _Claim, flow: Flow[Grant]) -> Lease:
         try:
             grant = await run_async(self.cache, flow)
         except SimpleMutexAcquireTimeoutError as busy:
-            if claim.listening or events.wanted("timed_out"):
+            if claim.tells_busy:
                 held = await self.holder_async(claim.key) if events.subscribers else None
                 self._busy(claim, busy, held)
             raise
@@ -165,9 +161,7 @@ class _LockSpace:
             self._unclear(claim, fault)
             raise
         try:
-            lease = claim.lease(grant, asyncio.get_running_loop() if self._aio else None)
-            if claim.listening:
-                lease._report("acquired", waited=time.monotonic() - claim.started)
+            lease = claim.granted(grant, asyncio.get_running_loop() if self._aio else None)
         except BaseException:
             # A job timeout's signal handler (or a cancellation) landing in the lease's
             # construction or an "acquired" subscriber: the caller never gets the lease,
@@ -323,10 +317,18 @@ class _LockSpace:
         return _Claim(self, key, slot_keys, token, value, renew, 0.0, False)
 
     def _acquiring(
-        self, claim: _Claim, timeout: Duration | None, interval: Duration | None
-    ) -> Flow[Grant]:
+        self,
+        key: str,
+        timeout: Duration | None,
+        interval: Duration | None,
+        renew: bool,
+        label: str | None,
+        token: str | None,
+    ) -> tuple[_Claim, Flow[Grant]]:
+        """What both faces of ``acquire`` run: the claim, and the flow that waits for it."""
+        claim = self._claim(key, renew, label, token)
         claim.timeout = timeout_seconds(timeout)
-        return flows.acquire(
+        return claim, flows.acquire(
             key=claim.key,
             slot_keys=claim.slot_keys,
             value=claim.value,
@@ -424,6 +426,19 @@ class _Claim:
 
     def lease(self, grant: Grant, loop: asyncio.AbstractEventLoop | None = None) -> Lease:
         return Lease(self, grant, loop)
+
+    def granted(self, grant: Grant, loop: asyncio.AbstractEventLoop | None = None) -> Lease:
+        """An acquire's Lease, its "acquired" event told when someone listens (a take-over
+        tells none)."""
+        lease = Lease(self, grant, loop)
+        if self.listening:
+            lease._report("acquired", waited=time.monotonic() - self.started)
+        return lease
+
+    @property
+    def tells_busy(self) -> bool:
+        """Whether a busy or timed-out acquire is told as an event."""
+        return self.listening or events.wanted("timed_out")
 
 
 def check_label(label: object) -> None:

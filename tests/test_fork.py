@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from simple_mutex import ConstraintError, DiskCache, Mutex, cache_from_url
+from simple_mutex._core.lifecycle import Released
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -58,7 +59,7 @@ def test_a_child_that_runs_on_out_of_the_with_block_frees_nothing(mutex):
         with mutex.acquire("k") as lease:
             pid = os.fork()
         if pid == 0:  # pragma: no cover: the child, out of the block without an error
-            os._exit(0 if lease._released else 2)
+            os._exit(0 if isinstance(lease._state, Released) else 2)
     except BaseException:
         if pid == 0:  # pragma: no cover: the child's exit raised
             os._exit(3)

@@ -631,7 +631,7 @@ def test_a_renewing_lease_left_held_by_a_closed_loop_stops_being_visited():
     wait_until(lambda: lease.lost, 5, "the lease to be marked lost")
     time.sleep(0.5)
     assert visits == 1
-    assert "event loop closed" in (lease._lost_reason or "")
+    assert "event loop closed" in (lease._state.loss or "")
 
 
 # -- one renewal at a time; a deadline only from a write we saw land (DESIGN §4 rule 15) --
