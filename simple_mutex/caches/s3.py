@@ -47,6 +47,7 @@ from simple_mutex.errors import (
 
 from ._base import (
     CacheBase,
+    SleepingWait,
     clock_fence,
     driver_imports,
     fault,
@@ -110,7 +111,7 @@ class _Miss(Exception):
         self.gone = gone
 
 
-class S3Cache(CacheBase):
+class S3Cache(SleepingWait, CacheBase):
     """A ConditionalCache over a boto3 S3 client. Lock objects are ``prefix + key`` in
     ``bucket``; see the module docstring for the layout and the clock assumption."""
 
@@ -447,10 +448,10 @@ def _check_model(client: Any) -> None:
 
 
 def _drop_connections(client: Any) -> None:
-    """Empty a botocore client's connection pools (in a forked child). A client that is
-    not a plain botocore one (a wrapper) is left alone."""
-    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
-    close = getattr(session, "close", None)
+    """Empty a botocore client's connection pools (in a forked child): its public
+    ``close()`` clears the pools, and the client opens new
+    connections on its next request. A client without one (a wrapper) is left alone."""
+    close = getattr(client, "close", None)
     if callable(close):
         close()
 
