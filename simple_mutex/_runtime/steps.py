@@ -24,7 +24,7 @@ S = TypeVar("S")
 T = TypeVar("T")
 
 StepFlow = Generator[S | Pause, Any, T]
-Failed = Callable[[S, Exception], "Exception | None"]
+Failed = Callable[[S, Exception], Exception | None]
 
 
 def drive(flow: StepFlow[S, T], perform: Callable[[S], Any], failed: Failed[S]) -> T:

@@ -190,6 +190,9 @@ class MongoCore(CacheBase):
         if self._url is not None:
             client = self._kinds()[0](self._url, **url_options(self._url))
         else:
+            # pymongo has no public way to copy a client: its public ``options`` omit the
+            # credentials and TLS settings, and reusing the inherited client is what its
+            # docs forbid. ``_duplicate`` is its own copy, from the constructor's arguments.
             duplicate = getattr(self._given.database.client, "_duplicate", None)
             if not callable(duplicate):
                 return self._given  # not pymongo's, or a pymongo without _duplicate
