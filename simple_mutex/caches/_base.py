@@ -1,6 +1,6 @@
 """What the backends share: the driver-import guard, fault and malformed-entry errors,
-versions, ttl rounding, the clock floor of fences and the garbage-collection knobs, and a
-base class with the sleeping wait and the fork hooks."""
+versions, ttl rounding, the clock floor of fences and the garbage-collection knobs, a
+base class with the fork hooks, and the sleeping wait of blocking caches."""
 
 from __future__ import annotations
 
@@ -125,9 +125,8 @@ def ttl_ms(ttl: float) -> int:
 
 
 class CacheBase:
-    """Registered for fork safety (``_guard`` is held while the process forks), with the
-    ``wait`` of a cache that cannot notify: a sleep, the engine's jittered poll doing
-    the rest. Backends override the hooks they need."""
+    """Registered for fork safety (``_guard`` is held while the process forks). Backends
+    override the hooks they need."""
 
     name = "cache"
 
@@ -140,6 +139,11 @@ class CacheBase:
 
     def _after_fork(self) -> None:
         """In the child: drop what belongs to the parent (connections, waiters)."""
+
+
+class SleepingWait:
+    """The ``wait`` of a blocking cache that cannot notify: a sleep, the engine's jittered
+    poll doing the rest. (Not in ``CacheBase``: an asyncio face's ``wait`` is a coroutine.)"""
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         time.sleep(max(timeout, 0.0))

@@ -47,6 +47,7 @@ from simple_mutex.errors import (
 
 from ._base import (
     CacheBase,
+    SleepingWait,
     clock_fence,
     driver_imports,
     fault,
@@ -110,7 +111,7 @@ class _Miss(Exception):
         self.gone = gone
 
 
-class S3Cache(CacheBase):
+class S3Cache(SleepingWait, CacheBase):
     """A ConditionalCache over a boto3 S3 client. Lock objects are ``prefix + key`` in
     ``bucket``; see the module docstring for the layout and the clock assumption."""
 
@@ -179,10 +180,8 @@ class S3Cache(CacheBase):
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=self.prefix + prefix
         )
-        try:
+        with self._request("scan", prefix):
             names = [item["Key"] for page in pages for item in page.get("Contents", ())]
-        except (ClientError, BotoCoreError) as exc:
-            raise self._fault("scan", prefix, exc) from exc
         for name in names:
             key = name[len(self.prefix) :]
             if "/" in key or key in (".", ".."):
@@ -339,17 +338,16 @@ class S3Cache(CacheBase):
 
     def _read(self, operation: str, key: str) -> _Object | None:
         name = self._name(key)
-        try:
-            reply = self.client.get_object(Bucket=self.bucket, Key=name)
-            body = reply["Body"].read()
-            etag = _strip(reply["ETag"])
-        except ClientError as exc:
-            if _code(exc) == "NoSuchKey":
+        with self._request(operation, key):
+            try:
+                reply = self.client.get_object(Bucket=self.bucket, Key=name)
+                body = reply["Body"].read()
+                etag = _strip(reply["ETag"])
+            except ClientError as exc:
+                if _code(exc) != "NoSuchKey":
+                    raise
                 self._drop_hint(key)
                 return None
-            raise self._fault(operation, key, exc) from exc
-        except BotoCoreError as exc:
-            raise self._fault(operation, key, exc) from exc
         try:
             record = json.loads(body)
             value, fence = record["value"], record["fence"]
@@ -382,24 +380,22 @@ class S3Cache(CacheBase):
         ).encode()
         condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
         for attempt in range(_CONFLICT_RETRIES + 1):
-            try:
-                reply = self.client.put_object(
-                    Bucket=self.bucket, Key=name, Body=body, ContentType=_CONTENT_TYPE,
-                    **condition,
-                )  # fmt: skip
-                return _strip(reply["ETag"])
-            except ClientError as exc:
-                code = _code(exc)
-                if code == "PreconditionFailed":
-                    raise _Miss(gone=False) from None
-                if code == "NoSuchKey" and if_match is not None:
-                    raise _Miss(gone=True) from None
-                if code == "ConditionalRequestConflict" and attempt < _CONFLICT_RETRIES:
-                    time.sleep(0.01 * (attempt + 1))
-                    continue
-                raise self._fault(operation, key, exc) from exc
-            except BotoCoreError as exc:
-                raise self._fault(operation, key, exc) from exc
+            with self._request(operation, key):
+                try:
+                    reply = self.client.put_object(
+                        Bucket=self.bucket, Key=name, Body=body, ContentType=_CONTENT_TYPE,
+                        **condition,
+                    )  # fmt: skip
+                    return _strip(reply["ETag"])
+                except ClientError as exc:
+                    code = _code(exc)
+                    if code == "PreconditionFailed":
+                        raise _Miss(gone=False) from None
+                    if code == "NoSuchKey" and if_match is not None:
+                        raise _Miss(gone=True) from None
+                    if code != "ConditionalRequestConflict" or attempt == _CONFLICT_RETRIES:
+                        raise
+            time.sleep(0.01 * (attempt + 1))  # a 409 conflict: retried, briefly
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _ours(self, operation: str, key: str, nonce: str, version: str) -> str:
@@ -410,8 +406,15 @@ class S3Cache(CacheBase):
             raise SimpleCacheConditionError(f"s3: {key!r} is not at version {version}")
         return current.etag
 
-    def _fault(self, operation: str, key: str, exc: Exception) -> MalfunctionError:
-        return fault(self.name, operation, key, exc, f" at s3://{self.bucket}/{self.prefix}")
+    @contextlib.contextmanager
+    def _request(self, operation: str, key: str) -> Iterator[None]:
+        """Around every request: the one place a botocore error becomes the
+        MalfunctionError users see (a condition the caller handles is caught inside)."""
+        try:
+            yield
+        except (ClientError, BotoCoreError) as exc:
+            where = f" at s3://{self.bucket}/{self.prefix}"
+            raise fault(self.name, operation, key, exc, where) from exc
 
     # -- takeover hints -------------------------------------------------------------------
 
@@ -447,10 +450,10 @@ def _check_model(client: Any) -> None:
 
 
 def _drop_connections(client: Any) -> None:
-    """Empty a botocore client's connection pools (in a forked child). A client that is
-    not a plain botocore one (a wrapper) is left alone."""
-    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
-    close = getattr(session, "close", None)
+    """Empty a botocore client's connection pools (in a forked child): its public
+    ``close()`` clears the pools, and the client opens new
+    connections on its next request. A client without one (a wrapper) is left alone."""
+    close = getattr(client, "close", None)
     if callable(close):
         close()
 

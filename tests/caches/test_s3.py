@@ -466,3 +466,18 @@ def test_a_forked_child_never_shares_the_parents_connections(seaweed: str, tmp_p
         child.join(30)
     assert [child.exitcode for child in children] == [0] * 3
     assert Path(failures).read_text().split() == ["0"] * 4
+
+
+def test_a_forked_child_empties_the_pools_through_the_clients_public_close():
+    """No driver internals (issue 22): the fork hook calls botocore's public
+    ``close()``, which empties the pools (the client reconnects on its next request),
+    never ``client._endpoint.http_session``."""
+    client = boto3.client(
+        "s3", endpoint_url="http://127.0.0.1:9", aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+    )  # fmt: skip
+    cache = S3Cache(client, BUCKET, PREFIX)
+    closed: list[bool] = []
+    client.close = lambda: closed.append(True)
+    cache._after_fork()
+    assert closed == [True]

@@ -18,15 +18,15 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from simple_mutex._runtime.steps import drive_async
 from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintError, ConstraintTypeError
+from simple_mutex.errors import ConstraintError
 
-from .core import Call, Flow, MongoCore, scanned
+from .core import Call, Flow, MongoCore
 
 with driver_imports("mongo"):
     import pymongo
-    from pymongo.errors import PyMongoError
 
 MIN_PYMONGO = (4, 13)
 T = TypeVar("T")
@@ -62,41 +62,18 @@ class AsyncMongoCache(MongoCore):
 
     async def ready(self, operation: str = "ready", key: str = "") -> None:
         """As ``MongoCache.ready``: the TTL index, and the check of the server's clock."""
-        await self._drive(self._readying(operation, key))
+        await drive_async(self._readying(operation, key), self._perform, self._failed)
 
     async def _run(self, operation: str, key: str, flow: Flow[T]) -> T:
         if not self._ready:
             await self.ready(operation, key)  # idempotent: coroutines racing here do no harm
-        return await self._drive(flow)
+        return await drive_async(flow, self._perform, self._failed)
 
-    async def _drive(self, flow: Flow[T]) -> T:
-        """Run a flow: each call awaited on the collection, each pause on the loop."""
-        reply: Any = None
-        error: Exception | None = None
-        while True:
-            try:
-                step = flow.send(reply) if error is None else flow.throw(error)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            reply, error = None, None
-            if not isinstance(step, Call):
-                await asyncio.sleep(step.seconds)
-                continue
-            try:
-                method = getattr(self._collection(), step.method)
-                reply = await method(*step.args, **step.kwargs)
-            except PyMongoError as exc:
-                error = self._failed(step, exc)
-            except RuntimeError as exc:
-                if "different event loop" not in str(exc):
-                    raise
-                # pymongo binds a client to the first loop that used it, and refuses any
-                # other before it sends anything: the caller's to fix, not a fault.
-                raise ConstraintTypeError(
-                    f"AsyncMongoCache: its AsyncMongoClient is bound to the event loop it was "
-                    f"first used on ({exc}); build the client and the cache inside each event "
-                    "loop (each asyncio.run, each thread running a loop)"
-                ) from exc
+    async def _perform(self, call: Call) -> Any:
+        method = getattr(self._collection(), call.method)
+        if call.method == "find":
+            return await method(*call.args, **call.kwargs).to_list(None)  # the whole cursor
+        return await method(*call.args, **call.kwargs)
 
     # -- the contract --------------------------------------------------------------------
 
@@ -105,14 +82,7 @@ class AsyncMongoCache(MongoCore):
 
     async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
         """As ``MongoCache.scan``, awaited: the whole listing at once."""
-        if not self._ready:
-            await self.ready("scan", prefix)
-        call = self._scanning(prefix)
-        try:  # the cursor is read here, inside the fault mapping
-            docs = await getattr(self._collection(), call.method)(*call.args).to_list(None)
-        except PyMongoError as exc:
-            raise self._failed(call, exc) from exc
-        return scanned(docs, prefix)
+        return await self._run("scan", prefix, self._scanning(prefix))
 
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         return await self._run("put_if_absent", key, self._putting(key, value, ttl=ttl))
@@ -124,5 +94,5 @@ class AsyncMongoCache(MongoCore):
     async def compare_and_delete(self, key: str, *, version: str) -> None:
         await self._run("compare_and_delete", key, self._deleting(key, version=version))
 
-    async def wait(self, keys: Sequence[str], timeout: float) -> None:  # type: ignore[override]
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:
         await asyncio.sleep(max(timeout, 0.0))

@@ -1,20 +1,24 @@
 """What MongoCache and AsyncMongoCache share: options, the statements and the order they
-run in, and the meaning of their replies. No I/O here: each operation is a *flow*, a
-generator that yields the collection calls it needs (``Call``) and pauses (``Pause``) and
-is sent each reply; ``mongo.py`` runs flows on pymongo's ``MongoClient``,
-``asyncio.py`` on its ``AsyncMongoClient``. Rationale: docs/design/mongo.md.
+run in, the meaning of their replies, and the one mapping of pymongo's errors
+(``MongoCore._failed``). No I/O here: each operation is a *flow*, a generator that yields
+the collection calls it needs (``Call``) and pauses (``Pause``) and is sent each reply;
+the shared drivers of ``simple_mutex._runtime.steps`` run them, ``sync.py`` performing
+each call on pymongo's ``MongoClient``, ``asyncio.py`` awaiting it on its
+``AsyncMongoClient``. Rationale: docs/design/mongo.md.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
+from simple_mutex._core.flows import Pause
+from simple_mutex._runtime.steps import StepFlow
 from simple_mutex.caches._base import (
     CacheBase,
     driver_imports,
@@ -71,9 +75,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One collection method call a flow needs: ``collection.<method>(*args, **kwargs)``.
-    Drivers throw its failure back into the flow: ``DuplicateKeyError`` as it is, any
-    other ``PyMongoError`` as the ``MalfunctionError`` of ``operation`` on ``key``."""
+    """One collection method call a flow needs: ``collection.<method>(*args, **kwargs)``
+    (``find``'s cursor is read to the end). Its failure is thrown back into the flow as
+    ``MongoCore._failed`` maps it."""
 
     operation: str
     key: str
@@ -82,14 +86,7 @@ class Call:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Pause:
-    """A flow's sleep (the clock check lets its probe expire)."""
-
-    seconds: float
-
-
-Flow = Generator[Call | Pause, Any, T]
+Flow = StepFlow[Call, T]
 
 
 class MongoCore(CacheBase):
@@ -193,6 +190,9 @@ class MongoCore(CacheBase):
         if self._url is not None:
             client = self._kinds()[0](self._url, **url_options(self._url))
         else:
+            # pymongo has no public way to copy a client: its public ``options`` omit the
+            # credentials and TLS settings, and reusing the inherited client is what its
+            # docs forbid. ``_duplicate`` is its own copy, from the constructor's arguments.
             duplicate = getattr(self._given.database.client, "_duplicate", None)
             if not callable(duplicate):
                 return self._given  # not pymongo's, or a pymongo without _duplicate
@@ -200,11 +200,33 @@ class MongoCore(CacheBase):
         self._client = client
         return client[self.database][self.collection_name]
 
-    def _failed(self, call: Call, exc: Exception) -> Exception:
-        """What a driver throws into the flow for a failed call."""
+    def _failed(self, call: Call, exc: Exception) -> Exception | None:
+        """The one place a driver error becomes what the flow sees: a duplicate key as
+        it is (the put flows handle it), any other ``PyMongoError`` the MalfunctionError
+        of the call's operation on its key; None for anything else (a signal handler's
+        exception, a bug), which propagates as it is."""
         if isinstance(exc, DuplicateKeyError):
             return exc
-        error = fault(self.name, call.operation, call.key, exc)
+        error: Exception
+        if isinstance(exc, RuntimeError) and "different event loop" in str(exc):
+            # pymongo binds an AsyncMongoClient to the first loop that used it, and
+            # refuses any other before it sends anything: the caller's to fix, not a fault.
+            error = ConstraintTypeError(
+                f"{type(self).__name__}: its AsyncMongoClient is bound to the event loop it "
+                f"was first used on ({exc}); build the client and the cache inside each "
+                "event loop (each asyncio.run, each thread running a loop)"
+            )
+        elif not isinstance(exc, PyMongoError):
+            return None
+        elif call.method == "create_index" and isinstance(exc, OperationFailure):
+            error = MalfunctionError(
+                f"mongo cache could not create its TTL index on "
+                f"{self.database}.{self.collection_name}.expires_at "
+                f"(expireAfterSeconds={int(self.gc_after or 0)}): {exc!r}; drop or align an "
+                "existing index on expires_at, or pass gc_after=None"
+            )
+        else:
+            error = fault(self.name, call.operation, call.key, exc)
         error.__cause__ = exc
         return error
 
@@ -215,20 +237,10 @@ class MongoCore(CacheBase):
         ``MalfunctionError`` (server unreachable, rights, conflicting index) or
         ``ConstraintError`` (a server that cannot evaluate ``$$NOW``: use clock="client")."""
         if self.gc_after is not None:
-            try:
-                yield Call(
-                    operation, key, "create_index", ([("expires_at", pymongo.ASCENDING)],),
-                    {"expireAfterSeconds": int(self.gc_after), "name": _INDEX_NAME},
-                )  # fmt: skip
-            except MalfunctionError as exc:
-                if not isinstance(exc.__cause__, OperationFailure):
-                    raise
-                raise MalfunctionError(
-                    f"mongo cache could not create its TTL index on "
-                    f"{self.database}.{self.collection_name}.expires_at "
-                    f"(expireAfterSeconds={int(self.gc_after)}): {exc.__cause__!r}; drop or "
-                    "align an existing index on expires_at, or pass gc_after=None"
-                ) from exc.__cause__
+            yield Call(
+                operation, key, "create_index", ([("expires_at", pymongo.ASCENDING)],),
+                {"expireAfterSeconds": int(self.gc_after), "name": _INDEX_NAME},
+            )  # fmt: skip
         self._ready = True
         if self.clock == "server":
             yield from self._checking_server_clock()
@@ -424,14 +436,15 @@ class MongoCore(CacheBase):
         if result.matched_count != 1:
             raise SimpleCacheConditionError(f"mongo: {key!r} is not at version {version}")
 
-    def _scanning(self, prefix: str) -> Call:
+    def _scanning(self, prefix: str) -> Flow[list[tuple[str, Entry]]]:
         """The find of the live entries under ``prefix``: a range on ``_id`` (its index;
         strings compare by UTF-8 bytes, code point order), so no pattern is parsed and
         every character of the prefix is literal."""
         end = prefix_end(prefix)
         ids: dict[str, Any] = {"$gte": prefix} if end is None else {"$gte": prefix, "$lt": end}
         match = {"_id": ids, "value": {"$ne": None}, **self._live()}
-        return Call("scan", prefix, "find", (match, {**_ENTRY_FIELDS, "_id": 1}))
+        docs = yield Call("scan", prefix, "find", (match, {**_ENTRY_FIELDS, "_id": 1}))
+        return scanned(docs, prefix)
 
     def _live(self) -> dict[str, Any]:
         if self.clock == "server":

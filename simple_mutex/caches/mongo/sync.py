@@ -24,15 +24,15 @@ The statements, as flows, are shared with ``AsyncMongoCache`` (pymongo's
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from simple_mutex.caches._base import driver_imports
+from simple_mutex._runtime.steps import drive
+from simple_mutex.caches._base import SleepingWait, driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, ConstraintValueError
 
-from .core import Call, Flow, MongoCore, scanned, split_url, url_options
+from .core import Call, Flow, MongoCore, split_url, url_options
 
 with driver_imports("mongo"):
     import pymongo
@@ -43,7 +43,7 @@ with driver_imports("mongo"):
 T = TypeVar("T")
 
 
-class MongoCache(MongoCore):
+class MongoCache(SleepingWait, MongoCore):
     """A ConditionalCache over a pymongo ``MongoClient``, ``Database`` or ``Collection``.
 
     A client or database gets the collection ``database`` / ``collection``; a collection
@@ -66,30 +66,16 @@ class MongoCache(MongoCore):
         """Create the TTL index and check the server's clock statements; raises
         ``MalfunctionError`` (server unreachable, rights, conflicting index) or
         ``ConstraintError`` (a server that cannot evaluate ``$$NOW``: use clock="client")."""
-        self._drive(self._readying(operation, key))
+        drive(self._readying(operation, key), self._perform, self._failed)
 
     def _run(self, operation: str, key: str, flow: Flow[T]) -> T:
         if not self._ready:
             self.ready(operation, key)  # idempotent: threads racing here do no harm
-        return self._drive(flow)
+        return drive(flow, self._perform, self._failed)
 
-    def _drive(self, flow: Flow[T]) -> T:
-        """Run a flow: each call on the collection, each pause a sleep."""
-        reply: Any = None
-        error: Exception | None = None
-        while True:
-            try:
-                step = flow.send(reply) if error is None else flow.throw(error)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            reply, error = None, None
-            if not isinstance(step, Call):
-                time.sleep(step.seconds)
-                continue
-            try:
-                reply = getattr(self._collection(), step.method)(*step.args, **step.kwargs)
-            except PyMongoError as exc:
-                error = self._failed(step, exc)
+    def _perform(self, call: Call) -> Any:
+        reply = getattr(self._collection(), call.method)(*call.args, **call.kwargs)
+        return list(reply) if call.method == "find" else reply  # a cursor read here
 
     # -- the contract --------------------------------------------------------------------
 
@@ -97,14 +83,7 @@ class MongoCache(MongoCore):
         return self._run("get", key, self._reading("get", key))
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
-        if not self._ready:
-            self.ready("scan", prefix)
-        call = self._scanning(prefix)
-        try:  # the cursor is read here, inside the fault mapping
-            docs = list(getattr(self._collection(), call.method)(*call.args))
-        except PyMongoError as exc:
-            raise self._failed(call, exc) from exc
-        return iter(scanned(docs, prefix))
+        return iter(self._run("scan", prefix, self._scanning(prefix)))
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         return self._run("put_if_absent", key, self._putting(key, value, ttl=ttl))

@@ -25,11 +25,12 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
+from simple_mutex._runtime.steps import drive_async
 from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
-from .statements import LOST_RACE, PostgresCore, SessionEnded, Statement, like_prefix, scanned
+from .statements import LOST_RACE, EndedSession, PostgresCore, Statement
 from .sync import PostgresCache
 
 with driver_imports("postgres"):
@@ -125,9 +126,9 @@ class AsyncPostgresCache(PostgresCore):
         self._ready = True
 
     @contextlib.asynccontextmanager
-    async def _connection(
-        self, operation: str, key: str
-    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A session to run on, as ``PostgresCache._connection``: a psycopg error passes
+        through (``EndedSession`` around it when the session had been ended)."""
         sessions = self._here()
         if self._pool is not None:
             broken = False
@@ -140,8 +141,9 @@ class AsyncPostgresCache(PostgresCore):
                     finally:
                         broken = conn.broken
             except psycopg.Error as exc:
-                # A broken pooled session was an idle one the server ended.
-                raise self._fault(operation, key, exc, broken) from exc
+                if broken:  # a broken pooled session was an idle one the server ended
+                    raise EndedSession() from exc
+                raise
             return
         async with sessions.turn:
             reused = False
@@ -155,23 +157,22 @@ class AsyncPostgresCache(PostgresCore):
             except psycopg.Error as exc:
                 ended = reused and sessions.conn is not None and sessions.conn.broken
                 self._drop(sessions, exc)
-                raise self._fault(operation, key, exc, ended) from exc
+                if ended:
+                    raise EndedSession() from exc
+                raise
             except BaseException:
                 self._drop(sessions, None)  # cancelled mid-statement: a reply may be unread
                 raise
 
     async def _run(self, statement: Statement[T]) -> T:
-        """One statement; sent once more on a fresh session when the reused one had been
-        ended by the server (it never ran), as PostgresCache does."""
-        try:
-            return await self._run_once(statement)
-        except SessionEnded:
-            return await self._run_once(statement)
+        return await drive_async(self._running(statement), self._perform, self._failed)
 
-    async def _run_once(self, statement: Statement[T]) -> T:
-        async with self._connection(statement.operation, statement.key) as conn:
-            row = await (await conn.execute(statement.sql, statement.params)).fetchone()
-        return statement.finish(row)
+    async def _perform(self, statement: Statement[Any]) -> Any:
+        async with self._connection() as conn:
+            cursor = await conn.execute(statement.sql, statement.params)
+            if statement.rows == "count":
+                return cursor.rowcount
+            return await (cursor.fetchall() if statement.rows == "all" else cursor.fetchone())
 
     def _drop(self, sessions: _Sessions, error: psycopg.Error | None) -> None:
         conn = sessions.conn
@@ -190,9 +191,7 @@ class AsyncPostgresCache(PostgresCore):
 
     async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
         """As ``PostgresCache.scan``, awaited: the whole listing at once."""
-        params = {"pattern": like_prefix(prefix)}
-        async with self._connection("scan", prefix) as conn:
-            return scanned(await (await conn.execute(self._sql["scan"], params)).fetchall())
+        return await self._run(self._scan(prefix))
 
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry = await self._run(self._put(key, value, ttl))
@@ -213,13 +212,11 @@ class AsyncPostgresCache(PostgresCore):
         if self.gc_after is None:
             return 0
         try:
-            async with self._connection("collect", "") as conn:
-                cursor = await conn.execute(self._sql["collect"], self._collect_params())
-                return cursor.rowcount
+            return await self._run(self._collect())
         except MalfunctionError as exc:
             return self._collect_failed(exc)
 
-    async def wait(self, keys: Sequence[str], timeout: float) -> None:  # type: ignore[override]
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:
         if timeout < 0.001 or not keys:
             await asyncio.sleep(max(timeout, 0.0))
             return
@@ -229,26 +226,33 @@ class AsyncPostgresCache(PostgresCore):
             # Another coroutine of ours listens: sleep, and let the engine poll after.
             await asyncio.sleep(timeout)
             return
+        channels, listen, check = self._listen(keys)
         async with sessions.listening:
             try:
-                await self._listen_once(sessions, keys, deadline)
+                await self._listen_once(sessions, channels, listen, check, deadline)
             except psycopg.Error as exc:
                 listener, sessions.listener = sessions.listener, None
                 _discard(listener)
-                raise self._fault("wait", keys[0], exc) from exc
+                raise (self._failed(check, exc) or exc) from exc
             except BaseException:
                 listener, sessions.listener = sessions.listener, None
                 _discard(listener)  # cancelled mid-read: its state is unknown
                 raise
 
-    async def _listen_once(self, sessions: _Sessions, keys: Sequence[str], deadline: float) -> None:
+    async def _listen_once(
+        self,
+        sessions: _Sessions,
+        channels: set[str],
+        listen: str,
+        check: Statement[bool],
+        deadline: float,
+    ) -> None:
         if sessions.listener is None or sessions.listener.closed:
             sessions.listener = await self._connect()
         conn = sessions.listener
-        channels, listen, check = self._listen(keys)
         await conn.execute(listen)
-        live = await (await conn.execute(self._sql["live"], check)).fetchone()
-        if not self._any_free(live, keys):
+        live = await (await conn.execute(check.sql, check.params)).fetchone()
+        if not check.finish(live):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining > 0:
                 # Closed on leaving: the generator holds the connection's lock until then.

@@ -1,7 +1,10 @@
 """What PostgresCache and AsyncPostgresCache share: the table, every statement, its
-parameters and the meaning of its rows, conninfo defaults and fault mapping. No I/O here:
-``postgres.py`` runs the statements on psycopg's blocking connections,
-``asyncio.py`` on its asyncio ones. Rationale: docs/design/postgres.md.
+parameters and the meaning of its rows, conninfo defaults and the one mapping of
+psycopg's errors (``PostgresCore._failed``). No I/O here: each operation is a flow
+(``_running``) that yields its ``Statement``; the shared drivers of
+``simple_mutex._runtime.steps`` run it, ``sync.py`` executing each statement on psycopg's
+blocking connections, ``asyncio.py`` awaiting it on its asyncio ones. Rationale:
+docs/design/postgres.md.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
+from simple_mutex._runtime.steps import StepFlow
 from simple_mutex.caches._base import (
     DEFAULT_GC_AFTER,
     TOOK_OVER,
@@ -143,14 +147,19 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Statement(Generic[T]):
-    """One operation as both drivers run it: the SQL and its parameters, and what the
-    first row it returns (or None) means."""
+    """One operation as both faces run it: the SQL and its parameters, what the face
+    reads back (``rows``: "one", the first row or None; "all", every row; "count", the
+    rows it changed), and what that reply means (``finish``)."""
 
     operation: str
     key: str
     sql: str
     params: dict[str, Any]
     finish: Callable[[Any], T]
+    rows: str = "one"
+
+
+Flow = StepFlow[Statement[Any], T]
 
 
 class PostgresCore(CacheBase):
@@ -276,6 +285,39 @@ class PostgresCore(CacheBase):
 
     # -- the statements ----------------------------------------------------------------
 
+    def _running(self, statement: Statement[T]) -> Flow[T]:
+        """One statement, its reply read by ``statement.finish``. A reused session the
+        server ended (a restart, a fail-over, ``pg_terminate_backend``, an idle-session
+        timeout) fails the next statement sent on it, which never ran: that one is sent
+        once more, on a fresh session."""
+        try:
+            reply = yield statement
+        except SessionEnded:
+            reply = yield statement
+        return statement.finish(reply)
+
+    def _failed(self, statement: Statement[Any], exc: Exception) -> Exception | None:
+        """The one place a driver error becomes what users see: a psycopg error (or a
+        face's ``EndedSession`` around one) is the MalfunctionError of the statement's
+        operation on its key (``SessionEnded`` when the session had been ended: the flow
+        sends the statement again); a table of another shape is a malformed entry; None
+        for anything else (a signal handler's exception, a bug): it propagates as is."""
+        ended = isinstance(exc, EndedSession)
+        cause = exc.__cause__ if ended else exc
+        if not isinstance(cause, psycopg.Error):
+            return None
+        operation, key = statement.operation, statement.key
+        error: MalfunctionError
+        if cause.sqlstate in _OTHER_SHAPE:
+            detail = f"table {self.table!r} is not a lock table: {str(cause).strip()}"
+            error = malformed(self.name, operation, key, detail)
+        else:
+            error = fault(self.name, operation, key, cause)
+            if ended:
+                error = SessionEnded(error.message, key)
+        error.__cause__ = cause
+        return error
+
     def _get(self, key: str) -> Statement[Entry | None]:
         return Statement("get", key, self._sql["get"], {"key": key}, _entry_or_none)
 
@@ -322,8 +364,13 @@ class PostgresCore(CacheBase):
         fault itself."""
         return self.gc_after is not None and gc_due()
 
-    def _collect_params(self) -> dict[str, Any]:
-        return {"after": self.gc_after, "limit": _COLLECT_ROWS}
+    def _collect(self) -> Statement[int]:
+        params = {"after": self.gc_after, "limit": _COLLECT_ROWS}
+        return Statement("collect", "", self._sql["collect"], params, int, rows="count")
+
+    def _scan(self, prefix: str) -> Statement[list[tuple[str, Entry]]]:
+        params = {"pattern": like_prefix(prefix)}
+        return Statement("scan", prefix, self._sql["scan"], params, scanned, rows="all")
 
     def _collect_failed(self, exc: MalfunctionError) -> int:
         """A collection's fault: a role without DELETE collects nothing from now on (a
@@ -338,31 +385,24 @@ class PostgresCore(CacheBase):
         self.gc_after = None
         return 0
 
-    def _listen(self, keys: Sequence[str]) -> tuple[set[str], str, dict[str, Any]]:
-        """The channels to wait on, the LISTEN statement, and the parameters of the check
-        run after it: LISTEN commits before the check reads, so a release is either seen
-        as a free key by the check or delivered to us: none falls between the two."""
+    def _listen(self, keys: Sequence[str]) -> tuple[set[str], str, Statement[bool]]:
+        """The channels to wait on, the LISTEN statement, and the check run after it (is
+        one of ``keys`` free already?): LISTEN commits before the check reads, so a
+        release is either seen as a free key by the check or delivered to us: none falls
+        between the two."""
         channels = {self._channel(key) for key in keys}
-        return channels, "".join(f'LISTEN "{c}";' for c in channels), {"keys": list(set(keys))}
+        distinct = list(set(keys))
 
-    @staticmethod
-    def _any_free(live: Any, keys: Sequence[str]) -> bool:
-        """Given the check's row: is one of ``keys`` free already?"""
-        return live is None or live[0] < len(set(keys))
+        def any_free(live: Any) -> bool:
+            return live is None or live[0] < len(distinct)
+
+        check = Statement("wait", keys[0], self._sql["live"], {"keys": distinct}, any_free)
+        return channels, "".join(f'LISTEN "{c}";' for c in channels), check
 
     def _channel(self, key: str) -> str:
         # Channel names are identifiers of at most 63 bytes: a digest of table and key.
         digest = hashlib.blake2b(f"{self.table}\0{key}".encode(), digest_size=16)
         return "sm_" + digest.hexdigest()
-
-    def _fault(
-        self, operation: str, key: str, exc: psycopg.Error, ended: bool = False
-    ) -> MalfunctionError:
-        if getattr(exc, "sqlstate", None) in _OTHER_SHAPE:
-            detail = f"table {self.table!r} is not a lock table: {str(exc).strip()}"
-            return malformed(self.name, operation, key, detail)
-        error = fault(self.name, operation, key, exc)
-        return SessionEnded(error.message, key) if ended else error
 
 
 def like_prefix(prefix: str) -> str:
@@ -388,6 +428,12 @@ LOST_RACE = (
 
 class SessionEnded(MalfunctionError):
     """A reused session the server had ended: the statement sent on it never ran."""
+
+
+class EndedSession(Exception):
+    """What a face's session code raises, ``from`` the psycopg error, when that error
+    came from a reused session the server had ended: only the session code knows it
+    was reused; ``PostgresCore._failed`` maps it (to ``SessionEnded``)."""
 
 
 def check_identifier(owner: str, what: str, name: object) -> str:

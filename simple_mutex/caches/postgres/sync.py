@@ -49,18 +49,17 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
+from simple_mutex._runtime.steps import drive
 from simple_mutex.caches._base import driver_imports, fault
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
 from .statements import (
     LOST_RACE,
+    EndedSession,
     PostgresCore,
-    SessionEnded,
     Statement,
     _with_defaults,
-    like_prefix,
-    scanned,
     schema_statements,
 )
 
@@ -142,8 +141,10 @@ class PostgresCache(PostgresCore):
         return contextlib.nullcontext() if self._pool is not None else self._guard
 
     @contextmanager
-    def _connection(self, operation: str, key: str) -> Iterator[psycopg.Connection[Any]]:
-        """A session to run on; the caller holds ``_session_guard()``."""
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A session to run on; the caller holds ``_session_guard()``. A psycopg error
+        passes through (``EndedSession`` around it when the session was a reused one the
+        server had ended), after the session is dropped if it may not be used again."""
         if self._pool is not None:
             broken = False
             try:
@@ -155,8 +156,9 @@ class PostgresCache(PostgresCore):
                     finally:
                         broken = conn.broken
             except psycopg.Error as exc:
-                # A broken pooled session was an idle one the server ended.
-                raise self._fault(operation, key, exc, broken) from exc
+                if broken:  # a broken pooled session was an idle one the server ended
+                    raise EndedSession() from exc
+                raise
             return
         reused = False
         try:
@@ -169,25 +171,22 @@ class PostgresCache(PostgresCore):
         except psycopg.Error as exc:
             ended = reused and self._conn is not None and self._conn.broken
             self._drop(exc)
-            raise self._fault(operation, key, exc, ended) from exc
+            if ended:
+                raise EndedSession() from exc
+            raise
         except BaseException:
             self._drop(None)
             raise
 
     def _run(self, statement: Statement[T]) -> T:
-        """One statement, its first row read by ``statement.finish``. A reused session
-        the server ended (a restart, a fail-over, ``pg_terminate_backend``, an idle-session
-        timeout) fails the next statement sent on it, which never ran: that one is sent
-        once more, on a fresh session."""
-        try:
-            return self._run_once(statement)
-        except SessionEnded:
-            return self._run_once(statement)
+        return drive(self._running(statement), self._perform, self._failed)
 
-    def _run_once(self, statement: Statement[T]) -> T:
-        with self._session_guard(), self._connection(statement.operation, statement.key) as conn:
-            row = conn.execute(statement.sql, statement.params).fetchone()
-        return statement.finish(row)
+    def _perform(self, statement: Statement[Any]) -> Any:
+        with self._session_guard(), self._connection() as conn:
+            cursor = conn.execute(statement.sql, statement.params)
+            if statement.rows == "count":
+                return cursor.rowcount
+            return cursor.fetchall() if statement.rows == "all" else cursor.fetchone()
 
     def _drop(self, error: psycopg.Error | None) -> None:
         """Forget the connection after a fault, so the next call opens a fresh one."""
@@ -204,9 +203,8 @@ class PostgresCache(PostgresCore):
         return self._run(self._get(key))
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
-        params = {"pattern": like_prefix(prefix)}
-        with self._session_guard(), self._connection("scan", prefix) as conn:
-            return iter(scanned(conn.execute(self._sql["scan"], params).fetchall()))
+        found = self._run(self._scan(prefix))
+        return iter(found)
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry = self._run(self._put(key, value, ttl))
@@ -228,8 +226,7 @@ class PostgresCache(PostgresCore):
         if self.gc_after is None:
             return 0
         try:
-            with self._session_guard(), self._connection("collect", "") as conn:
-                return conn.execute(self._sql["collect"], self._collect_params()).rowcount
+            return self._run(self._collect())
         except MalfunctionError as exc:
             return self._collect_failed(exc)
 
@@ -240,24 +237,26 @@ class PostgresCache(PostgresCore):
             return
         if not self._listen_guard.acquire(timeout=timeout):
             return  # another thread of ours listens; we waited out our timeout for it
+        channels, listen, check = self._listen(keys)
         try:
-            self._listen_once(keys, deadline)
+            self._listen_once(channels, listen, check, deadline)
         except psycopg.Error as exc:
             listener, self._listener = self._listener, None
             if listener is not None:
                 listener.close()
-            raise self._fault("wait", keys[0], exc) from exc
+            raise (self._failed(check, exc) or exc) from exc
         finally:
             self._listen_guard.release()
 
-    def _listen_once(self, keys: Sequence[str], deadline: float) -> None:
+    def _listen_once(
+        self, channels: set[str], listen: str, check: Statement[bool], deadline: float
+    ) -> None:
         if self._listener is None or self._listener.closed:
             self._listener = self._connect()
         conn = self._listener
-        channels, listen, check = self._listen(keys)
         conn.execute(listen)
         try:
-            if self._any_free(conn.execute(self._sql["live"], check).fetchone(), keys):
+            if check.finish(conn.execute(check.sql, check.params).fetchone()):
                 return
             remaining = deadline - time.monotonic()
             if remaining > 0:
