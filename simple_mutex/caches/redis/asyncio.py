@@ -458,5 +458,7 @@ async def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
         # The class's own connect, not the one sending would do: a Sentinel master's
         # asks the sentinels where the master is (sending connects to the default).
         await conn.connect()
-    await conn.send_command(*args)
+    # No health check per command (a PING every health_check_interval): a dead
+    # connection fails the command itself, which _run retries once on a new one.
+    await conn.send_command(*args, check_health=False)
     return await conn.read_response()
