@@ -97,6 +97,72 @@ def test_the_integrations_use_no_private_module_of_the_core() -> None:
             assert not module.startswith("simple_mutex._"), f"{path.name} imports {module}"
 
 
+# Underscored names that are the public API of what they are read on: a NamedTuple's
+# methods (our Entry, urllib's SplitResult), underscored only to keep clear of field names.
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+# Private names a cache module reads or sets on an object that is not ``self``/``cls``,
+# by module (under simple_mutex/caches/) and expression. Only objects of our own belong
+# here; a driver's object is used through its public API, whatever its version.
+OWN_OBJECTS = {
+    # from_url sets them on the MongoCache it has just built.
+    ("mongo/sync.py", "cache._url"),
+    ("mongo/sync.py", "cache._client"),
+    # pymongo's MongoClient._duplicate and botocore's client._endpoint are a driver's:
+    # removed by the flows branch (issue 22), listed here until it lands.
+    ("mongo/core.py", "self._given.database.client._duplicate"),
+    ("s3.py", "client._endpoint"),
+}
+
+
+def _private_reads(path: Path) -> list[str]:
+    """``value._name`` (not a dunder) on anything but ``self``/``cls``, spelled as an
+    attribute or as ``getattr``/``hasattr``/``setattr``/``delattr`` with a literal."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            value, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            value, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+            continue
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if name not in NAMEDTUPLE_API:
+            found.append(f"{ast.unparse(value)}.{name}")
+    return found
+
+
+def test_no_cache_module_reads_a_private_attribute_of_a_driver_object() -> None:
+    """A driver's private attributes change without notice between the versions we
+    support (redis-py 4.6 to 8): caches use public API only (issue 22)."""
+    caches = PACKAGE / "caches"
+    found = {
+        (str(path.relative_to(caches)), expression)
+        for path in sorted(caches.rglob("*.py"))
+        for expression in _private_reads(path)
+    }
+    assert found - OWN_OBJECTS == set(), "private attributes read on objects not our own"
+
+
+def test_the_private_read_check_sees_both_spellings(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "conn._sock\ngetattr(conn, '_writer', None)\nself._own\nentry._replace()\n"
+        "self._cache._max_block\ntype(x).__name__\n"
+    )
+    found = sorted(_private_reads(probe))
+    assert found == ["conn._sock", "conn._writer", "self._cache._max_block"]
+
+
 def _layout_block() -> str:
     text = (ROOT / "docs" / "contributing.md").read_text()
     section = text[text.index("## Layout") :]

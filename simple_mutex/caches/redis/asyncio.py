@@ -31,38 +31,34 @@ import time
 import types
 import weakref
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
-from simple_mutex.caches._base import driver_imports, ttl_ms
+from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintTypeError, MalfunctionError, SimpleCacheConditionError
 
 from .protocol import (
     CAS,
+    CONFIG_GET,
     DELETE,
     PUT,
-    SIGNAL_MS,
     WAITER_MARK_MS,
     RedisLayout,
     Request,
-    config_pairs,
+    blpop_command,
+    load_command,
+    mark_command,
     own_connection,
     refused,
-    text,
+    token_back_commands,
 )
 
 with driver_imports("redis"):
     import redis.asyncio
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import (
-        ConnectionError,
-        NoScriptError,
-        RedisError,
-        ResponseError,
-        TimeoutError,
-    )
+    from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
 
 _MAX_OWN = 16  # connections per cache and loop for the short commands
 _MAX_LISTENERS = 256  # signal lists one cache listens to at once; past that, waiters poll
@@ -99,82 +95,45 @@ class AsyncRedisCache(RedisLayout):
 
     aclose = close  # its first name, kept: redis-py's asyncio clients say aclose
 
-    async def _script(self, script: str, operation: str, key: str, request: Request) -> Any:
+    async def _evalsha(self, execute: Execute, script: str, request: Request) -> Any:
         try:
-            try:
-                return await self._execute("EVALSHA", self._shas[script], *request)
-            except NoScriptError:
-                # A restarted or failed-over server forgot the script: load it again.
-                self._shas[script] = await self._load(script, self._execute)
-                return await self._execute("EVALSHA", self._shas[script], *request)
-        except RedisError as exc:
-            raise self._fault(operation, key, exc) from exc
+            return await execute(*self._script_command(script, request))
+        except NoScriptError:
+            # A restarted or failed-over server forgot the script: load it again.
+            self._loaded(script, await execute(*load_command(script)))
+            return await execute(*self._script_command(script, request))
 
-    async def _load(self, script: str, execute: Execute) -> str:
-        """SCRIPT LOAD, on our own connections where we have them (no retry policy)."""
-        if self._own is None:
-            return str(await self.client.script_load(script))
-        return text(await execute("SCRIPT", "LOAD", script))
-
-    async def _replicated_script(
+    async def _call_script(
         self, script: str, operation: str, key: str, request: Request
     ) -> tuple[Any, bool]:
-        """A write and its ``WAIT`` on one connection: the reply, and whether ``replicas``
-        replicas took it within ``replica_timeout``."""
-        assert self._own is not None
-        try:
-            conn = await self._own.take()
-            try:
+        """RedisCache._call_script, awaited: the reply, and whether the write counts."""
+        with self._faults(operation, key):
+            if not self._waits_for_replicas(script):
+                return await self._evalsha(self._execute, script, request), True
+            assert self._own is not None  # replicas=N needs our own connections
+            async with self._own.lent() as execute:
+                reply = await self._evalsha(execute, script, request)
                 try:
-                    reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
-                except NoScriptError:
-                    self._shas[script] = await self._load(script, lambda *a: _run(conn, a))
-                    reply = await _run(conn, ("EVALSHA", self._shas[script], *request))
-                try:
-                    wait = ("WAIT", self.replicas, ttl_ms(self.replica_timeout))
-                    acked = await _run(conn, wait)
-                except RedisError:  # no answer (a socket timeout...): not known taken
+                    acked = await execute(*self._replicas_command())
+                except RedisError:  # no answer (a socket timeout below replica_timeout)
                     acked = 0
-            finally:
-                self._own.give(conn)
-        except RedisError as exc:
-            raise self._fault(operation, key, exc) from exc
-        return reply, int(acked) >= self.replicas
+        return reply, self._replicated(acked)
 
     async def _check_eviction(self, key: str) -> None:
-        with self._eviction_check(key) as config:
-            if self._own is None:
-                config.update(await self.client.config_get("maxmemory*"))
-            else:  # the lean path: no retry policy with backoff sleeps for a dead server
-                config.update(config_pairs(await self._own.call("CONFIG", "GET", "maxmemory*")))
+        with self._eviction_check(key) as replies:
+            replies.append(await self._execute(*CONFIG_GET))
 
     async def get(self, key: str) -> Entry | None:
-        try:
-            payload = await self._execute("GET", self._entry_key(key))  # never a cached read
-        except RedisError as exc:
-            raise self._fault("get", key, exc) from exc
+        with self._faults("get", key):
+            payload = await self._execute(*self._get_command(key))
         return self._read_entry(key, payload)
-
-    async def waited_on(self, key: str) -> bool:
-        """RedisCache.waited_on for asyncio: is a waiter blocked on ``key``?"""
-        _, stem = self._keys(key)
-        try:
-            return bool(await self._execute("EXISTS", stem + ":w"))
-        except RedisError as exc:
-            raise self._fault("waited_on", key, exc) from exc
 
     async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
         """RedisCache.scan for asyncio: every live entry under ``prefix``, as ``get``
         reads it (a list: a scan is for operators' tools, not a hot path)."""
-        try:
-            names = [
-                name
-                async for name in self.client.scan_iter(
-                    match=self._scan_pattern(prefix), count=1000
-                )
-            ]
-        except RedisError as exc:
-            raise self._fault("scan", prefix, exc) from exc
+        with self._faults("scan", prefix):
+            pattern = self._scan_pattern(prefix)
+            names = [name async for name in self.client.scan_iter(match=pattern, count=1000)]
         found = []
         for key in self._scanned_keys(names, prefix):
             entry = await self.get(key)
@@ -182,31 +141,32 @@ class AsyncRedisCache(RedisLayout):
                 found.append((key, entry))
         return found
 
+    async def waited_on(self, key: str) -> bool:
+        """RedisCache.waited_on for asyncio: is a waiter blocked on ``key``?"""
+        with self._faults("waited_on", key):
+            return bool(await self._execute(*self._waited_on_command(key)))
+
     async def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         if not self._checked:
             await self._check_eviction(key)
         request, expires = self._put_request(key, value, ttl)
-        if not self.replicas:
-            return self._put_reply(
-                key, value, expires, await self._script(PUT, "put_if_absent", key, request)
-            )
-        reply, replicated = await self._replicated_script(PUT, "put_if_absent", key, request)
+        reply, replicated = await self._call_script(PUT, "put_if_absent", key, request)
         entry = self._put_reply(key, value, expires, reply)
         if not replicated:
-            try:  # a grant too few replicas took would not survive a failover: undo it
-                await self.compare_and_delete(key, version=entry.version)
-                undone = True
-            except (MalfunctionError, SimpleCacheConditionError):
-                undone = False
-            raise self._unreplicated_grant(key, undone)
+            raise self._unreplicated_grant(key, await self._withdraw(key, entry))
         return entry
+
+    async def _withdraw(self, key: str, entry: Entry) -> bool:
+        """RedisCache._withdraw, awaited: undo a grant too few replicas took; was it?"""
+        try:
+            await self.compare_and_delete(key, version=entry.version)
+        except (MalfunctionError, SimpleCacheConditionError):
+            return False
+        return True
 
     async def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         request, expires = self._cas_request(key, value, ttl, version)
-        if not self.replicas:
-            n = await self._script(CAS, "compare_and_set", key, request)
-            return self._cas_reply(key, value, version, expires, n)
-        n, replicated = await self._replicated_script(CAS, "compare_and_set", key, request)
+        n, replicated = await self._call_script(CAS, "compare_and_set", key, request)
         entry = self._cas_reply(key, value, version, expires, n)
         if not replicated:
             raise self._unreplicated_renewal(key)
@@ -214,7 +174,7 @@ class AsyncRedisCache(RedisLayout):
 
     async def compare_and_delete(self, key: str, *, version: str) -> bool:
         request = self._delete_request(key, version)
-        freed = await self._script(DELETE, "compare_and_delete", key, request)
+        freed, _ = await self._call_script(DELETE, "compare_and_delete", key, request)
         return self._delete_reply(key, version, freed)
 
     async def wait(self, keys: Sequence[str], timeout: float) -> None:
@@ -222,23 +182,23 @@ class AsyncRedisCache(RedisLayout):
         if block < 0.001 or not keys:
             await asyncio.sleep(max(block, 0.0))
             return
-        signals = self._signals(keys)
-        if self._own is None:  # a cluster or an instrumented client: a BLPOP of our own
-            try:
-                await self._execute("BLPOP", *signals, round(block, 3))
-            except RedisError as exc:
-                raise self._fault("wait", keys[0], exc) from exc
-            return
+        with self._faults("wait", keys[0]):
+            if self._own is None:  # a cluster or an instrumented client: a BLPOP of our own
+                await self._execute(*self._blpop_command(keys, block))
+            else:
+                # Not cut to one BLPOP's length: the listener blocks again and again, and
+                # keeps the waiter mark alive while anyone here waits, so a release still
+                # signals.
+                await self._listeners_here().wait(self._signals(keys), timeout)
+
+    def _listeners_here(self) -> _Listeners:
+        """The listeners of the running loop (and of this process)."""
+        assert self._own is not None
         loop = asyncio.get_running_loop()
         listeners = self._listeners.get(loop)
         if listeners is None or listeners.pid != os.getpid():
-            listeners = self._listeners[loop] = _Listeners(self, self._own)
-        try:
-            # Not cut to one BLPOP's length: the listener blocks again and again, and keeps
-            # the waiter mark alive while anyone here waits, so a release still signals.
-            await listeners.wait(signals, timeout)
-        except RedisError as exc:
-            raise self._fault("wait", keys[0], exc) from exc
+            listeners = self._listeners[loop] = _Listeners(self._own, self._max_block)
+        return listeners
 
 
 class _Listeners:
@@ -250,10 +210,10 @@ class _Listeners:
     fleet. A release between a waiter's failed put and its ``wait`` left the token in
     the list (for 1 s): the next ``BLPOP`` returns it at once."""
 
-    def __init__(self, cache: AsyncRedisCache, own: _OwnConnections) -> None:
+    def __init__(self, own: _OwnConnections, max_block: float) -> None:
         self.pid = os.getpid()
-        self._cache = cache
         self._own = own
+        self._max_block = max_block
         self._waiters: dict[str, dict[asyncio.Future[None], None]] = {}  # ordered sets
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -278,8 +238,7 @@ class _Listeners:
 
     async def _listen(self, signal: str) -> None:
         conn = None
-        block = round(self._cache._max_block, 3)
-        mark = self._cache._mark_of(signal)
+        blpop = blpop_command([signal], self._max_block)
         marked = time.monotonic()  # the waiter's failed put has just set the mark
         try:
             conn = self._own.spare()
@@ -294,9 +253,9 @@ class _Listeners:
                     # Waiters here may park past the mark's life (a long poll interval):
                     # keep it, or releases would stop pushing tokens.
                     marked = time.monotonic()
-                    await _run(conn, ("SET", mark, 1, "PX", WAITER_MARK_MS))
+                    await _run(conn, mark_command(signal))
                     continue  # the waiters may have left meanwhile
-                if await _run(conn, ("BLPOP", signal, block)) is not None:
+                if await _run(conn, blpop) is not None:
                     woken = next((w for w in self._waiters.get(signal, ()) if not w.done()), None)
                     if woken is not None:
                         woken.set_result(None)
@@ -304,8 +263,8 @@ class _Listeners:
                     else:
                         # Its waiter gave up meanwhile: put the token back for a waiter in
                         # another process (one release must wake someone).
-                        await _run(conn, ("LPUSH", signal, 1))
-                        await _run(conn, ("PEXPIRE", signal, SIGNAL_MS))
+                        for command in token_back_commands(signal):
+                            await _run(conn, command)
         except BaseException as exc:
             self._tasks.pop(signal, None)
             for woken in self._waiters.pop(signal, {}):
@@ -328,8 +287,8 @@ def _settle(woken: asyncio.Future[None]) -> None:
 
 def _own_pool(client: Any) -> Any:
     """The connection pool of a plain pooled ``redis.asyncio.Redis`` (Sentinel masters
-    included), or None to use the client's own ``execute_command`` (see
-    ``redis._pooled_executor``: the same rule)."""
+    included), or None to use the client's own ``execute_command``: the rule of
+    ``sync._own_connections``, which says why."""
     method = getattr(type(client), "execute_command", None)
     pool: Any = getattr(client, "connection_pool", None)
     if (
@@ -384,6 +343,15 @@ class _OwnConnections:
         conn = own.idle.pop() if own.idle else await self.take()
         try:
             return await _run(conn, args)
+        finally:
+            self.give(conn)
+
+    @contextlib.asynccontextmanager
+    async def lent(self) -> AsyncIterator[Execute]:
+        """One connection for several commands in a row (a write and its ``WAIT``)."""
+        conn = await self.take()
+        try:
+            yield lambda *args: _run(conn, args)
         finally:
             self.give(conn)
 
@@ -464,8 +432,8 @@ _inherited: list[Any] = []
 
 
 async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
-    """One command on ``conn``; the rules of ``redis._run``: no retry policy with
-    backoff sleeps, one immediate retry for an idle connection the server closed, and a
+    """One command on ``conn``; the rules of ``sync._run``: no retry policy with backoff
+    sleeps, one immediate retry for an idle connection the server closed, and a
     connection left mid-reply (a fault, a cancellation) is closed, never reused."""
     try:
         try:
@@ -486,23 +454,11 @@ async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
 
 
 async def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
-    writer = getattr(conn, "_writer", None)
-    if writer is None or not getattr(conn, "is_connected", False):
+    if not conn.is_connected:
         # The class's own connect, not the one sending would do: a Sentinel master's
         # asks the sentinels where the master is (sending connects to the default).
         await conn.connect()
-        await conn.send_command(*args)
-        return await conn.read_response()
-    # redis-py sends every command under asyncio.wait_for(..., socket_timeout), which
-    # starts a task per command: the bytes leave one loop iteration late, a tenth of a
-    # loopback round trip. A write the socket takes at once needs no timeout; one it does
-    # not (a full buffer) drains under the socket timeout, as redis-py's would.
-    try:
-        writer.writelines(conn.pack_command(*args))
-        if writer.transport.get_write_buffer_size():
-            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
-    except asyncio.TimeoutError:
-        raise TimeoutError("Timeout writing to socket") from None
-    except OSError as exc:
-        raise ConnectionError(f"Error while writing to socket: {exc}") from exc
+    # No health check per command (a PING every health_check_interval): a dead
+    # connection fails the command itself, which _run retries once on a new one.
+    await conn.send_command(*args, check_health=False)
     return await conn.read_response()

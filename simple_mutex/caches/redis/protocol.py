@@ -1,7 +1,8 @@
 """What ``RedisCache`` and ``AsyncRedisCache`` share, with no I/O: the key layout, the Lua
-scripts, the arguments each operation sends, how each reply is read, and how a redis-py
-error becomes a ``MalfunctionError``. Each cache class adds only its I/O (blocking or
-awaited), so the two can never drift apart in what they write or how they read it.
+scripts, the commands each operation sends, how each reply is read, and how a redis-py
+error becomes a ``MalfunctionError`` (``RedisLayout._faults``, around every operation's
+I/O on both faces). Each cache class adds only its I/O (blocking or awaited), so the two
+can never drift apart in what they write, how they read it or what they raise.
 
 Keys, for a cache key ``base`` or ``base#N`` (semaphore slot N), all under the hash tag
 ``{base}``, so one script's keys and every slot of a semaphore share a Cluster slot; every
@@ -156,6 +157,8 @@ def acl_rules(
 
 Request = tuple[Any, ...]
 """The arguments of one script call after its SHA-1: numkeys, KEYS, ARGV."""
+Command = tuple[Any, ...]
+"""One command as ``execute_command`` takes it: its name, then its arguments."""
 
 
 class RedisLayout:
@@ -218,8 +221,20 @@ class RedisLayout:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.client!r}, prefix={self.prefix!r})"
 
+    def _faults(self, operation: str, key: str, *, unsent: bool = False) -> _Faults:
+        """Around the I/O of one operation on ``key``, on either face: a redis-py error
+        raised inside becomes the ``MalfunctionError`` ``_fault`` makes of it."""
+        return _Faults((self._fault, operation, key, unsent))
+
     def _fault(self, operation: str, key: str, exc: RedisError) -> MalfunctionError:
-        error = redis_fault(operation, key, exc, _where(self.client))
+        """The one mapping of a redis-py error: a malformed entry for a key of another type,
+        else a fault naming redis, where, the operation and the key, and the ACL word a
+        refused command lacked; ``unsent`` when the request provably never left."""
+        if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
+            return malformed(self.name, operation, key, "a Redis key of another type")
+        error = fault(self.name, operation, key, exc, _where(self.client))
+        if isinstance(exc, ConnectionError | TimeoutError):
+            error.message += "; is Redis up and reachable there?"
         redis_key = None if operation == "scan" else self._entry_key(key)
         missing = missing_permission(exc, operation, redis_key)
         if missing is not None:
@@ -228,7 +243,8 @@ class RedisLayout:
                 f"; the Redis user lacks {missing}: grant it the words "
                 "RedisCache.acl_rules(prefixes=(...)) returns (docs/guides/redis.md)"
             )
-            error.args = (error.message, error.key)
+        error.args = (error.message, error.key)
+        error.unsent = refused(exc)
         return error
 
     def _keys(self, key: str) -> tuple[str, str]:
@@ -247,6 +263,11 @@ class RedisLayout:
     def _entry_key(self, key: str) -> str:
         return self._keys(key)[0]
 
+    def _get_command(self, key: str) -> Command:
+        # A bare GET, never client.get(): redis-py's client-side cache (RESP3) only serves
+        # commands sent with keys=..., and a lock must not read a stale copy.
+        return ("GET", self._entry_key(key))
+
     def _read_entry(self, key: str, payload: bytes | str | None) -> Entry | None:
         if payload is None:
             return None
@@ -257,6 +278,31 @@ class RedisLayout:
             raise malformed(
                 self.name, "get", key, f"{self._entry_key(key)!r} is not an entry"
             ) from None
+
+    # -- the scripts (put_if_absent, compare_and_set, compare_and_delete) -------------------
+
+    def _script_command(self, script: str, request: Request) -> Command:
+        return ("EVALSHA", self._shas[script], *request)
+
+    def _loaded(self, script: str, sha: bytes | str) -> None:
+        """``SCRIPT LOAD``'s reply (the faces send ``load_command(script)`` when a restarted
+        or failed-over server forgot the script, then the script again)."""
+        self._shas[script] = text(sha)
+
+    def _waits_for_replicas(self, script: str) -> bool:
+        """Does a write by ``script`` count only once ``replicas`` replicas took it? A grant
+        or a renewal does; a release never waits."""
+        return bool(self.replicas) and script != DELETE
+
+    def _replicas_command(self) -> Command:
+        """``WAIT``, sent after a write on the connection that sent it (WAIT counts the
+        writes of its own connection), with ``replicas=N``."""
+        return ("WAIT", self.replicas, ttl_ms(self.replica_timeout))
+
+    def _replicated(self, acked: Any) -> bool:
+        """``WAIT``'s reply: did enough replicas take the write in time (an unanswered
+        WAIT reads 0)?"""
+        return int(acked) >= self.replicas
 
     # -- put_if_absent ----------------------------------------------------------------------
 
@@ -329,6 +375,12 @@ class RedisLayout:
             raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
         return bool(freed == 2)  # a waiter was signalled
 
+    # -- waited_on ----------------------------------------------------------------------------
+
+    def _waited_on_command(self, key: str) -> Command:
+        """Is the waiter mark (``{base}:w``) there: did a put on ``key`` fail lately?"""
+        return ("EXISTS", self._keys(key)[1] + ":w")
+
     # -- wait -------------------------------------------------------------------------------
 
     def _block(self, timeout: float) -> float:
@@ -336,13 +388,13 @@ class RedisLayout:
         milliseconds, and 0 would mean "block forever")."""
         return min(timeout, self._max_block)
 
-    def _mark_of(self, signal: str) -> str:
-        """The waiter mark beside a signal list."""
-        return signal.removesuffix(":signal") + ":w"
-
     def _signals(self, keys: Sequence[str]) -> list[str]:
         """The signal lists of ``keys`` (a semaphore's slots share one)."""
         return list(dict.fromkeys(self._keys(key)[1] + ":signal" for key in keys))
+
+    def _blpop_command(self, keys: Sequence[str], block: float) -> Command:
+        """One wait for a release's token on the signal lists of ``keys``."""
+        return blpop_command(self._signals(keys), block)
 
     # -- scan -------------------------------------------------------------------------------
 
@@ -365,24 +417,22 @@ class RedisLayout:
     # -- the eviction check -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _eviction_check(self, key: str) -> Iterator[dict[Any, Any]]:
-        """Around reading ``CONFIG GET maxmemory*`` into the dict it yields: judge it, or
-        trust a server that renamed or denied CONFIG (a managed service)."""
-        config: dict[Any, Any] = {}
-        try:
-            yield config
-        except ResponseError:
-            self._checked = True
-            return
-        except RedisError as exc:
-            error = self._fault("put_if_absent", key, exc)
-            error.unsent = True  # the put itself was never sent: nothing to read back
-            raise error from exc
-        self._judge_eviction(config)
+    def _eviction_check(self, key: str) -> Iterator[list[Any]]:
+        """Around sending ``CONFIG_GET``, whose reply goes in the list it yields: judge
+        it, or trust a server that renamed or denied CONFIG (a managed service). Any other
+        error is the put's, which was never sent (nothing to read back)."""
+        replies: list[Any] = []
+        with self._faults("put_if_absent", key, unsent=True):
+            try:
+                yield replies
+            except ResponseError:
+                self._checked = True
+                return
+        self._judge_eviction(config_pairs(replies[0]))
 
     def _judge_eviction(self, config: dict[Any, Any]) -> None:
         """Refuse a server that may evict lock keys: an evicted lock is held twice."""
-        config = {text(name): value for name, value in config.items()}  # a raw reply: bytes
+        config = {text(name): value for name, value in config.items()}  # raw replies: bytes
         policy = text(config.get("maxmemory-policy", "noeviction"))
         if int(config.get("maxmemory", 0) or 0) and policy != "noeviction":
             raise ConstraintError(
@@ -392,6 +442,56 @@ class RedisLayout:
                 f"{type(self).__name__}(..., allow_eviction=True) to accept the risk"
             )
         self._checked = True
+
+
+class _Faults(tuple[Any, ...]):
+    """``RedisLayout._faults``: (the mapping, operation, key, unsent), a context that
+    raises the mapped ``MalfunctionError`` in place of a redis-py error. A tuple, built
+    in C, and no generator: it wraps every hot command (a class with ``__init__`` cost a
+    cycle 1 µs more)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, RedisError):
+            map_error, operation, key, unsent = self
+            error = map_error(operation, key, exc)
+            error.unsent = error.unsent or unsent
+            raise error from exc
+
+
+def load_command(script: str) -> Command:
+    # One word, as redis-py's own script_load sends it (a client path's response callback
+    # and its instrumentation see "SCRIPT LOAD"); redis-py splits it on the wire.
+    return ("SCRIPT LOAD", script)
+
+
+# The eviction check's read: maxmemory and maxmemory-policy (``_eviction_check``).
+CONFIG_GET: Command = ("CONFIG GET", "maxmemory*")
+
+
+def blpop_command(signals: Sequence[str], block: float) -> Command:
+    """Block up to ``block`` s (whole ms) for a token on one of ``signals``."""
+    return ("BLPOP", *signals, round(block, 3))
+
+
+def waiter_mark(signal: str) -> str:
+    """The waiter mark beside a signal list."""
+    return signal.removesuffix(":signal") + ":w"
+
+
+def mark_command(signal: str) -> Command:
+    """Keep the waiter mark beside ``signal`` (asyncio's listener, while waiters park)."""
+    return ("SET", waiter_mark(signal), 1, "PX", WAITER_MARK_MS)
+
+
+def token_back_commands(signal: str) -> tuple[Command, Command]:
+    """Put a token back (its local waiter gave up meanwhile: one release must wake
+    someone), with the life the release gave it."""
+    return ("LPUSH", signal, 1), ("PEXPIRE", signal, SIGNAL_MS)
 
 
 def _glob_escape(literal: str) -> str:
@@ -461,17 +561,6 @@ def connection_kwargs(client: Any) -> dict[str, Any]:
     if not isinstance(kwargs, dict):  # older redis-py: the pool holds them
         kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
     return kwargs if isinstance(kwargs, dict) else {}
-
-
-def redis_fault(operation: str, key: str, exc: RedisError, where: str = "") -> MalfunctionError:
-    if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
-        return malformed("redis", operation, key, "a Redis key of another type")
-    error = fault("redis", operation, key, exc, where)
-    if isinstance(exc, ConnectionError | TimeoutError):
-        error.message += "; is Redis up and reachable there?"
-        error.args = (error.message, error.key)
-    error.unsent = refused(exc)
-    return error
 
 
 _SCRIPTS = {"put_if_absent": PUT, "compare_and_set": CAS, "compare_and_delete": DELETE}
