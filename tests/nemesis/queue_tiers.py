@@ -136,6 +136,46 @@ def _resume(rec: history.Recorder, stopped: list[tuple[float, int]], now: float)
             stopped.remove((when, pid))
 
 
+def _kill_worker(rec: history.Recorder, proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a worker's whole process group, recording it and each child (the checker
+    ties each to the tasks it ran)."""
+    for pid in children(proc.pid):
+        rec("fault", kind="worker-kill", target=pid)
+    rec("fault", kind="worker-kill", target=proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def _drive(
+    rec: history.Recorder, procs: Procs, workers: list[str], ready: str,
+    start_worker: Callable[[str], None], seed: int, duration: float, faults: dict[str, float],
+    rng: random.Random, submit: Callable[[], object], deal: Callable[[str, float, float], None],
+    stopped: list[tuple[float, int]], tick: Callable[[], None] = lambda: None,
+) -> None:  # fmt: skip
+    """Start the workers and wait for each to log ``ready``; then for ``duration`` s
+    submit work at random gaps, deal the seed's faults when due, run ``tick`` and resume
+    each SIGSTOPped process when its pause ends; at the end resume every one."""
+    for name in workers:
+        start_worker(name)
+    for name in workers:
+        procs.wait_for(name, ready)
+    start = time.monotonic()
+    plan = schedule(seed, duration, faults, gap=1.5, max_length=4.0)
+    next_submit = start
+    while (now := time.monotonic()) < start + duration:
+        if now >= next_submit and now < start + duration - 3:
+            submit()
+            next_submit = now + rng.uniform(0.1, 0.5)
+        while plan and start + plan[0].at <= now:
+            fault = plan.pop(0)
+            deal(fault.kind, fault.length, fault.pick)
+        tick()
+        _resume(rec, stopped, now)
+        time.sleep(0.02)
+    _resume(rec, stopped, math.inf)
+
+
 def _check_queue_run(
     tier: str,
     seed: int,
@@ -235,13 +275,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             return
         if kind == "worker-kill":
             name = workers[int(pick * len(workers))]
-            proc = procs.procs[name]
-            for pid in children(proc.pid):  # the checker ties each to the tasks it ran
-                rec("fault", kind="worker-kill", target=pid)
-            rec("fault", kind="worker-kill", target=proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            _kill_worker(rec, procs.procs[name])
             start_worker(name)
             return
         if not live:
@@ -262,23 +296,9 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 
     stopped: list[tuple[float, int]] = []
     try:
-        for name in workers:
-            start_worker(name)
-        for name in workers:
-            procs.wait_for(name, "ready.")
-        start = time.monotonic()
-        plan = schedule(seed, duration, only(CELERY_FAULTS, kinds), gap=1.5, max_length=4.0)
-        next_submit = start
-        while (now := time.monotonic()) < start + duration:
-            if now >= next_submit and now < start + duration - 3:
-                submit()
-                next_submit = now + rng.uniform(0.1, 0.5)
-            while plan and start + plan[0].at <= now:
-                fault = plan.pop(0)
-                deal(fault.kind, fault.length, fault.pick)
-            _resume(rec, stopped, now)
-            time.sleep(0.02)
-        _resume(rec, stopped, math.inf)
+        faults = only(CELERY_FAULTS, kinds)
+        _drive(rec, procs, workers, "ready.", start_worker, seed, duration, faults, rng,
+               submit, deal, stopped)  # fmt: skip
         _outcomes(rec, submitted, timeout=45)
     finally:
         procs.stop(rec)
@@ -372,14 +392,9 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
                                   retry=Retry(max=2)))  # fmt: skip
             return
         if kind == "worker-kill":
-            proc = procs.procs[workers[int(pick * len(workers))]]
-            for pid in children(proc.pid):
-                rec("fault", kind="worker-kill", target=pid)
-            rec("fault", kind="worker-kill", target=proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            start_worker(next(n for n, p in procs.procs.items() if p is proc))
+            name = workers[int(pick * len(workers))]
+            _kill_worker(rec, procs.procs[name])
+            start_worker(name)
             return
         live = [(j, pid) for j in list(jobs)[-30:] if (pid := horse_of(j)) is not None]
         live = [(j, pid) for j, pid in live if jobs[j].get_status(refresh=True) == "started"]
@@ -394,31 +409,19 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
             if _signal(pid, signal.SIGSTOP):
                 stopped.append((time.monotonic() + length, pid))
 
+    def kill_first_horses() -> None:
+        for job_id in list(to_kill):
+            pid = horse_of(job_id)
+            if pid is not None:
+                rec("fault", kind="horse-kill", task=job_id, target=pid)
+                _signal(pid, signal.SIGKILL)
+                to_kill.remove(job_id)
+
     stopped: list[tuple[float, int]] = []
     try:
-        for name in workers:
-            start_worker(name)
-        for name in workers:
-            procs.wait_for(name, "Listening on")
-        start = time.monotonic()
-        plan = schedule(seed, duration, only(RQ_FAULTS, kinds), gap=1.5, max_length=4.0)
-        next_submit = start
-        while (now := time.monotonic()) < start + duration:
-            if now >= next_submit and now < start + duration - 3:
-                submit()
-                next_submit = now + rng.uniform(0.1, 0.5)
-            while plan and start + plan[0].at <= now:
-                fault = plan.pop(0)
-                deal(fault.kind, fault.length, fault.pick)
-            for job_id in list(to_kill):
-                pid = horse_of(job_id)
-                if pid is not None:
-                    rec("fault", kind="horse-kill", task=job_id, target=pid)
-                    _signal(pid, signal.SIGKILL)
-                    to_kill.remove(job_id)
-            _resume(rec, stopped, now)
-            time.sleep(0.02)
-        _resume(rec, stopped, math.inf)
+        faults = only(RQ_FAULTS, kinds)
+        _drive(rec, procs, workers, "Listening on", start_worker, seed, duration, faults, rng,
+               submit, deal, stopped, kill_first_horses)  # fmt: skip
         _rq_outcomes(rec, jobs, timeout=45)
     finally:
         procs.stop(rec)
