@@ -161,15 +161,19 @@ def _begin(workdir: Path) -> tuple[Path, history.Recorder, str, str]:
     return hist, rec, run_id, f"nemstore:{run_id}:"
 
 
-def _kill_worker(rec: history.Recorder, proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a worker's whole process group, recording it and each child (the checker
-    ties each to the tasks it ran)."""
+def _kill_worker(
+    rec: history.Recorder, procs: Procs, name: str, start_worker: Callable[[str], None]
+) -> None:
+    """SIGKILL the worker ``name``'s whole process group, recording it and each child (the
+    checker ties each to the tasks it ran), then start it again."""
+    proc = procs.procs[name]
     for pid in children(proc.pid):
         rec("fault", kind="worker-kill", target=pid)
     rec("fault", kind="worker-kill", target=proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
+    start_worker(name)
 
 
 def _drive(
@@ -302,9 +306,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             submit(key=key)
             return
         if kind == "worker-kill":
-            name = workers[int(pick * len(workers))]
-            _kill_worker(rec, procs.procs[name])
-            start_worker(name)
+            _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
             return
         if not live:
             return
@@ -409,9 +411,7 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
                                   retry=Retry(max=2)))  # fmt: skip
             return
         if kind == "worker-kill":
-            name = workers[int(pick * len(workers))]
-            _kill_worker(rec, procs.procs[name])
-            start_worker(name)
+            _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
             return
         live = [(j, pid) for j in list(jobs)[-30:] if (pid := horse_of(j)) is not None]
         live = [(j, pid) for j, pid in live if jobs[j].get_status(refresh=True) == "started"]
