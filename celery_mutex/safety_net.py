@@ -24,17 +24,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import parent
-from ._celery import (
-    TimeLimitExceeded,
-    WorkerLostError,
-    task_failure,
-    task_postrun,
-    task_received,
-    task_rejected,
-    task_revoked,
-    task_unknown,
-)
+from . import _celery, parent
+from ._celery import TimeLimitExceeded, WorkerLostError
 from .enqueue import unmark, unmark_refused
 from .run import end
 from .task import MutexTask
@@ -110,9 +101,9 @@ def _unmark_refused(sender: Any = None, message: Any = None, **_: Any) -> None:
         unmark_refused(app, getattr(message, "headers", None))
 
 
-task_postrun.connect(_release_leftover, weak=False)
-task_received.connect(_remember, weak=False)
-task_unknown.connect(_unmark_refused, weak=False)
-task_rejected.connect(_unmark_refused, weak=False)
-task_failure.connect(_release_after_child_died, weak=False)
-task_revoked.connect(_release_after_revoke, weak=False)
+_celery.task_postrun.connect(_release_leftover, weak=False)
+_celery.task_received.connect(_remember, weak=False)
+_celery.task_unknown.connect(_unmark_refused, weak=False)
+_celery.task_rejected.connect(_unmark_refused, weak=False)
+_celery.task_failure.connect(_release_after_child_died, weak=False)
+_celery.task_revoked.connect(_release_after_revoke, weak=False)

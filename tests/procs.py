@@ -13,20 +13,23 @@ process on the machine, so intervals logged by different processes can be compar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import random
+import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from simple_mutex import (
     DiskCache,
+    Lease,
     Mutex,
     Semaphore,
     SimpleMutexLeaseExpiredError,
@@ -73,6 +76,35 @@ def join_all(procs: list[Any], timeout: float) -> None:
     assert not stuck, f"processes {stuck} still running after {timeout} s: lock wedged?"
     failed = {p.pid: p.exitcode for p in procs if p.exitcode != 0}
     assert not failed, f"child processes failed (pid: exit code): {failed}"
+
+
+@contextlib.contextmanager
+def taken_from_paused(
+    holder: multiprocessing.process.BaseProcess,
+    url: str,
+    key: str,
+    held_at: Callable[[], int],
+    *,
+    join: float,
+) -> Iterator[Lease]:
+    """Start ``holder``; once ``held_at()`` (which waits for it to hold ``key``) returns
+    its fence, SIGSTOP it and take ``key`` on ``url`` when its lease lapses: the block
+    runs holding that lease. After the block, still holding, the holder is resumed and
+    waited for ``join`` s; a holder still alive then (or after an error) is killed."""
+    holder.start()
+    try:
+        old_fence = held_at()
+        os.kill(holder.pid, signal.SIGSTOP)
+        taker = Mutex(cache_from_url(url), lease=10)
+        with taker.acquire(key, timeout=5) as lease:  # granted once the paused lease lapses
+            assert lease.fence > old_fence
+            yield lease
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.join(join)
+    finally:
+        if holder.is_alive():
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
 
 
 class Row(NamedTuple):

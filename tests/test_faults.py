@@ -31,6 +31,7 @@ import pytest
 import redis
 import redis.asyncio
 from faults import FaultProxy
+from procs import taken_from_paused
 from servers import RedisServer, free_port, own_redis, scripts
 
 from simple_mutex import (
@@ -240,23 +241,15 @@ def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, 
     url = {t.name: t.url(t.port) for t in TIERS}.get(tier_url, f"file://{tmp_path}/locks")
     ledger, report = f"{key}.ledger", str(tmp_path / "holder")
     holder = FORK.Process(target=_paused_holder, args=(url, key, ledger, report))
-    holder.start()
-    try:
+
+    def held_at() -> int:
         deadline = time.monotonic() + 10
         while not Path(report).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        old_fence = int(Path(report).read_text())
-        os.kill(holder.pid, signal.SIGSTOP)
-        taker = Mutex(cache_from_url(url), lease=10)
-        with taker.acquire(key, timeout=5) as lease:  # granted once the paused lease lapses
-            assert lease.fence > old_fence
-            assert ledger_write(ledger, lease.fence, "taker")
-            os.kill(holder.pid, signal.SIGCONT)
-            holder.join(10)
-    finally:
-        if holder.is_alive():
-            os.kill(holder.pid, signal.SIGCONT)
-            holder.kill()
+        return int(Path(report).read_text())
+
+    with taken_from_paused(holder, url, key, held_at, join=10) as lease:
+        assert ledger_write(ledger, lease.fence, "taker")
     assert Path(report + ".done").read_text() == "interrupted"
     store = redis.Redis(decode_responses=True)
     attempts = [line.split() for line in store.lrange(ledger + ":attempts", 0, -1)]

@@ -91,6 +91,18 @@ def async_round_trip(open_cache: Callable[[], Awaitable[tuple[Any, Any]]], label
     asyncio.run(main())
 
 
+def refused_at_4(stale_write: Callable[[], object]) -> None:
+    """``stale_write`` (fence 4, after a write at 5) must raise FencedOutError(current=5)."""
+    from simple_mutex import FencedOutError
+
+    try:
+        stale_write()
+    except FencedOutError as exc:
+        require(exc.current == 5, f"FencedOutError.current is {exc.current}, not 5")
+    else:
+        require(False, "a stale fence was accepted")
+
+
 def check_core() -> None:
     import simple_mutex
     import simple_mutex.fenced  # its modules import a driver only when called
@@ -146,7 +158,6 @@ def check_sqlalchemy() -> None:
     the fenced writes on SQLite, which needs nothing more, refuse a stale fence."""
     import sqlalchemy as sa
 
-    from simple_mutex import FencedOutError
     from simple_mutex.fenced import fenced_update, fenced_upsert
 
     with tempfile.TemporaryDirectory() as path:
@@ -155,12 +166,7 @@ def check_sqlalchemy() -> None:
             c.exec_driver_sql("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT, fence INTEGER)")
         fenced_upsert(engine, "t", {"id": 1}, {"v": "new"}, fence=5)
         require(fenced_update(engine, "t", {"id": 1}, {"v": "same"}, fence=5) == 1, "not written")
-        try:
-            fenced_update(engine, "t", {"id": 1}, {"v": "stale"}, fence=4)
-        except FencedOutError as exc:
-            require(exc.current == 5, f"FencedOutError.current is {exc.current}, not 5")
-        else:
-            require(False, "a stale fence was accepted")
+        refused_at_4(lambda: fenced_update(engine, "t", {"id": 1}, {"v": "stale"}, fence=4))
         engine.dispose()
     ok(f"simple_mutex.fenced on SQLAlchemy {sa.__version__} (SQLite): a stale fence refused")
 
@@ -170,8 +176,6 @@ def check_django() -> None:
     nothing more) refuses a stale fence."""
     import django
     from django.conf import settings
-
-    from simple_mutex import FencedOutError
 
     with tempfile.TemporaryDirectory() as path:
         settings.configure(
@@ -196,12 +200,7 @@ def check_django() -> None:
         fenced_upsert_model(Account, {"id": 1}, {"balance": 10}, fence=5)
         one = Account.objects.filter(id=1)
         require(fenced_update_queryset(one, {"balance": 9}, fence=5) == 1, "not written")
-        try:
-            fenced_update_queryset(one, {"balance": 0}, fence=4)
-        except FencedOutError as exc:
-            require(exc.current == 5, f"FencedOutError.current is {exc.current}, not 5")
-        else:
-            require(False, "a stale fence was accepted")
+        refused_at_4(lambda: fenced_update_queryset(one, {"balance": 0}, fence=4))
         connection.close()
     ok(f"simple_mutex.fenced.django on Django {django.__version__} (SQLite): a stale fence refused")
 

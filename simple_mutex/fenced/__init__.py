@@ -25,7 +25,6 @@ from simple_mutex.current import current_lease
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, FencedOutError
 
 from . import _sql
-from ._common import check_columns, check_fence, check_name
 from .redis import fenced_get, fenced_set
 from .s3 import fenced_put
 
@@ -69,16 +68,14 @@ def fenced_update(
     column (a row from before fences) counts as 0. ``table``: ``"name"``,
     ``"schema.name"``, or for SQLAlchemy a ``Table`` or mapped class.
     """
-    fence, fence_column = check_fence(fence), check_name(fence_column, "fence_column")
-    where = check_columns("where", where, fence_column, empty_ok=False)
-    values = check_columns("values", values, fence_column, empty_ok=True)
+    write = _sql.Write.checked("where", where, values, fence, fence_column)
     if _driver(conn) == "psycopg":
         from . import postgres
 
-        return postgres.update(conn, _sql.Target.parse(table), where, values, fence, fence_column)
+        return postgres.update(conn, _sql.Target.parse(table), write)
     from . import sqlalchemy
 
-    return sqlalchemy.update(conn, table, where, values, fence, fence_column)
+    return sqlalchemy.update(conn, table, write)
 
 
 def fenced_upsert(
@@ -94,14 +91,13 @@ def fenced_upsert(
     ``key`` (its columns must carry a unique index) unless it holds a larger fence, in one
     ``INSERT ... ON CONFLICT ... DO UPDATE ... WHERE`` statement; raises ``FencedOutError``
     if it does. A NULL fence column counts as 0."""
-    fence, fence_column = check_fence(fence), check_name(fence_column, "fence_column")
-    key = check_columns("key", key, fence_column, empty_ok=False)
-    values = check_columns("values", values, fence_column, empty_ok=True)
-    if any(value is None for value in key.values()):
+    write = _sql.Write.checked("key", key, values, fence, fence_column)
+    if any(value is None for value in write.rows.values()):
         raise ConstraintValueError(
-            f"key {key!r} has a None: NULL never conflicts, so each call would insert a new row"
+            f"key {write.rows!r} has a None: NULL never conflicts, so each call would insert "
+            "a new row"
         )
-    overlap = sorted(set(key) & set(values))
+    overlap = sorted(set(write.rows) & set(write.values))
     if overlap:
         raise ConstraintValueError(
             f"columns {overlap} are in both key and values: keep them in key only"
@@ -109,8 +105,8 @@ def fenced_upsert(
     if _driver(conn) == "psycopg":
         from . import postgres
 
-        postgres.upsert(conn, _sql.Target.parse(table), key, values, fence, fence_column)
+        postgres.upsert(conn, _sql.Target.parse(table), write)
         return
     from . import sqlalchemy
 
-    sqlalchemy.upsert(conn, table, key, values, fence, fence_column)
+    sqlalchemy.upsert(conn, table, write)

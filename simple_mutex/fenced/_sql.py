@@ -61,7 +61,7 @@ from typing import Literal
 
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError
 
-from ._common import check_name
+from ._common import check_columns, check_fence, check_name
 
 Token = tuple[Literal["sql", "id", "param"], str]
 Tokens = tuple[Token, ...]
@@ -142,6 +142,38 @@ class Statement:
 
     def done(self) -> Tokens:
         return tuple(self.tokens)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One fenced write, its arguments checked: ``rows`` names the rows (an update's
+    ``where``, an upsert's ``key``; never empty), ``values`` what it writes beside the fence."""
+
+    rows: dict[str, object]
+    values: dict[str, object]
+    fence: int
+    fence_column: str
+
+    @classmethod
+    def checked(
+        cls, rows_are: str, rows: object, values: object, fence: object, fence_column: object
+    ) -> Write:
+        """The write, or the ConstraintError of its first bad argument (``rows_are``: the
+        parameter's name for the messages)."""
+        fence, column = check_fence(fence), check_name(fence_column, "fence_column")
+        return cls(
+            check_columns(rows_are, rows, column, empty_ok=False),
+            check_columns("values", values, column, empty_ok=True),
+            fence,
+            column,
+        )
+
+    @property
+    def shape(self) -> Shape:
+        return shape(self.rows)
+
+    def params(self, *, with_values: bool = True) -> dict[str, object]:
+        return params(self.rows, self.values if with_values else {}, self.fence)
 
 
 def shape(where: Mapping[str, object]) -> Shape:

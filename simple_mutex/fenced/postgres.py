@@ -8,7 +8,6 @@ autocommit connection), and the rows stay locked until then.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from simple_mutex.errors import ConstraintTypeError, FencedOutError, MalfunctionError
@@ -59,37 +58,22 @@ def _execute(
         raise MalfunctionError(f"postgresql {operation} of {rows} failed: {exc!r}") from exc
 
 
-def update(
-    conn: Any,
-    target: _sql.Target,
-    where: Mapping[str, object],
-    values: Mapping[str, object],
-    fence: int,
-    fence_column: str,
-) -> int:
-    tokens = _sql.update("postgresql", target, _sql.shape(where), tuple(values), fence_column)
-    params = _sql.params(where, values, fence)
-    rows = _sql.describe(target, where)
-    written, current = _execute(conn, tokens, params, "fenced_update", rows)
+def update(conn: Any, target: _sql.Target, write: _sql.Write) -> int:
+    tokens = _sql.update("postgresql", target, write.shape, tuple(write.values), write.fence_column)
+    rows = _sql.describe(target, write.rows)
+    written, current = _execute(conn, tokens, write.params(), "fenced_update", rows)
     if current is not None:
-        raise FencedOutError.refused("postgresql", rows, fence, int(current))
+        raise FencedOutError.refused("postgresql", rows, write.fence, int(current))
     return int(written)
 
 
-def upsert(
-    conn: Any,
-    target: _sql.Target,
-    key: Mapping[str, object],
-    values: Mapping[str, object],
-    fence: int,
-    fence_column: str,
-) -> None:
-    rows = _sql.describe(target, key)
-    tokens = _sql.upsert(target, _sql.shape(key), tuple(values), fence_column)
-    if _execute(conn, tokens, _sql.params(key, values, fence), "fenced_upsert", rows):
+def upsert(conn: Any, target: _sql.Target, write: _sql.Write) -> None:
+    rows = _sql.describe(target, write.rows)
+    tokens = _sql.upsert(target, write.shape, tuple(write.values), write.fence_column)
+    if _execute(conn, tokens, write.params(), "fenced_upsert", rows):
         return
     # Refused. The statement decided; this read only says by how much, for the error.
-    stale = _sql.stale_fence(target, _sql.shape(key), fence_column)
-    (current,) = _execute(conn, stale, _sql.params(key, {}, fence), "fenced_upsert", rows)
+    stale = _sql.stale_fence(target, write.shape, write.fence_column)
+    (current,) = _execute(conn, stale, write.params(with_values=False), "fenced_upsert", rows)
     current = None if current is None else int(current)
-    raise FencedOutError.refused("postgresql", rows, fence, current)
+    raise FencedOutError.refused("postgresql", rows, write.fence, current)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from simple_mutex.errors import (
@@ -117,50 +117,36 @@ def _execute(
         ) from exc
 
 
-def update(
-    conn: Any,
-    table: object,
-    where: Mapping[str, object],
-    values: Mapping[str, object],
-    fence: int,
-    fence_column: str,
-) -> int:
-    target = target_of(table, [*where, *values, fence_column])
-    rows = _sql.describe(target, where)
-    params = _sql.params(where, values, fence)
+def update(conn: Any, table: object, write: _sql.Write) -> int:
+    target = target_of(table, [*write.rows, *write.values, write.fence_column])
+    rows = _sql.describe(target, write.rows)
+    params = write.params()
     with connection(conn) as c:
         dialect = _dialect(c, "fenced_update")
-        tokens = _sql.update(dialect, target, _sql.shape(where), tuple(values), fence_column)
+        tokens = _sql.update(dialect, target, write.shape, tuple(write.values), write.fence_column)
         result = _execute(c, tokens, params, "fenced_update", rows)
         if dialect == "postgresql":
             written, current = result.one()
         else:
             written, current = result.rowcount, None
             if not written:
-                stale = _sql.stale_fence(target, _sql.shape(where), fence_column)
+                stale = _sql.stale_fence(target, write.shape, write.fence_column)
                 current = _execute(c, stale, params, "fenced_update", rows).scalar()
         if current is not None:
-            raise FencedOutError.refused(dialect, rows, fence, int(current))
+            raise FencedOutError.refused(dialect, rows, write.fence, int(current))
         return int(written)
 
 
-def upsert(
-    conn: Any,
-    table: object,
-    key: Mapping[str, object],
-    values: Mapping[str, object],
-    fence: int,
-    fence_column: str,
-) -> None:
-    target = target_of(table, [*key, *values, fence_column])
-    rows = _sql.describe(target, key)
-    params = _sql.params(key, values, fence)
+def upsert(conn: Any, table: object, write: _sql.Write) -> None:
+    target = target_of(table, [*write.rows, *write.values, write.fence_column])
+    rows = _sql.describe(target, write.rows)
     with connection(conn) as c:
         dialect = _dialect(c, "fenced_upsert")
-        tokens = _sql.upsert(target, _sql.shape(key), tuple(values), fence_column)
-        if _execute(c, tokens, params, "fenced_upsert", rows).first() is not None:
+        tokens = _sql.upsert(target, write.shape, tuple(write.values), write.fence_column)
+        if _execute(c, tokens, write.params(), "fenced_upsert", rows).first() is not None:
             return
-        stale = _sql.stale_fence(target, _sql.shape(key), fence_column)
-        current = _execute(c, stale, _sql.params(key, {}, fence), "fenced_upsert", rows).scalar()
+        stale = _sql.stale_fence(target, write.shape, write.fence_column)
+        params = write.params(with_values=False)
+        current = _execute(c, stale, params, "fenced_upsert", rows).scalar()
         current = None if current is None else int(current)
-        raise FencedOutError.refused(dialect, rows, fence, current)
+        raise FencedOutError.refused(dialect, rows, write.fence, current)

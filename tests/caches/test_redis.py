@@ -31,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_acl import lock_user, url_as
 from servers import RedisServer, free_port, own_cluster, own_redis
+from shared_redis import shared_client
 from workers import ReleaseLater
 
 from simple_mutex import (
@@ -59,20 +60,8 @@ def new_client(url: str = REDIS_URL, **options: Any) -> redis.Redis:
 @pytest.fixture(scope="module")
 def client() -> Iterator[redis.Redis]:
     """A client of the shared server; fails (never skips) when it does not answer."""
-    probe = new_client(socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
-    try:
-        probe.ping()
-    except redis.RedisError as exc:
-        pytest.fail(
-            f"no Redis answers at {REDIS_URL} ({exc!r}); start one (redis-server, or "
-            "apt-get install -y redis-server) or point REDIS_URL at one"
-        )
-    probe.close()
-    conn = new_client(socket_timeout=5, socket_connect_timeout=2)
-    yield conn
-    for key in conn.scan_iter(match=PREFIX + "*", count=1000):
-        conn.delete(key)
-    conn.close()
+    with shared_client(REDIS_URL, PREFIX + "*") as conn:
+        yield conn
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from celery.beat import ScheduleEntry, Scheduler, SchedulingError
 from celery.schedules import schedule
 from redis_acl import lock_user, url_as
 from servers import ROOT
+from shared_redis import shared_client
 
 import celery_mutex
 from celery_mutex.beat import MutexSchedulerMixin, drop_duplicate_tick
@@ -45,16 +46,8 @@ RUN = uuid.uuid4().hex[:8]
 @pytest.fixture(scope="module")
 def admin() -> Iterator[redis.Redis]:
     """The server's default user, to make users and look behind the cache's back."""
-    conn = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
-    try:
-        conn.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"no Redis answers at {REDIS_URL} ({exc!r})")
-    yield conn
-    for pattern in (f"*acl{RUN}*",):
-        for key in conn.scan_iter(match=pattern, count=1000):
-            conn.delete(key)
-    conn.close()
+    with shared_client(REDIS_URL, f"*acl{RUN}*") as conn:
+        yield conn
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ Every key starts with one random prefix, deleted at the end; nothing is flushed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
 from redis_acl import lock_user, url_as
 from servers import free_port, own_cluster, own_redis
+from shared_redis import shared_client
 
 from simple_mutex import (
     ConstraintError,
@@ -60,25 +62,25 @@ def run(coro: Any, limit: float = 60) -> Any:
 def client() -> Iterator[redis.Redis]:
     """A sync client of the shared server, to look behind the cache's back; fails (never
     skips) when the server does not answer."""
-    conn = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
-    try:
-        conn.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"no Redis answers at {REDIS_URL} ({exc!r})")
-    yield conn
-    for key in conn.scan_iter(match=PREFIX + "*", count=1000):
-        conn.delete(key)
-    conn.close()
+    with shared_client(REDIS_URL, PREFIX + "*") as conn:
+        yield conn
 
 
-@pytest.fixture
-def face(client: redis.Redis) -> Iterator[BlockingFace]:
-    aio = redis.asyncio.Redis.from_url(REDIS_URL)
+@contextlib.contextmanager
+def async_face(url: str = REDIS_URL, **options: Any) -> Iterator[BlockingFace]:
+    """An AsyncRedisCache on its own asyncio client, behind the blocking face."""
+    aio = redis.asyncio.Redis.from_url(url, **options)
     face = BlockingFace(AsyncRedisCache(aio, prefix=PREFIX))
     yield face
     face.call(face.cache.aclose())
     face.call(aio.aclose())
     face.close()
+
+
+@pytest.fixture
+def face(client: redis.Redis) -> Iterator[BlockingFace]:
+    with async_face() as face:
+        yield face
 
 
 class TestAsyncRedisCacheContract(NotifyContract, CacheContract):
@@ -102,13 +104,11 @@ class TestAsyncRedisCacheContractAsLockUser(NotifyContract, CacheContract):
     @pytest.fixture
     def cache(self, client: redis.Redis) -> Iterator[BlockingFace]:
         rules = RedisCache.acl_rules(prefixes=("",), cache_prefix=PREFIX)
-        with lock_user(client, rules) as (user, password):
-            aio = redis.asyncio.Redis.from_url(url_as(REDIS_URL, user, password))
-            face = BlockingFace(AsyncRedisCache(aio, prefix=PREFIX))
+        with (
+            lock_user(client, rules) as (user, password),
+            async_face(url_as(REDIS_URL, user, password)) as face,
+        ):
             yield face
-            face.call(face.cache.aclose())
-            face.call(aio.aclose())
-            face.close()
 
 
 class TestAsyncRedisCacheContractDecodedResponses(NotifyContract, CacheContract):
@@ -118,11 +118,8 @@ class TestAsyncRedisCacheContractDecodedResponses(NotifyContract, CacheContract)
 
     @pytest.fixture
     def cache(self, client: redis.Redis) -> Iterator[BlockingFace]:
-        aio = redis.asyncio.Redis.from_url(REDIS_URL, decode_responses=True)
-        face = BlockingFace(AsyncRedisCache(aio, prefix=PREFIX))
-        yield face
-        face.call(aio.aclose())
-        face.close()
+        with async_face(decode_responses=True) as face:
+            yield face
 
 
 def new_mutex(**options: Any) -> Mutex:

@@ -13,23 +13,15 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+
+from celery_support.env_app import app_from_env
 
 # isort: split
 from celery_mutex import MutexTask
 
-PREFIX = os.environ.get("CM_PREFIX", "cmtest.")
-app = Celery("celery_support.app", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("CM_BROKER", "redis://127.0.0.1:6379/11"),
-    result_backend=os.environ.get("CM_BACKEND", "redis://127.0.0.1:6379/11"),
-    task_default_queue=os.environ.get("CM_QUEUE", "cmtest"),
-    mutex_cache=os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11"),
-    mutex_prefix=PREFIX,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-)
-_record = redis.Redis.from_url(os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11"))
+app = app_from_env("celery_support.app")
+PREFIX: str = app.conf.mutex_prefix
+_record = redis.Redis.from_url(app.conf.mutex_cache)
 
 FAST_RETRY = {"countdown": 0.05, "backoff": 1.3, "cap": 0.3}
 

@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
 from celery.schedules import crontab
+
+from celery_support.env_app import app_from_env
 
 # isort: split
 from celery_mutex import MutexTask, signals
@@ -33,15 +34,13 @@ CACHE = os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11")
 RUN = os.environ.get("CM_RUN", "run")
 PERIOD = dt.timedelta(seconds=float(os.environ.get("CM_PERIOD", "1")))
 
-app = Celery("celery_support.beat_app", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("CM_BROKER", CACHE),
-    result_backend=CACHE,
-    task_default_queue=os.environ.get("CM_QUEUE", "cmbeat"),
+app = app_from_env(
+    "celery_support.beat_app",
+    broker=CACHE,
+    queue="cmbeat",
+    prefix=PREFIX,
+    result_backend=CACHE,  # CM_CACHE is the lock cache, result backend and records
     mutex_cache=CACHE,
-    mutex_prefix=PREFIX,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
     beat_schedule={
         "fast": {"task": "celery_support.beat_app.fast", "schedule": PERIOD, "args": (RUN,)},
         "remote": {

@@ -6,22 +6,16 @@ from __future__ import annotations
 import os
 
 import psycopg
-from celery import Celery
+
+from celery_support.env_app import app_from_env
 
 # isort: split
 from celery_mutex import MutexTask, current_lease
 from simple_mutex.fenced import fenced_update
 
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-app = Celery("celery_support.fenced_app", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("CM_BROKER", "redis://127.0.0.1:6379/11"),
-    result_backend=os.environ.get("CM_BACKEND", "redis://127.0.0.1:6379/11"),
-    task_default_queue=os.environ.get("CM_QUEUE", "cmtest"),
-    mutex_cache=os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11"),
-    mutex_prefix=os.environ.get("CM_PREFIX", "cmtest."),
-    broker_connection_retry_on_startup=True,
-)
+# Celery's default prefetch, as this app always had: the writers contend as they queue.
+app = app_from_env("celery_support.fenced_app", worker_prefetch_multiplier=4)
 
 
 @app.task(base=MutexTask, mutex={"key": "account.{account_id}", "on_busy": "wait"})

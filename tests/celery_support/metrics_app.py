@@ -17,24 +17,17 @@ import os
 import time
 from typing import Any
 
-from celery import Celery, signals
+from celery import signals
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from workers import spin
+
+from celery_support.env_app import app_from_env
 
 # isort: split
 from celery_mutex import MutexTask
 from simple_mutex.contrib import prometheus
 
-app = Celery("celery_support.metrics_app", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("CM_BROKER", "redis://127.0.0.1:6379/11"),
-    result_backend=os.environ.get("CM_BACKEND", "redis://127.0.0.1:6379/11"),
-    task_default_queue=os.environ.get("CM_QUEUE", "cmtest"),
-    mutex_cache=os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11"),
-    mutex_prefix=os.environ.get("CM_PREFIX", "cmtest."),
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-)
+app = app_from_env("celery_support.metrics_app")
 
 prometheus.instrument()
 

@@ -163,6 +163,15 @@ def test_prefork_metrics_and_skipped_events_equal_what_ran(worker):
         assert task.holder.startswith(f"{APP}.hold[")
 
 
+def _burst(queue: Queue) -> None:
+    """A real ``rq worker --burst`` runs what ``queue`` holds, then exits cleanly."""
+    worker = start(["rq", "worker", "--burst", "-u", jobs.REDIS_URL, queue.name])
+    try:
+        assert worker.wait(timeout=60) == 0
+    finally:
+        stop([worker])
+
+
 def test_rq_worker_flags_a_skipped_job_in_its_meta():
     """A job skipped by a real ``rq worker`` (its key held elsewhere) finishes with the
     skip marker and ``meta`` saying so, with who held it; a job that ran has no flag."""
@@ -171,18 +180,10 @@ def test_rq_worker_flags_a_skipped_job_in_its_meta():
     queue = Queue(f"rqt-{run}", connection=conn)
     held = Mutex(RedisCache(conn), lease=30).acquire(f"skip.{run}", label="the-test")
     skipped = queue.enqueue(jobs.skipper, run)
-    worker = start(["rq", "worker", "--burst", "-u", jobs.REDIS_URL, queue.name])
-    try:
-        assert worker.wait(timeout=60) == 0
-    finally:
-        stop([worker])
+    _burst(queue)
     held.release()
     ran = queue.enqueue(jobs.skipper, run)
-    worker = start(["rq", "worker", "--burst", "-u", jobs.REDIS_URL, queue.name])
-    try:
-        assert worker.wait(timeout=60) == 0
-    finally:
-        stop([worker])
+    _burst(queue)
     skipped.refresh()
     ran.refresh()
     assert skipped.get_status() == JobStatus.FINISHED

@@ -5,8 +5,6 @@ PostgreSQL, Redis and S3 (SeaweedFS) for the store."""
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
 import threading
 import time
 import uuid
@@ -26,6 +24,7 @@ from fenced_support import (
     s3_client,
     writer,
 )
+from procs import taken_from_paused
 from servers import scripts
 
 from simple_mutex import FencedOutError, Mutex, SimpleMutexLeaseExpiredError, cache_from_url
@@ -101,27 +100,19 @@ def paused_holder_scenario(kind: str, target: str, tmp_path: Path) -> tuple[list
     the taker's write landed, and the taker's fence."""
     lock_key, report = f"fenced.lock.{uuid.uuid4().hex[:8]}", str(tmp_path / "holder")
     holder = FORK.Process(target=_paused_holder, args=(kind, target, lock_key, report))
-    holder.start()
-    try:
+
+    def held_at() -> int:
         deadline = time.monotonic() + 10
         attempts = Path(report + ".attempts")
         # Both files may exist before they are written: wait for their content.
         while not (attempts.exists() and " 1" in attempts.read_text()):
             assert time.monotonic() < deadline, "the holder never took the lock and wrote"
             time.sleep(0.01)  # the rightful holder's writes land first
-        old_fence = int(Path(report).read_text())
-        os.kill(holder.pid, signal.SIGSTOP)
-        taker = Mutex(cache_from_url(REDIS_URL), lease=10)
-        with taker.acquire(lock_key, timeout=5) as lease:  # once the paused lease lapses
-            assert lease.fence > old_fence
-            assert writer(kind, target)(lease.fence, "taker"), "the new holder was refused"
-            taken_at = time.monotonic()
-            os.kill(holder.pid, signal.SIGCONT)
-            holder.join(15)
-    finally:
-        if holder.is_alive():
-            os.kill(holder.pid, signal.SIGCONT)
-            holder.kill()
+        return int(Path(report).read_text())
+
+    with taken_from_paused(holder, REDIS_URL, lock_key, held_at, join=15) as lease:
+        assert writer(kind, target)(lease.fence, "taker"), "the new holder was refused"
+        taken_at = time.monotonic()
     assert Path(report + ".done").read_text() == "interrupted"
     attempts = [line.split() for line in Path(report + ".attempts").read_text().splitlines()]
     errors = [verdict for _, verdict in attempts if verdict.startswith("error")]

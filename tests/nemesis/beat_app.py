@@ -16,21 +16,22 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
 from celery.schedules import crontab
+from celery_support.env_app import app_from_env
 
 import nemesis  # noqa: F401  (sys.path)
 from nemesis.history import Recorder
 
-app = Celery("nemesis.beat_app", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("NEM_BROKER", "amqp://guest:guest@127.0.0.1:5672//"),
-    result_backend=os.environ.get("NEM_BACKEND", "redis://127.0.0.1:6379/14"),
-    task_default_queue=os.environ.get("NEM_QUEUE", "nembeat"),
-    mutex_cache=os.environ.get("NEM_BACKEND", "redis://127.0.0.1:6379/14"),
-    mutex_prefix=os.environ.get("NEM_PREFIX", "nembeat."),
+app = app_from_env(
+    "nemesis.beat_app",
+    "NEM",
+    broker="amqp://guest:guest@127.0.0.1:5672//",
+    backend="redis://127.0.0.1:6379/14",
+    queue="nembeat",
+    prefix="nembeat.",
+    mutex_cache=os.environ.get("NEM_BACKEND", "redis://127.0.0.1:6379/14"),  # one Redis
+    worker_prefetch_multiplier=4,  # Celery's default, as this app always had
     timezone=os.environ.get("NEM_TZ", "UTC"),
-    broker_connection_retry_on_startup=True,
     beat_schedule={
         "every": {"task": "nemesis.beat_app.tick", "schedule": 1.0, "args": ("every",)},
         "cron": {

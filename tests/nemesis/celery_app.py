@@ -18,25 +18,25 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import signals
+from celery_support.env_app import app_from_env
 
 import nemesis  # noqa: F401  (sys.path)
 from celery_mutex import MutexTask, current_lease
 from nemesis.body import Steps
 from nemesis.history import Recorder
 
-PREFIX = os.environ.get("NEM_PREFIX", "nemcel.")
-app = Celery("nemesis.celery_app", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("NEM_BROKER", "amqp://guest:guest@127.0.0.1:5672//"),
-    result_backend=os.environ.get("NEM_BACKEND", "redis://127.0.0.1:6379/14"),
-    task_default_queue=os.environ.get("NEM_QUEUE", "nemesis"),
-    mutex_cache=os.environ.get("NEM_CACHE", "redis://127.0.0.1:6379/14"),
-    mutex_prefix=PREFIX,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
+app = app_from_env(
+    "nemesis.celery_app",
+    "NEM",
+    broker="amqp://guest:guest@127.0.0.1:5672//",
+    backend="redis://127.0.0.1:6379/14",
+    queue="nemesis",
+    cache="redis://127.0.0.1:6379/14",
+    prefix="nemcel.",
     task_reject_on_worker_lost=True,  # acks_late: a killed worker's task is redelivered
 )
+PREFIX: str = app.conf.mutex_prefix
 LOCK = {"key": "k.{key}", "on_busy": "wait", "timeout": 20, "lease": 2, "renew": True}
 _rec: Recorder | None = None
 _steps: Steps | None = None

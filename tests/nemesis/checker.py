@@ -51,7 +51,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,20 +217,32 @@ def _overlaps(holds: dict[str, Hold], spec: Spec) -> list[Anomaly]:
     return found
 
 
-def _refused_while_protected(holds: dict[str, Hold]) -> list[Anomaly]:
+def _first_bad_step(
+    holds: dict[str, Hold], kind: str, at: str, bad: Callable[[Hold, Event], str | None]
+) -> list[Anomaly]:
+    """Per hold, an anomaly ``kind`` for the first of its steps ``bad`` describes (None: a
+    good step), at the step's time ``at``: one per hold, the rest follow from it."""
     found = []
     for hold in holds.values():
         for step in hold.steps:
-            if _protected(step) and not step["accepted"]:
-                found.append(Anomaly(
-                    "refused-while-protected", hold.key,
-                    f"{hold.id} (pid {hold.pid}, fence {step['fence']}) step {step['n']} at "
-                    f"{step['t']:.3f}, deadline {step['deadline']:.3f}: the store already had "
-                    f"fence {step['last']}, written by a later grant inside this lease",
-                    step["t"], (hold.id,),
-                ))  # fmt: skip
+            said = bad(hold, step)
+            if said is not None:
+                found.append(Anomaly(kind, hold.key, said, step[at], (hold.id,)))
                 break
     return found
+
+
+def _refused_while_protected(holds: dict[str, Hold]) -> list[Anomaly]:
+    def refused(hold: Hold, step: Event) -> str | None:
+        if not _protected(step) or step["accepted"]:
+            return None
+        return (
+            f"{hold.id} (pid {hold.pid}, fence {step['fence']}) step {step['n']} at "
+            f"{step['t']:.3f}, deadline {step['deadline']:.3f}: the store already had "
+            f"fence {step['last']}, written by a later grant inside this lease"
+        )
+
+    return _first_bad_step(holds, "refused-while-protected", "t", refused)
 
 
 def _store_key(step: Event) -> str:
@@ -343,20 +355,18 @@ def _hangs(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: Spec
 
 
 def _late_interrupts(holds: dict[str, Hold], stops: Stops, spec: Spec) -> list[Anomaly]:
-    found = []
-    for hold in holds.values():
-        for step in hold.steps:
-            if step["t0"] > step["deadline"]:
-                ran = stops.running(hold.os, step["deadline"], step["t0"])
-                if ran > spec.interrupt_slack:
-                    found.append(Anomaly(
-                        "late-interrupt", hold.key,
-                        f"{hold.id} (pid {hold.pid}) began step {step['n']} {ran:.3f} s of "
-                        f"running time after its deadline {step['deadline']:.3f}",
-                        step["t0"], (hold.id,),
-                    ))  # fmt: skip
-                    break
-    return found
+    def late(hold: Hold, step: Event) -> str | None:
+        if step["t0"] <= step["deadline"]:
+            return None
+        ran = stops.running(hold.os, step["deadline"], step["t0"])
+        if ran <= spec.interrupt_slack:
+            return None
+        return (
+            f"{hold.id} (pid {hold.pid}) began step {step['n']} {ran:.3f} s of "
+            f"running time after its deadline {step['deadline']:.3f}"
+        )
+
+    return _first_bad_step(holds, "late-interrupt", "t0", late)
 
 
 def _swallowed(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: Spec

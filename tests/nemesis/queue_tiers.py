@@ -126,6 +126,21 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
+def _sigkill(rec: history.Recorder, kind: str, task: str, pid: int) -> None:
+    """The fault ``kind`` dealt to ``task``'s process: recorded, then SIGKILL."""
+    rec("fault", kind=kind, task=task, target=pid)
+    _signal(pid, signal.SIGKILL)
+
+
+def _sigstop(
+    rec: history.Recorder, stopped: list[tuple[float, int]], task: str, pid: int, length: float
+) -> None:
+    """SIGSTOP ``task``'s process for ``length`` s (``_resume`` ends the pause)."""
+    rec("fault", kind="sigstop", task=task, target=pid, length=length)
+    if _signal(pid, signal.SIGSTOP):
+        stopped.append((time.monotonic() + length, pid))
+
+
 def _resume(rec: history.Recorder, stopped: list[tuple[float, int]], now: float) -> None:
     """SIGCONT every stopped process whose pause ended by ``now`` (all of them at
     ``math.inf``), recording each."""
@@ -134,6 +149,67 @@ def _resume(rec: history.Recorder, stopped: list[tuple[float, int]], now: float)
             _signal(pid, signal.SIGCONT)
             rec("resumed", target=pid)
             stopped.remove((when, pid))
+
+
+def _begin(workdir: Path) -> tuple[Path, history.Recorder, str, str]:
+    """A queue run's history directory, the nemesis's recorder (started), the run's id and
+    its fenced store's key prefix."""
+    hist = workdir / "history"
+    rec = history.Recorder(hist, "nemesis")
+    rec("start")
+    run_id = uuid.uuid4().hex[:8]
+    return hist, rec, run_id, f"nemstore:{run_id}:"
+
+
+def _kill_worker(
+    rec: history.Recorder, procs: Procs, name: str, start_worker: Callable[[str], None]
+) -> None:
+    """SIGKILL the worker ``name``'s whole process group, recording it and each child (the
+    checker ties each to the tasks it ran), then start it again."""
+    proc = procs.procs[name]
+    for pid in children(proc.pid):
+        rec("fault", kind="worker-kill", target=pid)
+    rec("fault", kind="worker-kill", target=proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    start_worker(name)
+
+
+def _drive(
+    rec: history.Recorder, procs: Procs, workers: list[str], ready: str,
+    start_worker: Callable[[str], None], seed: int, duration: float, faults: dict[str, float],
+    rng: random.Random, submit: Callable[[], object], deal: Callable[[str, float, float], None],
+    stopped: list[tuple[float, int]], outcomes: Callable[[], None],
+    tick: Callable[[], None] = lambda: None,
+) -> None:  # fmt: skip
+    """Start the workers and wait for each to log ``ready``; then for ``duration`` s
+    submit work at random gaps, deal the seed's faults when due, run ``tick`` and resume
+    each SIGSTOPped process when its pause ends; at the end resume every one and record
+    the ``outcomes``. Every process is stopped on the way out, whatever happened."""
+    try:
+        for name in workers:
+            start_worker(name)
+        for name in workers:
+            procs.wait_for(name, ready)
+        start = time.monotonic()
+        plan = schedule(seed, duration, faults, gap=1.5, max_length=4.0)
+        next_submit = start
+        while (now := time.monotonic()) < start + duration:
+            if now >= next_submit and now < start + duration - 3:
+                submit()
+                next_submit = now + rng.uniform(0.1, 0.5)
+            while plan and start + plan[0].at <= now:
+                fault = plan.pop(0)
+                deal(fault.kind, fault.length, fault.pick)
+            tick()
+            _resume(rec, stopped, now)
+            time.sleep(0.02)
+        _resume(rec, stopped, math.inf)
+        outcomes()
+    finally:
+        procs.stop(rec)
+        rec("exit")
 
 
 def _check_queue_run(
@@ -170,12 +246,8 @@ CELERY_FAULTS = {
 def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from celery import Celery
 
-    hist = workdir / "history"
-    rec = history.Recorder(hist, "nemesis")
-    rec("start")
-    run_id = uuid.uuid4().hex[:8]
+    hist, rec, run_id, store_prefix = _begin(workdir)
     prefix, queue = f"nem{run_id}.", f"nem-{run_id}"
-    store_prefix = f"nemstore:{run_id}:"
     env = {
         "NEM_BROKER": BROKER, "NEM_BACKEND": REDIS, "NEM_CACHE": REDIS, "NEM_PREFIX": prefix,
         "NEM_QUEUE": queue, "NEM_HISTORY": str(hist), "NEM_STORE": f"{REDIS}?prefix={store_prefix}",
@@ -234,15 +306,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             submit(key=key)
             return
         if kind == "worker-kill":
-            name = workers[int(pick * len(workers))]
-            proc = procs.procs[name]
-            for pid in children(proc.pid):  # the checker ties each to the tasks it ran
-                rec("fault", kind="worker-kill", target=pid)
-            rec("fault", kind="worker-kill", target=proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            start_worker(name)
+            _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
             return
         if not live:
             return
@@ -253,36 +317,14 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
         elif kind == "sigkill":
-            rec("fault", kind="sigkill", task=task_id, target=pid)
-            _signal(pid, signal.SIGKILL)
+            _sigkill(rec, kind, task_id, pid)
         elif kind == "sigstop":
-            rec("fault", kind="sigstop", task=task_id, target=pid, length=length)
-            if _signal(pid, signal.SIGSTOP):
-                stopped.append((time.monotonic() + length, pid))
+            _sigstop(rec, stopped, task_id, pid, length)
 
     stopped: list[tuple[float, int]] = []
-    try:
-        for name in workers:
-            start_worker(name)
-        for name in workers:
-            procs.wait_for(name, "ready.")
-        start = time.monotonic()
-        plan = schedule(seed, duration, only(CELERY_FAULTS, kinds), gap=1.5, max_length=4.0)
-        next_submit = start
-        while (now := time.monotonic()) < start + duration:
-            if now >= next_submit and now < start + duration - 3:
-                submit()
-                next_submit = now + rng.uniform(0.1, 0.5)
-            while plan and start + plan[0].at <= now:
-                fault = plan.pop(0)
-                deal(fault.kind, fault.length, fault.pick)
-            _resume(rec, stopped, now)
-            time.sleep(0.02)
-        _resume(rec, stopped, math.inf)
-        _outcomes(rec, submitted, timeout=45)
-    finally:
-        procs.stop(rec)
-        rec("exit")
+    _drive(rec, procs, workers, "ready.", start_worker, seed, duration,
+           only(CELERY_FAULTS, kinds), rng, submit, deal, stopped,
+           lambda: _outcomes(rec, submitted, timeout=45))  # fmt: skip
     return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
                             f"{len(submitted)} tasks submitted")  # fmt: skip
 
@@ -317,11 +359,8 @@ RQ_FAULTS = {"horse-kill": 1.5, "sigstop": 1.0, "job-timeout": 1.0, "retry-after
 def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from rq import Queue, Retry
 
-    hist = workdir / "history"
-    rec = history.Recorder(hist, "nemesis")
-    rec("start")
-    run_id = uuid.uuid4().hex[:8]
-    prefix, store_prefix = f"nemrq{run_id}.", f"nemstore:{run_id}:"
+    hist, rec, run_id, store_prefix = _begin(workdir)
+    prefix = f"nemrq{run_id}."
     env = {"NEM_HISTORY": str(hist), "NEM_STORE": f"{REDIS}?prefix={store_prefix}",
            "NEM_PREFIX": prefix}  # fmt: skip
     procs = Procs(workdir, env)
@@ -372,14 +411,7 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
                                   retry=Retry(max=2)))  # fmt: skip
             return
         if kind == "worker-kill":
-            proc = procs.procs[workers[int(pick * len(workers))]]
-            for pid in children(proc.pid):
-                rec("fault", kind="worker-kill", target=pid)
-            rec("fault", kind="worker-kill", target=proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            start_worker(next(n for n, p in procs.procs.items() if p is proc))
+            _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
             return
         live = [(j, pid) for j in list(jobs)[-30:] if (pid := horse_of(j)) is not None]
         live = [(j, pid) for j, pid in live if jobs[j].get_status(refresh=True) == "started"]
@@ -387,42 +419,21 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
             return
         job_id, pid = live[int(pick * len(live))]
         if kind == "horse-kill":
-            rec("fault", kind="horse-kill", task=job_id, target=pid)
-            _signal(pid, signal.SIGKILL)
+            _sigkill(rec, kind, job_id, pid)
         elif kind == "sigstop":
-            rec("fault", kind="sigstop", task=job_id, target=pid, length=length)
-            if _signal(pid, signal.SIGSTOP):
-                stopped.append((time.monotonic() + length, pid))
+            _sigstop(rec, stopped, job_id, pid, length)
+
+    def kill_first_horses() -> None:
+        for job_id in list(to_kill):
+            pid = horse_of(job_id)
+            if pid is not None:
+                _sigkill(rec, "horse-kill", job_id, pid)
+                to_kill.remove(job_id)
 
     stopped: list[tuple[float, int]] = []
-    try:
-        for name in workers:
-            start_worker(name)
-        for name in workers:
-            procs.wait_for(name, "Listening on")
-        start = time.monotonic()
-        plan = schedule(seed, duration, only(RQ_FAULTS, kinds), gap=1.5, max_length=4.0)
-        next_submit = start
-        while (now := time.monotonic()) < start + duration:
-            if now >= next_submit and now < start + duration - 3:
-                submit()
-                next_submit = now + rng.uniform(0.1, 0.5)
-            while plan and start + plan[0].at <= now:
-                fault = plan.pop(0)
-                deal(fault.kind, fault.length, fault.pick)
-            for job_id in list(to_kill):
-                pid = horse_of(job_id)
-                if pid is not None:
-                    rec("fault", kind="horse-kill", task=job_id, target=pid)
-                    _signal(pid, signal.SIGKILL)
-                    to_kill.remove(job_id)
-            _resume(rec, stopped, now)
-            time.sleep(0.02)
-        _resume(rec, stopped, math.inf)
-        _rq_outcomes(rec, jobs, timeout=45)
-    finally:
-        procs.stop(rec)
-        rec("exit")
+    _drive(rec, procs, workers, "Listening on", start_worker, seed, duration,
+           only(RQ_FAULTS, kinds), rng, submit, deal, stopped,
+           lambda: _rq_outcomes(rec, jobs, timeout=45), kill_first_horses)  # fmt: skip
     return _check_queue_run("rq", seed, duration, workdir, hist, run_id, store_prefix, conn,
                             f"{len(jobs)} jobs enqueued")  # fmt: skip
 

@@ -1,0 +1,36 @@
+"""The shared Redis the suites run against (REDIS_URL): a client that fails the run,
+never skips it, when the server does not answer, and cleans up the run's keys."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+
+@contextlib.contextmanager
+def shared_client(url: str, *patterns: str) -> Iterator[redis.Redis]:
+    """A client of the server at ``url``; on exit the keys matching ``patterns`` (the
+    run's own prefixes) are deleted and the client closed."""
+    probe = redis.Redis.from_url(
+        url, socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        pytest.fail(
+            f"no Redis answers at {url} ({exc!r}); start one (redis-server, or "
+            "apt-get install -y redis-server) or point REDIS_URL at one"
+        )
+    finally:
+        probe.close()
+    conn = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+    yield conn
+    for pattern in patterns:
+        for key in conn.scan_iter(match=pattern, count=1000):
+            conn.delete(key)
+    conn.close()
