@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -151,3 +153,39 @@ def own_cluster(servers: list[RedisServer], workdir: Path) -> list[int]:
         assert time.monotonic() < deadline, "cluster did not become ok"
         time.sleep(0.1)
     return ports
+
+
+class PostgresServer:
+    """A PostgreSQL cluster of this test's own, on a free port: the shared server is never
+    stopped (other test runs use it at the same time). initdb runs as the postgres user
+    when we are root (PostgreSQL refuses to run as root)."""
+
+    def __init__(self) -> None:
+        versions = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
+        if not versions:
+            raise RuntimeError("no /usr/lib/postgresql/*/bin (apt-get install -y postgresql)")
+        self.bin = versions[-1]
+        self.dir = Path(tempfile.mkdtemp(prefix="simple-mutex-pg-"))
+        self.port = free_port()
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        self.user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.extra = ""  # more server options for pg_ctl -o (test_tls.py: ssl=on ...)
+        if self.user:
+            shutil.chown(self.dir, "postgres")
+        self._run("initdb", "-D", "data", "-A", "trust", "-U", "postgres", "--no-sync")
+
+    def _run(self, tool: str, *args: str) -> None:
+        subprocess.run(
+            [*self.user, str(self.bin / tool), *args],
+            check=True, capture_output=True, timeout=120, cwd=self.dir,
+        )  # fmt: skip
+
+    def pg_ctl(self, action: str) -> None:
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options += f" {self.extra}" if self.extra else ""
+        self._run("pg_ctl", "-D", "data", "-l", "log", "-w", "-o", options, action)
+
+    def remove(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.pg_ctl("stop")
+        shutil.rmtree(self.dir, ignore_errors=True)

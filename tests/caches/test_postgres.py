@@ -12,9 +12,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -29,7 +26,7 @@ import pytest
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import ConnectionPool
-from servers import free_port
+from servers import PostgresServer, free_port
 
 from simple_mutex import (
     ConstraintError,
@@ -353,52 +350,16 @@ def test_processes_creating_the_table_at_once_all_succeed(admin, children):
     assert admin.execute(f'SELECT count(*) FROM "{table}"').fetchone() == (1,)  # one row
 
 
-class OwnServer:
-    """A PostgreSQL cluster of this test's own, on a free port: the shared server is never
-    stopped (other test runs use it at the same time). initdb runs as the postgres user
-    when we are root (PostgreSQL refuses to run as root)."""
-
-    def __init__(self) -> None:
-        versions = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
-        if not versions:
-            pytest.fail("no /usr/lib/postgresql/*/bin (apt-get install -y postgresql)")
-        self.bin = versions[-1]
-        self.dir = Path(tempfile.mkdtemp(prefix="simple-mutex-pg-"))
-        self.port = free_port()
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-        self.user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        self.extra = ""  # more server options for pg_ctl -o (test_tls.py: ssl=on ...)
-        if self.user:
-            shutil.chown(self.dir, "postgres")
-        self._run("initdb", "-D", "data", "-A", "trust", "-U", "postgres", "--no-sync")
-
-    def _run(self, tool: str, *args: str) -> None:
-        subprocess.run(
-            [*self.user, str(self.bin / tool), *args],
-            check=True, capture_output=True, timeout=120, cwd=self.dir,
-        )  # fmt: skip
-
-    def pg_ctl(self, action: str) -> None:
-        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
-        options += f" {self.extra}" if self.extra else ""
-        self._run("pg_ctl", "-D", "data", "-l", "log", "-w", "-o", options, action)
-
-    def remove(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            self.pg_ctl("stop")
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 @pytest.fixture
-def own_server() -> Iterator[OwnServer]:
-    server = OwnServer()
+def own_server() -> Iterator[PostgresServer]:
+    server = PostgresServer()
     server.pg_ctl("start")
     yield server
     server.remove()
 
 
 @pytest.mark.slow
-def test_server_restart_mid_test(own_server: OwnServer):
+def test_server_restart_mid_test(own_server: PostgresServer):
     """PostgreSQL (our own) stops while a lock is held and a waiter blocks: every operation raises
     MalfunctionError (never a psycopg error) by its deadline, and once the server is back
     the same cache works again, the held lock and its fence intact (the table is durable)."""

@@ -245,6 +245,27 @@ def test_a_starving_waiter_gets_the_key_handed_over(cache: RedisCache, client: r
             assert cache.put_if_absent(key, "releaser", ttl=30).value == "releaser"
 
 
+def test_only_a_waiters_refusal_counts_toward_a_hand_off(cache: RedisCache, client: redis.Redis):
+    """A try-once that found the key busy (a skipped task, an enqueue marker) starts no
+    count: however long ago it was refused, the release reserves nothing and the next
+    put by anyone wins at once. A put after a wait for the key does start it."""
+    key = unique_key()
+    stem = f"{PREFIX}{{{key}}}"
+    tried = RedisCache(client, prefix=PREFIX)
+    held = cache.put_if_absent(key, "holder", ttl=30)
+    with pytest.raises(SimpleCacheConditionError):
+        tried.put_if_absent(key, "try-once", ttl=30)
+    assert client.exists(stem + ":o") == 0
+    time.sleep(0.005)  # past the 2 ms a waiter's refusal would need
+    cache.compare_and_delete(key, version=held.version)
+    assert client.exists(stem + ":r") == 0
+    held = RedisCache(client, prefix=PREFIX).put_if_absent(key, "third", ttl=30)
+    tried.wait([key], 0.01)  # a waiter now: its token (the release's) or its timeout
+    with pytest.raises(SimpleCacheConditionError):
+        tried.put_if_absent(key, "waiter", ttl=30)
+    assert client.exists(stem + ":o") == 1
+
+
 def test_a_release_wakes_nobody_while_a_woken_waiter_has_not_put(
     cache: RedisCache, client: redis.Redis
 ):
@@ -269,7 +290,7 @@ def test_a_release_wakes_nobody_while_a_woken_waiter_has_not_put(
     assert client.pexpire(stem + ":p", 5000)
     cycle()
     assert client.llen(stem + ":signal") == 0
-    waiter._woke([(stem + ":signal").encode(), b"1"])
+    waiter._waited([key], [(stem + ":signal").encode(), b"1"])
     granted = waiter.put_if_absent(key, "waiter", ttl=30)
     waiter.compare_and_delete(key, version=granted.version)
     cycle()

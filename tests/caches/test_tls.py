@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import RedisServer, free_port, own_redis
-from test_postgres import OwnServer
+from servers import PostgresServer, RedisServer, free_port, own_redis
 from tls import make_ca
 
 from simple_mutex import MalfunctionError, Mutex, cache_from_url
@@ -71,10 +70,10 @@ def test_rediss_wrong_host_certificate_is_refused_naming_rediss(
 
 
 @pytest.fixture
-def tls_postgres(ca: Path) -> Iterator[tuple[OwnServer, Path]]:
+def tls_postgres(ca: Path) -> Iterator[tuple[PostgresServer, Path]]:
     """Our own PostgreSQL cluster with ssl=on and the server certificate (a copy its
     owner can read), and a password for postgres over TCP."""
-    server = OwnServer()
+    server = PostgresServer()
     certs = server.dir / "certs"
     certs.mkdir()
     for name in ("server.pem", "server.key", "wrong.pem", "wrong.key"):
@@ -88,7 +87,7 @@ def tls_postgres(ca: Path) -> Iterator[tuple[OwnServer, Path]]:
     server.remove()
 
 
-def _start(server: OwnServer, certs: Path, cert: str) -> None:
+def _start(server: PostgresServer, certs: Path, cert: str) -> None:
     server.extra = (
         f"-c ssl=on -c ssl_cert_file={certs / (cert + '.pem')} "
         f"-c ssl_key_file={certs / (cert + '.key')}"

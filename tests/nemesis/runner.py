@@ -159,7 +159,7 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
             server.stop()
         return
     if tier == "postgres":
-        from test_postgres import OwnServer as PostgresServer
+        from servers import PostgresServer
 
         pg = PostgresServer()
         pg.pg_ctl("start")

@@ -10,6 +10,7 @@ a SQLite file), so that a fault dealt to the lock's server cannot hide in the st
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from typing import Any, Protocol
@@ -135,13 +136,15 @@ class PostgresStore:
 
         self._conn: Any = psycopg.connect(url, autocommit=True, connect_timeout=10)
         self._last, self._log = f"{table}_last", f"{table}_log"
-        self._conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {self._last} (key TEXT PRIMARY KEY, fence BIGINT)"
-        )
-        self._conn.execute(
+        for statement in (
+            f"CREATE TABLE IF NOT EXISTS {self._last} (key TEXT PRIMARY KEY, fence BIGINT)",
             f"CREATE TABLE IF NOT EXISTS {self._log} (seq BIGSERIAL PRIMARY KEY, key TEXT,"
-            " fence BIGINT, writer TEXT)"
-        )
+            " fence BIGINT, writer TEXT)",
+        ):
+            # Two sessions creating it at once: PostgreSQL's IF NOT EXISTS is not atomic
+            # (pg_type's unique index). The winner's table is the one we need.
+            with contextlib.suppress(psycopg.errors.UniqueViolation):
+                self._conn.execute(statement)
 
     def write(self, key: str, fence: int, writer: str) -> tuple[bool, int]:
         with self._conn.transaction():

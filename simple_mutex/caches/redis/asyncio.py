@@ -184,12 +184,12 @@ class AsyncRedisCache(RedisLayout):
             return
         with self._faults("wait", keys[0]):
             if self._own is None:  # a cluster or an instrumented client: a BLPOP of our own
-                self._woke(await self._execute(*self._blpop_command(keys, block)))
+                self._waited(keys, await self._execute(*self._blpop_command(keys, block)))
             else:
                 # Not cut to one BLPOP's length: the listener blocks again and again, and
                 # keeps the waiter mark alive while anyone here waits, so a release still
                 # signals.
-                self._woke(await self._listeners_here().wait(self._signals(keys), timeout))
+                self._waited(keys, await self._listeners_here().wait(self._signals(keys), timeout))
 
     def _listeners_here(self) -> _Listeners:
         """The listeners of the running loop (and of this process)."""

@@ -29,8 +29,11 @@ So no waiter waits much longer than the others, and a woken waiter that died cos
 key at most ``RESERVE_MS``. A release wakes nobody while a waiter it woke before has not
 put yet (``:p``, as Go's ``mutexWoken``): on a hot key every release would otherwise wake
 a process only to have its put refused, and those wake-ups cost more CPU than the lock.
-A put says it was woken (``ARGV[4]``) when a wait of the same cache popped a token of
-that key's signal since its last grant there (``_woke``).
+A put says (``ARGV[4]``) whether it was woken (a wait of the same cache popped a token of
+that key's signal since its last grant there) or has at least waited for the key lately
+(``_waited``): only a waiter's refusal starts the count to a hand-off, so a try-once
+that found the key busy (a skipped task, an enqueue marker) never has a key reserved
+for nobody.
 
 The held mark outlives the entry it marks (PX lapses it first): a grant that finds it
 took over from a holder that never freed the key (``Entry.took_over``), for as long as
@@ -68,19 +71,21 @@ SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLP
 STARVE_US = 2000  # a wait refused this long gets the key handed over at the next release
 RESERVE_MS = 50  # how long a hand-off waits for the woken waiter's put
 PENDING_MS = 20  # how long a release trusts a woken waiter to put before waking another
+WAITED_S = WAITER_MARK_MS / 1000  # a wait this recent makes a refused put a waiter's
 _MIN_KEEP_MS = 60_000  # a freed key's last fence (a lapsed one's held mark) kept this long
 
 # KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark, KEYS[4] held mark, KEYS[5] the
 # oldest refusal, KEYS[6] the hand-off reservation, KEYS[7] the pending wake-up
 # ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence and
-# the held mark (ms), ARGV[4] "1" when the caller was woken for this key, else "0"
+# the held mark (ms), ARGV[4] "w" when the caller was woken for this key, "t" when it
+# has waited for it lately (not woken), "" when neither (a first put, a try-once)
 # Returns the new fence (an integer) when written, negated when the held mark was there
 # (the last holder never freed the key: the grant took over; an integer reply, not a pair,
 # costs the client nothing to parse); "<version> <expires ms>" of the live entry when it
 # already holds the same value (our own write whose reply was lost: a retry must not
 # report "busy"); 0 when the key holds something we never write (malformed); nil when
 # another value holds it, or it is reserved for a woken waiter and this is not one, after
-# marking a waiter (and the time of the oldest refusal).
+# marking a waiter (and, for a caller that has waited, the time of the oldest refusal).
 # The fence is the server's clock in µs unless the last fence kept is at or past it (two
 # grants in one µs, or a clock stepped back): then that one plus one. Lua numbers are
 # doubles, exact to 2**53: µs since 1970 stay below that until the year 2255.
@@ -91,8 +96,8 @@ local fence = now
 local last = tonumber(redis.call('GET', KEYS[2]))
 if last and last >= fence then fence = last + 1 end
 fence = string.format('%d', fence)
-if ARGV[4] == '1' then redis.call('DEL', KEYS[7]) end
-local open = ARGV[4] == '1' or redis.call('EXISTS', KEYS[6]) == 0
+if ARGV[4] == 'w' then redis.call('DEL', KEYS[7]) end
+local open = ARGV[4] == 'w' or redis.call('EXISTS', KEYS[6]) == 0
 if open and redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('DEL', KEYS[6])
     redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
@@ -106,7 +111,9 @@ local head, value = string.match(cur or '', '^(%d+%.%d+ %d+) (.*)$')
 if cur and not head then return 0 end
 if value and value == string.match(ARGV[1], '^%d+ (.*)$') then return head end
 redis.call('SET', KEYS[3], 1, 'PX', {WAITER_MARK_MS})
-redis.call('SET', KEYS[5], string.format('%d', now), 'NX', 'PX', {WAITER_MARK_MS})
+if ARGV[4] ~= '' then
+    redis.call('SET', KEYS[5], string.format('%d', now), 'NX', 'PX', {WAITER_MARK_MS})
+end
 return nil
 """
 
@@ -238,7 +245,8 @@ class RedisLayout:
         self.replica_timeout = positive_seconds(replica_timeout, "replica_timeout")
         self.allow_eviction = allow_eviction
         self._checked = allow_eviction  # the eviction policy is read on first use
-        self._woken: set[str] = set()  # stems a wait of ours was woken for (``_woke``)
+        self._woken: set[str] = set()  # stems a wait of ours was woken for (``_waited``)
+        self._waits: dict[str, float] = {}  # stem -> when a wait of ours for it ended
         # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
         self._shas = {
             s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
@@ -352,7 +360,7 @@ class RedisLayout:
         entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
         held = self._held_mark(entry_key, stem)
-        woken = "1" if stem in self._woken else "0"
+        woken = self._waiting(stem) if self._woken or self._waits else ""
         request = (
             7, entry_key, stem + ":f", stem + ":w", held, stem + ":o", stem + ":r",
             stem + ":p", f"{expires} {value}", ms, _keep(ms), woken,
@@ -362,10 +370,12 @@ class RedisLayout:
     def _put_reply(self, key: str, value: str, expires: int, reply: Any) -> Entry:
         if reply is None:
             raise SimpleCacheConditionError(f"redis: {key!r} is held")
-        if self._woken:
+        if self._woken or self._waits:
             # A wake-up is spent by the grant it led to (not by a refused put: a
-            # semaphore's waiter may try a held slot first).
-            self._woken.discard(self._keys(key)[1])
+            # semaphore's waiter may try a held slot first), and so is the wait.
+            stem = self._keys(key)[1]
+            self._woken.discard(stem)
+            self._waits.pop(stem, None)
         if reply == 0:
             raise malformed(
                 self.name, "put_if_absent", key, f"{self._entry_key(key)!r} is not an entry"
@@ -449,15 +459,27 @@ class RedisLayout:
         """One wait for a release's token on the signal lists of ``keys``."""
         return blpop_command(self._signals(keys), block)
 
-    def _woke(self, reply: Any) -> None:
-        """Note a ``BLPOP`` reply (``[signal, token]``, or None when it timed out): a token
-        makes this cache's puts on that key go as woken (``PUT``: they may take a key
-        reserved for a woken waiter) until one is granted. Kept per cache, not per
-        thread or task: under asyncio a blocking cache waits and puts in whichever
-        threads run them; a sibling in this process that spends the wake-up first only
-        takes the waiter's turn, and the waiter is woken by the next release."""
+    def _waited(self, keys: Sequence[str], reply: Any) -> None:
+        """Note a wait for ``keys`` and its ``BLPOP`` reply (``[signal, token]``, or None
+        when it timed out): this cache's next puts on those keys go as a waiter's, and
+        after a token as woken (``PUT``: they may take a key reserved for a woken
+        waiter), until one is granted. Kept per cache, not per thread or task: under
+        asyncio a blocking cache waits and puts in whichever threads run them; a
+        sibling in this process that spends the wake-up first only takes the waiter's
+        turn, and the waiter is woken by the next release."""
+        if len(self._waits) > 1024:  # waits that never led to a grant (timed out)
+            self._waits.clear()
+        ended = time.monotonic()
+        for stem in dict.fromkeys(self._keys(key)[1] for key in keys):
+            self._waits[stem] = ended
         if reply:
             self._woken.add(text(reply[0]).removesuffix(":signal"))
+
+    def _waiting(self, stem: str) -> str:
+        """``PUT``'s ARGV[4] for a put on ``stem``: "w" woken, "t" waited lately, or ""."""
+        if stem in self._woken:
+            return "w"
+        return "t" if time.monotonic() - self._waits.get(stem, -WAITED_S) < WAITED_S else ""
 
     # -- scan -------------------------------------------------------------------------------
 
