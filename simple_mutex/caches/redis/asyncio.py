@@ -184,12 +184,12 @@ class AsyncRedisCache(RedisLayout):
             return
         with self._faults("wait", keys[0]):
             if self._own is None:  # a cluster or an instrumented client: a BLPOP of our own
-                self._waited(keys, await self._execute(*self._blpop_command(keys, block)))
+                await self._execute(*self._blpop_command(keys, block))
             else:
                 # Not cut to one BLPOP's length: the listener blocks again and again, and
                 # keeps the waiter mark alive while anyone here waits, so a release still
                 # signals.
-                self._waited(keys, await self._listeners_here().wait(self._signals(keys), timeout))
+                await self._listeners_here().wait(self._signals(keys), timeout)
 
     def _listeners_here(self) -> _Listeners:
         """The listeners of the running loop (and of this process)."""
@@ -214,21 +214,19 @@ class _Listeners:
         self.pid = os.getpid()
         self._own = own
         self._max_block = max_block
-        self._waiters: dict[str, dict[asyncio.Future[Any], None]] = {}  # ordered sets
+        self._waiters: dict[str, dict[asyncio.Future[None], None]] = {}  # ordered sets
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    async def wait(self, signals: list[str], timeout: float) -> Any:
-        """Until a token of one of ``signals`` is ours (the BLPOP reply that brought it)
-        or ``timeout`` (None)."""
+    async def wait(self, signals: list[str], timeout: float) -> None:
         loop = asyncio.get_running_loop()
-        woken: asyncio.Future[Any] = loop.create_future()
+        woken: asyncio.Future[None] = loop.create_future()
         for signal in signals:
             self._waiters.setdefault(signal, {})[woken] = None
             if signal not in self._tasks and len(self._tasks) < _MAX_LISTENERS:
                 self._tasks[signal] = loop.create_task(self._listen(signal))
         timer = loop.call_later(timeout, _settle, woken)
         try:
-            return await woken  # raises the listener's fault, if it failed
+            await woken  # raises the listener's fault, if it failed
         finally:
             timer.cancel()
             for signal in signals:
@@ -257,11 +255,10 @@ class _Listeners:
                     marked = time.monotonic()
                     await _run(conn, mark_command(signal))
                     continue  # the waiters may have left meanwhile
-                reply = await _run(conn, blpop)
-                if reply is not None:
+                if await _run(conn, blpop) is not None:
                     woken = next((w for w in self._waiters.get(signal, ()) if not w.done()), None)
                     if woken is not None:
-                        woken.set_result(reply)
+                        woken.set_result(None)
                         await asyncio.sleep(0)  # its put goes out before our next BLPOP
                     else:
                         # Its waiter gave up meanwhile: put the token back for a waiter in
@@ -283,7 +280,7 @@ class _Listeners:
                 await self._own.give_spare(conn)
 
 
-def _settle(woken: asyncio.Future[Any]) -> None:
+def _settle(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
 

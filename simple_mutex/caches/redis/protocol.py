@@ -14,26 +14,7 @@ one of them expires::
                                    set by a grant and each renewal, PX max(2 x ttl, 60 s),
                                    deleted by a release
     {base}:w               string  waiters are blocked, PX 3 s (renewed by each failed put)
-    {base}:o               string  when (µs) the oldest failed put of this wait was refused
-                                   (PX 3 s; a hand-off starts it again)
-    {base}:r               string  "1": reserved for the waiter a release woke, PX 50 ms
-    {base}:p               string  "1": a woken waiter has not put yet, PX 20 ms
     {base}:signal          list    one wake-up token, PX 1 s; only around a hand-off
-
-Newcomers barge (Go's ``sync.Mutex``): a release frees the key, and whoever puts first
-wins it, the releaser included, so a hot key changes hands without waiting for a woken
-process to be scheduled. A release that finds a waiter refused for longer than
-``STARVE_US`` hands the key over instead: it reserves the key for the waiter its token
-wakes (``:r``), and until that waiter's put, or ``RESERVE_MS``, every other put is busy.
-So no waiter waits much longer than the others, and a woken waiter that died costs the
-key at most ``RESERVE_MS``. A release wakes nobody while a waiter it woke before has not
-put yet (``:p``, as Go's ``mutexWoken``): on a hot key every release would otherwise wake
-a process only to have its put refused, and those wake-ups cost more CPU than the lock.
-A put says (``ARGV[4]``) whether it was woken (a wait of the same cache popped a token of
-that key's signal since its last grant there) or has at least waited for the key lately
-(``_waited``): only a waiter's refusal starts the count to a hand-off, so a try-once
-that found the key busy (a skipped task, an enqueue marker) never has a key reserved
-for nobody.
 
 The held mark outlives the entry it marks (PX lapses it first): a grant that finds it
 took over from a holder that never freed the key (``Entry.took_over``), for as long as
@@ -68,38 +49,27 @@ with driver_imports("redis"):
 MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
 SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
-STARVE_US = 2000  # a wait refused this long gets the key handed over at the next release
-RESERVE_MS = 50  # how long a hand-off waits for the woken waiter's put
-PENDING_MS = 20  # how long a release trusts a woken waiter to put before waking another
-WAITED_S = WAITER_MARK_MS / 1000  # a wait this recent makes a refused put a waiter's
 _MIN_KEEP_MS = 60_000  # a freed key's last fence (a lapsed one's held mark) kept this long
 
-# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark, KEYS[4] held mark, KEYS[5] the
-# oldest refusal, KEYS[6] the hand-off reservation, KEYS[7] the pending wake-up
+# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark, KEYS[4] held mark
 # ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence and
-# the held mark (ms), ARGV[4] "w" when the caller was woken for this key, "t" when it
-# has waited for it lately (not woken), "" when neither (a first put, a try-once)
+# the held mark (ms)
 # Returns the new fence (an integer) when written, negated when the held mark was there
 # (the last holder never freed the key: the grant took over; an integer reply, not a pair,
 # costs the client nothing to parse); "<version> <expires ms>" of the live entry when it
 # already holds the same value (our own write whose reply was lost: a retry must not
 # report "busy"); 0 when the key holds something we never write (malformed); nil when
-# another value holds it, or it is reserved for a woken waiter and this is not one, after
-# marking a waiter (and, for a caller that has waited, the time of the oldest refusal).
+# another value holds it, after marking a waiter.
 # The fence is the server's clock in µs unless the last fence kept is at or past it (two
 # grants in one µs, or a clock stepped back): then that one plus one. Lua numbers are
 # doubles, exact to 2**53: µs since 1970 stay below that until the year 2255.
 PUT = f"""
 local t = redis.call('TIME')
-local now = t[1] * 1000000 + t[2]
-local fence = now
+local fence = t[1] * 1000000 + t[2]
 local last = tonumber(redis.call('GET', KEYS[2]))
 if last and last >= fence then fence = last + 1 end
 fence = string.format('%d', fence)
-if ARGV[4] == 'w' then redis.call('DEL', KEYS[7]) end
-local open = ARGV[4] == 'w' or redis.call('EXISTS', KEYS[6]) == 0
-if open and redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
-    redis.call('DEL', KEYS[6])
+if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
     if redis.call('SET', KEYS[4], 1, 'NX', 'PX', ARGV[3]) then return tonumber(fence) end
     redis.call('PEXPIRE', KEYS[4], ARGV[3])
@@ -111,9 +81,6 @@ local head, value = string.match(cur or '', '^(%d+%.%d+ %d+) (.*)$')
 if cur and not head then return 0 end
 if value and value == string.match(ARGV[1], '^%d+ (.*)$') then return head end
 redis.call('SET', KEYS[3], 1, 'PX', {WAITER_MARK_MS})
-if ARGV[4] ~= '' then
-    redis.call('SET', KEYS[5], string.format('%d', now), 'NX', 'PX', {WAITER_MARK_MS})
-end
 return nil
 """
 
@@ -134,34 +101,21 @@ redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
 return n
 """
 
-# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list, KEYS[4] held mark, KEYS[5] the
-# oldest refusal, KEYS[6] the hand-off reservation, KEYS[7] the pending wake-up
+# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list, KEYS[4] held mark
 # ARGV[1] expected version
-# Returns 3 when the entry was freed and handed to a woken waiter (one was refused for
-# STARVE_US or more: the key is reserved for the next woken put), 2 when freed for
-# waiters marked lately, 1 when freed with nobody waiting, 0 when absent or at another
-# version. With waiters, one wake-up token is pushed (the list is reset first, so tokens
-# never pile up) unless a waiter woken before has not put yet. The
-# last fence stays; the held mark goes with the entry (the next grant takes over nothing).
+# Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
+# lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
+# waiting, 0 when absent or at another version. The last fence stays; the held mark goes
+# with the entry (the next grant takes over nothing).
 DELETE = f"""
 local cur = redis.call('GET', KEYS[1])
 if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
 redis.call('DEL', KEYS[1], KEYS[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then
-    local freed = 2
-    local since = tonumber(redis.call('GET', KEYS[5]))
-    local t = redis.call('TIME')
-    if since and t[1] * 1000000 + t[2] - since >= {STARVE_US} then
-        redis.call('SET', KEYS[6], 1, 'PX', {RESERVE_MS})
-        redis.call('DEL', KEYS[5])
-        freed = 3
-    end
-    if redis.call('SET', KEYS[7], 1, 'NX', 'PX', {PENDING_MS}) then
-        redis.call('DEL', KEYS[3])
-        redis.call('LPUSH', KEYS[3], 1)
-        redis.call('PEXPIRE', KEYS[3], {SIGNAL_MS})
-    end
-    return freed
+    redis.call('DEL', KEYS[3])
+    redis.call('LPUSH', KEYS[3], 1)
+    redis.call('PEXPIRE', KEYS[3], {SIGNAL_MS})
+    return 2
 end
 return 1
 """
@@ -184,8 +138,7 @@ def acl_rules(
     """The ``ACL SETUSER`` words a Redis user needs to take, hold, free, wait for and list
     the locks of a ``Mutex`` / ``Semaphore`` whose ``prefix`` is one of ``prefixes``, on a
     cache built with ``prefix=cache_prefix``: one key pattern per prefix (every companion
-    key of a lock, ``{base}:f``, ``:h``, ``:w``, ``:o``, ``:r``, ``:p``, ``:signal``, shares its
-    entry's
+    key of a lock, ``{base}:f``, ``:h``, ``:w``, ``:signal``, shares its entry's
     ``{base`` head) and the exact commands. No channel rule: nothing is published, so a
     user made with ``resetchannels`` (Redis 7's default) works. ``replicas=True`` adds
     ``WAIT``, for a cache with ``replicas=N``."""
@@ -245,8 +198,6 @@ class RedisLayout:
         self.replica_timeout = positive_seconds(replica_timeout, "replica_timeout")
         self.allow_eviction = allow_eviction
         self._checked = allow_eviction  # the eviction policy is read on first use
-        self._woken: set[str] = set()  # stems a wait of ours was woken for (``_waited``)
-        self._waits: dict[str, float] = {}  # stem -> when a wait of ours for it ended
         # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
         self._shas = {
             s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
@@ -360,22 +311,14 @@ class RedisLayout:
         entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
         held = self._held_mark(entry_key, stem)
-        woken = self._waiting(stem) if self._woken or self._waits else ""
         request = (
-            7, entry_key, stem + ":f", stem + ":w", held, stem + ":o", stem + ":r",
-            stem + ":p", f"{expires} {value}", ms, _keep(ms), woken,
+            4, entry_key, stem + ":f", stem + ":w", held, f"{expires} {value}", ms, _keep(ms)
         )  # fmt: skip
         return request, expires
 
     def _put_reply(self, key: str, value: str, expires: int, reply: Any) -> Entry:
         if reply is None:
             raise SimpleCacheConditionError(f"redis: {key!r} is held")
-        if self._woken or self._waits:
-            # A wake-up is spent by the grant it led to (not by a refused put: a
-            # semaphore's waiter may try a held slot first), and so is the wait.
-            stem = self._keys(key)[1]
-            self._woken.discard(stem)
-            self._waits.pop(stem, None)
         if reply == 0:
             raise malformed(
                 self.name, "put_if_absent", key, f"{self._entry_key(key)!r} is not an entry"
@@ -425,18 +368,12 @@ class RedisLayout:
     def _delete_request(self, key: str, version: str) -> Request:
         entry_key, stem = self._keys(key)
         held = self._held_mark(entry_key, stem)
-        return (
-            7, entry_key, stem + ":w", stem + ":signal", held, stem + ":o", stem + ":r",
-            stem + ":p", version,
-        )  # fmt: skip
+        return (4, entry_key, stem + ":w", stem + ":signal", held, version)
 
     def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
-        """False even when a waiter was woken: the script itself hands the key over when
-        a waiter needs it (a reservation), so the engine must not also hold back (its
-        courtesy is for caches that cannot); between hand-offs, newcomers barge."""
         if not freed:
             raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
-        return False
+        return bool(freed == 2)  # a waiter was signalled
 
     # -- waited_on ----------------------------------------------------------------------------
 
@@ -459,28 +396,6 @@ class RedisLayout:
         """One wait for a release's token on the signal lists of ``keys``."""
         return blpop_command(self._signals(keys), block)
 
-    def _waited(self, keys: Sequence[str], reply: Any) -> None:
-        """Note a wait for ``keys`` and its ``BLPOP`` reply (``[signal, token]``, or None
-        when it timed out): this cache's next puts on those keys go as a waiter's, and
-        after a token as woken (``PUT``: they may take a key reserved for a woken
-        waiter), until one is granted. Kept per cache, not per thread or task: under
-        asyncio a blocking cache waits and puts in whichever threads run them; a
-        sibling in this process that spends the wake-up first only takes the waiter's
-        turn, and the waiter is woken by the next release."""
-        if len(self._waits) > 1024:  # waits that never led to a grant (timed out)
-            self._waits.clear()
-        ended = time.monotonic()
-        for stem in dict.fromkeys(self._keys(key)[1] for key in keys):
-            self._waits[stem] = ended
-        if reply:
-            self._woken.add(text(reply[0]).removesuffix(":signal"))
-
-    def _waiting(self, stem: str) -> str:
-        """``PUT``'s ARGV[4] for a put on ``stem``: "w" woken, "t" waited lately, or ""."""
-        if stem in self._woken:
-            return "w"
-        return "t" if time.monotonic() - self._waits.get(stem, -WAITED_S) < WAITED_S else ""
-
     # -- scan -------------------------------------------------------------------------------
 
     def _scan_pattern(self, prefix: str) -> str:
@@ -491,8 +406,7 @@ class RedisLayout:
     def _scanned_keys(self, names: Sequence[bytes | str], prefix: str) -> list[str]:
         """The cache keys of the entries among ``names`` that ``SCAN`` found (once each, in
         order): ``{base}`` is ``base``, ``{base}#N`` is ``base#N`` (a base never holds
-        ``#``); the side keys (``:f``, ``:h``, ``:w``, ``:o``, ``:r``, ``:p``, ``:signal``) are
-        no entries."""
+        ``#``); the side keys (``:f``, ``:h``, ``:w``, ``:signal``) are no entries."""
         keys = []
         for name in dict.fromkeys(text(name) for name in names):  # SCAN may repeat a key
             key = _cache_key(name[len(self.prefix) :])

@@ -179,7 +179,7 @@ class RedisCache(RedisLayout):
             time.sleep(max(block, 0.0))
             return
         with self._faults("wait", keys[0]):
-            self._waited(keys, self._execute(*self._blpop_command(keys, block)))
+            self._execute(*self._blpop_command(keys, block))
 
 
 def _own_connections(client: Any) -> _OwnConnections | None:
