@@ -41,7 +41,18 @@ from . import events
 from ._core import flows
 from ._core.durations import positive_seconds
 from ._core.flows import Flow, Grant
-from ._core.lifecycle import HELD, RELEASING, Held, Lost, Released, Releasing, State, step
+from ._core.lifecycle import (
+    HELD,
+    LET_GO,
+    RELEASED,
+    RELEASING,
+    Held,
+    Lost,
+    Released,
+    Releasing,
+    State,
+    step,
+)
 from ._core.records import holder_of
 from ._core.timing import lapse_margin, renew_after, retry_renew_after
 from ._runtime import forksafe
@@ -246,7 +257,7 @@ class Lease:
         with self._lock:
             state = self._state
             if isinstance(state, Lost) and state.record_gone:
-                self._move(Released(in_time=False))
+                self._move(LET_GO)
                 return False
             # A lapsed lease still frees its record if the cache kept it (the cache's clock
             # may run behind ours): compare-and-delete cannot touch another holder's.
@@ -266,7 +277,7 @@ class Lease:
         if not outcome.freed:
             ending = Released(in_time=False, loss="taken over before release")
         elif in_time:
-            ending = Released(in_time=True)
+            ending = RELEASED
         else:
             ending = Released(in_time=False, loss="it lapsed before release")
         in_time = ending.in_time
@@ -711,10 +722,10 @@ class Lease:
         if self._inherited:
             # Only this copy: the lock may have been held, at the instant of fork, by a
             # thread that does not exist here, and nothing else in the child touches it.
-            self._move(Released(in_time=False))
+            self._move(LET_GO)
             return
         with self._lock:
-            self._move(Released(in_time=False))
+            self._move(LET_GO)
 
     def _blocking(self) -> ConditionalCache:
         return self._cache  # type: ignore[return-value]  # _sync() refused an asyncio one

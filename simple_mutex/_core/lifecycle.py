@@ -76,6 +76,9 @@ State = Held | Releasing | Lost | Released
 
 HELD = Held()
 RELEASING = Releasing()
+# The two endings without a loss, built once (a release takes one on every cycle).
+RELEASED = Released(in_time=True)
+LET_GO = Released(in_time=False)
 
 # Which states each state may move to: a lease never goes back to being held, and once
 # released it stays so.
