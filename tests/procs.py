@@ -107,6 +107,32 @@ def taken_from_paused(
             holder.kill()
 
 
+def hold_with_writer(
+    mutex: Mutex, key: str, report: str, write_until: Callable[[Lease, threading.Event], None]
+) -> None:
+    """A holder paused past its lease (the child of ``taken_from_paused``): holds ``key``
+    (renewed) while ``write_until(lease, stop)`` writes under its fence from a thread of
+    its own, as a worker pool's would: the lapse interrupt reaches the holder's thread,
+    never that one. Writes the fence to ``report`` before that thread starts (so before any
+    of its writes), and the outcome, "interrupted" or not, to ``report + ".done"``."""
+    outcome, stop = "never interrupted", threading.Event()
+    helper: threading.Thread | None = None
+    try:
+        with mutex.acquire(key, renew=True) as lease:
+            helper = threading.Thread(target=write_until, args=(lease, stop))
+            Path(report).write_text(str(lease.fence))
+            helper.start()
+            while True:
+                time.sleep(0.01)
+    except SimpleMutexLeaseExpiredError:
+        outcome = "interrupted"
+    finally:
+        stop.set()
+    if helper is not None and helper.is_alive():
+        helper.join(10)
+    Path(report + ".done").write_text(outcome)
+
+
 class Row(NamedTuple):
     """One critical section as a child logged it."""
 

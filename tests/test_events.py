@@ -4,6 +4,7 @@ with the fields operators need and never a token; a failing subscriber breaks no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -34,6 +35,16 @@ def seen() -> Iterator[list[LockEvent]]:
     unsubscribe = events.subscribe(got.append)
     yield got
     unsubscribe()
+
+
+@contextlib.contextmanager
+def subscribed(subscriber: events.Subscriber) -> Iterator[None]:
+    """``subscriber`` hears the events of the block, and only those."""
+    stop = events.subscribe(subscriber)
+    try:
+        yield
+    finally:
+        stop()
 
 
 def kinds(seen: list[LockEvent]) -> list[str]:
@@ -150,11 +161,8 @@ def test_a_failing_subscriber_is_logged_and_never_breaks_the_lock(seen, caplog):
     def broken(event: LockEvent) -> None:
         raise RuntimeError("dashboard down")
 
-    stop = events.subscribe(broken)
-    try:
+    with subscribed(broken):
         Mutex(InMemoryCache()).acquire("k").release()
-    finally:
-        stop()
     assert kinds(seen) == ["acquired", "released"]
     assert "dashboard down" in caplog.text
 
@@ -187,12 +195,8 @@ def test_a_job_timeout_landing_in_a_subscriber_reaches_the_caller(alarm, kind):
             signal.raise_signal(signal.SIGALRM)  # the timer fires while this runs
 
     cache = InMemoryCache()
-    stop = events.subscribe(slow_dashboard)
-    try:
-        with pytest.raises(Alarm):
-            Mutex(cache).acquire("k", timeout=0).release()
-    finally:
-        stop()
+    with subscribed(slow_dashboard), pytest.raises(Alarm):
+        Mutex(cache).acquire("k", timeout=0).release()
     assert not Mutex(cache).locked("k"), "the interrupted cycle left its record"
 
 
@@ -210,13 +214,9 @@ def test_a_job_timeout_in_an_acquired_subscriber_of_an_async_acquire_frees_the_g
     mutex = Mutex(cache, lease=600)
 
     async def main() -> bool:
-        stop = events.subscribe(slow_dashboard)
-        try:
-            with pytest.raises(Alarm):
-                async with mutex.acquire_async("k", timeout=0):
-                    pytest.fail("the body ran")
-        finally:
-            stop()
+        with subscribed(slow_dashboard), pytest.raises(Alarm):
+            async with mutex.acquire_async("k", timeout=0):
+                pytest.fail("the body ran")
         return await mutex.locked_async("k")
 
     assert asyncio.run(main()) is False, "the grant stayed held for its lease"
@@ -251,19 +251,11 @@ def test_a_decorated_subscriber_s_own_failure_is_not_taken_for_a_decorated_handl
 
     previous = signal.signal(signal.SIGALRM, ring)
     try:
-        stop = events.subscribe(buggy)
-        try:
-            with Mutex(InMemoryCache()).acquire("k", timeout=0):
-                pass
-        finally:
-            stop()
+        with subscribed(buggy), Mutex(InMemoryCache()).acquire("k", timeout=0):
+            pass
         assert "bug in the dashboard" in caplog.text
-        stop = events.subscribe(slow)
-        try:
-            with pytest.raises(Alarm):
-                Mutex(InMemoryCache()).acquire("k", timeout=0)
-        finally:
-            stop()
+        with subscribed(slow), pytest.raises(Alarm):
+            Mutex(InMemoryCache()).acquire("k", timeout=0)
     finally:
         signal.signal(signal.SIGALRM, previous)
 
@@ -278,23 +270,16 @@ def test_a_lease_interrupt_landing_in_a_subscriber_is_not_swallowed_either():
     def unlucky(event: LockEvent) -> None:
         raise lost("lease on 'k' lost")
 
-    stop = events.subscribe(unlucky)
-    try:
-        with pytest.raises(SimpleMutexLeaseExpiredError):
-            Mutex(InMemoryCache()).acquire("k", timeout=0)
-    finally:
-        stop()
+    with subscribed(unlucky), pytest.raises(SimpleMutexLeaseExpiredError):
+        Mutex(InMemoryCache()).acquire("k", timeout=0)
 
 
 def test_log_records_carry_the_events_fields(caplog):
     """subscribe(log_event) makes each event a record whose extra holds its fields; a
     lost lease is a WARNING record even with nobody subscribed."""
     caplog.set_level(logging.DEBUG, logger="simple_mutex")
-    stop = events.subscribe(events.log_event)
-    try:
+    with subscribed(events.log_event):
         Mutex(InMemoryCache(), name="orders").acquire("order.7").release()
-    finally:
-        stop()
     mutex = Mutex(InMemoryCache(), lease=0.2)
     with pytest.raises(SimpleMutexLeaseExpiredError), mutex.acquire("k"):
         spin(5)

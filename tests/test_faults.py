@@ -31,12 +31,13 @@ import pytest
 import redis
 import redis.asyncio
 from faults import FaultProxy
-from procs import taken_from_paused
+from procs import hold_with_writer, taken_from_paused
 from servers import RedisServer, free_port, own_redis, scripts
 
 from simple_mutex import (
     ConstraintError,
     DiskCache,
+    Lease,
     MalfunctionError,
     Mutex,
     Semaphore,
@@ -210,27 +211,15 @@ def ledger_write(ledger: str, fence: int, writer: str) -> bool:
 def _paused_holder(url: str, key: str, ledger: str, report: str) -> None:
     """Holds ``key`` with a helper thread writing under its fence, as a worker pool would:
     the lapse interrupt reaches the holder's own thread, never that helper."""
-    mutex = Mutex(cache_from_url(url), lease=1.0)
-    outcome, stop = "never interrupted", threading.Event()
-    try:
-        with mutex.acquire(key, renew=True) as lease:
 
-            def write_until_stopped() -> None:
-                while True:
-                    time.sleep(0.01)  # paused in here, it writes once more when resumed
-                    ledger_write(ledger, lease.fence, "paused")
-                    if stop.is_set():
-                        return
+    def write_until(lease: Lease, stop: threading.Event) -> None:
+        while True:
+            time.sleep(0.01)  # paused in here, it writes once more when resumed
+            ledger_write(ledger, lease.fence, "paused")
+            if stop.is_set():
+                return
 
-            threading.Thread(target=write_until_stopped).start()
-            Path(report).write_text(str(lease.fence))
-            while True:
-                time.sleep(0.01)
-    except SimpleMutexLeaseExpiredError:
-        outcome = "interrupted"
-    finally:
-        stop.set()
-    Path(report + ".done").write_text(outcome)
+    hold_with_writer(Mutex(cache_from_url(url), lease=1.0), key, report, write_until)
 
 
 @pytest.mark.slow

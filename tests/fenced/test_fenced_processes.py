@@ -24,10 +24,10 @@ from fenced_support import (
     s3_client,
     writer,
 )
-from procs import taken_from_paused
+from procs import hold_with_writer, taken_from_paused
 from servers import scripts
 
-from simple_mutex import FencedOutError, Mutex, SimpleMutexLeaseExpiredError, cache_from_url
+from simple_mutex import FencedOutError, Lease, Mutex, cache_from_url
 from simple_mutex.fenced import fenced_put, fenced_set, fenced_update
 
 pytestmark = pytest.mark.slow
@@ -63,36 +63,22 @@ def _paused_holder(kind: str, target: str, lock_key: str, report: str) -> None:
     the lease is lost the helper writes once more, as a worker pool's thread would."""
     write = writer(kind, target)
     log = open(report + ".attempts", "a", buffering=1)  # noqa: SIM115 (lives with the thread)
-    mutex = Mutex(cache_from_url(REDIS_URL), lease=1.0)
-    outcome, stop = "never interrupted", threading.Event()
-    try:
-        with mutex.acquire(lock_key, renew=True) as lease:
 
-            def attempt() -> None:
-                started = time.monotonic()
-                try:
-                    verdict = "1" if write(lease.fence, "paused") else "0"
-                except Exception as exc:  # reported, so the test fails on it
-                    verdict = f"error:{exc!r}".replace(" ", "_")
-                log.write(f"{started} {verdict}\n")
+    def write_until(lease: Lease, stop: threading.Event) -> None:
+        def attempt() -> None:
+            started = time.monotonic()
+            try:
+                verdict = "1" if write(lease.fence, "paused") else "0"
+            except Exception as exc:  # reported, so the test fails on it
+                verdict = f"error:{exc!r}".replace(" ", "_")
+            log.write(f"{started} {verdict}\n")
 
-            def write_until_stopped() -> None:
-                while not stop.is_set():
-                    time.sleep(0.01)  # paused in here, it writes again when resumed
-                    attempt()
-                attempt()  # once more after the loss: begun after the takeover, surely
+        while not stop.is_set():
+            time.sleep(0.01)  # paused in here, it writes again when resumed
+            attempt()
+        attempt()  # once more after the loss: begun after the takeover, surely
 
-            helper = threading.Thread(target=write_until_stopped)
-            Path(report).write_text(str(lease.fence))  # before any write is logged
-            helper.start()
-            while True:
-                time.sleep(0.01)
-    except SimpleMutexLeaseExpiredError:
-        outcome = "interrupted"
-    finally:
-        stop.set()
-    helper.join(10)
-    Path(report + ".done").write_text(outcome)
+    hold_with_writer(Mutex(cache_from_url(REDIS_URL), lease=1.0), lock_key, report, write_until)
 
 
 def paused_holder_scenario(kind: str, target: str, tmp_path: Path) -> tuple[list[str], int]:

@@ -30,7 +30,7 @@ from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
-from .statements import LOST_RACE, EndedSession, PostgresCore, Statement
+from .statements import LOST_RACE, PostgresCore, Statement
 from .sync import PostgresCache
 
 with driver_imports("postgres"):
@@ -141,9 +141,8 @@ class AsyncPostgresCache(PostgresCore):
                     finally:
                         broken = conn.broken
             except psycopg.Error as exc:
-                if broken:  # a broken pooled session was an idle one the server ended
-                    raise EndedSession() from exc
-                raise
+                # a broken pooled session was an idle one the server ended
+                self._pass_on(exc, ended=broken)
             return
         async with sessions.turn:
             reused = False
@@ -157,9 +156,7 @@ class AsyncPostgresCache(PostgresCore):
             except psycopg.Error as exc:
                 ended = reused and sessions.conn is not None and sessions.conn.broken
                 self._drop(sessions, exc)
-                if ended:
-                    raise EndedSession() from exc
-                raise
+                self._pass_on(exc, ended=ended)
             except BaseException:
                 self._drop(sessions, None)  # cancelled mid-statement: a reply may be unread
                 raise

@@ -14,7 +14,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
 from simple_mutex._runtime.steps import StepFlow
 from simple_mutex.caches._base import (
@@ -295,6 +295,15 @@ class PostgresCore(CacheBase):
         except SessionEnded:
             reply = yield statement
         return statement.finish(reply)
+
+    @staticmethod
+    def _pass_on(exc: psycopg.Error, *, ended: bool) -> NoReturn:
+        """Let a psycopg error out of a face's session code: as ``EndedSession`` around it
+        when the session it came from had been ended by the server (the statement never
+        ran; only the session code can tell), else as is. Both faces' sessions end here."""
+        if ended:
+            raise EndedSession() from exc
+        raise exc
 
     def _failed(self, statement: Statement[Any], exc: Exception) -> Exception | None:
         """The one place a driver error becomes what users see: a psycopg error (or a

@@ -56,7 +56,6 @@ from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
 from .statements import (
     LOST_RACE,
-    EndedSession,
     PostgresCore,
     Statement,
     _with_defaults,
@@ -119,7 +118,14 @@ class PostgresCache(PostgresCore):
         """Create the lock table and its index as their owner (the role of ``conninfo``),
         and grant a lock role (``grant_to``) exactly what it needs; the statements run,
         for the record. Safe to run again."""
-        return _create_schema(conninfo, table=table, schema=schema, grant_to=grant_to)
+        statements = schema_statements(table, schema, grant_to)
+        try:
+            with psycopg.connect(_with_defaults(conninfo), autocommit=True) as conn:
+                for statement in statements:
+                    conn.execute(statement)
+        except psycopg.Error as exc:
+            raise fault("postgres", "create_schema", table, exc) from exc
+        return statements
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         for statement, name, lookup in self._setup_steps():
@@ -156,9 +162,8 @@ class PostgresCache(PostgresCore):
                     finally:
                         broken = conn.broken
             except psycopg.Error as exc:
-                if broken:  # a broken pooled session was an idle one the server ended
-                    raise EndedSession() from exc
-                raise
+                # a broken pooled session was an idle one the server ended
+                self._pass_on(exc, ended=broken)
             return
         reused = False
         try:
@@ -171,9 +176,7 @@ class PostgresCache(PostgresCore):
         except psycopg.Error as exc:
             ended = reused and self._conn is not None and self._conn.broken
             self._drop(exc)
-            if ended:
-                raise EndedSession() from exc
-            raise
+            self._pass_on(exc, ended=ended)
         except BaseException:
             self._drop(None)
             raise
@@ -268,26 +271,6 @@ class PostgresCache(PostgresCore):
                 # Listen only while waiting: an idle listening session that reads nothing
                 # would hold back the server's notification queue for every database user.
                 conn.execute("UNLISTEN *")
-
-
-def _create_schema(
-    conninfo: str,
-    *,
-    table: str = "simple_mutex_locks",
-    schema: str = "public",
-    grant_to: str | None = None,
-) -> list[str]:
-    """Create the lock table and its index as their owner (the role of ``conninfo``),
-    and grant a lock role (``grant_to``) exactly what it needs; the statements run, for
-    the record. Safe to run again."""
-    statements = schema_statements(table, schema, grant_to)
-    try:
-        with psycopg.connect(_with_defaults(conninfo), autocommit=True) as conn:
-            for statement in statements:
-                conn.execute(statement)
-    except psycopg.Error as exc:
-        raise fault("postgres", "create_schema", table, exc) from exc
-    return statements
 
 
 def from_url(url: str) -> PostgresCache:
