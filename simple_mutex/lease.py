@@ -246,7 +246,16 @@ class Lease:
 
     async def release_async(self) -> bool:
         """``release`` for asyncio: the event loop is not blocked."""
-        return await run_async(self._cache, self._release_flow())
+        try:
+            return await run_async(self._cache, self._release_flow())
+        except MalfunctionError:
+            raise
+        except BaseException:
+            # Cancelled (or interrupted) before or after our delete was sent, as in
+            # release(): make sure it is sent, in a task a second cancel cannot skip.
+            in_background(run_async(self._cache, flows.abandon([self._cache_key], self._value)))
+            self._let_go()
+            raise
 
     def _release_flow(self) -> Flow[bool]:
         if isinstance(self._state, Released):
@@ -269,6 +278,7 @@ class Lease:
             if not in_time:
                 with self._lock:
                     self._move(Released(in_time=False, loss="it lapsed before release"))
+                self._report_loss()  # as a release that reached the cache reports it
                 return False  # best effort: the lease was over anyway, and lapses alone
             # Not released: the record may still be ours, so a retry must reach it. It stays
             # Releasing (not renewed): if nobody retries, it lapses.
@@ -697,7 +707,7 @@ class Lease:
         # Shielded: a second cancel must not skip the release.
         try:
             early = self._released_early()
-            released = await asyncio.shield(self.release_async()) if early is None else early
+            released = await self._release_shielded() if early is None else early
         except MalfunctionError as fault:
             released = self._release_failed(exc, fault)
         if not released and self._cancelled_by_loss:
@@ -709,6 +719,22 @@ class Lease:
             if others == 0 and isinstance(exc, asyncio.CancelledError):
                 raise self._expired_error() from exc
         self._leave(released, exc)
+
+    async def _release_shielded(self) -> bool:
+        """``release_async`` in a task of its own. If our own loss cancels this task while
+        that release is in flight (the deadline passed meanwhile), the release's outcome
+        decides the block's end, as in a ``with`` block: wait for it. Anyone else's
+        cancellation passes through (the release still completes)."""
+        releasing = in_background(self.release_async())
+        try:
+            return await asyncio.shield(releasing)
+        except asyncio.CancelledError:
+            if not self._cancelled_by_loss:
+                raise
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
+            if uncancel is not None and uncancel() > 0:
+                raise  # someone else cancelled the task too
+            return bool(await releasing)
 
     def _released_early(self) -> bool | None:
         """What ``release()`` returned if the holder has let go already (inside the block),

@@ -772,3 +772,108 @@ def test_an_extension_never_shortens_the_permit_its_holder_counts_on(any_cache):
     time.sleep(1.3)
     assert mutex.try_acquire("k") is None
     assert lease.release() is True
+
+
+# -- found by review (issue 22): endings the lifecycle must get right ----------------------
+
+
+class _SlowDelete(InMemoryCache):
+    """A cache whose release takes ``delay`` s: before its delete lands, or after it
+    (``reply_late``: the delete lands at once and only the reply is slow)."""
+
+    def __init__(self, delay: float, reply_late: bool = False) -> None:
+        super().__init__()
+        self.delay, self.reply_late, self.down = delay, reply_late, False
+
+    def compare_and_delete(self, key: str, *, version: str) -> bool | None:
+        if self.down:
+            raise MalfunctionError(f"memory down (test) during compare_and_delete on {key!r}")
+        if self.reply_late:
+            done = super().compare_and_delete(key, version=version)
+            time.sleep(self.delay)
+            return done
+        time.sleep(self.delay)
+        return super().compare_and_delete(key, version=version)
+
+
+def test_a_lapsed_lease_whose_release_meets_a_fault_still_reports_its_loss(key):
+    """The "lost" event of a lapsed lease does not depend on the cache answering its
+    release (it did when the cache faulted: the event was never sent)."""
+    from simple_mutex import events
+
+    seen: list[str] = []
+    stop = events.subscribe(lambda event: seen.append(event.kind) if event.key == key else None)
+    try:
+        cache = _SlowDelete(0.0)
+        lease = Mutex(cache, lease=0.2).acquire(key)
+        time.sleep(0.35)
+        cache.down = True
+        assert lease.release() is False
+    finally:
+        stop()
+    assert seen == ["acquired", "lost"]
+
+
+def test_a_cancelled_release_async_abandons_the_record_and_ends_the_lease(key):
+    """Cancelling ``await lease.release_async()`` mid-delete ends the lease as an
+    interrupted ``release()`` does: the record is freed and the lease is over (it stayed
+    'releasing' and later reported a loss nobody caused)."""
+    import asyncio
+
+    async def main() -> None:
+        cache = _SlowDelete(0.3)
+        mutex = Mutex(cache, lease=1.0)
+        lease = await mutex.acquire_async(key)
+        releasing = asyncio.ensure_future(lease.release_async())
+        await asyncio.sleep(0.1)
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        await asyncio.sleep(0.6)  # the delete in flight and the abandon both landed
+        assert await mutex.holder_async(key) is None
+        assert "released" in repr(lease)
+        assert await lease.release_async() is False
+        await asyncio.sleep(1.0)  # past the deadline: nothing reports a loss
+        assert "released" in repr(lease)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("reply_late", [True, False])
+def test_async_with_whose_release_outlasts_the_deadline_ends_as_the_release_says(key, reply_late):
+    """The body ends 0.2 s before the deadline and the release is in flight when it
+    passes: the block ends normally if that release freed the record in time, else with
+    the loss error; never with a bare CancelledError from its own loss."""
+    import asyncio
+
+    async def main() -> str:
+        mutex = Mutex(_SlowDelete(0.5, reply_late=reply_late), lease=1.0)
+        async with mutex.acquire_async(key) as lease:
+            await asyncio.sleep(lease._deadline - time.monotonic() - 0.2)
+        return "ended"
+
+    if reply_late:
+        assert asyncio.run(main()) == "ended"
+    else:
+        with pytest.raises(SimpleMutexLeaseExpiredError):
+            asyncio.run(main())
+
+
+def test_exiting_with_a_renewed_lease_held_logs_no_keeper_error(tmp_path):
+    """A process that ends holding a renew=True lease while an atexit handler takes a
+    moment: the keeper's next renewal finds the pools shut; it is dropped, not logged as
+    an error (the lease lapses, as a crashed holder's does)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_holding.py"
+    script.write_text(
+        "import atexit, time\n"
+        "import simple_mutex as sm\n"
+        "lease = sm.Mutex(sm.InMemoryCache(), lease=0.3).acquire('k', renew=True)\n"
+        "atexit.register(time.sleep, 0.6)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert "keeper" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -69,7 +69,14 @@ class Keeper:
 
     def submit(self, work: Callable[..., Any], *args: Any) -> None:
         """Run ``work`` (a renewal, a callback: anything that may block) in the pool."""
-        self._pool.submit(_logged, work, *args)
+        try:
+            self._pool.submit(_logged, work, *args)
+        except RuntimeError as exc:
+            # The interpreter is exiting: its thread pools take no new work once threading
+            # shut down, while atexit handlers may still run for a while. The work would
+            # die with the process anyway, and a lease not renewed lapses as designed.
+            if "interpreter shutdown" not in str(exc):
+                raise
 
     def _compact(self) -> None:
         live = [
