@@ -129,8 +129,11 @@ class _Recording(MutexSchedulerMixin, Scheduler):  # type: ignore[misc]
         return SimpleNamespace(id="x")
 
 
-def test_two_guarded_schedulers_send_each_slot_once() -> None:
+def test_two_guarded_schedulers_send_each_slot_once(monkeypatch) -> None:
     """Two guarded beats on one cache: one sends, stamped, the entry itself unchanged."""
+    # Mid-slot, and still: on the wall clock the two sends could fall on both sides of a
+    # 1 s slot's boundary (it failed so once, in CI), and both would rightly go out.
+    monkeypatch.setattr(time, "time", lambda: ts(2026, 11, 29, 11, 15, 0) + 0.5)
     app = Celery(set_as_current=False)
     app.conf.mutex_beat_cache = InMemoryCache()  # shared by both "beats" here
     sent: list[tuple[str, dict[str, Any]]] = []
