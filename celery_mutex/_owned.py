@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from simple_mutex import Holder, Lease, Mutex, Semaphore
+from simple_mutex import Holder, Lease, Mutex, Semaphore, SimpleMutexError
 
 _SAFE_OWNER = re.compile(r"[A-Za-z0-9_:-]{1,100}")
 
@@ -82,7 +82,7 @@ class OwnedLocks:
         for logs, markers and a second try)."""
         try:
             return self.space.holder(key)
-        except Exception:
+        except SimpleMutexError:  # a fault, never a soft time limit landing here
             return None
 
     def holder_label(self, key: str) -> str | None:

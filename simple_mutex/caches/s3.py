@@ -439,7 +439,7 @@ def _check_model(client: Any) -> None:
     gained it in late 2024); silently dropped, the condition would make every write blind."""
     try:
         members = client.meta.service_model.operation_model("PutObject").input_shape.members
-    except Exception:  # not a botocore client (a wrapper): trust it
+    except (AttributeError, TypeError, LookupError, BotoCoreError):  # a wrapper: trust it
         return
     missing = {"IfNoneMatch", "IfMatch"} - set(members)
     if missing:

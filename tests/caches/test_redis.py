@@ -15,6 +15,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -252,6 +254,31 @@ def test_an_interrupt_mid_command_never_shifts_replies(client: redis.Redis):
         cache.put_if_absent(key, "other", ttl=30)
     assert cache.get(key) == entry
     cache.client.close()
+
+
+def test_a_first_grant_runs_no_scan_that_swallows_a_signal():
+    """Why a job timeout's alarm was once lost at a cache's first grant (issue 22): redis-py
+    8 reads its own version from the installed metadata each time it builds a connection
+    from a URL's pool, and the read lists every sys.path folder inside the standard
+    library's ``suppress(Exception)`` (importlib.metadata's ``FastPath.children``). A
+    signal handler's exception (RQ's JobTimeoutException, Celery's SoftTimeLimitExceeded)
+    raised there is swallowed. The cache reads the version once, at import, and gives it
+    to the connections it builds, so its first grant lists no folder."""
+    probe = f"""
+import os, redis
+from simple_mutex import Mutex
+from simple_mutex.caches.redis import RedisCache
+cache = RedisCache(redis.Redis.from_url({REDIS_URL!r}), prefix={PREFIX!r} + "scan:")
+listed = []
+real = os.listdir
+os.listdir = lambda *a: listed.append(a) or real(*a)
+Mutex(cache).acquire("k", timeout=5).release()
+print(len(listed))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "0", "the first grant listed folders: " + done.stderr
 
 
 def test_another_type_at_the_key_is_a_malformed_entry(cache: RedisCache, client: redis.Redis):

@@ -276,5 +276,5 @@ class _Sessions:
 def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:
     """Close a connection without awaiting (after a cancellation, or on another loop)."""
     if conn is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(psycopg.Error, OSError):  # never a signal's exception
             conn.pgconn.finish()

@@ -197,7 +197,9 @@ class PostgresCache(PostgresCore):
         if conn is None or self._keeps(conn, error):
             return
         self._conn = None
-        with contextlib.suppress(Exception):  # it is broken already
+        # Broken already; only the driver's own errors are dropped: a signal handler's
+        # exception (a job timeout) landing here must still reach the caller.
+        with contextlib.suppress(psycopg.Error, OSError):
             conn.close()
 
     # -- the contract ------------------------------------------------------------------

@@ -46,14 +46,21 @@ from simple_mutex.errors import (
 with driver_imports("redis"):
     from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
-# redis-py 8 reads its own version from the installed metadata (a scan of sys.path, ms
-# long the first time, cached after) when it builds a connection. A job timeout's
-# signal landing in that first scan was lost (issue 22's alarm test: the cause is not
-# found yet); scanning once here, at import, takes that window out of the first grant.
-with contextlib.suppress(Exception):
-    from redis.utils import get_lib_version
+# redis-py 8 reads its own version from the installed metadata each time it builds a
+# connection whose settings name no ``driver_info`` (a URL's pool names none), and that
+# read lists every sys.path folder inside the standard library's ``suppress(Exception)``
+# (importlib.metadata's ``FastPath.children``; on 3.11 a missing sys.path entry clears
+# its cache, so every read lists again). A job timeout's exception raised there by its
+# signal handler (RQ's, Celery's soft limit) is swallowed: the alarm is lost and the job
+# runs on (issue 22). So the version is read once, here, and the cache's own connections
+# are given it (``own_connection``). None: a redis-py that reads it at import already.
+DRIVER_INFO: Any = None
+with contextlib.suppress(ImportError):
+    from redis.driver_info import DriverInfo
 
-    get_lib_version()  # type: ignore[no-untyped-call]
+    DRIVER_INFO = DriverInfo()
+# The settings through which a connection can be told its client name and version.
+_DRIVER_SETTINGS = ("driver_info", "lib_name", "lib_version")
 
 MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
@@ -548,7 +555,10 @@ def own_connection(pool: Any, retry: Any) -> Any:
     """A connection of ``pool``'s class with its settings, outside its books, whose retry
     policy is ``retry`` (none: the engine retries within its deadline). Connected on
     first use."""
-    conn = pool.connection_class(**pool.connection_kwargs)
+    settings = pool.connection_kwargs
+    if DRIVER_INFO is not None and not any(name in settings for name in _DRIVER_SETTINGS):
+        settings = {**settings, "driver_info": DRIVER_INFO}  # what Redis() itself passes
+    conn = pool.connection_class(**settings)
     conn.retry = retry
     return conn
 
