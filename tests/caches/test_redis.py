@@ -588,15 +588,23 @@ def test_unix_socket_urls_in_redis_pys_and_celery_onces_spelling(redis_servers, 
         lease.release()
 
 
+def _named_client() -> redis.Redis:
+    """A client of its own name: the server's client list also shows every other test's
+    and process's connections, which come and go meanwhile."""
+    return new_client(client_name=f"close-{uuid.uuid4().hex[:8]}")
+
+
 def _client_ids(client: redis.Redis) -> set[int]:
-    return {int(c["id"]) for c in client.client_list()}
+    """The server's ids of the connections open under ``client``'s name (the cache's own
+    connections are built with its settings, so they carry it too)."""
+    name = client.connection_pool.connection_kwargs["client_name"]
+    return {int(c["id"]) for c in client.client_list() if c["name"] == name}
 
 
-def test_close_disconnects_the_caches_own_connections_and_keeps_the_client(
-    client: redis.Redis,
-) -> None:
+def test_close_disconnects_the_caches_own_connections_and_keeps_the_client() -> None:
     """close(), as on the other caches: the connections the cache opened for its own
     commands leave the server's client list; the client (and a later call) still work."""
+    client = _named_client()
     cache = RedisCache(client, prefix=PREFIX)
     before = _client_ids(client)
     Mutex(cache).acquire(unique_key(), timeout=0).release()
@@ -608,11 +616,10 @@ def test_close_disconnects_the_caches_own_connections_and_keeps_the_client(
     Mutex(cache).acquire(unique_key(), timeout=0).release()  # opens a new one
 
 
-def test_close_also_disconnects_a_connection_lent_out_when_it_comes_back(
-    client: redis.Redis,
-) -> None:
+def test_close_also_disconnects_a_connection_lent_out_when_it_comes_back() -> None:
     """A waiter blocked in BLPOP holds a connection while close() runs: it is
     disconnected when the wait returns, not kept idle (found by review)."""
+    client = _named_client()
     before = _client_ids(client)
     cache = RedisCache(client, prefix=PREFIX)
     key = unique_key()

@@ -417,14 +417,22 @@ def test_bad_options_raise_when_decorating(options, match):
 
 
 def run_rq_cron(
-    seconds: float, *environments: dict[str, str], before_stop: Callable[[], Any] = lambda: None
+    seconds: float,
+    *environments: dict[str, str],
+    before_stop: Callable[[], Any] = lambda: None,
+    started: Callable[[], bool] = lambda: True,
 ) -> Any:
     """One ``rq cron tests/rq_support/cron_config.py`` process per environment, for
-    ``seconds``; all stopped at the end. Returns what ``before_stop`` read while they
-    still ran (a claim of an interval's window lives less than the interval)."""
+    ``seconds`` after ``started()`` first holds (``rq cron`` can take seconds to import on
+    a loaded machine; at most 60 s for that); all stopped at the end. Returns what
+    ``before_stop`` read while they still ran (a claim of an interval's window lives less
+    than the interval)."""
     config = str(ROOT / "tests" / "rq_support" / "cron_config.py")
     procs = [start(["rq", "cron", "-u", jobs.REDIS_URL, config], **env) for env in environments]
     try:
+        deadline = time.monotonic() + 60
+        while not started() and time.monotonic() < deadline:
+            time.sleep(0.05)
         time.sleep(seconds)
         return before_stop()
     finally:
@@ -444,6 +452,7 @@ def test_three_rq_cron_processes_enqueue_each_tick_once(conn, run):
             for guard, queue in (("1", guarded), ("0", control))
             for _ in range(3)
         ],
+        started=lambda: len(control) > 0,
     )
     enqueued = guarded.get_jobs()
     ticks = [job.meta.get("rq_mutex_tick") for job in enqueued]
