@@ -56,7 +56,7 @@ class MongoCache(SleepingWait, MongoCore):
     (``from_url``), to give each process of a forking host (Celery prefork, RQ) a client
     of its own with options a URL cannot carry (event listeners, a type registry, a TLS
     context). A client given as it is is used in forked children too: pymongo (>= 4.3)
-    resets it there, and warns "MongoClient opened before fork".
+    resets it there (recent versions warn "MongoClient opened before fork").
 
     ``write_concern`` ("majority", an int, or None to keep the collection's own) applies
     to every write; ``clock`` is "server" or "client" (module docstring); ``gc_after`` is
