@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -30,9 +31,10 @@ from behaviour import SharedBehaviour
 from contract import CacheContract, unique_key
 from servers import free_port, scripts
 
-from simple_mutex import ConstraintError, MalfunctionError, SimpleCacheConditionError
+from simple_mutex import ConstraintError, MalfunctionError, Mutex, SimpleCacheConditionError
 from simple_mutex.caches.mongo import MongoCache, from_url
 from simple_mutex.caches.mongo import core as mongo_core
+from simple_mutex.errors import ConstraintTypeError
 
 DB = f"smx_test_{uuid.uuid4().hex[:8]}"
 HOUR = timedelta(hours=1)
@@ -84,6 +86,21 @@ class TestMongoContractClientClock(CacheContract):
     @pytest.fixture
     def cache(self, client: pymongo.MongoClient[Any]) -> MongoCache:
         return MongoCache(client, database=DB, collection="locks_client", clock="client")
+
+
+class TestMongoContractFactory(CacheContract):
+    """...and on a client its factory makes in each process (the forked children too)."""
+
+    expiry_slack = 0.15
+
+    @pytest.fixture
+    def cache(self, server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[MongoCache]:
+        made = MongoCache(
+            lambda: pymongo.MongoClient(server_url, serverSelectionTimeoutMS=5000),
+            database=DB, collection="locks_factory",
+        )  # fmt: skip
+        yield made
+        made.close()
 
 
 class TestMongomockContract(CacheContract):
@@ -165,7 +182,8 @@ def test_a_value_that_looks_like_an_expression_is_stored_verbatim(cache: MongoCa
 def test_racing_puts_on_a_new_key_have_exactly_one_winner(server_url: str):
     """Eight threads with their own clients race put_if_absent on fresh keys: the unique
     _id lets exactly one in (the others get DuplicateKeyError, reported as held)."""
-    caches = [MongoCache(pymongo.MongoClient(server_url), database=DB) for _ in range(8)]
+    clients = [pymongo.MongoClient(server_url) for _ in range(8)]
+    caches = [MongoCache(each, database=DB) for each in clients]
     caches[0].ready()
     for _ in range(5):
         key = unique_key()
@@ -188,8 +206,8 @@ def test_racing_puts_on_a_new_key_have_exactly_one_winner(server_url: str):
         for thread in threads:
             thread.join(20)
         assert len(wins) == 1
-    for each in caches:
-        each._given.database.client.close()
+    for each in clients:
+        each.close()
 
 
 def test_writes_use_a_majority_write_concern_with_a_timeout(client):
@@ -246,7 +264,7 @@ def test_constructor_takes_a_client_a_database_or_a_collection(client):
     by_coll = MongoCache(client[DB]["c3"], database="ignored", collection="ignored")
     assert (by_coll.database, by_coll.collection_name) == (DB, "c3")
     for bad in ("mongodb://x", object(), None):
-        with pytest.raises(ConstraintError, match="MongoClient"):
+        with pytest.raises(ConstraintTypeError, match=r"MongoClient.*or a function that returns"):
             MongoCache(bad)
     with pytest.raises(ConstraintError, match="clock"):
         MongoCache(client, clock="atomic")
@@ -282,27 +300,133 @@ def test_from_url_rejects_other_schemes_and_bad_urls_without_echoing_secrets():
     assert "s3cret" not in str(info.value)
 
 
-def _use_inherited(cache: MongoCache, key: str) -> None:
-    entry = cache.put_if_absent(key, "child", ttl=30)
-    cache.compare_and_delete(key, version=entry.version)
-    assert cache._client is not None  # its own client, not the parent's
-    cache.close()
+def _use_given(cache: MongoCache, given: pymongo.MongoClient[Any], held: str, key: str) -> None:
+    """In a forked child: the cache keeps the client it was given (pymongo resets it
+    here; recent versions warn), sees the parent's lock, and takes and frees its own."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "MongoClient opened before fork", UserWarning)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.put_if_absent(held, "child", ttl=30)
+        with Mutex(cache, lease=30).acquire(key, timeout=5) as lease:
+            assert cache.get(f"mutex.{key}") is not None, lease
+    assert cache._collection().database.client is given
 
 
-def test_a_forked_child_opens_its_own_client(server_url: str):
-    """A cache inherited through fork() talks on a client of the child's own; the
-    parent's keeps working."""
-    parent_client: pymongo.MongoClient[Any] = pymongo.MongoClient(server_url)
-    cache = MongoCache(parent_client, database=DB)
-    key = unique_key()
-    cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
-    children = [FORK.Process(target=_use_inherited, args=(cache, f"{key}.{n}")) for n in range(2)]
+def test_a_forked_child_uses_the_client_it_was_given(server_url: str):
+    """A cache given a client uses it in a forked child too (pymongo >= 4.3 resets it
+    there): the children see the parent's lock and take and free their own;
+    the parent's keeps working, and nothing was opened behind the user's back."""
+    given: pymongo.MongoClient[Any] = pymongo.MongoClient(server_url)
+    cache = MongoCache(given, database=DB)
+    held = unique_key()
+    entry = cache.put_if_absent(held, "parent", ttl=30)
+    keys = [unique_key() for _ in range(2)]
+    children = [FORK.Process(target=_use_given, args=(cache, given, held, k)) for k in keys]
     for child in children:
         child.start()
     for child in children:
         child.join(20)
     assert [child.exitcode for child in children] == [0, 0]
-    entry = cache.put_if_absent(key, "parent", ttl=30)
-    assert cache.get(key) == entry
-    assert cache._client is None  # the parent still uses the client it was given
-    parent_client.close()
+    assert cache.get(held) == entry
+    assert [cache.get(f"mutex.{k}") for k in keys] == [None, None]  # freed by the children
+    cache.compare_and_delete(held, version=entry.version)
+    assert cache._collection().database.client is given
+    cache.close()  # not the cache's own: left open
+    assert given[DB].command("ping")["ok"] == 1
+    given.close()
+
+
+class Client(pymongo.MongoClient[Any]):
+    """pymongo's client, saying whether it was closed (pymongo's own answer to a use
+    after close differs across the versions we support)."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+class Factory:
+    """A client factory that records, per call, the process and the client it made."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.made: list[tuple[int, Client]] = []
+
+    def __call__(self) -> Client:
+        client = Client(self.url)
+        self.made.append((os.getpid(), client))
+        return client
+
+
+def _use_factory(cache: MongoCache, factory: Factory, key: str) -> None:
+    """In a forked child: one call of the factory, however much the cache is used, and
+    never the parent's client."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with Mutex(cache, lease=30).acquire(key, timeout=5):
+                pass
+    (parent, parents_client), (child, own) = factory.made  # the parent's call, then ours
+    assert (parent, child) == (os.getppid(), os.getpid())
+    assert cache._collection().database.client is own is not parents_client
+    assert not [w for w in seen if "before fork" in str(w.message)], "the parent's was used"
+    cache.close()
+
+
+def test_a_client_factory_is_called_once_in_each_process(server_url: str):
+    """A factory is called on first use, once per process: a forked child calls it again
+    and uses only the client it made; close() closes the factory's client, and the next
+    use makes another."""
+    factory = Factory(server_url)
+    cache = MongoCache(factory, database=DB)
+    assert factory.made == []  # lazily: a cache built before the fork opens nothing
+    key = unique_key()
+    for _ in range(2):
+        cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
+    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    keys = [unique_key() for _ in range(2)]
+    children = [FORK.Process(target=_use_factory, args=(cache, factory, k)) for k in keys]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(20)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert len(factory.made) == 1  # the children's calls were theirs alone
+    assert [cache.get(f"mutex.{k}") for k in keys] == [None, None]
+    first = factory.made[0][1]
+    assert not first.closed
+    cache.close()
+    assert first.closed  # the factory's client is the cache's to close
+    assert cache.get(key) is None
+    assert len(factory.made) == 2
+    cache.close()
+    assert factory.made[1][1].closed
+
+
+def test_a_client_factory_may_return_a_database_or_a_collection(client):
+    """What the factory returns names the collection as an object given would; the
+    names are the options' until the first call."""
+    by_db = MongoCache(lambda: client[DB], collection="factory_db")
+    by_coll = MongoCache(lambda: client[DB]["factory_coll"], database="ignored")
+    assert (by_coll.database, by_coll.collection_name) == ("ignored", "locks")
+    for cache, names in ((by_db, (DB, "factory_db")), (by_coll, (DB, "factory_coll"))):
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v", ttl=30)
+        assert (cache.database, cache.collection_name) == names
+        assert client[names[0]][names[1]].find_one({"_id": key})["version"] == entry.version
+
+
+def test_a_client_factory_returning_something_else_is_refused_naming_the_fix(server_url):
+    """The factory's result is checked as an object given is: on first use, a
+    ConstraintTypeError that says what to return; nothing is written."""
+    for wrong, got in ((lambda: server_url, "str"), (lambda: None, "NoneType")):
+        cache = MongoCache(wrong)
+        with pytest.raises(ConstraintTypeError) as info:
+            cache.put_if_absent(unique_key(), "v", ttl=30)
+        message = str(info.value)
+        assert "client factory" in message
+        assert "must return a pymongo MongoClient, Database or Collection" in message
+        assert f"got {got}" in message
+        assert "makes a new client each time" in message

@@ -10,6 +10,8 @@ dropped at the end; if no server answers, the tests fail, never skip.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -28,6 +30,7 @@ from simple_mutex import ConstraintError, Mutex
 from simple_mutex.caches import as_cache
 from simple_mutex.caches.mongo import AsyncMongoCache, MongoCache
 from simple_mutex.contract import AsyncConditionalCache, is_async
+from simple_mutex.errors import ConstraintTypeError
 
 DB = f"smx_async_{uuid.uuid4().hex[:8]}"
 server_url = test_mongo.server_url  # the same fixture: MONGODB_URL or a server of our own
@@ -50,13 +53,17 @@ def client(server_url: str) -> Iterator[pymongo.MongoClient[Any]]:
     conn.close()
 
 
-def face_on(url: str, **options: Any) -> BlockingFace:
-    """An AsyncMongoCache on an AsyncMongoClient opened on the face's own loop."""
+def face_on(url: str, *, factory: bool = False, **options: Any) -> BlockingFace:
+    """An AsyncMongoCache on an AsyncMongoClient opened on the face's own loop: given to
+    it, or made by its client factory (``factory``) on first use."""
     clients: list[AsyncMongoClient[Any]] = []
 
-    async def build() -> AsyncMongoCache:
+    def make() -> AsyncMongoClient[Any]:
         clients.append(connect(url))
-        return AsyncMongoCache(clients[0], database=DB, **options)
+        return clients[-1]
+
+    async def build() -> AsyncMongoCache:
+        return AsyncMongoCache(make if factory else make(), database=DB, **options)
 
     face = BlockingFace.built(build)
     face.clients = clients  # type: ignore[attr-defined]
@@ -70,13 +77,45 @@ def cache(server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[Blockin
     face.close(*face.clients)  # type: ignore[attr-defined]
 
 
-class TestAsyncMongoContractServerClock(CacheContract):
+# -- the contract -----------------------------------------------------------------------
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _refused_in_child(cache: BlockingFace, key: str) -> None:
+    with pytest.raises(ConstraintError, match="give the cache a function that makes the client"):
+        cache.put_if_absent(key, "child", ttl=30)
+
+
+class GivenClient:
+    """An AsyncMongoCache over a client given as it is."""
+
+    def test_a_forked_child_uses_the_cache_on_its_own(self, cache: BlockingFace) -> None:
+        """In place of the contract's test: pymongo binds an AsyncMongoClient to the loop
+        it was first used on (its at-fork reset leaves that), so a forked child, whose
+        loop is its own, is refused at once with the ConstraintError naming the client
+        factory, and writes nothing; the parent keeps working. (A cache given a factory
+        passes the contract's test: TestAsyncMongoContractFactory.)"""
+        key = unique_key("fork")
+        cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
+        children = [FORK.Process(target=_refused_in_child, args=(cache, key)) for _ in range(2)]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(10)
+        assert [child.exitcode for child in children] == [0, 0]
+        assert cache.get(key) is None  # the children wrote nothing
+        entry = cache.put_if_absent(key, "parent", ttl=30)
+        assert cache.get(key) == entry
+
+
+class TestAsyncMongoContractServerClock(GivenClient, CacheContract):
     """The contract over the wire, expiry judged by the server's $$NOW (the default)."""
 
     expiry_slack = 0.15
 
 
-class TestAsyncMongoContractClientClock(CacheContract):
+class TestAsyncMongoContractClientClock(GivenClient, CacheContract):
     """...and with clock="client"."""
 
     expiry_slack = 0.15
@@ -84,6 +123,18 @@ class TestAsyncMongoContractClientClock(CacheContract):
     @pytest.fixture
     def cache(self, server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[BlockingFace]:
         face = face_on(server_url, collection="locks_client", clock="client")
+        yield face
+        face.close(*face.clients)  # type: ignore[attr-defined]
+
+
+class TestAsyncMongoContractFactory(CacheContract):
+    """...and on a client its factory makes in each process (the forked children too)."""
+
+    expiry_slack = 0.15
+
+    @pytest.fixture
+    def cache(self, server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[BlockingFace]:
+        face = face_on(server_url, factory=True, collection="locks_factory")
         yield face
         face.close(*face.clients)  # type: ignore[attr-defined]
 
@@ -225,3 +276,67 @@ def test_a_client_is_bound_to_its_first_loop_and_others_are_refused_at_once(
         assert "different event loop" in message
         assert took < 2
     assert MongoCache(client, database=DB).get(f"mutex.{key}") is None
+
+
+class AsyncFactory:
+    """An AsyncMongoClient factory that records, per call, the process and the client."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.made: list[tuple[int, AsyncMongoClient[Any]]] = []
+
+    def __call__(self) -> AsyncMongoClient[Any]:
+        self.made.append((os.getpid(), connect(self.url)))
+        return self.made[-1][1]
+
+
+def _use_factory(face: BlockingFace, factory: AsyncFactory, key: str) -> None:
+    """In a forked child (the face runs a loop of its own): the factory is called once
+    more, here, and the cache uses only the client it made."""
+    for _ in range(2):
+        face.compare_and_delete(key, version=face.put_if_absent(key, "child", ttl=30).version)
+    (parent, parents_client), (child, own) = factory.made
+    assert (parent, child) == (os.getppid(), os.getpid())
+    assert face.cache._collection().database.client is own is not parents_client
+
+
+def test_an_async_client_factory_is_called_once_in_each_process(
+    server_url: str, client: pymongo.MongoClient[Any]
+) -> None:
+    """Lazily, on first use, once per process: a forked child calls it again and locks
+    on its own client, the parent's calls stay one."""
+    factory = AsyncFactory(server_url)
+    face = BlockingFace(AsyncMongoCache(factory, database=DB))
+    assert factory.made == []
+    key = unique_key("factory")
+    for _ in range(2):
+        face.compare_and_delete(key, version=face.put_if_absent(key, "p", ttl=30).version)
+    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    children = [
+        FORK.Process(target=_use_factory, args=(face, factory, f"{key}.{n}")) for n in range(2)
+    ]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(20)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert len(factory.made) == 1
+    face.close()  # the cache closes the client its factory made
+
+
+def test_an_async_client_factory_returning_a_blocking_client_is_refused(server_url: str) -> None:
+    """The factory's result is checked as an object given is: a blocking MongoClient is
+    a ConstraintTypeError naming the asyncio classes, on first use."""
+    blocking: list[pymongo.MongoClient[Any]] = []
+
+    def wrong() -> pymongo.MongoClient[Any]:
+        blocking.append(pymongo.MongoClient(server_url, connect=False))
+        return blocking[-1]
+
+    cache = AsyncMongoCache(wrong)
+    with pytest.raises(ConstraintTypeError) as info:
+        run(cache.put_if_absent(unique_key(), "v", ttl=30))
+    message = str(info.value)
+    assert "must return a pymongo AsyncMongoClient, AsyncDatabase or AsyncCollection" in message
+    assert "got MongoClient" in message
+    blocking[0].close()

@@ -9,7 +9,11 @@ awaits. ``Mutex(AsyncMongoClient)``, ``Mutex(AsyncDatabase)`` and
   older pymongo is refused with the version to install.
 * ``wait`` sleeps on the loop (``asyncio.sleep``): the engine's jittered poll finds
   releases and expiries, as with MongoCache. No thread.
-* A forked child opens its own client (pymongo's ``_duplicate`` of the one given).
+* Given a client factory (a function returning a new ``AsyncMongoClient``), it calls it
+  on first use in each process, a forked child too. A client given as it is stays bound
+  to the event loop it was first used on: a forked child running a loop of its own is
+  refused with a ``ConstraintError`` (pymongo's "different event loop") naming the
+  factory.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ def _async_kinds() -> tuple[Any, Any, Any]:
 
 class AsyncMongoCache(MongoCore):
     """An AsyncConditionalCache over a pymongo ``AsyncMongoClient``, ``AsyncDatabase`` or
-    ``AsyncCollection``; options as for ``MongoCache``, and both may share a collection."""
+    ``AsyncCollection``, or a function of no arguments that returns a new one (called in
+    each process, as ``MongoCache``'s factory is); options as for ``MongoCache``, and
+    both may share a collection."""
 
     def _kinds(self) -> tuple[Any, Any, Any]:
         return _async_kinds()
 
     async def close(self) -> None:
-        """Close the client this cache opened itself (in a forked child)."""
+        """Close the client this cache's factory made; the next use makes another."""
         client, self._client = self._client, None
         if client is not None:
             self._coll = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -113,17 +113,29 @@ class MongoCore(CacheBase):
             raise ConstraintTypeError(
                 f"{owner} write_concern must be 'majority', an int or None, got {write_concern!r}"
             )
+        for option, name in (("database", database), ("collection", collection)):
+            if not isinstance(name, str) or not name:
+                raise ConstraintValueError(
+                    f"{owner} {option} must be a non-empty str, got {name!r}"
+                )
         coll = self._collection_of(client_or_collection, database, collection)
+        if coll is None and not callable(client_or_collection):
+            raise ConstraintTypeError(
+                f"{owner} needs {self._wanted()}, or a function that returns one, "
+                f"got {type(client_or_collection).__name__}"
+            )
         super().__init__()
-        self.database = coll.database.name
-        self.collection_name = coll.name
+        self.database = database if coll is None else coll.database.name
+        self.collection_name = collection if coll is None else coll.name
         self.write_concern = write_concern
         self.clock = clock
         self.gc_after = gc_after
-        self._given = coll
-        self._url: str | None = None  # set by from_url: the client is ours
-        self._client: Any = None  # a client this process opened (URL or fork), to close
-        self._coll: Any = self._with_options(coll)
+        # What makes a client of this process's own, called on first use and again in a
+        # forked child: the user's factory, or from_url's. None: the object given is used
+        # in every process (pymongo >= 4.3 resets its own client in a forked child).
+        self._connect: Callable[[], Any] | None = client_or_collection if coll is None else None
+        self._client: Any = None  # the client _connect made in this process, to close
+        self._coll: Any = None if coll is None else self._with_options(coll)
         self._ready = False
 
     def __repr__(self) -> str:
@@ -134,16 +146,9 @@ class MongoCore(CacheBase):
 
     # -- connections ---------------------------------------------------------------------
 
-    def _collection_of(self, obj: Any, database: str, collection: str) -> Any:
-        owner = type(self).__name__
-        if not isinstance(database, str) or not database:
-            raise ConstraintValueError(
-                f"{owner} database must be a non-empty str, got {database!r}"
-            )
-        if not isinstance(collection, str) or not collection:
-            raise ConstraintValueError(
-                f"{owner} collection must be a non-empty str, got {collection!r}"
-            )
+    def _collection_of(self, obj: Any, database: str, collection: str) -> Any | None:
+        """The collection ``obj`` names (a client, a database, a collection or an object
+        with a collection's methods), or None when it is none of them."""
         client_type, database_type, collection_type = self._kinds()
         # Types first: pymongo's Database and Collection answer any attribute.
         if isinstance(obj, collection_type):
@@ -153,10 +158,14 @@ class MongoCore(CacheBase):
         if isinstance(obj, client_type):
             return obj[database][collection]
         if all(callable(getattr(obj, method, None)) for method in _COLLECTION_METHODS):
-            return obj  # collection-like: a wrapper of one
-        raise ConstraintTypeError(
-            f"{owner} needs a pymongo {client_type.__name__}, {database_type.__name__} or "
-            f"{collection_type.__name__}, got {type(obj).__name__}"
+            return obj  # collection-like: a wrapper of one (mongomock's is callable too)
+        return None
+
+    def _wanted(self) -> str:
+        client_type, database_type, collection_type = self._kinds()
+        return (
+            f"a pymongo {client_type.__name__}, {database_type.__name__} or "
+            f"{collection_type.__name__}"
         )
 
     def _kinds(self) -> tuple[Any, Any, Any]:
@@ -171,8 +180,9 @@ class MongoCore(CacheBase):
         )
 
     def _after_fork(self) -> None:
-        # The parent's client (sockets, monitor threads) must not be used here; it is
-        # dropped, not closed: closing would talk on the parent's sockets.
+        if self._connect is None:
+            return  # the object given, used on: pymongo resets its client in the child
+        # The parent's client is dropped, not closed: closing would talk on its sockets.
         self._coll = None
         self._client = None
 
@@ -182,23 +192,23 @@ class MongoCore(CacheBase):
             return coll
         with self._guard:
             if self._coll is None:
-                self._coll = self._with_options(self._reopen())
+                self._coll = self._with_options(self._open())
             return self._coll
 
-    def _reopen(self) -> Any:
-        """The collection on a client of this (forked) process's own."""
-        if self._url is not None:
-            client = self._kinds()[0](self._url, **url_options(self._url))
-        else:
-            # pymongo has no public way to copy a client: its public ``options`` omit the
-            # credentials and TLS settings, and reusing the inherited client is what its
-            # docs forbid. ``_duplicate`` is its own copy, from the constructor's arguments.
-            duplicate = getattr(self._given.database.client, "_duplicate", None)
-            if not callable(duplicate):
-                return self._given  # not pymongo's, or a pymongo without _duplicate
-            client = duplicate()
-        self._client = client
-        return client[self.database][self.collection_name]
+    def _open(self) -> Any:
+        """The collection on a client ``_connect`` makes for this process."""
+        assert self._connect is not None  # else _coll is set once and for all
+        made = self._connect()
+        coll = self._collection_of(made, self.database, self.collection_name)
+        if coll is None:
+            raise ConstraintTypeError(
+                f"{type(self).__name__}'s client factory {self._connect!r} must return "
+                f"{self._wanted()}, got {type(made).__name__}; pass a plain function (it "
+                "is called, not awaited) that makes a new client each time it is called"
+            )
+        self._client = getattr(getattr(coll, "database", None), "client", None)
+        self.database, self.collection_name = coll.database.name, coll.name
+        return coll
 
     def _failed(self, call: Call, exc: Exception) -> Exception | None:
         """The one place a driver error becomes what the flow sees: a duplicate key as
@@ -214,7 +224,8 @@ class MongoCore(CacheBase):
             error = ConstraintTypeError(
                 f"{type(self).__name__}: its AsyncMongoClient is bound to the event loop it "
                 f"was first used on ({exc}); build the client and the cache inside each "
-                "event loop (each asyncio.run, each thread running a loop)"
+                "event loop (each asyncio.run, each thread running a loop); for forked "
+                "children, give the cache a function that makes the client instead"
             )
         elif not isinstance(exc, PyMongoError):
             return None

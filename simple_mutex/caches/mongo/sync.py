@@ -15,8 +15,11 @@ One collection holds every lock, one document per key::
   documents ``gc_after`` seconds after their lease ended or they were freed: garbage
   collection only.
 * ``wait`` sleeps: the engine's jittered poll finds releases and expiries.
-* A forked child opens its own client. Every pymongo error is a ``MalfunctionError``
-  naming mongo, the operation and the key; a retried put finds its own value.
+* A cache built from a URL, or given a client factory, opens a client of its own in
+  each process that uses it (a forked child too); one given a client uses that client
+  in a forked child as well (pymongo >= 4.3 resets it there, with a warning).
+* Every pymongo error is a ``MalfunctionError`` naming mongo, the operation and the key;
+  a retried put finds its own value.
 
 The statements, as flows, are shared with ``AsyncMongoCache`` (pymongo's
 ``AsyncMongoClient``) in ``core.py``. Rationale: docs/design/mongo.md.
@@ -44,19 +47,28 @@ T = TypeVar("T")
 
 
 class MongoCache(SleepingWait, MongoCore):
-    """A ConditionalCache over a pymongo ``MongoClient``, ``Database`` or ``Collection``.
+    """A ConditionalCache over a pymongo ``MongoClient``, ``Database`` or ``Collection``,
+    or a function of no arguments that returns a new one (a client factory).
 
     A client or database gets the collection ``database`` / ``collection``; a collection
-    is used as it is. ``write_concern`` ("majority", an int, or None to keep the
-    collection's own) applies to every write; ``clock`` is "server" or "client" (module
-    docstring); ``gc_after`` is the TTL index's delay in seconds, or None for no index.
+    is used as it is. A factory is called on first use in each process (a forked child
+    calls it again), and ``close()`` closes the client it made: the way, beside a URL
+    (``from_url``), to give each process of a forking host (Celery prefork, RQ) a client
+    of its own with options a URL cannot carry (event listeners, a type registry, a TLS
+    context). A client given as it is is used in forked children too: pymongo (>= 4.3)
+    resets it there (recent versions warn "MongoClient opened before fork").
+
+    ``write_concern`` ("majority", an int, or None to keep the collection's own) applies
+    to every write; ``clock`` is "server" or "client" (module docstring); ``gc_after`` is
+    the TTL index's delay in seconds, or None for no index.
     """
 
     def _kinds(self) -> tuple[Any, Any, Any]:
         return pymongo.MongoClient, Database, Collection
 
     def close(self) -> None:
-        """Close the client this cache opened itself (from a URL, or in a forked child)."""
+        """Close the client this cache opened itself (from a URL or its factory); the next
+        use opens another."""
         client, self._client = self._client, None
         if client is not None:
             self._coll = None
@@ -109,6 +121,7 @@ def from_url(url: str) -> MongoCache:
         # Only the scheme is echoed: the rest of a URL may hold a password.
         raise ConstraintValueError(f"bad {scheme}:// URL: {type(exc).__name__}") from None
     cache = MongoCache(client, **options)
-    cache._url = plain
+    # A client of each process's own: this one here, a new one in a forked child.
+    cache._connect = lambda: pymongo.MongoClient(plain, **url_options(plain))
     cache._client = client
     return cache
