@@ -312,6 +312,23 @@ def test_a_broken_connection_is_replaced_on_the_next_call(admin, given: bool):
     cache.close()
 
 
+def test_a_pooled_session_the_server_ended_is_replaced_on_the_next_call(admin):
+    """The server ends the pool's idle session: the next statement, which never ran, is
+    sent once more on a fresh session the pool opens, and succeeds."""
+    with ConnectionPool(POSTGRES_URL, min_size=1, max_size=1, open=True) as pool:
+        cache = PostgresCache(pool, table=TABLE)
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v", ttl=30)
+        with pool.connection() as conn:
+            ended = conn.info.backend_pid
+        admin.execute("SELECT pg_terminate_backend(%s)", (ended,))
+        assert cache.get(key) == entry
+        with pool.connection() as conn:
+            assert conn.info.backend_pid != ended
+        cache.compare_and_delete(key, version=entry.version)
+        cache.close()
+
+
 # -- waiting -------------------------------------------------------------------------------
 
 

@@ -130,6 +130,29 @@ def test_mutex_wraps_an_async_connection_and_an_async_pool(admin: psycopg.Connec
     run(main())
 
 
+def test_a_pooled_session_the_server_ended_is_replaced_on_the_next_call(
+    admin: psycopg.Connection[Any],
+) -> None:
+    """The server ends the pool's idle session: the next statement, which never ran, is
+    sent once more on a fresh session the pool opens, and succeeds."""
+
+    async def main() -> None:
+        async with AsyncConnectionPool(POSTGRES_URL, min_size=1, max_size=1) as pool:
+            cache = AsyncPostgresCache(pool, table=TABLE)
+            key = unique_key("ended")
+            entry = await cache.put_if_absent(key, "v", ttl=30)
+            async with pool.connection() as conn:
+                ended = conn.info.backend_pid
+            await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", (ended,))
+            assert await cache.get(key) == entry
+            async with pool.connection() as conn:
+                assert conn.info.backend_pid != ended
+            await cache.compare_and_delete(key, version=entry.version)
+            await cache.close()
+
+    run(main())
+
+
 def test_a_blocking_call_on_the_async_cache_names_the_async_method(
     admin: psycopg.Connection[Any],
 ) -> None:
