@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from types import TracebackType
 from typing import Protocol
 
 from . import events
@@ -613,12 +612,7 @@ class Lease:
         except MalfunctionError as fault:  # the exception in flight is the one to report
             log.warning("could not release %r after an interrupt: %s", self.key, fault)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self._inherited:  # a forked child leaving the parent's block: not the holder
             self._armed_thread = None
             self._let_go()
@@ -695,12 +689,7 @@ class Lease:
         self.on_lost(on_lost)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self._inherited:  # a forked child leaving the parent's block: not the holder
             self._let_go()
             return
