@@ -297,7 +297,7 @@ class Lease:
         if not in_time:
             self._report_loss()
         elif self._listening:
-            self._report("released", held=time.monotonic() - self._granted)
+            self._report("released")
         return in_time
 
     # -- renewal ------------------------------------------------------------------------
@@ -483,17 +483,12 @@ class Lease:
                 return
             self._loss_reported = True
             if self._listening or events.wanted("lost"):
-                self._report("lost", held=time.monotonic() - self._granted, reason=reason)
+                self._report("lost", reason=reason)
 
-    def _report(
-        self,
-        kind: str,
-        *,
-        waited: float | None = None,
-        held: float | None = None,
-        reason: str | None = None,
-    ) -> None:
-        """Emit a lock event about this lease (only called when someone listens)."""
+    def _report(self, kind: str, *, waited: float | None = None, reason: str | None = None) -> None:
+        """Emit a lock event about this lease (only called when someone listens); an event
+        that ends the hold says how long it lasted."""
+        held = time.monotonic() - self._granted if kind in ("released", "lost") else None
         record = Entry(self._value, self._version, self.fence, self._expires_wall)
         events.emit(events.LockEvent(
             kind, self.key, self._space.name, self._cache.name, events.now(),
