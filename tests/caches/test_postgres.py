@@ -10,7 +10,6 @@ never skip. The restart test stops and starts a cluster of its own, never the sh
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import threading
 import time
@@ -39,7 +38,6 @@ from simple_mutex.caches.postgres import PostgresCache, from_url
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 RUN = f"t{uuid.uuid4().hex[:8]}"
 TABLE = f"{RUN}_locks"
-FORK = multiprocessing.get_context("fork")
 POLL_INTERVAL = 5.0  # a notified waiter runs well before its poll would
 
 
