@@ -9,7 +9,6 @@ never skip. The restart test stops and starts a cluster of its own, never the sh
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -45,30 +44,32 @@ def connect() -> psycopg.Connection[Any]:
     return psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
 
 
-@contextlib.contextmanager
-def tables_of_run(run: str) -> Iterator[psycopg.Connection[Any]]:
-    """A connection to the server; fails (never skips) when it does not answer. Drops
-    every table whose name starts with ``run`` at the end."""
-    try:
-        conn = connect()
-    except psycopg.Error as exc:
-        pytest.fail(
-            f"no PostgreSQL answers at {POSTGRES_URL} ({exc}); start one (pg_ctlcluster "
-            "--skip-systemctl-redirect 15 main start) or point POSTGRES_URL at one"
-        )
-    yield conn
-    rows = conn.execute(
-        "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (run + "%",)
-    ).fetchall()
-    for (name,) in rows:
-        conn.execute(f'DROP TABLE "{name}"')
-    conn.close()
+def admin_of(run: str) -> Any:
+    """The ``admin`` fixture of a module whose tables are named ``run...``: a connection to
+    the server (failing, never skipping, when it does not answer) that drops every such
+    table at the module's end."""
 
-
-@pytest.fixture(scope="module")
-def admin() -> Iterator[psycopg.Connection[Any]]:
-    with tables_of_run(RUN) as conn:
+    @pytest.fixture(scope="module")
+    def admin() -> Iterator[psycopg.Connection[Any]]:
+        try:
+            conn = connect()
+        except psycopg.Error as exc:
+            pytest.fail(
+                f"no PostgreSQL answers at {POSTGRES_URL} ({exc}); start one (pg_ctlcluster "
+                "--skip-systemctl-redirect 15 main start) or point POSTGRES_URL at one"
+            )
         yield conn
+        rows = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (run + "%",)
+        ).fetchall()
+        for (name,) in rows:
+            conn.execute(f'DROP TABLE "{name}"')
+        conn.close()
+
+    return admin
+
+
+admin = admin_of(RUN)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from async_crowds import LIMIT, contend, count_under_lock, os_threads
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import AsyncConnectionPool
-from test_postgres import POSTGRES_URL, tables_of_run
+from test_postgres import POSTGRES_URL, admin_of
 
 from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
 from simple_mutex.caches import as_cache
@@ -38,10 +38,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, LIMIT))
 
 
-@pytest.fixture(scope="module")
-def admin() -> Iterator[psycopg.Connection[Any]]:
-    with tables_of_run(RUN) as conn:
-        yield conn
+admin = admin_of(RUN)
 
 
 @pytest.fixture
