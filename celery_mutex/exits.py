@@ -30,6 +30,8 @@ import select
 import threading
 from collections.abc import Callable
 
+from simple_mutex.busy import OnePerProcess
+
 log = logging.getLogger("celery_mutex")
 
 POLL = 0.05  # seconds between two looks at a pid we hold no pidfd for
@@ -177,26 +179,15 @@ def _run(watch: _Watch) -> None:
         log.exception("celery_mutex: freeing %s after process %d exited", watch.name, watch.pid)
 
 
-_watch: ExitWatch | None = None
-_guard = threading.Lock()
+def _started() -> ExitWatch:
+    watch = ExitWatch()
+    atexit.register(watch.drain)
+    return watch
+
+
+_watch = OnePerProcess(_started, forget=ExitWatch.forget)  # a forked child's is its own
 
 
 def exit_watch() -> ExitWatch:
     """This process's watch, created on first use."""
-    global _watch
-    if _watch is None:
-        with _guard:
-            if _watch is None:
-                _watch = ExitWatch()
-                atexit.register(_watch.drain)
-    return _watch
-
-
-def _forget_after_fork() -> None:
-    global _watch, _guard
-    if _watch is not None:
-        _watch.forget()
-    _watch, _guard = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    return _watch.get()

@@ -7,7 +7,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from ._core.durations import Duration, timeout_seconds
 from ._core.keys import check_key, check_template, render_template
@@ -63,32 +63,29 @@ def key_function(logic: Callable[..., Any], key: str | Callable[..., str]) -> Ca
     return from_template
 
 
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    class _Options(TypedDict):
+        """``with_simple_mutex``'s keywords, for its two overloads (the implementation
+        below names each, with its default)."""
+
+        key: str | Callable[..., str]
+        cache: object
+        lease: NotRequired[Duration]
+        timeout: NotRequired[Duration | None]
+        interval: NotRequired[Duration]
+        renew: NotRequired[bool]
+        label: NotRequired[str | None]
+
+
+# The overloads say only what the return depends on: ``logic`` given, or not.
 @overload
-def with_simple_mutex(
-    logic: F,
-    *,
-    key: str | Callable[..., str],
-    cache: object,
-    lease: Duration = ...,
-    timeout: Duration | None = ...,
-    interval: Duration = ...,
-    renew: bool = ...,
-    label: str | None = ...,
-) -> F: ...
+def with_simple_mutex(logic: F, **options: Unpack[_Options]) -> F: ...
 
 
 @overload
-def with_simple_mutex(
-    logic: None = None,
-    *,
-    key: str | Callable[..., str],
-    cache: object,
-    lease: Duration = ...,
-    timeout: Duration | None = ...,
-    interval: Duration = ...,
-    renew: bool = ...,
-    label: str | None = ...,
-) -> Callable[[F], F]: ...
+def with_simple_mutex(logic: None = None, **options: Unpack[_Options]) -> Callable[[F], F]: ...
 
 
 def with_simple_mutex(
@@ -107,8 +104,9 @@ def with_simple_mutex(
     ``lease`` is how long a call may hold the lock (it is interrupted with
     SimpleMutexLeaseExpiredError past it, unless ``renew=True`` keeps extending it);
     ``timeout`` how long a call waits for a busy key (None: forever, 0: try once);
-    ``interval`` the poll interval where the cache cannot notify. Works on plain and
-    ``async def`` functions. Without ``logic`` it returns a decorator."""
+    ``interval`` the poll interval where the cache cannot notify; ``label`` what
+    ``holder()`` reports as the holder's label. Works on plain and ``async def``
+    functions. Without ``logic`` it returns a decorator."""
     wait = timeout_seconds(timeout)
     # The events' name: the template itself (low cardinality), else the function's name.
     mutex = Mutex(

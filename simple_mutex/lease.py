@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from types import TracebackType
 from typing import Protocol
 
 from . import events
@@ -298,7 +297,7 @@ class Lease:
         if not in_time:
             self._report_loss()
         elif self._listening:
-            self._report("released", held=time.monotonic() - self._granted)
+            self._report("released")
         return in_time
 
     # -- renewal ------------------------------------------------------------------------
@@ -484,17 +483,12 @@ class Lease:
                 return
             self._loss_reported = True
             if self._listening or events.wanted("lost"):
-                self._report("lost", held=time.monotonic() - self._granted, reason=reason)
+                self._report("lost", reason=reason)
 
-    def _report(
-        self,
-        kind: str,
-        *,
-        waited: float | None = None,
-        held: float | None = None,
-        reason: str | None = None,
-    ) -> None:
-        """Emit a lock event about this lease (only called when someone listens)."""
+    def _report(self, kind: str, *, waited: float | None = None, reason: str | None = None) -> None:
+        """Emit a lock event about this lease (only called when someone listens); an event
+        that ends the hold says how long it lasted."""
+        held = time.monotonic() - self._granted if kind in ("released", "lost") else None
         record = Entry(self._value, self._version, self.fence, self._expires_wall)
         events.emit(events.LockEvent(
             kind, self.key, self._space.name, self._cache.name, events.now(),
@@ -613,12 +607,7 @@ class Lease:
         except MalfunctionError as fault:  # the exception in flight is the one to report
             log.warning("could not release %r after an interrupt: %s", self.key, fault)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self._inherited:  # a forked child leaving the parent's block: not the holder
             self._armed_thread = None
             self._let_go()
@@ -695,12 +684,7 @@ class Lease:
         self.on_lost(on_lost)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self._inherited:  # a forked child leaving the parent's block: not the holder
             self._let_go()
             return

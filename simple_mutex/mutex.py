@@ -10,7 +10,6 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeVar
 
 from . import events
@@ -400,12 +399,7 @@ class Acquiring(collections.abc.Coroutine[Any, Any, Lease]):
         self._lease = await self._granting
         return await self._lease.__aenter__()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         assert self._lease is not None
         await self._lease.__aexit__(exc_type, exc, tb)
 

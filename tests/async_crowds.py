@@ -4,14 +4,14 @@ many coroutines that count under one lock, and the process's OS thread count."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 from collections.abc import Callable
 from typing import Any
 
+from procs import FORK
+
 from simple_mutex import Mutex
 
-FORK = multiprocessing.get_context("fork")
 LIMIT = 60.0  # a hang fails the test instead of blocking the run
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alarms import Alarm
 from servers import RedisServer
 
 from simple_mutex import DiskCache, InMemoryCache
@@ -34,6 +35,20 @@ def memory_cache() -> InMemoryCache:
 def any_cache(request: pytest.FixtureRequest, tmp_path: Path) -> InMemoryCache | DiskCache:
     """Each local cache in turn, for API tests that must hold on every tier."""
     return InMemoryCache() if request.param == "memory" else DiskCache(tmp_path / "locks")
+
+
+@pytest.fixture
+def alarm() -> Iterator[None]:
+    """SIGALRM raises ``Alarm`` (a job timeout) for the test; at teardown a timer the test
+    left set is cleared and the previous handler is back."""
+
+    def ring(signum: int, frame: object) -> None:
+        raise Alarm("the job's time is up")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture

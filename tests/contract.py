@@ -23,17 +23,15 @@ Knobs a subclass may override for a slow or remote backend:
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import uuid
 
 import pytest
+from procs import FORK
 from workers import ReleaseLater
 
 from simple_mutex import ConditionalCache, SimpleCacheConditionError
 from simple_mutex.contract import Entry, Scannable
-
-FORK = multiprocessing.get_context("fork")
 
 
 def _use_inherited_cache(cache: ConditionalCache, key: str) -> None:

@@ -13,12 +13,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from alarms import Alarm
+
 import simple_mutex
 from simple_mutex import Mutex, cache_from_url
-
-
-class Alarm(Exception):
-    """What a job timeout's signal handler raises."""
 
 
 def main(url: str) -> int:

@@ -29,7 +29,6 @@ import contextlib
 import socket
 import struct
 import threading
-from types import TracebackType
 
 MODES = ("pass", "delay", "blackhole", "reset", "refuse")
 
@@ -57,12 +56,7 @@ class FaultProxy:
         self._call(self._listen())
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._call(self._close_all())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)

@@ -38,6 +38,7 @@ from simple_mutex import (
 
 POLL = 0.01  # a short poll interval: some tiers have no wake-up
 CTX = multiprocessing.get_context("spawn")
+FORK = multiprocessing.get_context("fork")  # children that inherit the test's objects
 
 
 def write_json(path: str | Path, data: Any) -> None:

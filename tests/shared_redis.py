@@ -4,12 +4,15 @@ never skips it, when the server does not answer, and cleans up the run's keys.""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @contextlib.contextmanager

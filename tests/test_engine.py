@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from alarms import Alarm
 
 from simple_mutex import (
     InMemoryCache,
@@ -586,10 +587,6 @@ def test_execute_maps_a_stray_driver_error_to_malfunction_naming_cache_and_opera
     assert "Get" in message
     assert "mutex.k" in message
     assert isinstance(info.value.__cause__, OSError)
-
-
-class Alarm(Exception):
-    """What a signal handler raises (RQ's job timeout, Celery's soft time limit)."""
 
 
 class InterruptedCache(InMemoryCache):

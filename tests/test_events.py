@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from alarms import Alarm
 from workers import spin
 
 from simple_mutex import (
@@ -165,21 +166,6 @@ def test_a_failing_subscriber_is_logged_and_never_breaks_the_lock(seen, caplog):
         Mutex(InMemoryCache()).acquire("k").release()
     assert kinds(seen) == ["acquired", "released"]
     assert "dashboard down" in caplog.text
-
-
-class Alarm(Exception):
-    """What a job timeout's signal handler raises (RQ's JobTimeoutException, Celery's
-    SoftTimeLimitExceeded): an ordinary Exception."""
-
-
-@pytest.fixture
-def alarm() -> Iterator[None]:
-    def ring(signum: int, frame: object) -> None:
-        raise Alarm("the job's time is up")
-
-    previous = signal.signal(signal.SIGALRM, ring)
-    yield
-    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("kind", ["acquired", "released"])

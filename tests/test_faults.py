@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import os
 import signal
 import sqlite3
@@ -31,7 +30,7 @@ import pytest
 import redis
 import redis.asyncio
 from faults import FaultProxy
-from procs import hold_with_writer, taken_from_paused
+from procs import FORK, hold_with_writer, taken_from_paused
 from servers import RedisServer, free_port, own_redis, scripts
 
 from simple_mutex import (
@@ -187,8 +186,6 @@ def test_a_broken_link_cannot_postpone_the_lapse_interrupt(tier, key, taker_for,
 
 
 # -- a paused holder (SIGSTOP): the fence recipe keeps its late writes out ----------------
-
-FORK = multiprocessing.get_context("fork")
 
 
 # The README's fencing recipe in a downstream store (a Redis script, so a paused writer holds

@@ -23,15 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from alarms import Alarm
 
 from simple_mutex import DiskCache, Mutex, cache_from_url
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-class Alarm(Exception):
-    """What the signal handler raises: an ordinary exception, as RQ's and Celery's are."""
 
 
 @pytest.fixture(params=["disk", "redis", "postgres"])
@@ -42,17 +39,6 @@ def mutex(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mutex]:
         "postgres": POSTGRES_URL,
     }[request.param]
     return Mutex(cache_from_url(url), lease=30, prefix=f"alarm-{uuid.uuid4().hex[:8]}.")
-
-
-@pytest.fixture
-def alarm() -> Iterator[None]:
-    def ring(signum: int, frame: object) -> None:
-        raise Alarm("time is up")
-
-    previous = signal.signal(signal.SIGALRM, ring)
-    yield
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def test_an_alarm_while_waiting_reaches_the_caller_at_once(mutex, alarm):

@@ -7,6 +7,9 @@ and RQ's work horses fork from processes whose keeper thread may be inside a cac
 then. So, around every fork, each registered object's guard is taken first (no thread is
 inside the object while the process is copied), released in the parent afterwards, and in
 the child the object gets ``_after_fork()`` to drop what belongs to the parent.
+
+``OnePerProcess`` holds a process's one object of a kind, built on first use (the keeper,
+Celery's exit watch): a forked child builds its own.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Protocol
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class ForkAware(Protocol):
@@ -35,6 +41,35 @@ child knows it is not the holder (DESIGN §4 rule 14)."""
 _objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 _held: list[ForkAware] = []
+
+
+class OnePerProcess(Generic[T]):
+    """``get()``: this process's one ``build()``, built on first use (two threads asking
+    at once get the same one). A forked child builds its own: the parent's (whose threads
+    do not exist here) goes to ``forget`` first, and the lock is a new one, since a thread
+    of the parent may have held the old one at the instant of the fork. For a module's
+    globals: the fork hook keeps it alive."""
+
+    def __init__(self, build: Callable[[], T], forget: Callable[[T], None] | None = None) -> None:
+        self._build = build
+        self._forget = forget
+        self._value: T | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._start_over)
+
+    def get(self) -> T:
+        value = self._value
+        if value is None:
+            with self._lock:
+                value = self._value
+                if value is None:
+                    value = self._value = self._build()
+        return value
+
+    def _start_over(self) -> None:
+        if self._value is not None and self._forget is not None:
+            self._forget(self._value)
+        self._value, self._lock = None, threading.Lock()
 
 
 def register(obj: ForkAware) -> None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
+
+from .forksafe import OnePerProcess
 
 log = logging.getLogger("simple_mutex")
 
@@ -110,26 +111,9 @@ def _logged(work: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
-_keeper: Keeper | None = None
-_keeper_guard = threading.Lock()
+_keeper = OnePerProcess(Keeper)  # a forked child starts over: the parent's thread is not here
 
 
 def keeper() -> Keeper:
     """This process's keeper, created on first use."""
-    global _keeper
-    if _keeper is None:
-        with _keeper_guard:
-            if _keeper is None:
-                _keeper = Keeper()
-    return _keeper
-
-
-def _forget_after_fork() -> None:
-    # The parent's keeper thread does not exist here, and its lock may have been held at
-    # the instant of fork: start over.
-    global _keeper, _keeper_guard
-    _keeper = None
-    _keeper_guard = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    return _keeper.get()

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Generator
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Generator, Iterator
+from typing import Any, Generic, TypeVar
 
 from simple_mutex._core.flows import Pause
 
@@ -27,45 +27,63 @@ StepFlow = Generator[S | Pause, Any, T]
 Failed = Callable[[S, Exception], Exception | None]
 
 
+class _Stepping(Generic[S, T]):
+    """What the two loops share: the flow, resumed with each step's reply or with the error
+    ``failed`` mapped its failure to, until it returns. The loops only perform the steps
+    (setting ``reply``) and sleep the pauses, each in its own way."""
+
+    def __init__(self, flow: StepFlow[S, T], failed: Failed[S]) -> None:
+        self._flow = flow
+        self._failed = failed
+        self._error: Exception | None = None
+        self.reply: Any = None
+        self.result: T  # set once the flow returns
+
+    def __iter__(self) -> Iterator[S | Pause]:
+        while True:
+            reply, error = self.reply, self._error
+            self.reply, self._error = None, None
+            try:
+                step = self._flow.send(reply) if error is None else self._flow.throw(error)
+            except StopIteration as stop:
+                self.result = stop.value
+                return
+            yield step
+
+    def thrown(self, step: S, exc: Exception) -> bool:
+        """Map what performing ``step`` raised: True if the mapped error is to be thrown
+        into the flow, False if ``exc`` is to propagate as it is."""
+        self._error = self._failed(step, exc)
+        return self._error is not None
+
+
 def drive(flow: StepFlow[S, T], perform: Callable[[S], Any], failed: Failed[S]) -> T:
     """Run ``flow``: each step by ``perform``, each pause a sleep."""
-    reply: Any = None
-    error: Exception | None = None
-    while True:
-        try:
-            step = flow.send(reply) if error is None else flow.throw(error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        reply, error = None, None
+    stepping = _Stepping(flow, failed)
+    for step in stepping:
         if isinstance(step, Pause):
             time.sleep(step.seconds)
             continue
         try:
-            reply = perform(step)
+            stepping.reply = perform(step)
         except Exception as exc:
-            error = failed(step, exc)
-            if error is None:
+            if not stepping.thrown(step, exc):
                 raise
+    return stepping.result
 
 
 async def drive_async(
     flow: StepFlow[S, T], perform: Callable[[S], Awaitable[Any]], failed: Failed[S]
 ) -> T:
     """Run ``flow`` on the loop: each step's ``perform`` awaited, each pause too."""
-    reply: Any = None
-    error: Exception | None = None
-    while True:
-        try:
-            step = flow.send(reply) if error is None else flow.throw(error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        reply, error = None, None
+    stepping = _Stepping(flow, failed)
+    for step in stepping:
         if isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
             continue
         try:
-            reply = await perform(step)
+            stepping.reply = await perform(step)
         except Exception as exc:
-            error = failed(step, exc)
-            if error is None:
+            if not stepping.thrown(step, exc):
                 raise
+    return stepping.result

@@ -8,14 +8,16 @@ the other, and nothing here imports either.
   the skip marker that ``is_skipped`` recognizes.
 * ``per_process``: caches and lock spaces built once per process, again after fork.
 * The core's checks the integrations apply to their own options (``positive_seconds``,
-  ``Duration``, ``check_prefix``, ``template_fields``): re-exported here, so neither
-  integration imports a private module of the core (``tests/test_layers.py``).
+  ``Duration``, ``check_prefix``, ``template_fields``), and its ``OnePerProcess`` (the
+  keeper's idiom, for the Celery exit watch): re-exported here, so neither integration
+  imports a private module of the core (``tests/test_layers.py``).
 """
 
 from __future__ import annotations
 
 from simple_mutex._core.durations import Duration, positive_seconds
 from simple_mutex._core.keys import check_prefix, template_fields
+from simple_mutex._runtime.forksafe import OnePerProcess
 from simple_mutex.current import current_lease
 
 from .per_process import PerProcess, reset, shared_cache
@@ -39,6 +41,7 @@ __all__ = [
     "BusyPolicy",
     "Duration",
     "OnBusy",
+    "OnePerProcess",
     "PerProcess",
     "RunAgain",
     "Skip",

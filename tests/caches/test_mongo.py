@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import threading
 import time
@@ -29,6 +28,7 @@ import pymongo
 import pytest
 from behaviour import SharedBehaviour
 from contract import CacheContract, unique_key
+from procs import FORK
 from servers import free_port, scripts
 
 from simple_mutex import ConstraintError, MalfunctionError, Mutex, SimpleCacheConditionError
@@ -38,7 +38,6 @@ from simple_mutex.errors import ConstraintTypeError
 
 DB = f"smx_test_{uuid.uuid4().hex[:8]}"
 HOUR = timedelta(hours=1)
-FORK = multiprocessing.get_context("fork")
 
 
 @pytest.fixture(scope="session")

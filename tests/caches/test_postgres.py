@@ -9,8 +9,6 @@ never skip. The restart test stops and starts a cluster of its own, never the sh
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import threading
 import time
@@ -39,7 +37,6 @@ from simple_mutex.caches.postgres import PostgresCache, from_url
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 RUN = f"t{uuid.uuid4().hex[:8]}"
 TABLE = f"{RUN}_locks"
-FORK = multiprocessing.get_context("fork")
 POLL_INTERVAL = 5.0  # a notified waiter runs well before its poll would
 
 
@@ -47,30 +44,32 @@ def connect() -> psycopg.Connection[Any]:
     return psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
 
 
-@contextlib.contextmanager
-def tables_of_run(run: str) -> Iterator[psycopg.Connection[Any]]:
-    """A connection to the server; fails (never skips) when it does not answer. Drops
-    every table whose name starts with ``run`` at the end."""
-    try:
-        conn = connect()
-    except psycopg.Error as exc:
-        pytest.fail(
-            f"no PostgreSQL answers at {POSTGRES_URL} ({exc}); start one (pg_ctlcluster "
-            "--skip-systemctl-redirect 15 main start) or point POSTGRES_URL at one"
-        )
-    yield conn
-    rows = conn.execute(
-        "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (run + "%",)
-    ).fetchall()
-    for (name,) in rows:
-        conn.execute(f'DROP TABLE "{name}"')
-    conn.close()
+def admin_of(run: str) -> Any:
+    """The ``admin`` fixture of a module whose tables are named ``run...``: a connection to
+    the server (failing, never skipping, when it does not answer) that drops every such
+    table at the module's end."""
 
-
-@pytest.fixture(scope="module")
-def admin() -> Iterator[psycopg.Connection[Any]]:
-    with tables_of_run(RUN) as conn:
+    @pytest.fixture(scope="module")
+    def admin() -> Iterator[psycopg.Connection[Any]]:
+        try:
+            conn = connect()
+        except psycopg.Error as exc:
+            pytest.fail(
+                f"no PostgreSQL answers at {POSTGRES_URL} ({exc}); start one (pg_ctlcluster "
+                "--skip-systemctl-redirect 15 main start) or point POSTGRES_URL at one"
+            )
         yield conn
+        rows = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (run + "%",)
+        ).fetchall()
+        for (name,) in rows:
+            conn.execute(f'DROP TABLE "{name}"')
+        conn.close()
+
+    return admin
+
+
+admin = admin_of(RUN)
 
 
 @pytest.fixture
@@ -310,6 +309,23 @@ def test_a_broken_connection_is_replaced_on_the_next_call(admin, given: bool):
     assert cache._conn.info.backend_pid != ended
     cache.compare_and_delete(key, version=entry.version)
     cache.close()
+
+
+def test_a_pooled_session_the_server_ended_is_replaced_on_the_next_call(admin):
+    """The server ends the pool's idle session: the next statement, which never ran, is
+    sent once more on a fresh session the pool opens, and succeeds."""
+    with ConnectionPool(POSTGRES_URL, min_size=1, max_size=1, open=True) as pool:
+        cache = PostgresCache(pool, table=TABLE)
+        key = unique_key()
+        entry = cache.put_if_absent(key, "v", ttl=30)
+        with pool.connection() as conn:
+            ended = conn.info.backend_pid
+        admin.execute("SELECT pg_terminate_backend(%s)", (ended,))
+        assert cache.get(key) == entry
+        with pool.connection() as conn:
+            assert conn.info.backend_pid != ended
+        cache.compare_and_delete(key, version=entry.version)
+        cache.close()
 
 
 # -- waiting -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from async_crowds import LIMIT, contend, count_under_lock, os_threads
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import AsyncConnectionPool
-from test_postgres import POSTGRES_URL, tables_of_run
+from test_postgres import POSTGRES_URL, admin_of
 
 from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
 from simple_mutex.caches import as_cache
@@ -38,10 +38,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, LIMIT))
 
 
-@pytest.fixture(scope="module")
-def admin() -> Iterator[psycopg.Connection[Any]]:
-    with tables_of_run(RUN) as conn:
-        yield conn
+admin = admin_of(RUN)
 
 
 @pytest.fixture
@@ -126,6 +123,29 @@ def test_mutex_wraps_an_async_connection_and_an_async_pool(admin: psycopg.Connec
         with pytest.raises(ConstraintError, match="autocommit"):
             Mutex(plain)
         await plain.close()
+
+    run(main())
+
+
+def test_a_pooled_session_the_server_ended_is_replaced_on_the_next_call(
+    admin: psycopg.Connection[Any],
+) -> None:
+    """The server ends the pool's idle session: the next statement, which never ran, is
+    sent once more on a fresh session the pool opens, and succeeds."""
+
+    async def main() -> None:
+        async with AsyncConnectionPool(POSTGRES_URL, min_size=1, max_size=1) as pool:
+            cache = AsyncPostgresCache(pool, table=TABLE)
+            key = unique_key("ended")
+            entry = await cache.put_if_absent(key, "v", ttl=30)
+            async with pool.connection() as conn:
+                ended = conn.info.backend_pid
+            await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", (ended,))
+            assert await cache.get(key) == entry
+            async with pool.connection() as conn:
+                assert conn.info.backend_pid != ended
+            await cache.compare_and_delete(key, version=entry.version)
+            await cache.close()
 
     run(main())
 

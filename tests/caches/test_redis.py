@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -29,11 +28,12 @@ import redis
 from behaviour import PREFIX as BEHAVIOUR_PREFIX
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, NotifyContract, unique_key
+from procs import FORK
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_acl import lock_user, url_as
 from servers import RedisServer, free_port, own_cluster, own_redis
-from shared_redis import shared_client
+from shared_redis import REDIS_URL, shared_client
 from workers import ReleaseLater
 
 from simple_mutex import (
@@ -46,9 +46,7 @@ from simple_mutex import (
 )
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 PREFIX = f"t{uuid.uuid4().hex[:8]}:"  # every key of this run starts with it
-FORK = multiprocessing.get_context("fork")
 # A notified waiter is running again within about two round trips; a poll would take its
 # whole interval (5 s here). 1 s tells the two apart even on a loaded 2-core machine.
 POLL_INTERVAL = 5.0

@@ -24,7 +24,7 @@ from celery.beat import ScheduleEntry, Scheduler, SchedulingError
 from celery.schedules import schedule
 from redis_acl import lock_user, url_as
 from servers import ROOT
-from shared_redis import shared_client
+from shared_redis import REDIS_URL, shared_client
 
 import celery_mutex
 from celery_mutex.beat import MutexSchedulerMixin, drop_duplicate_tick
@@ -39,7 +39,6 @@ from simple_mutex import (
 from simple_mutex.caches import AsyncRedisCache, RedisCache
 from simple_mutex.caches.redis.protocol import CAS, DELETE, PUT
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 RUN = uuid.uuid4().hex[:8]
 
 

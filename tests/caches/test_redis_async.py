@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
-import os
 import threading
 import time
 import uuid
@@ -31,9 +29,10 @@ import redis
 import redis.asyncio
 from async_facade import BlockingFace
 from contract import CacheContract, NotifyContract, unique_key
+from procs import FORK
 from redis_acl import lock_user, url_as
 from servers import free_port, own_cluster, own_redis
-from shared_redis import shared_client
+from shared_redis import REDIS_URL, shared_client
 
 from simple_mutex import (
     ConstraintError,
@@ -47,9 +46,7 @@ from simple_mutex import (
 from simple_mutex.caches import AsyncRedisCache, RedisCache, as_cache
 from simple_mutex.contract import Entry, is_async
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 PREFIX = f"ta{uuid.uuid4().hex[:8]}:"  # every key of this run starts with it
-FORK = multiprocessing.get_context("fork")
 POLL = 5.0  # waiters' poll interval: a hand-off by poll would take seconds
 WAKE_BOUND = 1.0  # a notified waiter runs well within this on a loaded 2-core machine
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -35,6 +34,7 @@ import pytest
 from behaviour import SharedBehaviour
 from botocore.exceptions import ClientError
 from contract import CacheContract, assert_refused, unique_key
+from procs import FORK
 from servers import OwnServer, free_port, scripts
 
 from simple_mutex import (
@@ -48,7 +48,6 @@ from simple_mutex.caches.s3 import S3Cache, client_config, from_url
 ACCESS_KEY, SECRET_KEY = scripts.S3_ACCESS_KEY, scripts.S3_SECRET_KEY
 BUCKET = "simple-mutex-test"
 PREFIX = f"t{uuid.uuid4().hex[:8]}/"
-FORK = multiprocessing.get_context("fork")
 BIN = Path(sys.executable).parent
 
 

@@ -24,14 +24,13 @@ from fenced_support import (
     s3_client,
     writer,
 )
-from procs import hold_with_writer, taken_from_paused
+from procs import FORK, hold_with_writer, taken_from_paused
 from servers import scripts
 
 from simple_mutex import FencedOutError, Lease, Mutex, cache_from_url
 from simple_mutex.fenced import fenced_put, fenced_set, fenced_update
 
 pytestmark = pytest.mark.slow
-FORK = multiprocessing.get_context("fork")
 
 
 @pytest.fixture(scope="module")

@@ -131,18 +131,11 @@ class AsyncPostgresCache(PostgresCore):
         through (``EndedSession`` around it when the session had been ended)."""
         sessions = self._here()
         if self._pool is not None:
-            broken = False
-            try:
-                async with self._pool.connection() as conn:
-                    if not self._ready:
-                        await self._create_table(conn)
-                    try:
-                        yield conn
-                    finally:
-                        broken = conn.broken
-            except psycopg.Error as exc:
-                # a broken pooled session was an idle one the server ended
-                self._pass_on(exc, ended=broken)
+            async with self._pool.connection() as conn:
+                if not self._ready:
+                    await self._create_table(conn)
+                with self._pooled(conn):
+                    yield conn
             return
         async with sessions.turn:
             reused = False

@@ -9,6 +9,7 @@ docs/design/postgres.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -304,6 +305,17 @@ class PostgresCore(CacheBase):
         if ended:
             raise EndedSession() from exc
         raise exc
+
+    @classmethod
+    @contextlib.contextmanager
+    def _pooled(cls, conn: Any) -> Iterator[None]:
+        """Around the use of a session a pool handed out: a psycopg error leaves through
+        ``_pass_on``, as ended if the session broke (it was an idle one the server had
+        ended). Read before the pool takes the session back, which closes a broken one."""
+        try:
+            yield
+        except psycopg.Error as exc:
+            cls._pass_on(exc, ended=conn.broken)
 
     def _failed(self, statement: Statement[Any], exc: Exception) -> Exception | None:
         """The one place a driver error becomes what users see: a psycopg error (or a

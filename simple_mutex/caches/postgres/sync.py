@@ -152,18 +152,11 @@ class PostgresCache(PostgresCore):
         passes through (``EndedSession`` around it when the session was a reused one the
         server had ended), after the session is dropped if it may not be used again."""
         if self._pool is not None:
-            broken = False
-            try:
-                with self._pool.connection() as conn:
-                    if not self._ready:
-                        self._create_table(conn)
-                    try:
-                        yield conn
-                    finally:
-                        broken = conn.broken
-            except psycopg.Error as exc:
-                # a broken pooled session was an idle one the server ended
-                self._pass_on(exc, ended=broken)
+            with self._pool.connection() as conn:
+                if not self._ready:
+                    self._create_table(conn)
+                with self._pooled(conn):
+                    yield conn
             return
         reused = False
         try:
