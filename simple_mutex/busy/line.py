@@ -48,6 +48,7 @@ from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import AnyCache, Entry, is_async
 from simple_mutex.errors import (
     ConstraintTypeError,
+    ConstraintValueError,
     LineFullError,
     MalfunctionError,
     SimpleCacheConditionError,
@@ -161,10 +162,10 @@ def encode(line: Line) -> str:
     try:
         return json.dumps(record, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise bad_input(
-            None, str, f"line {line.key!r}: a parked message must be a JSON value ({exc})",
-            key=line.key,
-        ) from None  # fmt: skip
+        # ValueError: a NaN or an infinity; TypeError: an object json cannot write.
+        error = ConstraintValueError if isinstance(exc, ValueError) else ConstraintTypeError
+        message = f"line {line.key!r}: a parked message must be a JSON value ({exc})"
+        raise error(message, key=line.key) from None
 
 
 class _Malformed(Exception):
@@ -224,7 +225,8 @@ def _checked(record: object, key: str) -> Line:
     for t in parked:
         if t not in open_range and t not in skipped and t not in held:
             raise _Malformed(f"parked ticket {t} is neither waiting nor skipped")
-    sets = [set(issued), set(parked) - held, set(ended), held & set(open_range)]
+    waiting = {t for t in parked if t in open_range} - held
+    sets = [set(issued), waiting, set(ended), held & set(open_range)]
     if sum(map(len, sets)) != len(set().union(*sets)):
         raise _Malformed("a ticket is in two of issued, parked, ended, running")
     if set().union(*sets) != set(open_range):
@@ -373,11 +375,15 @@ def arrive(line: Line, ticket: Ticket, *, lock_free: bool) -> Arrival:
         return RunLate(t, "stranger")
     running = line.running
     if running is not None and running.ticket == t:
+        if not running.redelivers:
+            # Another copy of a task that started (a promotion published twice): it ran,
+            # or runs, once; its broker promised no more (early ack).
+            return Duplicate(t)
         if lock_free:
-            return Run(t)  # its holder died; this is the broker's copy, or a promoted one
-        # A copy while it runs: the broker's redelivery of a dead holder's task waits
-        # (parked) for the lease to lapse; any other copy is a duplicate.
-        return Park(t) if running.redelivers and t not in line.parked else Duplicate(t)
+            return Run(t)  # its holder died, and this is the broker's copy
+        # The broker's copy came while the dead holder's lock is still held: it waits,
+        # parked, for the lease to lapse (the sweep publishes it then).
+        return Park(t) if t not in line.parked else Duplicate(t)
     parked = line.parked.get(t)
     if parked is not None and parked.promoted is None:
         return Duplicate(t)  # redelivered after it was parked (write-then-ack)
