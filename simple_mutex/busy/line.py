@@ -446,7 +446,9 @@ def end(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
     (the sweep ended it already, or this is a second report)."""
     if ticket.epoch != line.epoch or line.running is None or line.running.ticket != ticket.number:
         return line, None
-    return _advance(replace(line, running=None), ticket.number, now)
+    # A parked copy of it (the broker's, kept in case its holder died) is done with too.
+    t = ticket.number
+    return _advance(replace(line, running=None, parked=_without(line.parked, t)), t, now)
 
 
 def retry(line: Line, ticket: Ticket, now: float, *, after: float = 0.0) -> Line:
@@ -456,9 +458,11 @@ def retry(line: Line, ticket: Ticket, now: float, *, after: float = 0.0) -> Line
     if ticket.epoch != line.epoch or running is None or running.ticket != ticket.number:
         return line
     t = ticket.number
+    # The retry's own message carries the ticket on; a parked copy of it is stale.
+    line = replace(line, running=None, parked=_without(line.parked, t))
     if t >= line.turn:
-        return replace(line, running=None, issued={**line.issued, t: now + after})
-    return replace(line, running=None, skipped={**line.skipped, t: now + after})
+        return replace(line, issued={**line.issued, t: now + after})
+    return replace(line, skipped={**line.skipped, t: now + after})
 
 
 def revoke(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
