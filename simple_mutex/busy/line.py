@@ -29,6 +29,7 @@ writes ``start``, which decides again (and may tell it to park).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -36,16 +37,16 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, TypeAlias, TypeVar
 
 from simple_mutex._core.durations import Duration, positive_seconds
 from simple_mutex._core.flows import CompareAndSet, Flow, Get, Pause, PutIfAbsent, settle
-from simple_mutex._core.keys import check_key, check_prefix, encode_key
+from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key
 from simple_mutex._runtime.drivers import run, run_async
 from simple_mutex.caches.adapt import as_cache
-from simple_mutex.contract import AnyCache, Entry, is_async
+from simple_mutex.contract import AnyCache, Entry, Scannable, is_async
 from simple_mutex.errors import (
     ConstraintTypeError,
     ConstraintValueError,
@@ -731,6 +732,45 @@ class Lines:
         return run(self.cache, flow)  # type: ignore[arg-type]
 
     # Each step: its change (built once), then its two faces.
+
+    def keys(self) -> list[str]:
+        """The keys that have a line now, sorted: what a sweep goes through. Needs a
+        cache that lists its entries (``scan``: every cache of ``simple_mutex.caches``)."""
+        if self._aio:
+            raise ConstraintTypeError(
+                f"Lines.keys() cannot run on the asyncio cache {type(self.cache).__name__}: "
+                "use `await keys_async()`"
+            )
+        if not isinstance(self.cache, Scannable):
+            raise ConstraintTypeError(f"{type(self.cache).__name__} cannot list its lines")
+        return self._keys_of(self.cache.scan(self.prefix))
+
+    async def keys_async(self) -> list[str]:
+        scan = getattr(self.cache, "scan", None)
+        if scan is None:
+            raise ConstraintTypeError(f"{type(self.cache).__name__} cannot list its lines")
+        if self._aio:
+            return self._keys_of(await scan(self.prefix))
+        return self._keys_of(await asyncio.to_thread(lambda: list(scan(self.prefix))))
+
+    def _keys_of(self, found: Iterable[tuple[str, Entry]]) -> list[str]:
+        """The user's key of each line record: decoded from its cache key, or read from
+        the record when the key was too long and hashed (the record names it, and must
+        encode back to the cache key it sits at)."""
+        keys = []
+        for cache_key, entry in found:
+            encoded = cache_key[len(self.prefix) :]
+            key = decode_key(encoded)
+            if key is None:
+                try:
+                    named = json.loads(entry.value).get("key")
+                except (ValueError, RecursionError, AttributeError):
+                    named = None
+                if not isinstance(named, str) or not named or encode_key(named) != encoded:
+                    continue  # nothing a line of ours could have written
+                key = named
+            keys.append(key)
+        return sorted(keys)
 
     def _read(self, key: str) -> Flow[Line | None]:
         cache_key = self.cache_key(key)

@@ -728,11 +728,26 @@ def test_the_asyncio_face_runs_the_same_flow(tier):
     assert (line.turn, line.next, dict(line.parked)) == (3, 3, {})
 
 
+def test_the_lines_of_a_cache_are_listed_by_key(tier):
+    """What a sweep goes through: every key with a line, a hashed long key by the name
+    its record carries; the locks beside them are not lines."""
+    own = uuid.uuid4().hex[:6]  # a prefix of this test's own: others' lines stay out
+    lines = Lines(
+        cache_from_url(tier), lease=30, prefix=f"{RUN}.l{own}.", lock_prefix=f"{RUN}.m{own}."
+    )
+    keys = sorted([new_key(), new_key(), "ü" * 300])
+    for key in keys:
+        lines.take(key)
+    with Mutex(lines.cache, lease=30, prefix=lines.lock_prefix).acquire(keys[0]):
+        assert lines.keys() == keys
+        assert asyncio.run(lines.keys_async()) == keys
+
+
 def test_every_step_has_both_faces_with_the_same_parameters():
     names = {n for n in dir(Lines) if not n.startswith("_")}
     steps = sorted(n for n in names if callable(getattr(Lines, n)) and not n.endswith("_async"))
     steps = [n for n in steps if n not in ("cache_key", "lock_key")]
-    assert steps == ["arrive", "end", "read", "retry", "revoke", "start", "sweep", "take"]
+    assert steps == ["arrive", "end", "keys", "read", "retry", "revoke", "start", "sweep", "take"]
     for name in steps:
         blocking, twin = getattr(Lines, name), getattr(Lines, name + "_async")
         assert inspect.iscoroutinefunction(twin)
