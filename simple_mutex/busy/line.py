@@ -45,6 +45,7 @@ from simple_mutex._core.durations import Duration, positive_seconds
 from simple_mutex._core.flows import CompareAndSet, Flow, Get, Pause, PutIfAbsent, settle
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key
 from simple_mutex._runtime.drivers import run, run_async
+from simple_mutex.busy.policy import unreachable
 from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import AnyCache, Entry, Scannable, is_async
 from simple_mutex.errors import (
@@ -403,7 +404,7 @@ def park(line: Line, ticket: Ticket, message: Message, now: float) -> Line:
     t = ticket.number
     if ticket.epoch != line.epoch or t >= line.next:
         # A stranger cannot park in this line: it has no place in it. Run it, late.
-        raise ConstraintTypeError(f"line {line.key!r}: ticket {ticket} is not of this line")
+        raise ConstraintValueError(f"line {line.key!r}: ticket {ticket} is not of this line")
     before = line.parked.get(t)
     at = now if before is None else before.at
     issued = {k: v for k, v in line.issued.items() if k != t}
@@ -427,16 +428,15 @@ def start(line: Line, ticket: Ticket, now: float, *, redelivers: bool) -> tuple[
     decided = arrive(line, ticket, lock_free=True)
     match decided:
         case Run(t) | RunLate(t, "skipped"):
-            issued = {k: v for k, v in line.issued.items() if k != t}
-            parked = {k: v for k, v in line.parked.items() if k != t}
-            skipped = {k: v for k, v in line.skipped.items() if k != t}
-            running = Running(t, now, redelivers)
+            issued, parked = _without(line.issued, t), _without(line.parked, t)
+            skipped, running = _without(line.skipped, t), Running(t, now, redelivers)
             return replace(
                 line, issued=issued, parked=parked, skipped=skipped, running=running
             ), decided
-        case RunLate(_, "stranger") | Park() | Duplicate():
-            return line, decided
-    return line, decided  # pragma: no cover (mypy sees the match as exhaustive)
+        case RunLate() | Park() | Duplicate():
+            return line, decided  # a stranger runs without a mark; the others do not run
+        case unknown:
+            return unreachable(unknown)
 
 
 def end(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
