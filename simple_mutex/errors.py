@@ -9,6 +9,7 @@
     │   ├── SimpleMutexAcquireTimeoutError   (also a TimeoutError)
     │   └── SimpleMutexLeaseExpiredError     the lease lapsed or was taken while the work ran
     │       └── FencedOutError                   a store refused a write: it holds a larger fence
+    ├── LineFullError                   a key's line (``on_busy="queue"``) holds ``queue_max``
     ├── MalfunctionError                a system fault: backend down, corrupt record
     └── SimpleCacheConditionError       a precondition miss inside a cache: a lost race;
                                         the engine handles it and it never escapes a Mutex
@@ -128,6 +129,24 @@ class FencedOutError(SimpleMutexLeaseExpiredError):
         # The fences travel as state: Celery and RQ pickle the error to report it.
         state = {"fence": self.fence, "current": self.current, "store": self.store}
         return _rebuild, (type(self), self.message, self.key), state
+
+
+class LineFullError(SimpleMutexError):
+    """A send found its key's line (``on_busy="queue"``, ``simple_mutex.busy.line``) full:
+    ``limit`` tickets (``queue_max``) are waiting or running already.
+
+    Neither bad input (the call was right) nor a fault (nothing broke): the user's
+    choice of ``queue_max`` said to refuse this send, so it is a ``SimpleMutexError`` of
+    its own, raised at the send, before anything is published.
+    """
+
+    def __init__(self, message: str, key: str | None = None, *, limit: int | None = None) -> None:
+        super().__init__(message, key)
+        self.limit = limit
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The limit travels as state: Celery and RQ pickle the error to report it.
+        return _rebuild, (type(self), self.message, self.key), {"limit": self.limit}
 
 
 class MalfunctionError(SimpleMutexError):

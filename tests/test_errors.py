@@ -12,6 +12,7 @@ import simple_mutex
 from simple_mutex import (
     ConstraintError,
     InMemoryCache,
+    LineFullError,
     MalfunctionError,
     Mutex,
     SimpleCacheConditionError,
@@ -28,6 +29,7 @@ ERRORS = [
     SimpleCacheConditionError,
     SimpleMutexAcquireTimeoutError,
     SimpleMutexLeaseExpiredError,
+    LineFullError,
 ]
 WEIRD_KEY = "order/ü {42}*#%"
 
@@ -66,6 +68,16 @@ def test_every_error_is_exported_and_rooted(cls):
     assert issubclass(cls, Exception)
 
 
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_a_full_line_keeps_its_limit_through_pickle(protocol):
+    """``LineFullError.limit`` (the ``queue_max`` that refused the send) survives the
+    pickling Celery and RQ do to report it."""
+    error = LineFullError("line full", key=WEIRD_KEY, limit=7)
+    copy = pickle.loads(pickle.dumps(error, protocol=protocol))
+    assert type(copy) is LineFullError
+    assert (copy.limit, copy.key, copy.message) == (7, WEIRD_KEY, "line full")
+
+
 def test_hierarchy_matches_the_design():
     """Timeout and lease loss are ConstraintErrors (timeout also TimeoutError); faults not."""
     assert issubclass(SimpleMutexAcquireTimeoutError, ConstraintError)
@@ -76,6 +88,8 @@ def test_hierarchy_matches_the_design():
     assert not issubclass(MalfunctionError, ConstraintError)
     assert not issubclass(SimpleCacheConditionError, ConstraintError)
     assert not issubclass(SimpleCacheConditionError, MalfunctionError)
+    # A full line is the user's queue_max speaking: not bad input, not a fault.
+    assert not issubclass(LineFullError, (ConstraintError, MalfunctionError, ValueError))
 
 
 def capture_interrupt() -> BaseException:

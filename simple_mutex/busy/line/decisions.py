@@ -1,0 +1,340 @@
+"""The line's decisions (``docs/design/queue.md``), without I/O: each step of the design
+is a pure function of (record, inputs, now) that returns the new record and what the
+caller must do.
+
+``take`` (a send), ``arrive`` (a worker got the message: ``Duplicate``, ``RunLate``,
+``Run`` or ``Park``, the closed set ``Arrival``), ``park`` (and ``arrival``, both as one
+change), ``start``, ``end``, ``retry``, ``revoke`` and ``sweep`` (its outcome a
+``Swept``: the messages to ``Publish``, and what it skipped, expired or ended). They
+never read a clock or a cache: tests drive them exhaustively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Literal, TypeAlias, TypeVar
+
+from simple_mutex.busy.policy import unreachable
+from simple_mutex.errors import ConstraintValueError, LineFullError, MalfunctionError
+
+from .record import MAX_TICKET, Line, Message, Parked, Running, Ticket
+
+R = TypeVar("R")
+
+
+# -- what an arrival leads to: a closed set, matched exhaustively --------------------------
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """Drop it (acknowledge, run nothing): its ticket ended, or a copy of it is parked
+    or running."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
+class RunLate:
+    """Run it now, out of order, with a ``late`` event: its gap was stepped over
+    (``skipped``), or it belongs to an earlier line (``stranger``: the record expired and
+    was created again)."""
+
+    ticket: int
+    why: Literal["skipped", "stranger"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Its turn, the lock free: take the lock, ``start``, run."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
+class Park:
+    """Not its turn (or the lock is busy): ``park`` its message, then acknowledge it."""
+
+    ticket: int
+
+
+Arrival: TypeAlias = Duplicate | RunLate | Run | Park
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Publish this parked message again: its turn has come."""
+
+    ticket: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What one sweep of a line decided."""
+
+    publish: tuple[Publish, ...] = ()
+    skipped: tuple[int, ...] = ()
+    """Gaps stepped over (issued, never arrived, for ``gap_for``)."""
+    expired: tuple[int, ...] = ()
+    """Parked messages older than ``park_for``, dropped (an ``expired`` event each)."""
+    crashed: int | None = None
+    """The running ticket whose lock lapsed with no redelivery to wait for: ended."""
+
+
+# -- the decisions ------------------------------------------------------------------------------
+
+
+def take(
+    line: Line, now: float, *, queue_max: int | None = None, after: float = 0.0
+) -> tuple[Line, Ticket]:
+    """A send: the next ticket. ``after`` is the task's countdown: it holds the line from
+    the send, and its gap clock starts when it is due. A full line raises."""
+    if queue_max is not None and line.waiting >= queue_max:
+        raise LineFullError(
+            f"the line of key {line.key!r} is full: {line.waiting} tasks wait or run "
+            f"(queue_max={queue_max}); raise queue_max, or send with on_full='skip'",
+            key=line.key,
+            limit=queue_max,
+        )
+    if line.next >= MAX_TICKET:
+        raise MalfunctionError(f"the line of key {line.key!r} ran out of tickets", key=line.key)
+    ticket = line.next
+    issued = {**line.issued, ticket: now + after}
+    return replace(line, next=ticket + 1, issued=issued), line.ticket(ticket)
+
+
+def arrive(line: Line, ticket: Ticket, *, lock_free: bool) -> Arrival:
+    """What a worker that got ``ticket``'s message does (the design's step 2)."""
+    t = ticket.number
+    if ticket.epoch != line.epoch or t >= line.next:
+        # No place in this line (its record expired and started again, or a failover
+        # lost the write that handed it out): it runs, under the lock, said so.
+        return RunLate(t, "stranger")
+    running = line.running
+    if running is not None and running.ticket == t:
+        if not running.redelivers:
+            # Another copy of a task that started (a promotion published twice): it ran,
+            # or runs, once; its broker promised no more (early ack).
+            return Duplicate(t)
+        if lock_free:
+            return Run(t)  # its holder died, and this is the broker's copy
+        # The broker's copy came while the dead holder's lock is still held: it waits,
+        # parked, for the lease to lapse (the sweep publishes it then).
+        return Park(t) if t not in line.parked else Duplicate(t)
+    parked = line.parked.get(t)
+    if parked is not None and parked.promoted is None:
+        return Duplicate(t)  # redelivered after it was parked (write-then-ack)
+    if t in line.skipped:
+        return RunLate(t, "skipped") if lock_free and running is None else Park(t)
+    if t < line.turn or t in line.ended:
+        return Duplicate(t)
+    if t == line.turn and lock_free and running is None:
+        return Run(t)
+    return Park(t)
+
+
+def park(line: Line, ticket: Ticket, message: Message, now: float) -> Line:
+    """Store the message of a ticket ``arrive`` said to park; a message parked before
+    keeps its first time (``park_for`` counts from it) and is no longer promoted."""
+    t = ticket.number
+    if ticket.epoch != line.epoch or t >= line.next:
+        # A stranger cannot park in this line: it has no place in it. Run it, late.
+        raise ConstraintValueError(f"line {line.key!r}: ticket {ticket} is not of this line")
+    before = line.parked.get(t)
+    at = now if before is None else before.at
+    issued = {k: v for k, v in line.issued.items() if k != t}
+    return replace(line, issued=issued, parked={**line.parked, t: Parked(message, at)})
+
+
+def arrival(
+    line: Line, ticket: Ticket, message: Message, now: float, *, lock_free: bool
+) -> tuple[Line, Arrival]:
+    """``arrive``, and the park it may call for, as one change (write-then-ack)."""
+    decided = arrive(line, ticket, lock_free=lock_free)
+    if isinstance(decided, Park):
+        return park(line, ticket, message, now), decided
+    return line, decided
+
+
+def start(line: Line, ticket: Ticket, now: float, *, redelivers: bool) -> tuple[Line, Arrival]:
+    """Mark ``ticket`` running; its caller holds the lock. The decision is taken again
+    on the record as it is now: anything but ``Run`` or ``RunLate`` tells the caller to
+    release the lock and act on that instead (``Park``: call ``arrival``)."""
+    decided = arrive(line, ticket, lock_free=True)
+    match decided:
+        case Run(t) | RunLate(t, "skipped"):
+            issued, parked = _without(line.issued, t), _without(line.parked, t)
+            skipped, running = _without(line.skipped, t), Running(t, now, redelivers)
+            return replace(
+                line, issued=issued, parked=parked, skipped=skipped, running=running
+            ), decided
+        case RunLate() | Park() | Duplicate():
+            return line, decided  # a stranger runs without a mark; the others do not run
+        case unknown:
+            return unreachable(unknown)
+
+
+def end(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
+    """``ticket`` ended (success, failure, a revoke while it ran, a dead child freed by
+    the parent): one write moves the turn past it and every ``ended`` ticket, clears
+    ``running``, and marks the new head promoted; the caller then releases the lock and
+    publishes what this returns. Ending a ticket that is not running changes nothing
+    (the sweep ended it already, or this is a second report)."""
+    if ticket.epoch != line.epoch or line.running is None or line.running.ticket != ticket.number:
+        return line, None
+    # A parked copy of it (the broker's, kept in case its holder died) is done with too.
+    t = ticket.number
+    return _advance(replace(line, running=None, parked=_without(line.parked, t)), t, now)
+
+
+def retry(line: Line, ticket: Ticket, now: float, *, after: float = 0.0) -> Line:
+    """The task's own ``Task.retry``: not an end. Its ticket keeps the turn (a late one
+    goes back to ``skipped``), due again after the retry's countdown."""
+    running = line.running
+    if ticket.epoch != line.epoch or running is None or running.ticket != ticket.number:
+        return line
+    t = ticket.number
+    # The retry's own message carries the ticket on; a parked copy of it is stale.
+    line = replace(line, running=None, parked=_without(line.parked, t))
+    if t >= line.turn:
+        return replace(line, issued={**line.issued, t: now + after})
+    return replace(line, skipped={**line.skipped, t: now + after})
+
+
+def revoke(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
+    """``ticket`` will never run (revoked before it started). After the turn it goes to
+    ``ended`` for the turn to step over; the head moves the turn on (and promotes the
+    next); a skipped one is forgotten. A running ticket's revoke is its ``end``."""
+    if ticket.epoch != line.epoch:
+        return line, None
+    if line.running is not None and line.running.ticket == ticket.number:
+        return end(line, ticket, now)
+    forgotten = _forget(line, ticket.number)
+    if forgotten.turn != line.turn:
+        return _promote(forgotten, now)
+    return forgotten, None
+
+
+def _forget(line: Line, t: int) -> Line:
+    """``t`` (not running) will never run: out of every field; the turn steps past it
+    when it was the head."""
+    if t in line.skipped:
+        skipped = {k: v for k, v in line.skipped.items() if k != t}
+        return replace(line, parked=_without(line.parked, t), skipped=skipped)
+    if not line.turn <= t < line.next or t in line.ended:
+        return line
+    line = replace(line, issued=_without(line.issued, t), parked=_without(line.parked, t))
+    if t == line.turn:
+        return _step(line, t)
+    return replace(line, ended=line.ended | {t})
+
+
+def _without(mapping: Mapping[int, R], t: int) -> dict[int, R]:
+    return {k: v for k, v in mapping.items() if k != t}
+
+
+def _advance(line: Line, done: int, now: float) -> tuple[Line, Publish | None]:
+    """After ``done`` ended: step the turn past it if it was the head, then promote the
+    next to run."""
+    return _promote(_step(line, done) if done == line.turn else line, now)
+
+
+def _step(line: Line, done: int) -> Line:
+    """The head ``done`` is over: the turn steps past it and every ended ticket, and
+    what was parked below the new turn (copies of done tickets) is dropped."""
+    turn, ended = done + 1, set(line.ended)
+    while turn in ended:
+        ended.discard(turn)
+        turn += 1
+    parked = {t: p for t, p in line.parked.items() if t >= turn or t in line.skipped}
+    return replace(line, turn=turn, ended=frozenset(ended), parked=parked)
+
+
+def _promote(line: Line, now: float) -> tuple[Line, Publish | None]:
+    """Mark the parked ticket to run next promoted, and say what to publish."""
+    head = _head(line)
+    if head is None:
+        return line, None
+    entry = line.parked[head]
+    promoted = replace(entry, promoted=now)
+    return replace(line, parked={**line.parked, head: promoted}), Publish(head, entry.message)
+
+
+def _head(line: Line) -> int | None:
+    """The parked ticket to run next: a late one first (it was sent before the turn),
+    else the turn's own; None when the next to run has not arrived."""
+    late = [t for t in line.parked if t in line.skipped]
+    if late:
+        return min(late)
+    return line.turn if line.turn in line.parked else None
+
+
+def sweep(
+    line: Line,
+    now: float,
+    *,
+    lock_free: bool,
+    promote_grace: float,
+    gap_for: float,
+    park_for: float,
+) -> tuple[Line, Swept]:
+    """The design's step 4, for one line: drop what waited past ``park_for``; then, when
+    the lock is free, publish a head nobody ran (not promoted within ``promote_grace``),
+    end or wait for a dead holder's ticket, and step over gaps empty for ``gap_for``."""
+    line, expired = _expire(line, now, park_for)
+    publish: list[Publish] = []
+    skipped: list[int] = []
+    crashed: int | None = None
+    running = line.running
+    if not lock_free:
+        pass  # a live holder: it ends its own ticket and promotes the next
+    elif running is not None:
+        t = running.ticket
+        if t in line.parked:
+            # The broker's copy came while the dead holder's lock was held, and parked.
+            entry = replace(line.parked[t], promoted=now)
+            line = replace(line, running=None, parked={**line.parked, t: entry})
+            publish.append(Publish(t, entry.message))
+        elif running.redelivers and running.lapsed is None:
+            line = replace(line, running=replace(running, lapsed=now))
+        elif running.redelivers and running.lapsed is not None and now - running.lapsed < gap_for:
+            pass  # the broker's copy is on its way
+        else:
+            crashed = t
+            line, promoted = _advance(replace(line, running=None), t, now)
+            publish += [promoted] if promoted is not None else []
+    else:
+        while True:
+            head = _head(line)
+            if head is not None:
+                entry = line.parked[head]
+                if entry.promoted is None or now - entry.promoted >= promote_grace:
+                    entry = replace(entry, promoted=now)
+                    line = replace(line, parked={**line.parked, head: entry})
+                    publish.append(Publish(head, entry.message))
+                break
+            due = line.issued.get(line.turn)
+            if due is None or now - due < gap_for:
+                break
+            gap = line.turn
+            skipped.append(gap)
+            line = replace(line, issued=_without(line.issued, gap))
+            line = _step(replace(line, skipped={**line.skipped, gap: now}), gap)
+    return line, Swept(tuple(publish), tuple(skipped), tuple(expired), crashed)
+
+
+def _expire(line: Line, now: float, park_for: float) -> tuple[Line, list[int]]:
+    """Drop parked messages older than ``park_for`` (their tickets will never run) and
+    skipped tickets that never arrived in as long."""
+    expired = sorted(t for t, p in line.parked.items() if now - p.at > park_for)
+    stale = {t for t, at in line.skipped.items() if now - at > park_for}
+    if stale:
+        line = replace(line, skipped={k: v for k, v in line.skipped.items() if k not in stale})
+    for t in expired:
+        if line.running is not None and line.running.ticket == t:
+            # A parked copy of the running ticket: the run goes on, the copy goes.
+            line = replace(line, parked=_without(line.parked, t))
+        else:
+            line = _forget(line, t)
+    return line, expired
