@@ -86,7 +86,8 @@ class _Session(requests.Session):
 class EtcdCache(EtcdCore):
     """A ConditionalCache over etcd3gw ``Etcd3Client`` (or a list of them, one per
     member: a refused request goes to the next). Every key is written under ``prefix``
-    (``<prefix>/k/`` entries, ``<prefix>/t/`` traces); nothing else is touched."""
+    (``<prefix>/k/`` entries, ``<prefix>/t/`` traces); nothing else is touched.
+    ``close_clients``: ``close()`` closes the clients' sessions too."""
 
     driver_errors: tuple[type[Exception], ...] = (
         gateway.Etcd3Exception,
@@ -94,7 +95,9 @@ class EtcdCache(EtcdCore):
         BadReply,
     )
 
-    def __init__(self, client: Any, *, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self, client: Any, *, prefix: str = DEFAULT_PREFIX, close_clients: bool = False
+    ) -> None:
         clients = list(client) if isinstance(client, (list, tuple)) else [client]
         for given in clients:
             if not isinstance(given, etcd3gw.Etcd3Client):
@@ -107,7 +110,7 @@ class EtcdCache(EtcdCore):
         super().__init__(prefix)
         self._clients: list[Any] = clients
         self._current = 0  # the member that answered last
-        self._owned = False  # clients this cache made (from a URL, or in a forked child)
+        self._owned = close_clients  # close() closes them: made from a URL, or after a fork
         self._seen = threading.local()  # key -> the revision a failed grant saw it held at
 
     def __repr__(self) -> str:
@@ -306,7 +309,6 @@ def _copy(client: Any) -> Any:
     timeout = client.timeout if client.timeout is not None else DEFAULT_TIMEOUT
     copy = _client(client.host, client.port, timeout, client.protocol)
     copy.session.verify, copy.session.cert = client.session.verify, client.session.cert
-    copy._api_path = getattr(client, "_api_path", API_PATH)  # no discovery request
     return copy
 
 
@@ -343,6 +345,5 @@ def from_url(url: str) -> EtcdCache:
     except ValueError as exc:
         raise ConstraintValueError(f"bad etcd:// URL: {exc}") from None
     prefix = unquote(parts.path).strip("/") or DEFAULT_PREFIX
-    cache = EtcdCache([_client(host, port, timeout) for host, port in members], prefix=prefix)
-    cache._owned = True
-    return cache
+    clients = [_client(host, port, timeout) for host, port in members]
+    return EtcdCache(clients, prefix=prefix, close_clients=True)
