@@ -169,8 +169,9 @@ class EtcdCore(CacheBase):
     def _putting(self, key: str, value: str, *, ttl: float) -> Flow[tuple[Entry | None, int]]:
         """The grant; when the key is held by another, ``(None, revision it was seen
         held at)`` (the waiter's watch starts after it: no release is missed)."""
+        asked = time.time()  # the server's lease starts later: expires_at is never late
         lease, granted = yield Grant("put_if_absent", key, lease_seconds(ttl))
-        record = _record(value, time.time() + granted)
+        record = _record(value, asked + granted)
         subject, trace = self.entry_key(key), self.trace_key(key)
         reply: TxnReply = yield Txn(
             "put_if_absent", key, subject, "CREATE", 0,
@@ -194,8 +195,9 @@ class EtcdCore(CacheBase):
         revision = _revision(version)
         if revision is None:
             raise SimpleCacheConditionError(f"etcd: {key!r} is not at version {version}")
+        asked = time.time()
         lease, granted = yield Grant("compare_and_set", key, lease_seconds(ttl))
-        record = _record(value, time.time() + granted)
+        record = _record(value, asked + granted)
         subject = self.entry_key(key)
         reply: TxnReply = yield Txn(
             "compare_and_set", key, subject, "MOD", revision,
