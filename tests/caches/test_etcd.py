@@ -333,3 +333,22 @@ def test_a_malfunction_names_etcd_the_operation_and_the_key(tmp_path: Path) -> N
     cache = from_url(f"etcd://127.0.0.1:{free_port()}/{RUN}?timeout=1")
     with pytest.raises(MalfunctionError, match=r"etcd cache failed during get on 'job'"):
         cache.get("job")
+
+
+def test_waits_leave_no_thread_or_socket_behind(cache: EtcdCache) -> None:
+    """Each wait opens a watch (etcd3gw reads it in a thread of its own) and stops it:
+    150 waits leave neither threads nor sockets piling up."""
+    import os
+    import threading
+
+    key = unique_key()
+    cache.put_if_absent(key, "holder", ttl=30)
+    cache.wait([key], 0.01)
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    for _ in range(150):
+        cache.wait([key], 0.01)
+    deadline = time.monotonic() + 5  # a stopped watch's thread ends a moment later
+    while threading.active_count() > threads + 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads + 8
+    assert len(os.listdir("/proc/self/fd")) <= fds + 8
