@@ -24,7 +24,13 @@ from behaviour import PREFIX, NotifyBehaviour, SharedBehaviour, assert_each_fail
 from contract import CacheContract, NotifyContract, unique_key
 from servers import EtcdCluster, free_port
 
-from simple_mutex import ConstraintValueError, MalfunctionError, Mutex, cache_from_url
+from simple_mutex import (
+    ConstraintValueError,
+    MalfunctionError,
+    Mutex,
+    SimpleCacheConditionError,
+    cache_from_url,
+)
 from simple_mutex.caches import as_cache
 from simple_mutex.caches.etcd import EtcdCache, from_url
 from simple_mutex.caches.etcd.core import lease_seconds
@@ -352,3 +358,28 @@ def test_waits_leave_no_thread_or_socket_behind(cache: EtcdCache) -> None:
         time.sleep(0.05)
     assert threading.active_count() <= threads + 8
     assert len(os.listdir("/proc/self/fd")) <= fds + 8
+
+
+def test_a_release_before_a_wait_in_another_thread_is_not_lost(cache: EtcdCache) -> None:
+    """The failed grant runs in one thread, the wait in another (``acquire_async`` runs a
+    blocking cache's calls in threads): a release between them still wakes the wait."""
+    import threading
+
+    key = unique_key()
+    entry = cache.put_if_absent(key, "holder", ttl=30)
+    refused: list[BaseException] = []
+
+    def try_it() -> None:
+        try:
+            cache.put_if_absent(key, "waiter", ttl=30)
+        except SimpleCacheConditionError as exc:
+            refused.append(exc)
+
+    thread = threading.Thread(target=try_it)
+    thread.start()
+    thread.join(10)
+    assert refused
+    cache.compare_and_delete(key, version=entry.version)
+    start = time.monotonic()
+    cache.wait([key], 5)
+    assert time.monotonic() - start < 0.5

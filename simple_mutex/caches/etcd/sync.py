@@ -63,6 +63,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 5.0  # seconds a request may take: nothing may hang on a dead member
 DEFAULT_PORT = 2379
 API_PATH = "/v3/"  # etcd >= 3.4: no discovery request per client
+_HELD_AT_KEYS = 4096  # keys whose last revision seen held is remembered
 
 
 class BadReply(Exception):
@@ -111,7 +112,9 @@ class EtcdCache(EtcdCore):
         self._clients: list[Any] = clients
         self._current = 0  # the member that answered last
         self._owned = close_clients  # close() closes them: made from a URL, or after a fork
-        self._seen = threading.local()  # key -> the revision a failed grant saw it held at
+        # key -> the latest revision at which this process saw the key held (by a grant, or
+        # by a failed one): any release a waiter must hear of comes after it.
+        self._held_at: dict[str, int] = {}
 
     def __repr__(self) -> str:
         members = ",".join(f"{c.host}:{c.port}" for c in self._clients)
@@ -127,7 +130,6 @@ class EtcdCache(EtcdCore):
         # The parent's sessions hold its sockets: this process gets clients of its own.
         self._clients = [_copy(client) for client in self._clients]
         self._owned = True
-        self._seen = threading.local()
 
     # -- I/O -----------------------------------------------------------------------------
 
@@ -188,10 +190,9 @@ class EtcdCache(EtcdCore):
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
         entry, seen = self._run(self._putting(key, value, ttl=ttl))
+        self._saw_held(key, seen if entry is None else int(entry.version))
         if entry is None:
-            self._seen_at()[key] = seen
             raise SimpleCacheConditionError(f"etcd: {key!r} is held")
-        self._seen_at().pop(key, None)
         return entry
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
@@ -202,12 +203,12 @@ class EtcdCache(EtcdCore):
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         """Until a watch on ``keys`` sees one deleted (freed or expired), at most
-        ``timeout`` seconds. The watch starts just after the revision this thread's
-        failed grant saw the key held at, so a release in between is not missed."""
+        ``timeout`` seconds. The watch starts just after the latest revision at which this
+        process saw the key held (its failed grant, in whatever thread), so a release in
+        between is replayed at once."""
         if timeout <= 0 or not keys:
             return
-        seen = self._seen_at()
-        revisions = [seen.pop(key) for key in keys if key in seen]
+        revisions = [self._held_at[key] for key in keys if key in self._held_at]
         subjects = sorted(self.entry_key(key) for key in keys)
         woken = threading.Event()
         options: dict[str, Any] = {"filters": ["NOPUT"]}
@@ -228,11 +229,13 @@ class EtcdCache(EtcdCore):
         finally:
             watcher.stop()
 
-    def _seen_at(self) -> dict[str, int]:
-        seen: dict[str, int] | None = getattr(self._seen, "revisions", None)
-        if seen is None:
-            seen = self._seen.revisions = {}
-        return seen
+    def _saw_held(self, key: str, revision: int) -> None:
+        """Remember the latest revision ``key`` was seen held at. Kept for a bounded
+        number of keys: a key forgotten only costs its waiter a wake-up by its poll."""
+        held_at = self._held_at
+        if len(held_at) >= _HELD_AT_KEYS and key not in held_at:
+            held_at.clear()
+        held_at[key] = max(revision, held_at.get(key, 0))
 
 
 # -- the gateway's JSON ---------------------------------------------------------------------
