@@ -38,7 +38,7 @@ else
     wanted=(core)
     while read -r extras; do wanted+=("$extras"); done < <(documented_extras)
     # The ones the issue names must be among them: a doc that stops naming one is a bug.
-    for must in redis postgres mongo s3 sqlalchemy django celery rq celery,redis prometheus otel; do
+    for must in redis postgres mongo etcd s3 sqlalchemy django celery rq celery,redis prometheus otel; do
         [[ " ${wanted[*]} " == *" $must "* ]] || die "the docs no longer name simple-mutex[$must]"
     done
 fi
@@ -80,6 +80,7 @@ if needs redis || needs rq; then ensure_redis; fi
 if needs postgres; then ensure_postgres; fi
 if needs celery; then ensure_rabbitmq; ensure_redis; fi
 if needs mongo; then start_helper mongo; fi
+if needs etcd; then ensure_etcd; start_helper etcd; fi
 if needs s3; then
     start_helper s3
     export AWS_ACCESS_KEY_ID=simplemutex AWS_SECRET_ACCESS_KEY=simplemutexsecret

@@ -15,7 +15,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
-USER_EXTRAS="redis,postgres,mongo,s3,sqlalchemy,django,celery,rq,prometheus,otel"
+USER_EXTRAS="redis,postgres,mongo,etcd,s3,sqlalchemy,django,celery,rq,prometheus,otel"
 # One file per tier and integration; the slowest process tests are left to the main run.
 # The beat guard's slots depend on Celery's own date arithmetic, which changed in 5.7: its
 # simulated-clock tests (every zone, Kolkata's +05:30 among them, through Celery's own
@@ -23,6 +23,7 @@ USER_EXTRAS="redis,postgres,mongo,s3,sqlalchemy,django,celery,rq,prometheus,otel
 # boundaries (about 2 minutes) and stay in the main run.
 INTEGRATION_TESTS=(
     tests/caches/test_redis.py tests/caches/test_postgres.py tests/caches/test_mongo.py tests/caches/test_s3.py
+    tests/caches/test_etcd.py
     tests/celery_mutex/test_celery_inproc.py tests/celery_mutex/test_celery_prefork.py tests/rq_mutex/test_rq.py
     tests/rq_mutex/test_rq_dead_horse.py tests/celery_mutex/test_celery_enqueue.py
     tests/contrib/test_prometheus.py tests/contrib/test_opentelemetry.py tests/contrib/test_observe_workers.py
@@ -62,10 +63,11 @@ pip_install "$VENV" -e ".[test,$USER_EXTRAS]" -c "$constraints" \
 pip_install "$VENV" --pre -r scripts/test-servers.txt -c "$constraints" \
     || die "pip install of the test servers failed"
 say "installed: $("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
-    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|boto3|botocore|prometheus.client|opentelemetry-(api|sdk))==' \
+    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|etcd3gw|boto3|botocore|prometheus.client|opentelemetry-(api|sdk))==' \
     | paste -sd' ')"
 
 ensure_services
+ensure_etcd
 # The restricted-user and DML-role runs of the Redis and PostgreSQL suites repeat the
 # same calls under other credentials; the drivers' lower bounds change nothing there.
 if [[ $# -eq 0 ]]; then set -- -k "not AsLockUser and not AsDmlRole" "${INTEGRATION_TESTS[@]}"; fi

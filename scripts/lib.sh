@@ -280,6 +280,16 @@ ensure_openssl() {
     apt_install openssl || die "cannot install openssl (no apt-get or no root): install it by hand"
 }
 
+# The etcd tests start clusters of their own (tests/servers.py): only the binary is needed,
+# Debian's etcd-server (etcd 3.4).
+ensure_etcd() {
+    if command -v etcd >/dev/null 2>&1; then
+        return 0
+    fi
+    say "etcd is missing; installing etcd-server with apt-get"
+    apt_install etcd-server || die "cannot install etcd-server (no apt-get or no root): install etcd >= 3.4 by hand"
+}
+
 # Start every service named in SIMPLE_MUTEX_SERVICES (comma or space separated).
 ensure_services() {
     # Every tier's tests run by default; SIMPLE_MUTEX_SERVICES="" starts none.

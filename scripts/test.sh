@@ -17,6 +17,7 @@ pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
 ensure_services
 ensure_chromium
 ensure_openssl
+ensure_etcd
 
 # Lint first: it takes seconds and a style or type error fails the run like a test would.
 # SIMPLE_MUTEX_LINT=0 skips it (for a quick local pytest pass).

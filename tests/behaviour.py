@@ -97,6 +97,10 @@ def assert_each_fails(cache: ConditionalCache, *operations: str, within: float =
 class LockBehaviour:
     """Every tier. Subclass me and define a ``url`` fixture."""
 
+    lapse_wait = 1.0
+    """How long a new holder may wait for a lapsed 0.3 s lease to come free (seconds):
+    longer where the server rounds leases up (etcd: whole seconds)."""
+
     @pytest.fixture
     def url(self) -> str:  # pragma: no cover - always overridden
         raise NotImplementedError
@@ -134,7 +138,7 @@ class LockBehaviour:
         short = Mutex(cache, lease=0.3, interval=0.05, prefix=PREFIX)
         stale = short.acquire(key, timeout=5)
         time.sleep(0.45)
-        fresh = Mutex(cache, lease=30, prefix=PREFIX).acquire(key, timeout=1)
+        fresh = Mutex(cache, lease=30, prefix=PREFIX).acquire(key, timeout=self.lapse_wait)
         assert fresh.fence > stale.fence
         assert stale.release() is False
         with pytest.raises(SimpleMutexLeaseExpiredError):

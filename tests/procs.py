@@ -387,3 +387,38 @@ if __name__ == "__main__":
     if command == "fork-busy":
         sys.exit(fork_while_busy(args[0], args[1], int(args[2])))
     sys.exit(f"unknown command {command!r}")
+
+
+# -- c. grants through a fault of the server (etcd's leader SIGKILLed) ------------------------
+
+
+def cycle_until_stopped(url: str, prefix: str, key: str, stop_path: str, log_path: str) -> None:
+    """Take ``key`` again and again until ``stop_path`` exists, each time a
+    read-modify-write of the file ``counter`` beside ``log_path`` with a short hold
+    (the file ``holding`` beside it exists meanwhile); a
+    MalfunctionError or a timeout (the cluster electing a leader) is logged and tried
+    again. Logs ``pid start end fence seen`` per section
+    and ``pid fault at`` per failure."""
+    from simple_mutex import MalfunctionError, SimpleMutexAcquireTimeoutError
+
+    mutex = Mutex(cache_from_url(url), lease=2, interval=0.5, prefix=prefix)
+    counter = Path(log_path).parent / "counter"
+    holding = Path(log_path).parent / "holding"  # exists while a section runs
+    lines = []
+    while not Path(stop_path).exists():
+        try:
+            with mutex.acquire(key, timeout=2) as lease:
+                start = time.monotonic()
+                holding.touch()
+                text = counter.read_text()
+                seen = int(text) if text else -1
+                time.sleep(0.05)
+                counter.write_text(str(seen + 1))
+                holding.unlink()
+                end = time.monotonic()
+                # Logged inside: a release the election fails still ran its section.
+                lines.append(f"{os.getpid()} {start!r} {end!r} {lease.fence} {seen}\n")
+        except (MalfunctionError, SimpleMutexAcquireTimeoutError) as exc:
+            lines.append(f"{os.getpid()} fault {time.monotonic()!r} {type(exc).__name__}\n")
+        time.sleep(random.uniform(0, 0.02))
+    Path(log_path).write_text("".join(lines))

@@ -189,3 +189,108 @@ class PostgresServer:
         with contextlib.suppress(subprocess.CalledProcessError):
             self.pg_ctl("stop")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class EtcdMember(OwnServer):
+    """One member of an etcd cluster of this test's own: its client and peer ports, its
+    data in ``workdir/<name>``. Fast elections (50 ms heartbeat, 500 ms election
+    timeout), so the server's minimum lease TTL is 1 s, not 2 s."""
+
+    def __init__(self, name: str, client: int, peer: int, cluster: str, workdir: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            pytest.fail("etcd is not on PATH (apt-get install -y etcd-server)")
+        self.name, self.client_port, self.peer_port = name, client, peer
+        self.endpoint = f"127.0.0.1:{client}"
+        data = workdir / name
+        args = [
+            binary, "--name", name, "--data-dir", str(data),
+            "--listen-client-urls", f"http://{self.endpoint}",
+            "--advertise-client-urls", f"http://{self.endpoint}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", cluster, "--initial-cluster-token", workdir.name,
+            "--initial-cluster-state", "new",
+            "--heartbeat-interval", "50", "--election-timeout", "500",
+            "--logger", "zap", "--log-level", "warn",
+        ]  # fmt: skip
+        super().__init__(args, workdir, self._answers)
+        self.log = workdir / f"{name}.log"
+
+    def _answers(self) -> bool:
+        return self.status() is not None
+
+    def status(self) -> dict[str, object] | None:
+        """The member's /v3/maintenance/status reply (its leader's id...), or None."""
+        import requests
+
+        try:
+            reply = requests.post(
+                f"http://{self.endpoint}/v3/maintenance/status", json={}, timeout=0.5
+            )
+        except requests.RequestException:
+            return None
+        if reply.status_code != 200:
+            return None
+        found: dict[str, object] = reply.json()
+        return found if "leader" in found else None
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to the other members."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(5)
+
+
+class EtcdCluster:
+    """Three etcd members on free loopback ports, each its own data directory under a
+    temporary one; ``start`` returns once every member answers and a leader is elected."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="simple-mutex-etcd-"))
+        ports = [(free_port(), free_port()) for _ in range(size)]
+        cluster = ",".join(f"m{n}=http://127.0.0.1:{peer}" for n, (_, peer) in enumerate(ports))
+        self.members = [
+            EtcdMember(f"m{n}", client, peer, cluster, self.dir)
+            for n, (client, peer) in enumerate(ports)
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [member.endpoint for member in self.members]
+
+    def start(self, timeout: float = 30) -> EtcdCluster:
+        # Every member before waiting on one: a member answers only once a quorum is up.
+        for member in self.members:
+            with member.log.open("ab") as out:
+                member.proc = subprocess.Popen(
+                    member.args, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
+                    start_new_session=True,
+                )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        for member in self.members:
+            while not member.answers():
+                if member.proc is None or member.proc.poll() is not None:
+                    self.stop()
+                    pytest.fail(f"etcd {member.name} exited:\n{member.log.read_text()[-2000:]}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"etcd {member.name} did not answer:\n{member.log.read_text()}")
+                time.sleep(0.05)
+        return self
+
+    def leader(self, timeout: float = 15) -> EtcdMember:
+        """The member that is the leader now (waits for an election to end)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for member in self.members:
+                status = member.status()
+                if status is not None and status["leader"] == status["header"]["member_id"]:  # type: ignore[index]
+                    return member
+            time.sleep(0.05)
+        raise AssertionError("no etcd leader was elected")
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -71,6 +71,12 @@ def mongodb_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def etcd_url() -> Iterator[str]:
+    with scripts.etcd_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def s3_env() -> Iterator[dict[str, str]]:
     """boto3's own variables point ``boto3.client("s3")`` at SeaweedFS; ``my-bucket`` exists."""
     import boto3
@@ -99,6 +105,11 @@ def test_examples_run(page: Path, request: pytest.FixtureRequest, tmp_path: Path
     env = {**os.environ}
     if "mongodb://db" in code:
         substitutions["mongodb://db"] = request.getfixturevalue("mongodb_url")
+    if "etcd://etcd:2379" in code:
+        url = request.getfixturevalue("etcd_url")
+        substitutions["etcd://etcd:2379"] = url
+        host, port = url.removeprefix("etcd://").split(":")
+        substitutions['host="etcd", port=2379'] = f'host="{host}", port={port}'
     if "boto3" in code:
         env.update(request.getfixturevalue("s3_env"))
     # Imported as a module, not run as __main__: RQ refuses to enqueue __main__ functions.
@@ -114,7 +125,8 @@ def test_the_guides_have_examples() -> None:
     """The README and every per-tier and per-integration guide carry code that runs here:
     a guide whose examples all vanished (or were all marked not-run) fails."""
     covered = {page.name for page in PAGES_WITH_CODE}
-    wanted = {"README.md", "redis.md", "postgres.md", "mongo.md", "s3.md", "celery.md", "rq.md"}
+    wanted = {"README.md", "redis.md", "postgres.md", "mongo.md", "etcd.md", "s3.md", "celery.md"}
+    wanted |= {"rq.md"}
     assert wanted <= covered, f"no runnable example in {sorted(wanted - covered)}"
 
 

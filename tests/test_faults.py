@@ -31,7 +31,7 @@ import redis
 import redis.asyncio
 from faults import FaultProxy
 from procs import FORK, hold_with_writer, taken_from_paused
-from servers import RedisServer, free_port, own_redis, scripts
+from servers import EtcdCluster, RedisServer, free_port, own_redis, scripts
 
 from simple_mutex import (
     ConstraintError,
@@ -87,6 +87,16 @@ def s3_tier() -> Iterator[Tier]:
         )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def etcd_tier() -> Iterator[Tier]:
+    cluster = EtcdCluster(size=1).start()
+    yield Tier(
+        "etcd", cluster.members[0].client_port,
+        lambda port: f"etcd://127.0.0.1:{port}/faults?timeout=1",
+    )  # fmt: skip
+    cluster.stop()
+
+
 TIERS = [
     Tier("redis", 6379, lambda port: f"redis://127.0.0.1:{port}/0?socket_timeout=1"),
     Tier(
@@ -97,7 +107,7 @@ TIERS = [
 ]
 
 
-@pytest.fixture(params=["redis", "postgres", "mongo", "s3"])
+@pytest.fixture(params=["redis", "postgres", "mongo", "s3", "etcd"])
 def tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Tier:
     """Every server tier; S3 credentials in boto3's own variables for URL-built caches."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", scripts.S3_ACCESS_KEY)

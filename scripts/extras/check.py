@@ -225,6 +225,20 @@ def check_mongo() -> None:
     client.drop_database(database)
 
 
+def check_etcd() -> None:
+    import etcd3gw
+
+    from simple_mutex import cache_from_url
+    from simple_mutex.caches import EtcdCache
+
+    url = env("ETCD_URL")
+    round_trip(cache_from_url(f"{url}/check_extras_{RUN}"), "cache_from_url(etcd://)")
+    host, _, port = url.removeprefix("etcd://").partition(":")
+    client = etcd3gw.Etcd3Client(host=host, port=int(port), timeout=5)
+    round_trip(EtcdCache(client, prefix=f"check_extras_{RUN}"), "EtcdCache(Etcd3Client)")
+    client.delete_prefix(f"check_extras_{RUN}/")
+
+
 def check_s3() -> None:
     import boto3
 
@@ -368,6 +382,7 @@ def main(spec: str) -> None:
         "redis": check_redis,
         "postgres": check_postgres,
         "mongo": check_mongo,
+        "etcd": check_etcd,
         "s3": check_s3,
         "sqlalchemy": check_sqlalchemy,
         "django": check_django,

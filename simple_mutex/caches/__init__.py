@@ -11,6 +11,7 @@ PostgresCache       every machine ``simple-mutex[postgres]``
 AsyncPostgresCache  every machine ``simple-mutex[postgres]`` (asyncio)
 MongoCache          every machine ``simple-mutex[mongo]``
 AsyncMongoCache     every machine ``simple-mutex[mongo]``, pymongo >= 4.13
+EtcdCache           every machine ``simple-mutex[etcd]``
 S3Cache             every machine ``simple-mutex[s3]``
 ==================  ============  =========================================
 
@@ -29,6 +30,7 @@ from .memory import InMemoryCache
 from .url import cache_from_url
 
 if TYPE_CHECKING:
+    from .etcd import EtcdCache
     from .mongo import AsyncMongoCache, MongoCache
     from .postgres import AsyncPostgresCache, PostgresCache
     from .redis import AsyncRedisCache, RedisCache
@@ -39,6 +41,7 @@ __all__ = [
     "AsyncPostgresCache",
     "AsyncRedisCache",
     "DiskCache",
+    "EtcdCache",
     "InMemoryCache",
     "MongoCache",
     "PostgresCache",

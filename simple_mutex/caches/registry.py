@@ -70,6 +70,10 @@ BACKENDS = (
         ("pymongo", "bson"), "mongo", where="mongo.asyncio",
     ),
     Backend(
+        "etcd", "EtcdCache", ("etcd",), ("etcd3gw.Etcd3Client",), ("etcd3gw", "requests"),
+        "etcd", where="etcd.sync",
+    ),
+    Backend(
         "s3", "S3Cache", ("s3",), ("botocore.BaseClient",), ("boto3", "botocore"), "s3",
         needs="a bucket: pass S3Cache(client, 'bucket', 'prefix/')",
     ),

@@ -31,7 +31,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from servers import scripts
+from servers import EtcdCluster, scripts
 from test_s3 import BUCKET as S3_BUCKET
 from test_s3 import moto_server
 from test_s3 import new_client as new_s3_client
@@ -40,6 +40,7 @@ from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, Malfunction
 from simple_mutex._core.keys import MAX_KEY_CHARS, decode_key, encode_key, is_hashed
 from simple_mutex.admin import cli as simple_mutex_cli
 from simple_mutex.caches import MongoCache, PostgresCache, RedisCache, S3Cache
+from simple_mutex.caches.etcd import from_url as etcd_from_url
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -122,10 +123,13 @@ def check_mutex_on(cache: ConditionalCache, key: str) -> None:
 # -- the tiers ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["memory", "disk", "redis", "postgres", "mongo", "s3"])
+@pytest.fixture(
+    scope="module", params=["memory", "disk", "redis", "postgres", "mongo", "s3", "etcd"]
+)
 def tier(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Each tier's cache, one per module (Hypothesis runs many examples on it): MongoDB on
-    a secantusd-py and S3 on a moto server of this module's own."""
+    a secantusd-py, S3 on a moto server and etcd on a one-member cluster of this module's
+    own."""
     if request.param == "mongo":
         with scripts.mongo_server() as url:
             client: Any = pymongo.MongoClient(url, serverSelectionTimeoutMS=5000)
@@ -136,6 +140,12 @@ def tier(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             s3 = new_s3_client(endpoint)
             s3.create_bucket(Bucket=S3_BUCKET)
             yield S3Cache(s3, S3_BUCKET, f"h{RUN}/")
+    elif request.param == "etcd":
+        cluster = EtcdCluster(size=1).start()
+        etcd = etcd_from_url(f"etcd://{cluster.endpoints[0]}/h{RUN}")
+        yield etcd
+        etcd.close()
+        cluster.stop()
     elif request.param == "memory":
         yield InMemoryCache()
     elif request.param == "disk":

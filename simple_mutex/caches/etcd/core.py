@@ -1,0 +1,279 @@
+"""What an etcd cache's faces share: the key layout, the records, the transactions each
+operation runs and the meaning of their replies. No I/O here: each operation is a *flow*,
+a generator yielding the requests it needs (``Grant``, ``Revoke``, ``Txn``, ``Range``) and
+sent each reply; ``simple_mutex._runtime.steps`` runs them, ``sync.py`` performing each
+request with etcd3gw. Rationale: docs/design/etcd.md.
+
+Under the cache's prefix ``P`` (always ending in ``/``), a lock key ``k`` is two etcd keys:
+
+* ``P`` ``k/`` ``k``: the entry, attached to an etcd lease, so the *server* deletes it when
+  the lease runs out. Its ``create_revision`` is the grant's fence (the cluster's revision
+  of the transaction that created it: raft-replicated, so it never goes back, across
+  restarts and leader changes), its ``mod_revision`` the entry's version (every write
+  changes it). The value is a small JSON record: the engine's value and ``expires_at``.
+* ``P`` ``t/`` ``k``: the trace, with no lease: ``held`` from a grant on, ``freed`` once
+  ``compare_and_delete`` freed the key. A grant that finds ``held`` took over a holder
+  that never freed the key (its lease ran out). One small key per lock key ever used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
+
+from simple_mutex._runtime.steps import StepFlow
+from simple_mutex.caches._base import CacheBase, malformed, prefix_end
+from simple_mutex.contract import Entry
+from simple_mutex.errors import (
+    ConstraintTypeError,
+    ConstraintValueError,
+    MalfunctionError,
+    SimpleCacheConditionError,
+)
+
+DEFAULT_PREFIX = "simple_mutex/"
+HELD, FREED = b"held", b"freed"
+_RECORD = "simple_mutex.etcd/1"  # the record's mark: anything else there is not ours
+
+T = TypeVar("T")
+
+
+class KV(NamedTuple):
+    """One etcd key-value as a reply carries it (keys and values as bytes)."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request a flow needs, named by the operation and key it serves (for errors)."""
+
+    operation: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Grant(Request):
+    """LeaseGrant: a lease of ``ttl`` whole seconds; replied ``(lease id, granted ttl)``."""
+
+    ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke(Request):
+    """LeaseRevoke of a lease nothing needs any more (its keys, if any, are deleted)."""
+
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: bytes
+
+
+Op = Put | Get | Delete
+
+
+@dataclass(frozen=True, slots=True)
+class Txn(Request):
+    """One etcd transaction: if ``target`` (``CREATE`` or ``MOD``) revision of ``subject``
+    equals ``revision``, run ``success``, else ``failure``. Replied as ``TxnReply``."""
+
+    subject: bytes
+    target: str
+    revision: int
+    success: tuple[Op, ...]
+    failure: tuple[Op, ...] = ()
+
+
+class TxnReply(NamedTuple):
+    succeeded: bool
+    revision: int
+    """The cluster's revision after the transaction (the one it wrote, if it wrote)."""
+    ranges: list[list[KV]]
+    """The key-values of each ``Get`` of the branch that ran, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Range(Request):
+    """A linearizable read of the keys in [start, end) (``end`` None: ``start`` alone);
+    replied as a list of ``KV``."""
+
+    start: bytes
+    end: bytes | None = None
+
+
+Step = Request
+Flow = StepFlow[Step, T]
+
+
+def lease_seconds(ttl: float) -> int:
+    """An etcd lease is whole seconds: rounded up, never shorter than the lock's lease
+    (the server raises it further to its own minimum TTL, 2 s by default)."""
+    return max(1, math.ceil(ttl))
+
+
+def normal_prefix(prefix: object) -> str:
+    """The cache's prefix, ending in ``/``: every key the cache writes starts with it."""
+    if not isinstance(prefix, str):
+        raise ConstraintTypeError(f"EtcdCache prefix must be a str, got {prefix!r}")
+    prefix = prefix.strip("/")
+    if not prefix:
+        raise ConstraintValueError("EtcdCache prefix must not be empty: it bounds every key")
+    return prefix + "/"
+
+
+class EtcdCore(CacheBase):
+    """The flows of the five operations and scan, over one prefix."""
+
+    name = "etcd"
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        super().__init__()
+        self.prefix = normal_prefix(prefix)
+        self._entries = self.prefix + "k/"
+        self._traces = self.prefix + "t/"
+
+    def entry_key(self, key: str) -> bytes:
+        return (self._entries + key).encode()
+
+    def trace_key(self, key: str) -> bytes:
+        return (self._traces + key).encode()
+
+    # -- the contract, as flows ------------------------------------------------------------
+
+    def _reading(self, operation: str, key: str) -> Flow[Entry | None]:
+        found = yield Range(operation, key, self.entry_key(key))
+        return _entry(found[0], operation, key) if found else None
+
+    def _putting(self, key: str, value: str, *, ttl: float) -> Flow[tuple[Entry | None, int]]:
+        """The grant; when the key is held by another, ``(None, revision it was seen
+        held at)`` (the waiter's watch starts after it: no release is missed)."""
+        asked = time.time()  # the server's lease starts later: expires_at is never late
+        lease, granted = yield Grant("put_if_absent", key, lease_seconds(ttl))
+        record = _record(value, asked + granted)
+        subject, trace = self.entry_key(key), self.trace_key(key)
+        reply: TxnReply = yield Txn(
+            "put_if_absent", key, subject, "CREATE", 0,
+            success=(Get(trace), Put(subject, record, lease), Put(trace, HELD)),
+            failure=(Get(subject),),
+        )  # fmt: skip
+        if reply.succeeded:
+            traced = reply.ranges[0]
+            took_over = bool(traced) and traced[0].value == HELD
+            expires_at = json.loads(record)["expires_at"]
+            return Entry(value, str(reply.revision), reply.revision, expires_at, took_over), 0
+        yield from self._revoking("put_if_absent", key, lease)
+        current = reply.ranges[0]
+        if current:
+            entry = _entry(current[0], "put_if_absent", key)
+            if entry.value == value:
+                return entry, 0  # our own earlier write, whose reply was lost
+        return None, reply.revision
+
+    def _setting(self, key: str, value: str, *, ttl: float, version: str) -> Flow[Entry]:
+        revision = _revision(version)
+        if revision is None:
+            raise SimpleCacheConditionError(f"etcd: {key!r} is not at version {version}")
+        asked = time.time()
+        lease, granted = yield Grant("compare_and_set", key, lease_seconds(ttl))
+        record = _record(value, asked + granted)
+        subject = self.entry_key(key)
+        reply: TxnReply = yield Txn(
+            "compare_and_set", key, subject, "MOD", revision,
+            success=(Get(subject), Put(subject, record, lease)),
+        )  # fmt: skip
+        if not reply.succeeded:
+            yield from self._revoking("compare_and_set", key, lease)
+            raise SimpleCacheConditionError(f"etcd: {key!r} is not at version {version}")
+        old = reply.ranges[0][0]
+        _entry(old, "compare_and_set", key)  # a record of ours it replaced
+        yield from self._revoking("compare_and_set", key, old.lease)
+        expires_at = json.loads(record)["expires_at"]
+        return Entry(value, str(reply.revision), old.create_revision, expires_at)
+
+    def _deleting(self, key: str, *, version: str) -> Flow[None]:
+        revision = _revision(version)
+        if revision is None:
+            raise SimpleCacheConditionError(f"etcd: {key!r} is not at version {version}")
+        subject = self.entry_key(key)
+        reply: TxnReply = yield Txn(
+            "compare_and_delete", key, subject, "MOD", revision,
+            success=(Get(subject), Delete(subject), Put(self.trace_key(key), FREED)),
+        )  # fmt: skip
+        if not reply.succeeded:
+            raise SimpleCacheConditionError(f"etcd: {key!r} is not at version {version}")
+        yield from self._revoking("compare_and_delete", key, reply.ranges[0][0].lease)
+
+    def _revoking(self, operation: str, key: str, lease: int) -> Flow[None]:
+        """Free a lease nothing uses now. Only tidiness (a lease without keys runs out by
+        itself), so a failure to revoke is no failure of the operation."""
+        if not lease:
+            return
+        with contextlib.suppress(MalfunctionError):
+            yield Revoke(operation, key, lease)
+
+    def _scanning(self, prefix: str) -> Flow[list[tuple[str, Entry]]]:
+        """A range over the entries under ``prefix``: no pattern, every character literal."""
+        start = self._entries + prefix
+        end = prefix_end(start)
+        assert end is not None  # the cache's prefix is never empty
+        found = yield Range("scan", prefix, start.encode(), end.encode())
+        listed = []
+        for kv in found:
+            key = kv.key.decode()[len(self._entries) :]
+            listed.append((key, _entry(kv, "scan", key)))
+        return listed
+
+
+# -- records -------------------------------------------------------------------------------
+
+
+def _record(value: str, expires_at: float) -> bytes:
+    return json.dumps({"record": _RECORD, "value": value, "expires_at": expires_at}).encode()
+
+
+def _entry(kv: KV, operation: str, key: str) -> Entry:
+    """The Entry of an entry key's key-value; a value this library did not write is a
+    malfunction, never a busy key."""
+    try:
+        record = json.loads(kv.value)
+        if not isinstance(record, dict) or record.get("record") != _RECORD:
+            raise ValueError("not a simple-mutex record")
+        value, expires_at = record["value"], record["expires_at"]
+        if not isinstance(value, str) or not isinstance(expires_at, (int, float)):
+            raise TypeError("value must be a string, expires_at a number")
+        if not kv.lease:
+            raise ValueError("no lease: it would never expire")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise malformed("etcd", operation, key, f"value: {exc}") from None
+    return Entry(value, str(kv.mod_revision), kv.create_revision, float(expires_at))
+
+
+def _revision(version: str) -> int | None:
+    """The mod_revision a version names, or None for one no entry can have (a revision
+    is >= 1; 0 would match an absent key)."""
+    if not isinstance(version, str) or not (version.isascii() and version.isdigit()):
+        return None
+    revision = int(version)
+    return revision if revision >= 1 else None
