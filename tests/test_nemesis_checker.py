@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import nemesis  # noqa: F401  (puts tests/ on sys.path for the nemesis.* imports)
-from nemesis.checker import Spec, check, check_tasks, check_ticks
+from nemesis.checker import GONE_AT_RENEWAL, TAKEN_OVER, Spec, check, check_tasks, check_ticks
 
 
 class H:
@@ -221,6 +221,27 @@ def test_lost_op_and_crash() -> None:
     h.proc(3, end=None)
     h.add("fault", 5.0, 0, kind="sigkill", target=3)
     assert kinds(h.sorted()) == ["crash", "lost-op"]
+
+
+def test_a_record_gone_under_its_holder_has_vanished() -> None:
+    """Spec.records_kept (failover runs): a release before the believed deadline that
+    finds the record taken over, or a renewal that finds it gone, is a vanished grant; a
+    release after the deadline is only late, and without records_kept nothing is said."""
+
+    def released(loss: str, t0: float) -> list[dict[str, Any]]:
+        h = H()
+        h.proc(1)
+        op = h.hold(1, "k", 1, inv=1.0, got=1.1, steps=[1.2], deadline=2.0, rel=3.0)
+        h.events = [e for e in h.events if e["op"] != "released"]
+        h.add("released", t0 + 0.001, 1, id=op, key="k", ok=False, t0=t0, deadline=2.0,
+              loss=loss)  # fmt: skip
+        return h.sorted()
+
+    kept = Spec(records_kept=True)
+    assert kinds(released(TAKEN_OVER, 1.5), spec=kept) == ["vanished"]
+    assert kinds(released(GONE_AT_RENEWAL, 1.5), spec=kept) == ["vanished"]
+    assert kinds(released(TAKEN_OVER, 2.5), spec=kept) == []
+    assert kinds(released(TAKEN_OVER, 1.5)) == []
 
 
 def task_history(*rows: tuple[str, float, dict[str, Any]]) -> list[dict[str, Any]]:

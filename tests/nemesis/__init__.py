@@ -6,7 +6,9 @@ Modules: ``history`` (the recorder and the event schema), ``store`` (fenced stor
 enforce fence order themselves), ``checker`` (the properties), ``faults`` (the seeded
 schedule and what each fault does), ``workload`` (the client processes), ``runner`` (one
 run of one tier), and one module per task-queue tier (``celery_tier``, ``rq_tier``,
-``beat_tier``, ``cron_tier``). Run it with ``python -m tests.nemesis --tier redis --seed 7``.
+``beat_tier``, ``cron_tier``); ``failover`` kills the primary of a replicated tier (Redis
+with Sentinel, PostgreSQL with a standby) under the same clients and checker. Run it with
+``python -m tests.nemesis --tier redis --seed 7``.
 
 Everything imports as ``nemesis.*`` with ``tests/`` on ``sys.path`` (as pytest and the
 worker subprocesses have it), so that the package is one module tree in every process.

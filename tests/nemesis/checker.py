@@ -39,6 +39,11 @@ swallowed-interrupt
 survived-signal
     A process went on recording more than ``signal_slack`` of running time after it was
     sent SIGTERM (its SystemExit was swallowed).
+vanished
+    (``Spec.records_kept``: failover runs) a grant the server forgot: a renewal found the
+    record gone, or a release made before the believed deadline found it taken over.
+    The holder was inside its lease, so the lock's record vanished under it (a write
+    the failed primary acknowledged and its promoted replica never had).
 lost-op / crash
     An acquire that never ended although its process was dealt no fault; a process that
     vanished without a fault and without ``exit``.
@@ -84,6 +89,7 @@ class Spec:
     release_slack: float = 3.0
     interrupt_slack: float = 1.0
     signal_slack: float = 5.0
+    records_kept: bool = False  # check "vanished" (needs the released event's deadline)
 
 
 @dataclass
@@ -177,6 +183,30 @@ def check(events: list[Event], store_log: list[tuple[int, str, int, str]] | None
     found += _swallowed(events, holds, stops, spec)
     found += _survivors(events, stops, spec)
     found += _lost_ops(events, holds)
+    if spec.records_kept:
+        found += vanished(holds)
+    return found
+
+
+GONE_AT_RENEWAL = "its record was gone or held by another owner at renewal"
+TAKEN_OVER = "taken over before release"
+
+
+def vanished(holds: dict[str, Hold]) -> list[Anomaly]:
+    """Holds whose record disappeared while their holder was inside its lease."""
+    found = []
+    for hold in holds.values():
+        r = hold.released
+        if r is None or "deadline" not in r:
+            continue
+        loss = r.get("loss")
+        if loss == GONE_AT_RENEWAL or (loss == TAKEN_OVER and r["t0"] < r["deadline"]):
+            fence = hold.granted["fence"] if hold.granted else "?"
+            found.append(Anomaly(
+                "vanished", hold.key,
+                f"{hold.id} (pid {hold.pid}, fence {fence}): {loss} at {r['t0']:.3f}, "
+                f"its deadline {r['deadline']:.3f}", r["t0"], (hold.id,),
+            ))  # fmt: skip
     return found
 
 

@@ -78,6 +78,10 @@ def make_cache(spec: dict[str, Any]) -> Any:
         from simple_mutex.caches.postgres import PostgresCache
 
         return PostgresCache(spec["url"], table=spec["table"])
+    if kind == "url":  # as a user configures it: redis+sentinel://...?replicas=1
+        from simple_mutex.caches.url import cache_from_url
+
+        return cache_from_url(spec["url"])
     raise ValueError(f"unknown cache kind {kind!r}")
 
 
@@ -120,7 +124,8 @@ class Worker:
     def run(self) -> None:
         self.rec("start")
         n = 0
-        while time.monotonic() < self.cfg["until"]:
+        stop = self.cfg.get("stop")  # a file whose existence ends the run early
+        while time.monotonic() < self.cfg["until"] and not (stop and os.path.exists(stop)):
             n += 1
             try:
                 self.operation(f"{self.name}:{n}")
@@ -197,7 +202,11 @@ class Worker:
             if child:
                 self.rec("exit")
                 os._exit(0)
-        self.rec("released", id=op, key=key, ok=not held.lost, t0=left)
+        # The deadline believed at release and the lease's loss, if any: a release or a
+        # renewal that found the record gone in time is a grant the server forgot
+        # (checker "vanished", failover runs).
+        self.rec("released", id=op, key=key, ok=not held.lost, t0=left, deadline=held._deadline,
+                 loss=held._state.loss)  # fmt: skip
         self.rec("done", id=op)
 
     def step(self, op: str, key: str, held: Any, n: int) -> None:
