@@ -10,6 +10,7 @@ never skip. The restart test stops and starts a cluster of its own, never the sh
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 import procs
 import psycopg
 import pytest
+from alarms import Alarm
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
 from contract import CacheContract, NotifyContract, unique_key
 from psycopg_pool import ConnectionPool
@@ -326,6 +328,35 @@ def test_a_pooled_session_the_server_ended_is_replaced_on_the_next_call(admin):
             assert conn.info.backend_pid != ended
         cache.compare_and_delete(key, version=entry.version)
         cache.close()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own", "pool"])
+def test_a_put_an_alarm_cut_short_never_lands_after_the_clean_up(admin, alarm, pooled: bool):
+    """A job timeout lands while the server still runs our put (here its insert waits on
+    a table lock another session holds). The cache hangs up; the server would still
+    finish the insert, after acquire's clean-up had looked and found nothing, and the key
+    stayed held for a whole lease (the alarm test caught it under load). The cache ends
+    that server session before its next statement: the key is free once the lock goes."""
+    pool = ConnectionPool(POSTGRES_URL, min_size=1, max_size=1, open=True) if pooled else None
+    cache = PostgresCache(pool if pool is not None else POSTGRES_URL, table=TABLE)
+    mutex = Mutex(cache, lease=60)
+    key = unique_key()
+    mutex.acquire(key, timeout=0).release()  # the session is open and the table ready
+    blocker = connect()
+    try:
+        with blocker.transaction():
+            blocker.execute(f'LOCK TABLE "{TABLE}" IN SHARE ROW EXCLUSIVE MODE')
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(Alarm):
+                mutex.acquire(key, timeout=5)
+        time.sleep(0.3)  # an insert still alive would have landed by now
+        assert not mutex.locked(key), "the interrupted put landed after the clean-up"
+        mutex.acquire(key, timeout=0).release()  # and the cache still works
+    finally:
+        blocker.close()
+        cache.close()
+        if pool is not None:
+            pool.close()
 
 
 # -- waiting -------------------------------------------------------------------------------

@@ -150,6 +150,35 @@ def test_a_pooled_session_the_server_ended_is_replaced_on_the_next_call(
     run(main())
 
 
+def test_a_put_a_cancellation_cut_short_never_lands_after_the_clean_up(admin) -> None:
+    """The asyncio face of test_postgres's alarm case: ``asyncio.wait_for`` cancels an
+    acquire whose insert waits on a table lock. The cancelled put must not land after the
+    clean-up looked: once the lock goes, the key is free. (Here the clean-up is a task of
+    its own, whose session waits behind the same lock, so it holds even without the
+    ended session of the blocking face.)"""
+    key = unique_key()
+    blocker = psycopg.connect(POSTGRES_URL, autocommit=True)
+
+    async def scenario() -> bool:
+        cache = AsyncPostgresCache(POSTGRES_URL, table=TABLE)
+        mutex = Mutex(cache, lease=60)
+        await (await mutex.acquire_async(key, timeout=0)).release_async()
+        with blocker.transaction():
+            blocker.execute(f'LOCK TABLE "{TABLE}" IN SHARE ROW EXCLUSIVE MODE')
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(mutex.acquire_async(key, timeout=5), 0.3)
+            await asyncio.sleep(0.1)  # a clean-up in a task of its own gets its turn
+        await asyncio.sleep(0.3)  # an insert still alive would have landed by now
+        locked = await mutex.locked_async(key)
+        await cache.close()
+        return locked
+
+    try:
+        assert not run(scenario()), "the cancelled put landed after the clean-up"
+    finally:
+        blocker.close()
+
+
 def test_a_blocking_call_on_the_async_cache_names_the_async_method(
     admin: psycopg.Connection[Any],
 ) -> None:

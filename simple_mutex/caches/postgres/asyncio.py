@@ -151,6 +151,7 @@ class AsyncPostgresCache(PostgresCore):
                 self._drop(sessions, exc)
                 self._pass_on(exc, ended=ended)
             except BaseException:
+                self._note_unsettled(sessions.conn)
                 self._drop(sessions, None)  # cancelled mid-statement: a reply may be unread
                 raise
 

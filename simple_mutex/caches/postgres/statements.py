@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
+from simple_mutex._core.flows import Pause
 from simple_mutex._runtime.steps import StepFlow
 from simple_mutex.caches._base import (
     DEFAULT_GC_AFTER,
@@ -57,6 +58,21 @@ _CONNECT_DEFAULTS = {
     "tcp_user_timeout": "10000",
 }
 _STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+# The server session of a statement an interrupt left in flight: ended, then waited for.
+# Only our own role's sessions, and only while that statement still runs.
+_END_BACKEND = (
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+    " WHERE pid = %(pid)s AND usename = current_user AND state = 'active'"
+)
+_BACKEND_ACTIVE = "SELECT 1 FROM pg_stat_activity WHERE pid = %(pid)s AND state = 'active'"
+_UNSETTLED_WAIT_S = 2.0
+_UNSETTLED_POLL_S = 0.01
+
+
+def _found_row(row: Any) -> bool:
+    return row is not None
+
+
 _COLLECT_ROWS = 256  # rows one collection pass deletes at most: 4 per grant on average
 # Errors of a table of another shape under our name: undefined column or function
 # (operator), datatype mismatch, no unique key for ON CONFLICT.
@@ -188,6 +204,7 @@ class PostgresCore(CacheBase):
         self.schema = check_identifier(owner, "schema", schema)
         self._pool: Any = None
         self._conn: Any = None
+        self._unsettled: int | None = None  # see _note_unsettled
         self._given: Any = conninfo  # never closed here
         if isinstance(conninfo, str):
             self._conninfo = _with_defaults(conninfo)
@@ -290,12 +307,43 @@ class PostgresCore(CacheBase):
         """One statement, its reply read by ``statement.finish``. A reused session the
         server ended (a restart, a fail-over, ``pg_terminate_backend``, an idle-session
         timeout) fails the next statement sent on it, which never ran: that one is sent
-        once more, on a fresh session."""
+        once more, on a fresh session. A statement an interrupt left in flight is
+        finished first (``_finishing``)."""
+        backend, self._unsettled = self._unsettled, None
+        if backend is not None:
+            yield from self._finishing(backend)
         try:
             reply = yield statement
         except SessionEnded:
             reply = yield statement
         return statement.finish(reply)
+
+    def _note_unsettled(self, conn: Any) -> None:
+        """Called as a session is dropped after an interrupt (a job timeout's exception,
+        a cancellation). If a statement was still in flight on it, the server goes on
+        with it after we hang up: a put may land after the caller, seeing nothing yet,
+        has freed what it wrote (found by the alarm test under load). Its backend is
+        noted, so the next statement first waits for it to end (``_finishing``)."""
+        if conn is None:
+            return
+        with contextlib.suppress(psycopg.Error):
+            if conn.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+                self._unsettled = conn.info.backend_pid
+
+    def _finishing(self, backend: int) -> Flow[None]:
+        """End the server session that ran an interrupted statement (a put's insert
+        still waiting on a lock is rolled back; one that committed stays, for the
+        caller's clean-up to read and free), and wait, at most ``_UNSETTLED_WAIT_S``, for
+        it to be gone. Best effort: a fault here is left to the next statement."""
+        params = {"pid": backend}
+        try:
+            yield Statement("settle", "", _END_BACKEND, params, _found_row)
+            for _ in range(int(_UNSETTLED_WAIT_S / _UNSETTLED_POLL_S)):
+                if not (yield Statement("settle", "", _BACKEND_ACTIVE, params, _found_row)):
+                    return
+                yield Pause(_UNSETTLED_POLL_S)
+        except MalfunctionError:
+            return
 
     @staticmethod
     def _pass_on(exc: psycopg.Error, *, ended: bool) -> NoReturn:
@@ -306,16 +354,19 @@ class PostgresCore(CacheBase):
             raise EndedSession() from exc
         raise exc
 
-    @classmethod
     @contextlib.contextmanager
-    def _pooled(cls, conn: Any) -> Iterator[None]:
+    def _pooled(self, conn: Any) -> Iterator[None]:
         """Around the use of a session a pool handed out: a psycopg error leaves through
         ``_pass_on``, as ended if the session broke (it was an idle one the server had
-        ended). Read before the pool takes the session back, which closes a broken one."""
+        ended). Read before the pool takes the session back, which closes a broken one
+        (and one an interrupt left mid-statement, which is noted first)."""
         try:
             yield
         except psycopg.Error as exc:
-            cls._pass_on(exc, ended=conn.broken)
+            self._pass_on(exc, ended=conn.broken)
+        except BaseException:
+            self._note_unsettled(conn)
+            raise
 
     def _failed(self, statement: Statement[Any], exc: Exception) -> Exception | None:
         """The one place a driver error becomes what users see: a psycopg error (or a

@@ -171,6 +171,7 @@ class PostgresCache(PostgresCore):
             self._drop(exc)
             self._pass_on(exc, ended=ended)
         except BaseException:
+            self._note_unsettled(self._conn)
             self._drop(None)
             raise
 
