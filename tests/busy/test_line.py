@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from caches.test_postgres import POSTGRES_URL, tables_of_run, with_query
+from caches.test_postgres import POSTGRES_URL, admin_of, with_query
 from procs import read_json, write_json
 from shared_redis import shared_client
 
@@ -626,10 +626,12 @@ def test_the_property_run_sees_every_outcome():
 # -- the read-modify-write on real tiers ------------------------------------------------------
 
 
+admin = admin_of(RUN)  # drops this module's tables at its end
+
+
 @pytest.fixture(scope="module")
-def postgres_url() -> Iterator[str]:
-    with tables_of_run(RUN):
-        yield with_query(POSTGRES_URL, table=f"{RUN}_locks")
+def postgres_url(admin: Any) -> str:
+    return with_query(POSTGRES_URL, table=f"{RUN}_locks")
 
 
 @pytest.fixture(scope="module")
