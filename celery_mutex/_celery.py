@@ -7,7 +7,7 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError  # type: ignore[import-untyped]
 from celery import Task, current_task, states  # type: ignore[import-untyped]
-from celery.exceptions import Retry, TimeLimitExceeded  # type: ignore[import-untyped]
+from celery.exceptions import Ignore, Retry, TimeLimitExceeded  # type: ignore[import-untyped]
 from celery.result import EagerResult  # type: ignore[import-untyped]
 from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
@@ -16,12 +16,15 @@ from celery.signals import (  # type: ignore[import-untyped]
     task_rejected,
     task_revoked,
     task_unknown,
+    worker_ready,
+    worker_shutdown,
 )
 from celery.utils import uuid  # type: ignore[import-untyped]
 from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
 
 __all__ = [
     "EagerResult",
+    "Ignore",
     "Retry",
     "Signal",
     "Task",
@@ -37,6 +40,8 @@ __all__ = [
     "task_revoked",
     "task_unknown",
     "uuid",
+    "worker_ready",
+    "worker_shutdown",
 ]
 
 

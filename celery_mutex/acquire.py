@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import RunAgain, Skip, skip_marker, unreachable
 
-from . import per_call, signals
+from . import line, per_call, signals
 from ._celery import Retry
 from ._owned import owner_of
 from .config import Config, config_of
@@ -52,15 +52,20 @@ def before_start(
             return
     key = per_call.key_of(task, args, kwargs, call)
     started = time.monotonic()
+    take = functools.partial(
+        cfg.locks.acquire,
+        key,
+        owner=owner_of(task_id),
+        attempt=request.retries or 0,
+        timeout=cfg.policy.wait_for(synchronous=synchronous),
+        renew=cfg.policy.renew,
+        label=f"{task.name}[{task_id}]",
+    )
     try:
-        lease = cfg.locks.acquire(
-            key,
-            owner=owner_of(task_id),
-            attempt=request.retries or 0,
-            timeout=cfg.policy.wait_for(synchronous=synchronous),
-            renew=cfg.policy.renew,
-            label=f"{task.name}[{task_id}]",
-        )
+        if cfg.policy.on_busy == "queue" and not synchronous:
+            lease = line.arrive(task, cfg, key, task_id, args, kwargs, take)
+        else:
+            lease = take()
     except SimpleMutexAcquireTimeoutError as busy:
         _busy(task, cfg, key, busy, args, kwargs, synchronous)
         return

@@ -20,6 +20,7 @@ from simple_mutex.busy import (
     positive_seconds,
     shared_cache,
 )
+from simple_mutex.busy.line import Lines
 
 from ._owned import OwnedLocks
 
@@ -38,18 +39,20 @@ DEFAULTS: dict[str, Any] = {  # of the options only Celery has; the shared ones:
 # prefix ("queued.mutex.<key>"), never under it: no user key can then equal one (a key
 # "queued.x" under "mutex." stays a task lock), and listing "mutex." shows task locks only.
 # A prefix that begins one of these names (or is begun by one) could still meet them.
-BESIDE = ("queued.", "beat.", "ticks.")
+BESIDE = ("queued.", "beat.", "ticks.", "line.")
 
 
 def beside(kind: str, prefix: str) -> str:
-    """The prefix of ``kind``'s records ("queued.", "beat." or "ticks.") beside ``prefix``."""
+    """The prefix of ``kind``'s records ("queued.", "beat.", "ticks." or "line.") beside
+    ``prefix``."""
     assert kind in BESIDE
     return kind + prefix
 
 
 def acl_prefixes(prefix: str = "mutex.") -> tuple[str, ...]:
     """Every lock prefix celery_mutex writes under for ``mutex_prefix = prefix``: the task
-    locks and the records beside them (enqueue markers, beat claims, beat-run ticks). For
+    locks and the records beside them (enqueue markers, beat claims, beat-run ticks, the
+    lines of ``on_busy="queue"``). For
     ``RedisCache.acl_rules(prefixes=acl_prefixes())``, the words of a least-privileged
     Redis user for a Celery app."""
     return (check_prefix(prefix), *(beside(kind, prefix) for kind in BESIDE))
@@ -110,6 +113,7 @@ class Config:
     markers: OwnedLocks | None  # "queued or running" records, when enqueue is on
     enqueue: str | None
     enqueue_until: str
+    lines: Lines  # the lines of on_busy="queue", beside the locks (used only by it)
 
 
 def config_of(task: Any) -> Config:
@@ -135,12 +139,13 @@ def _build(task: Any) -> Config:
     settings = settings_of(task)
     options = task._mutex_spec.options
     merged = {**DEFAULTS, **below, **settings, **options}
-    # retry fields merge field by field, in the same order
-    merged["retry"] = {
-        **below.get("retry", {}),
-        **settings.get("retry", {}),
-        **options.get("retry", {}),
-    }
+    # retry and queue fields merge field by field, in the same order
+    for nested in ("retry", "queue"):
+        merged[nested] = {
+            **below.get(nested, {}),
+            **settings.get(nested, {}),
+            **options.get(nested, {}),
+        }
     if merged["cache"] is None:
         raise ConstraintValueError(
             f"{task.name}: no lock cache configured; set app.conf.mutex_cache "
@@ -156,7 +161,14 @@ def _build(task: Any) -> Config:
             Mutex(cache, lease=ttl, prefix=beside("queued.", merged["prefix"]), name="enqueue")
         )
     locks = OwnedLocks(policy.lock_space(cache, merged["prefix"], name=task.name))
-    return Config(policy, locks, markers, merged["enqueue"], merged["enqueue_until"])
+    lines = Lines(
+        cache,
+        lease=policy.lease,
+        park_for=policy.queue.park_for,
+        prefix=beside("line.", merged["prefix"]),
+        lock_prefix=merged["prefix"],
+    )
+    return Config(policy, locks, markers, merged["enqueue"], merged["enqueue_until"], lines)
 
 
 _configs: PerProcess[Config] = PerProcess(_build)

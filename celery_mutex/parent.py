@@ -27,6 +27,7 @@ from typing import Any
 from ._celery import runs_in_children
 from .enqueue import unmark
 from .exits import exit_watch
+from .line import end_of_dead
 from .run import release_owner
 
 log = logging.getLogger("celery_mutex")
@@ -59,6 +60,7 @@ def free(task: Any, task_id: str, args: Any, kwargs: Any, reason: str, context: 
     request or Context, for its per-call key."""
     release_owner(task, task_id, args, kwargs, reason, context)
     unmark(task, task_id, args, kwargs, context)
+    end_of_dead(task, task_id, args, kwargs, context, killed=reason == "WorkerLostError")
 
 
 def free_when_gone(

@@ -26,7 +26,7 @@ from typing import Any
 from simple_mutex import Lease, MalfunctionError, SimpleMutexLeaseExpiredError
 from simple_mutex.busy import running
 
-from . import acquire, per_call, signals
+from . import acquire, line, per_call, signals
 from ._celery import Retry, uuid
 from ._owned import owner_of
 from .config import config_of
@@ -115,6 +115,10 @@ def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
     request = task.request
     request.mutex_done = True
     in_time = False
+    # on_busy="queue": the turn moves on before the lock is released, and the next in
+    # line is published after it (publish-then-forget: a crash between leaves a head a
+    # sweep publishes).
+    then = line.ending(task, exc)
     try:
         lease.__exit__(None if exc is None else type(exc), exc, None)
         in_time = not lease.lost
@@ -129,6 +133,7 @@ def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
         # hold the key. The work runs again anyway.
         log.debug("%s[%s]: %r passed on to its retry", task.name, request.id, lease.key)
     finally:
+        then()
         held = time.monotonic() - getattr(request, "mutex_started", time.monotonic())
         log.debug("released %r for %s[%s] after %.3f s", lease.key, task.name, request.id, held)
         signals.mutex_released.send(

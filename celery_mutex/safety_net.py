@@ -11,6 +11,8 @@
   lock is freed once the child has exited.
 * ``task_revoked``: any revoke or expiry ends the call, so its enqueue marker goes; after
   ``revoke(terminate=True)`` the lock (and the marker) go once the child has exited.
+* ``worker_ready``: the worker's main process starts sweeping the lines of its app's
+  ``on_busy="queue"`` tasks (``line.Sweeper``); ``worker_shutdown`` stops it.
 * ``task_unknown`` / ``task_rejected``: the worker refused the message without running
   it (a task it does not know, an invalid message): the call is over, its marker goes
   (found through the header its sender stamped: ``enqueue.unmark_refused``).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import _celery, parent
+from . import _celery, line, parent
 from ._celery import TimeLimitExceeded, WorkerLostError
 from .enqueue import unmark, unmark_refused
 from .run import end
@@ -47,7 +49,8 @@ def _release_leftover(
     request = sender.request
     # Reject(requeue=True) puts the message back only if it was not acked on receipt.
     requeued = state == "REJECTED" and getattr(retval, "requeue", False) and sender.acks_late
-    if task_id and state != "RETRY" and not requeued:
+    parked = getattr(request, "mutex_parked", False)  # on_busy="queue": not over yet
+    if task_id and state != "RETRY" and not requeued and not parked:
         unmark(sender, task_id, args, kwargs, request)
     lease = getattr(request, "mutex_lease", None)
     if lease is None or getattr(request, "mutex_done", False):
@@ -91,8 +94,25 @@ def _release_after_revoke(
     args, kwargs = getattr(request, "args", ()), getattr(request, "kwargs", {})
     if terminated:
         parent.free_when_gone(sender, request.id, args, kwargs, "revoke", request)
-    else:  # nothing ran: only the "queued" record is left
+    else:  # nothing ran: only the "queued" record is left, and its place in a line
         unmark(sender, request.id, args, kwargs, request)
+        line.revoked(sender, request.id, args, kwargs, request)
+
+
+_sweepers: dict[int, line.Sweeper] = {}
+
+
+def _start_sweeping(sender: Any = None, **_: Any) -> None:
+    """``worker_ready``: the worker's main process sweeps its app's lines."""
+    app = getattr(sender, "app", None)
+    if app is not None and id(app) not in _sweepers:
+        sweeper = _sweepers[id(app)] = line.Sweeper(app)
+        sweeper.start()
+
+
+def _stop_sweeping(**_: Any) -> None:
+    for sweeper in _sweepers.values():
+        sweeper.stop()
 
 
 def _unmark_refused(sender: Any = None, message: Any = None, **_: Any) -> None:
@@ -107,3 +127,5 @@ _celery.task_unknown.connect(_unmark_refused, weak=False)
 _celery.task_rejected.connect(_unmark_refused, weak=False)
 _celery.task_failure.connect(_release_after_child_died, weak=False)
 _celery.task_revoked.connect(_release_after_revoke, weak=False)
+_celery.worker_ready.connect(_start_sweeping, weak=False)
+_celery.worker_shutdown.connect(_stop_sweeping, weak=False)

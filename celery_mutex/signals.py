@@ -9,6 +9,10 @@ Every signal is sent with ``sender`` = the task and the keyword arguments listed
   lease had lapsed or been taken over), ``by`` ("task" or "parent": freed by the worker's
   main process after the child running the task died)
 * ``mutex_lost``: ``task_id``, ``key``, ``fence`` (sent from the lease keeper thread)
+* ``mutex_parked``: ``task_id``, ``key``, ``ticket`` (``on_busy="queue"``: the call waits
+  in the key's line, its slot free)
+* ``mutex_promoted``: ``task_id``, ``key``, ``ticket``, ``by`` ("end" | "sweep" |
+  "revoke" | "parent"): a parked call was published again for its turn
 """
 
 from __future__ import annotations
@@ -19,5 +23,14 @@ mutex_acquired = Signal(name="mutex_acquired")
 mutex_busy = Signal(name="mutex_busy")
 mutex_released = Signal(name="mutex_released")
 mutex_lost = Signal(name="mutex_lost")
+mutex_parked = Signal(name="mutex_parked")
+mutex_promoted = Signal(name="mutex_promoted")
 
-__all__ = ["mutex_acquired", "mutex_busy", "mutex_lost", "mutex_released"]
+__all__ = [
+    "mutex_acquired",
+    "mutex_busy",
+    "mutex_lost",
+    "mutex_parked",
+    "mutex_promoted",
+    "mutex_released",
+]

@@ -33,7 +33,7 @@ from typing import Any
 
 from simple_mutex import ConstraintTypeError
 
-from . import acquire, enqueue, per_call
+from . import acquire, enqueue, line, per_call
 from ._celery import Task
 from .config import Config, check_options, config_of
 from .keys import KeyOf, make_key_of
@@ -97,7 +97,25 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
         ``mutex={"key": ..., "on_busy": ..., "timeout": ...}`` changes them for this call
         (``per_call``); any other option there raises ConstraintError."""
         per_call.into_headers(self.name, options)
-        return enqueue.send_once(self, args, kwargs, task_id, options, super().apply_async)
+        send = line.sending(self, super().apply_async)  # on_busy="queue": with a ticket
+        return enqueue.send_once(self, args, kwargs, task_id, options, send)
+
+    def retry(self, args: Any = None, kwargs: Any = None, *more: Any, **options: Any) -> Any:
+        """``Task.retry``, the call's lock options kept: its per-call options and, with
+        ``on_busy="queue"``, its ticket (the retry keeps the turn) travel in the retry's
+        headers, which a worker's request does not hand back on its own."""
+        carried = {
+            name: value
+            for name in (per_call.HEADER, line.HEADER)
+            if (value := getattr(self.request, name, None)) is not None
+        }
+        if carried:
+            options["headers"] = {
+                **(self.request.headers or {}),
+                **carried,
+                **(options.get("headers") or {}),
+            }
+        return super().retry(args, kwargs, *more, **options)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         acquire.before_start(self, task_id, args, kwargs)

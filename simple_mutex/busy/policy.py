@@ -1,8 +1,10 @@
 """The options Celery and RQ share, and what they decide when a key is busy.
 
 ``on_busy``: ``skip`` (finish without running), ``retry`` (run again later), ``wait``
-(block until free) or ``raise``; ``timeout`` bounds the wait before ``on_busy`` applies
-(``wait``: None = forever; the others: one try). A busy retry runs again after
+(block until free), ``raise``, or ``queue`` (park the call in the key's line and run it
+in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the line);
+``timeout`` bounds the wait before ``on_busy`` applies (``wait``: None = forever; the
+others: one try). A busy retry runs again after
 ``countdown * backoff**n`` seconds, capped at ``cap``, jittered to [0.5, 1.5) of that when
 ``jitter``, at most ``max`` times (None: until the lock is free).
 
@@ -12,7 +14,8 @@ instead: as long as its retries would have tried (the sum of their delays up to 
 never more than one ``lease`` (a holder that still has the key after a lease is renewing,
 or is the caller itself one call up), or exactly ``timeout`` when that is set. If the key
 is still busy then, the call fails with ``SimpleMutexAcquireTimeoutError``. ``skip``,
-``wait`` and ``raise`` behave the same in a worker and synchronously.
+``wait`` and ``raise`` behave the same in a worker and synchronously; a synchronous
+``queue`` has no line to park in and waits, as ``wait`` does.
 
 The policies are a closed type (``OnBusy``) and what a busy key leads to is another
 (``Busy``: ``Skip`` or ``RunAgain``, or the busy error raised): each consumer matches
@@ -31,7 +34,7 @@ from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
 from simple_mutex._core.durations import positive_seconds, timeout_seconds
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
-OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise"]
+OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise", "queue"]
 ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
 
 
@@ -94,6 +97,38 @@ class RetryPolicy:
         return head + max(0, self.max - 64) * self.delay(64, 0.5)
 
 
+OnFull: TypeAlias = Literal["raise", "skip"]
+ON_FULL: tuple[OnFull, ...] = get_args(OnFull)
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """The line of ``on_busy="queue"``; ``queue={...}`` merged over these defaults.
+
+    ``max``: tickets a key's line may hold at once (waiting or running; None: no
+    bound); a send beyond it raises ``LineFullError`` (``on_full="raise"``) or is not
+    sent and answers the skip marker (``"skip"``). ``park_for``: how long a parked call
+    may wait for its turn before it is dropped (and the line's record lives after its
+    last write). ``gap_for``: how long the line waits for a ticket that was sent but
+    never arrived (a lost message; a holder whose worker died, when its broker would
+    redeliver it) before it steps over it; such a call, if it comes later, runs out of
+    order, said so. ``sweep_every``: how often each worker sweeps the lines (publishes a
+    head nobody ran, ends a dead holder's turn, steps over gaps)."""
+
+    max: int | None = None
+    on_full: OnFull = "raise"
+    park_for: float = 86_400.0
+    gap_for: float = 120.0
+    sweep_every: float = 5.0
+
+    @property
+    def promote_grace(self) -> float:
+        """How long a promoted head may take to start before a sweep publishes it again
+        (a crash between a release and its publish): a copy too many is a duplicate, and
+        runs once."""
+        return min(30.0, self.gap_for)
+
+
 @dataclass(frozen=True)
 class BusyPolicy:
     """The shared options of one task or job function, checked."""
@@ -104,11 +139,19 @@ class BusyPolicy:
     lease: float = 60.0  # short, renewed: a killed worker's lock frees within a minute
     renew: bool = True
     permits: int = 1
+    queue: QueuePolicy = QueuePolicy()
 
     @classmethod
     def from_options(cls, where: str, options: Mapping[str, Any]) -> BusyPolicy:
         """The shared options found in ``options`` (checked), defaults for the rest."""
-        return cls(**{n: check_option(where, n, v) for n, v in options.items() if n in SHARED})
+        policy = cls(**{n: check_option(where, n, v) for n, v in options.items() if n in SHARED})
+        if policy.on_busy == "queue" and policy.permits != 1:
+            raise ConstraintValueError(
+                f"{where}: on_busy='queue' runs one call of a key at a time, in order; "
+                f"permits={policy.permits} would run several: drop permits, or choose "
+                "another on_busy"
+            )
+        return policy
 
     def wait_for(self, synchronous: bool) -> float | None:
         """How long an acquire waits before the key counts as busy (None: forever)."""
@@ -117,6 +160,10 @@ class BusyPolicy:
         match self.on_busy:
             case "wait":
                 return None
+            case "queue":
+                # A worker's call consults its line and takes the lock only when its turn
+                # came and the lock is free; a synchronous one has no line: it waits.
+                return None if synchronous else 0.0
             case "retry":
                 return min(self.lease, self.retry.budget()) if synchronous else 0.0
             case "skip" | "raise":
@@ -142,7 +189,7 @@ class BusyPolicy:
                 ) from busy
             case "retry":
                 return RunAgain(self.retry.next_delay(busy_retries, busy))
-            case "wait" | "raise":
+            case "wait" | "raise" | "queue":
                 raise busy
             case _ as unknown:
                 unreachable(unknown)
@@ -212,6 +259,32 @@ def retry_policy(where: str, value: object) -> RetryPolicy:
     return RetryPolicy(countdown, float(backoff), merged["jitter"], cap, limit)
 
 
+QUEUE_FIELDS = frozenset(f.name for f in dataclasses.fields(QueuePolicy))
+
+
+def queue_policy(where: str, value: object) -> QueuePolicy:
+    """``queue={...}`` merged over the defaults; unknown fields and bad values raise."""
+    given = check_known(where, "queue field", {} if value is None else value, QUEUE_FIELDS)
+    merged = {**dataclasses.asdict(QueuePolicy()), **given}
+    limit = merged["max"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise bad_input(
+            limit, int, f"{where}: queue max must be None or an int >= 1, got {limit!r}"
+        )
+    on_full = merged["on_full"]
+    if not (isinstance(on_full, str) and on_full in ON_FULL):
+        raise bad_input(
+            on_full, str, f"{where}: queue on_full must be 'raise' or 'skip', got {on_full!r}"
+        )
+    return QueuePolicy(
+        limit,
+        "skip" if on_full == "skip" else "raise",
+        positive_seconds(merged["park_for"], f"{where}: queue park_for"),
+        positive_seconds(merged["gap_for"], f"{where}: queue gap_for"),
+        positive_seconds(merged["sweep_every"], f"{where}: queue sweep_every"),
+    )
+
+
 def check_bool(where: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConstraintTypeError(f"{where}: {name} must be True or False, got {value!r}")
@@ -231,6 +304,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "lease": lambda where, value: positive_seconds(value, f"{where}: lease"),
     "renew": lambda where, value: check_bool(where, "renew", value),
     "permits": check_permits,
+    "queue": queue_policy,
 }
 SHARED = frozenset(_CHECKS)
 """The option names both integrations take with the same meaning (besides key, cache)."""

@@ -281,7 +281,8 @@ def sweep(
 ) -> tuple[Line, Swept]:
     """The design's step 4, for one line: drop what waited past ``park_for``; then, when
     the lock is free, publish a head nobody ran (not promoted within ``promote_grace``),
-    end or wait for a dead holder's ticket, and step over gaps empty for ``gap_for``."""
+    end or wait for a dead holder's ticket, and step over gaps empty for ``gap_for`` that a
+    parked ticket waits behind."""
     line, expired = _expire(line, now, park_for)
     publish: list[Publish] = []
     skipped: list[int] = []
@@ -315,8 +316,13 @@ def sweep(
                     publish.append(Publish(head, entry.message))
                 break
             due = line.issued.get(line.turn)
-            if due is None or now - due < gap_for:
+            behind = [p.at for t, p in line.parked.items() if t > line.turn]
+            if due is None or not behind:
+                # Nobody waits behind the gap: stepping over it would gain nothing and
+                # could put a message still in a slow broker queue out of order.
                 break
+            if now - max(due, min(behind)) < gap_for:
+                break  # gap_for runs from when it was due and someone waited behind it
             gap = line.turn
             skipped.append(gap)
             line = replace(line, issued=_without(line.issued, gap))

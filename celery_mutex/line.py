@@ -1,0 +1,519 @@
+"""``on_busy="queue"`` for Celery: a task whose turn has not come is parked in its key's
+line (``simple_mutex.busy.line``, ``docs/design/queue.md``) and re-published when it
+comes, so tasks of one key run one at a time, in send order, and none holds a slot.
+
+The steps, and where Celery takes them::
+
+    apply_async     take a ticket (the send's place in the line) -> the message's header
+    before_start    arrive: Duplicate (drop) | Park (write, then Ignore: the slot is free)
+                    | Run (take the lock, mark running, run the body)
+    the body ends   end: the turn moves on (one write), then the lock is released, then
+                    the next parked message is published (publish-then-forget)
+    Task.retry      the ticket keeps its turn; the retry's message carries it
+    revoke          a revoked ticket is stepped over (or ended, when it ran)
+    a dead child    the worker's parent ends its turn (unless its broker redelivers it)
+    every worker    a sweep thread, every ``sweep_every``: publishes a head nobody ran,
+                    ends a dead holder's turn, steps over a ticket that never arrived
+
+A parked message is the call as JSON (name, id, arguments, the options that route it):
+the same task id runs when it is published again, so its ``AsyncResult`` resolves then.
+A call that arrives with no ticket (``send_task``, a beat's send) takes its place when it
+arrives. Synchronous calls (``apply()``, ``task_always_eager``, direct calls) have no
+line: they wait for the lock, as ``on_busy="wait"`` does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError
+from simple_mutex.busy import skip_marker
+from simple_mutex.busy.line import (
+    Duplicate,
+    Lines,
+    Park,
+    Publish,
+    Run,
+    RunLate,
+    Ticket,
+    ticket_of,
+)
+from simple_mutex.busy.policy import unreachable
+from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, LineFullError
+
+from . import per_call, signals
+from ._celery import EagerResult, Ignore, Retry, states, uuid
+from .config import Config, config_of
+
+log = logging.getLogger("celery_mutex")
+
+HEADER = "mutex_line"  # {"epoch", "number"}: the call's ticket; a worker makes it an attribute
+ARRIVALS = 8  # a lock taken under an arrival and lost to a start's re-decision, in a row
+
+
+def _found(request: Any, name: str) -> Any:
+    """Header ``name`` of a request: an attribute (a worker's task context), in
+    ``headers`` (apply(), a retry's options) or in ``request_dict`` (a worker's Request);
+    or of apply_async's options (a dict)."""
+    if isinstance(request, Mapping):
+        return (request.get("headers") or {}).get(name)
+    for found in (
+        getattr(request, name, None),
+        (getattr(request, "headers", None) or {}).get(name),
+        (getattr(request, "request_dict", None) or {}).get(name),
+    ):
+        if found is not None:
+            return found
+    return None
+
+
+def ticket_from(request: Any) -> Ticket | None:
+    """The ticket a request carries; a mangled one is refused (the call then takes a
+    place as it arrives), never taken for a place in the line."""
+    found = _found(request, HEADER)
+    if not isinstance(found, Mapping):
+        return None
+    try:
+        return ticket_of(found.get("epoch"), found.get("number"))
+    except (TypeError, ValueError) as bad:
+        log.warning("a %s header was refused: %s", HEADER, bad)
+        return None
+
+
+def _call_of(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-call options apply_async put in the headers it sends."""
+    found = _found(options, per_call.HEADER)
+    return dict(found) if isinstance(found, Mapping) else {}
+
+
+def _header(ticket: Ticket) -> dict[str, Any]:
+    return {"epoch": ticket.epoch, "number": ticket.number}
+
+
+def queues(task: Any, call: Mapping[str, Any]) -> bool:
+    """Whether this call of ``task`` goes through the line."""
+    policy = per_call.applied(config_of(task), call).policy
+    if policy.on_busy != "queue":
+        return False
+    if config_of(task).policy.on_busy != "queue":
+        raise ConstraintValueError(
+            f"{task.name}: apply_async(mutex={{'on_busy': 'queue'}}) needs the task's own "
+            "on_busy='queue' (workers sweep the lines of those tasks only); set it on "
+            "the task's mutex={...}"
+        )
+    return True
+
+
+def _json_checked(task: Any, args: Any, kwargs: Any) -> None:
+    try:
+        json.dumps([list(args or ()), dict(kwargs or {})])
+    except (TypeError, ValueError) as bad:
+        raise ConstraintTypeError(
+            f"{task.name}: on_busy='queue' keeps a parked call as JSON, and these "
+            f"arguments are not JSON ({bad}); pass JSON values (ids, not objects)"
+        ) from None
+
+
+def _delay(countdown: Any, eta: Any) -> float:
+    """Seconds until a send with this countdown or ETA is due (0: now)."""
+    if isinstance(countdown, int | float) and not isinstance(countdown, bool):
+        return max(0.0, float(countdown))
+    if isinstance(eta, dt.datetime):
+        now = dt.datetime.now(eta.tzinfo or dt.timezone.utc)
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=dt.timezone.utc)
+        return max(0.0, float((eta - now).total_seconds()))
+    return 0.0
+
+
+def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
+    """Before ``apply_async`` sends: take the call's ticket into its headers. Returns
+    None to send, or the result to answer instead (a full line with ``on_full="skip"``).
+    Raises LineFullError for a full line with ``on_full="raise"``."""
+    headers = options.get("headers") or {}
+    call = _call_of(options)
+    if HEADER in headers or task._get_app().conf.task_always_eager or not queues(task, call):
+        return None  # a re-publish or a retry keeps its ticket; eager calls have no line
+    _json_checked(task, args, kwargs)
+    cfg = config_of(task)
+    key = per_call.key_of(task, args, kwargs, call)
+    after = _delay(options.get("countdown"), options.get("eta"))
+    try:
+        ticket = cfg.lines.take(key, queue_max=cfg.policy.queue.max, after=after)
+    except LineFullError:
+        if cfg.policy.queue.on_full == "raise":
+            raise
+        log.info("%s: not sent: the line of %r is full", task.name, key)
+        marker = skip_marker("celery_mutex", key, holder=None)
+        return EagerResult(options.get("task_id") or uuid(), marker, states.SUCCESS)
+    options["headers"] = {**headers, HEADER: _header(ticket)}
+    return None
+
+
+def sending(task: Any, send: Callable[..., Any]) -> Callable[..., Any]:
+    """``send`` (apply_async's), the call's ticket taken first (``at_send``) and given
+    back when the send fails."""
+
+    def send_in_line(args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        answer = at_send(task, args, kwargs, options)
+        if answer is not None:
+            return answer  # a full line, on_full="skip"
+        try:
+            return send(args, kwargs, **options)
+        except BaseException:
+            unsent(task, args, kwargs, options)
+            raise
+
+    return send_in_line
+
+
+def unsent(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any]) -> None:
+    """The send failed after its ticket was taken: the ticket will never arrive."""
+    ticket = ticket_from(options)
+    if ticket is None:
+        return
+    cfg = config_of(task)
+    key = per_call.key_of(task, args, kwargs, _call_of(options))
+    try:
+        publish(task, key, cfg.lines.revoke(key, ticket), by="revoke")
+    except MalfunctionError as fault:
+        log.warning("%s: ticket %s of %r stays until a sweep: %s", task.name, ticket, key, fault)
+
+
+# -- the message a parked call keeps -----------------------------------------------------------
+
+# What a call's request says about its place in a canvas and how it runs: sent again with
+# the message, so a parked link of a chain or member of a group still completes it.
+_CARRIED = (
+    "root_id",
+    "parent_id",
+    "group_id",
+    "group_index",
+    "chord",
+    "chain",
+    "link",
+    "link_error",
+    "expires",
+    "soft_time_limit",
+    "time_limit",
+    "retries",
+    "reply_to",
+    "shadow",
+    "replaced_task_nesting",
+)
+
+
+def message_of(task: Any, args: Any, kwargs: Any, ticket: Ticket) -> dict[str, Any]:
+    """The call as JSON: enough for ``send_task`` to publish it again, same task id."""
+    request = task.request
+    executing = request.as_execution_options()
+    options = {
+        name: executing[name] for name in _CARRIED if executing.get(name) not in (None, [], {})
+    }
+    delivery = request.delivery_info or {}
+    exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
+    if exchange == "" and routing_key:
+        options["queue"] = routing_key  # sent to the default exchange, by queue name
+    elif routing_key:
+        options.update(exchange=exchange, routing_key=routing_key)
+    if delivery.get("priority") is not None:
+        options["priority"] = delivery["priority"]
+    headers: dict[str, Any] = {HEADER: _header(ticket)}
+    call = per_call.of_request(request)
+    if call:
+        headers[per_call.HEADER] = call
+    message = {
+        "task": task.name,
+        "id": request.id,
+        "args": list(args or ()),
+        "kwargs": dict(kwargs or {}),
+        "options": options,
+        "headers": headers,
+    }
+    try:
+        json.dumps(message)
+    except (TypeError, ValueError):
+        # An option that does not travel as JSON: the call is kept without its canvas
+        # options rather than lost (its arguments were checked at the send).
+        message["options"] = {k: v for k, v in options.items() if _is_json(v)}
+    return message
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def publish(task: Any, key: str, what: Publish | None, *, by: str) -> None:
+    """Send a parked call again, for its turn (same task id, same ticket)."""
+    if what is None:
+        return
+    message = what.message
+    app = task._get_app()
+    app.send_task(
+        message["task"],
+        args=message["args"],
+        kwargs=message["kwargs"],
+        task_id=message["id"],
+        headers=message["headers"],
+        add_to_parent=False,
+        **message["options"],
+    )
+    log.debug("published %s[%s], ticket %d, by %s", message["task"], message["id"], what.ticket, by)
+    signals.mutex_promoted.send(
+        sender=task, task_id=message["id"], key=key, ticket=what.ticket, by=by
+    )
+
+
+# -- a worker's arrival ------------------------------------------------------------------------
+
+
+def redelivers(task: Any) -> bool:
+    """Whether the broker delivers this task again if its worker dies mid-run."""
+    return bool(task.acks_late and task.reject_on_worker_lost)
+
+
+def arrive(
+    task: Any,
+    cfg: Config,
+    key: str,
+    task_id: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    acquire: Callable[[], Lease],
+) -> Lease:
+    """The line's answer for this delivery: the lease to run under (its turn came and
+    the lock was free), or Ignore raised (parked, or a duplicate: the slot is free, the
+    message acknowledged; a parked call is published again in its turn)."""
+    request = task.request
+    lines = cfg.lines
+    ticket = ticket_from(request)
+    if ticket is None:  # sent without one (send_task, beat): its place is its arrival
+        ticket = lines.take(key)
+    for _ in range(ARRIVALS):
+        decided = lines.arrive(key, ticket, message_of(task, args, kwargs, ticket))
+        match decided:
+            case Duplicate():
+                log.info(
+                    "%s[%s]: ticket %d of %r is a duplicate; dropped",
+                    task.name,
+                    task_id,
+                    ticket.number,
+                    key,
+                )
+                request.mutex_parked = True  # the call is not over: keep its marker
+                raise Ignore()
+            case Park():
+                request.mutex_parked = True
+                signals.mutex_parked.send(
+                    sender=task, task_id=task_id, key=key, ticket=ticket.number
+                )
+                log.info(
+                    "%s[%s] parked in the line of %r (ticket %d)",
+                    task.name,
+                    task_id,
+                    key,
+                    ticket.number,
+                )
+                # Any arrival sweeps its key: a head a dead worker left moves on now.
+                _sweep_key(task, cfg, key)
+                raise Ignore()
+            case RunLate(why="stranger"):
+                # Its line's record is gone (expired, or lost in a failover): it takes a
+                # place in the line as it is now.
+                ticket = lines.take(key)
+                continue
+            case Run() | RunLate():
+                try:
+                    lease = acquire()
+                except SimpleMutexAcquireTimeoutError:
+                    continue  # taken meanwhile: decide again (it parks)
+                started = lines.start(key, ticket, redelivers=redelivers(task))
+                if isinstance(started, Run | RunLate):
+                    if isinstance(started, RunLate):
+                        why, number = started.why, ticket.number
+                        log.warning(
+                            "%s[%s] runs out of order: ticket %d of %r was %s",
+                            task.name,
+                            task_id,
+                            number,
+                            key,
+                            why,
+                        )
+                    request.mutex_ticket = (key, ticket)
+                    return lease
+                lease.release()  # the record changed since: decide again on it
+            case _ as unknown:
+                unreachable(unknown)
+    raise MalfunctionError(
+        f"{task.name}[{task_id}]: the line of {key!r} changed under each of {ARRIVALS} "
+        "arrivals in a row",
+        key=key,
+    )
+
+
+def _sweep_key(task: Any, cfg: Config, key: str) -> None:
+    queue = cfg.policy.queue
+    try:
+        swept = cfg.lines.sweep(key, promote_grace=queue.promote_grace, gap_for=queue.gap_for)
+        for what in swept.publish:
+            publish(task, key, what, by="sweep")
+    except MalfunctionError as fault:
+        log.warning("%s: sweeping the line of %r failed: %s", task.name, key, fault)
+
+
+# -- the end of a run ------------------------------------------------------------------------
+
+
+def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
+    """Before the lock is released: the turn moves on (or, for ``Task.retry``, stays).
+    Returns what to do once it is released: publish the next parked call."""
+    found = getattr(task.request, "mutex_ticket", None)
+    if found is None:
+        return _nothing
+    task.request.mutex_ticket = None
+    key, ticket = found
+    lines = config_of(task).lines
+    try:
+        if isinstance(exc, Retry):
+            lines.retry(key, ticket, after=_delay(exc.when, exc.when))
+            return _nothing
+        promoted = lines.end(key, ticket)
+    except MalfunctionError as fault:
+        # The lock is still released; a sweep finds the turn's holder gone and moves on.
+        log.warning("%s: the line of %r moves on at the next sweep: %s", task.name, key, fault)
+        return _nothing
+
+    def then() -> None:
+        try:
+            publish(task, key, promoted, by="end")
+        except Exception as exc:  # the broker refused: the head stays promoted, and a
+            # sweep publishes it again once promote_grace has passed
+            log.warning("%s: publishing the next in the line of %r failed: %r", task.name, key, exc)
+
+    return then
+
+
+def _nothing() -> None:
+    pass
+
+
+def end_of_dead(
+    task: Any, task_id: str, args: Any, kwargs: Any, context: Any, *, killed: bool
+) -> None:
+    """The worker's parent freed a dead child's lock: the turn moves on, unless the
+    child was killed outright and the broker delivers the call again (its copy then runs
+    in the same turn). A time limit or a revoke ends the call: its message is done."""
+    ticket = ticket_from(context)
+    if ticket is None or (killed and redelivers(task)):
+        return
+    try:
+        lines = config_of(task).lines
+        key = per_call.key_of(task, args, kwargs, per_call.of_request(context))
+        publish(task, key, lines.end(key, ticket), by="parent")
+    except Exception as exc:  # a signal handler: log, never raise into Celery
+        log.warning("%s[%s]: its line moves on at the next sweep: %r", task.name, task_id, exc)
+
+
+def revoked(task: Any, task_id: str, args: Any, kwargs: Any, context: Any) -> None:
+    """A call revoked before it ran: its ticket is stepped over."""
+    ticket = ticket_from(context)
+    if ticket is None:
+        return
+    try:
+        lines = config_of(task).lines
+        key = per_call.key_of(task, args, kwargs, per_call.of_request(context))
+        publish(task, key, lines.revoke(key, ticket), by="revoke")
+    except Exception as exc:  # a signal handler: log, never raise into Celery
+        log.warning("%s[%s]: its ticket stays until a sweep: %r", task.name, task_id, exc)
+
+
+# -- the sweep in every worker -----------------------------------------------------------------
+
+
+class Sweeper:
+    """A thread of a worker's main process that sweeps the lines of the app's queueing
+    tasks every ``sweep_every`` seconds: a head nobody ran is published, a dead holder's
+    turn ends, a ticket that never arrived is stepped over. Every worker runs one; their
+    sweeps are compare-and-set writes, so two at once do each change once."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def spaces(self) -> list[tuple[Any, Lines, Config]]:
+        """One (task, lines, config) per line prefix in a cache, of the queueing tasks."""
+        from .task import MutexTask  # the task module imports this one
+
+        found: dict[tuple[int, str], tuple[Any, Lines, Config]] = {}
+        for task in list(self.app.tasks.values()):
+            if not isinstance(task, MutexTask) or task._mutex_spec is None:
+                continue
+            try:
+                cfg = config_of(task)
+            except (ValueError, TypeError):
+                continue  # a task with no cache configured fails when it runs
+            if cfg.policy.on_busy == "queue":
+                found.setdefault((id(cfg.lines.cache), cfg.lines.prefix), (task, cfg.lines, cfg))
+        return list(found.values())
+
+    def sweep_once(self) -> int:
+        """Sweep every line once; returns how many calls were published."""
+        published = 0
+        for task, lines, cfg in self.spaces():
+            queue = cfg.policy.queue
+            try:
+                keys = lines.keys()
+            except MalfunctionError as fault:
+                log.warning("sweep: listing the lines under %r failed: %s", lines.prefix, fault)
+                continue
+            for key in keys:
+                try:
+                    swept = lines.sweep(
+                        key, promote_grace=queue.promote_grace, gap_for=queue.gap_for
+                    )
+                    for what in swept.publish:
+                        publish(task, key, what, by="sweep")
+                        published += 1
+                except Exception as exc:  # a sweep must go on with the next line
+                    log.warning("sweep: the line of %r: %r", key, exc)
+                    continue
+                if swept.crashed is not None:
+                    log.warning("sweep: ticket %d of %r ended: its holder died", swept.crashed, key)
+                for gap in swept.skipped:
+                    log.warning("sweep: ticket %d of %r never arrived; stepped over", gap, key)
+                for gone in swept.expired:
+                    log.warning("sweep: ticket %d of %r waited past park_for; dropped", gone, key)
+        return published
+
+    def every(self) -> float:
+        spaces = self.spaces()
+        return min((cfg.policy.queue.sweep_every for _, _, cfg in spaces), default=0.0)
+
+    def start(self) -> None:
+        period = self.every()
+        if period <= 0 or self.thread is not None:
+            return  # no task of this app queues
+        self.thread = threading.Thread(
+            target=self._run, args=(period,), name="celery-mutex-sweep", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, period: float) -> None:
+        while not self.stopped.wait(period):
+            try:
+                self.sweep_once()
+            except Exception as exc:  # the thread outlives any one failed sweep
+                log.warning("sweep failed: %r", exc)
+
+    def stop(self) -> None:
+        self.stopped.set()

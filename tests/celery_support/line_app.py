@@ -1,0 +1,96 @@
+"""The app of the ``on_busy="queue"`` suite (``tests/celery_mutex/test_celery_line.py``):
+tasks of one entity that must run one at a time, in send order. Each run records its
+start and end (wall clock: one machine, one clock) with its pid, in a Redis list.
+
+Configured from the environment as ``celery_support.app`` is (``CM_*``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import redis
+
+from celery_support.env_app import app_from_env
+
+# isort: split
+from celery_mutex import MutexTask
+
+app = app_from_env("celery_support.line_app")
+PREFIX: str = app.conf.mutex_prefix
+_record = redis.Redis.from_url(app.conf.mutex_cache)
+
+SECTION = 0.05  # each task's work
+# A short gap_for and a quick sweep, so the crash tests measure the line's recovery in
+# seconds; the lease bounds how long a dead holder's key stays held.
+LINE: dict[str, Any] = {
+    "on_busy": "queue",
+    "lease": 4,
+    "queue": {"sweep_every": 0.5, "gap_for": 3},
+}
+
+
+def _mark(run: str, entity: int, n: int, what: str) -> None:
+    entry = json.dumps([entity, n, what, time.time(), os.getpid()])
+    _record.rpush(f"{PREFIX}runs.{run}", entry)
+
+
+def _work(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
+    _mark(run, entity, n, "start")
+    time.sleep(seconds)
+    _mark(run, entity, n, "end")
+    return n
+
+
+@app.task(base=MutexTask, mutex={"key": "e.{run}.{entity}", **LINE})
+def step(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
+    return _work(run, entity, n, seconds)
+
+
+@app.task(base=MutexTask, mutex={"key": "e.{run}.{entity}", **LINE})
+def step_or_fail(run: str, entity: int, n: int, fail_at: int) -> int:
+    """Raises at ``n == fail_at`` after recording its start."""
+    _mark(run, entity, n, "start")
+    if n == fail_at:
+        raise ValueError(f"task {n} fails")
+    time.sleep(SECTION)
+    _mark(run, entity, n, "end")
+    return n
+
+
+@app.task(base=MutexTask, bind=True, mutex={"key": "e.{run}.{entity}", **LINE})
+def step_or_retry(self: Any, run: str, entity: int, n: int, retry_at: int) -> int:
+    """At ``n == retry_at``, its first attempt retries itself (Task.retry, a countdown)."""
+    _mark(run, entity, n, "start")
+    if n == retry_at and not self.request.retries:
+        raise self.retry(countdown=0.5, max_retries=1)
+    time.sleep(SECTION)
+    _mark(run, entity, n, "end")
+    return n
+
+
+@app.task(base=MutexTask, mutex={"key": "e.{run}.{entity}", **LINE})
+def step_or_die(run: str, entity: int, n: int, die_at: int) -> int:
+    """At ``n == die_at`` its pool child SIGKILLs itself mid-run (after its start)."""
+    _mark(run, entity, n, "start")
+    if n == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(SECTION)
+    _mark(run, entity, n, "end")
+    return n
+
+
+@app.task(
+    base=MutexTask,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    mutex={"key": "e.{run}.{entity}", **LINE},
+)
+def step_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
+    """acks_late with reject_on_worker_lost: a whole worker SIGKILLed mid-run gets its
+    message delivered again, and the line waits for that copy."""
+    return _work(run, entity, n, seconds)
