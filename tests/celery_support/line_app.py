@@ -53,12 +53,14 @@ def step(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
 
 @app.task(base=MutexTask, mutex={"key": "e.{run}.{entity}", **LINE})
 def step_or_fail(run: str, entity: int, n: int, fail_at: int) -> int:
-    """Raises at ``n == fail_at`` after recording its start."""
+    """Raises at ``n == fail_at``, between its start and its end."""
     _mark(run, entity, n, "start")
-    if n == fail_at:
-        raise ValueError(f"task {n} fails")
-    time.sleep(SECTION)
-    _mark(run, entity, n, "end")
+    try:
+        if n == fail_at:
+            raise ValueError(f"task {n} fails")
+        time.sleep(SECTION)
+    finally:
+        _mark(run, entity, n, "end")
     return n
 
 
@@ -66,10 +68,12 @@ def step_or_fail(run: str, entity: int, n: int, fail_at: int) -> int:
 def step_or_retry(self: Any, run: str, entity: int, n: int, retry_at: int) -> int:
     """At ``n == retry_at``, its first attempt retries itself (Task.retry, a countdown)."""
     _mark(run, entity, n, "start")
-    if n == retry_at and not self.request.retries:
-        raise self.retry(countdown=0.5, max_retries=1)
-    time.sleep(SECTION)
-    _mark(run, entity, n, "end")
+    try:
+        if n == retry_at and not self.request.retries:
+            raise self.retry(countdown=0.5, max_retries=1)
+        time.sleep(SECTION)
+    finally:
+        _mark(run, entity, n, "end")
     return n
 
 

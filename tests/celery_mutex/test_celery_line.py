@@ -1,0 +1,242 @@
+"""``on_busy="queue"`` under real ``celery worker -P prefork`` subprocesses: tasks of one
+key run one at a time, in send order, each once, and a task whose turn has not come is
+parked (its slot free) and published again in its turn. Also when a task raises, retries
+itself, is revoked, when its pool child is SIGKILLed and when its whole worker is.
+
+Needs Redis at 127.0.0.1:6379 (lock cache, result backend, records) and, for the AMQP
+cases, RabbitMQ at 127.0.0.1:5672. A missing server fails the tests; it never skips them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import celery_support.line_app  # noqa: F401  (its shared tasks join the producer)
+import pytest
+from celery import Celery
+from celery_support.line_app import LINE
+from celery_support.processes import REDIS_URL, Processes
+from workers import wait_until
+
+# isort: split
+
+AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+GET = 60
+
+pytestmark = pytest.mark.slow
+
+MODULE = "celery_support.line_app"
+
+
+class Line(Processes):
+    """Prefork workers of ``celery_support.line_app`` and a producer of its tasks (the
+    sending side takes each call's ticket: it sends through the MutexTask itself)."""
+
+    def __init__(self, tmp: Path, broker: str) -> None:
+        super().__init__(MODULE, tmp, broker)
+        self.producer = Celery("producer", set_as_current=False)
+        self.producer.conf.update(
+            broker_url=broker,
+            result_backend=REDIS_URL,
+            task_default_queue=self.queue,
+            mutex_cache=REDIS_URL,
+            mutex_prefix=self.prefix,
+        )
+        # line_app's tasks are shared: the producer has them too, under its own conf.
+        self.producer.loader.import_default_modules()
+
+    def task(self, name: str) -> Any:
+        return self.producer.tasks[f"{MODULE}.{name}"]
+
+    def runs(self, run: str) -> list[tuple[int, int, str, float, int]]:
+        """(entity, n, "start" | "end", wall time, pid) of every run, in record order."""
+        raw = self.record.lrange(f"{self.prefix}runs.{run}", 0, -1)
+        return [tuple(json.loads(entry)) for entry in raw]  # type: ignore[misc]
+
+    def starts(self, run: str) -> dict[int, list[int]]:
+        """Per entity, the n of each start, in the order they started."""
+        found: dict[int, list[int]] = defaultdict(list)
+        for entity, n, what, _, _ in self.runs(run):
+            if what == "start":
+                found[entity].append(n)
+        return found
+
+    def overlaps(self, run: str, killed: int | None = None) -> list[str]:
+        """Runs of one entity that overlapped in time (a start before the last end);
+        ``killed``: a run that died with no end (its key was freed for it)."""
+        open_: dict[int, int | None] = {}
+        found = []
+        for entity, n, what, _, _ in self.runs(run):
+            if n == killed:
+                continue
+            if what == "start":
+                if open_.get(entity) not in (None, n):  # n again: a killed run's copy
+                    found.append(f"entity {entity}: {n} started while {open_[entity]} ran")
+                open_[entity] = n
+            elif open_.get(entity) == n:
+                open_[entity] = None
+        return found
+
+
+def _line(broker: str, workers: int = 2, concurrency: int = 2) -> Iterator[Line]:
+    with tempfile.TemporaryDirectory() as tmp:
+        line = Line(Path(tmp), broker)
+        for i in range(workers):
+            line.start_worker(f"w{i}", concurrency)
+        try:
+            yield line
+        finally:
+            line.stop()
+
+
+@pytest.fixture(scope="module", params=["redis", "amqp"])
+def line(request: pytest.FixtureRequest) -> Iterator[Line]:
+    """Two prefork workers of two processes each (four slots), on Redis or RabbitMQ."""
+    yield from _line(REDIS_URL if request.param == "redis" else AMQP_URL)
+
+
+@pytest.fixture
+def run() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def test_twenty_keys_of_ten_tasks_run_in_send_order_each_once(line: Line, run: str) -> None:
+    """200 tasks over 20 keys, sent interleaved to four slots: every key's tasks start in
+    send order, each exactly once, never two of one key at once; every result arrives."""
+    step = line.task("step")
+    results = [step.apply_async((run, e, n)) for n in range(10) for e in range(20)]
+    assert [r.get(timeout=GET) for r in results] == [n for n in range(10) for _ in range(20)]
+    starts = line.starts(run)
+    assert {e: starts[e] for e in range(20)} == {e: list(range(10)) for e in range(20)}
+    assert line.overlaps(run) == []
+
+
+def test_a_busy_key_holds_no_slot(line: Line, run: str) -> None:
+    """One key held for 3 s with six of its calls behind it (more than the four slots):
+    the other keys' twelve calls all finish while it is still held, since the six wait
+    parked, not in slots (with on_busy="wait" they would fill every slot)."""
+    step = line.task("step")
+    head = step.apply_async((run, 0, 0, 3.0))
+    wait_until(lambda: line.starts(run).get(0), 20, "the long head to start")
+    followers = [step.apply_async((run, 0, n)) for n in range(1, 7)]
+    others = [step.apply_async((run, e, 0)) for e in range(1, 13)]
+    for other in others:
+        other.get(timeout=GET)
+    assert not head.ready(), "the others should finish while the head still runs"
+    head.get(timeout=GET)
+    assert [f.get(timeout=GET) for f in followers] == list(range(1, 7))
+    assert line.starts(run)[0] == list(range(7))
+    assert line.overlaps(run) == []
+
+
+def test_a_task_that_raises_passes_the_turn_on(line: Line, run: str) -> None:
+    failing = line.task("step_or_fail")
+    results = [failing.apply_async((run, 0, n, 3)) for n in range(8)]
+    for n, result in enumerate(results):
+        if n == 3:
+            with pytest.raises(ValueError, match="task 3 fails"):
+                result.get(timeout=GET)
+        else:
+            assert result.get(timeout=GET) == n
+    assert line.starts(run)[0] == list(range(8))
+    assert line.overlaps(run) == []
+
+
+def test_a_task_retry_keeps_its_turn(line: Line, run: str) -> None:
+    """Task.retry (a 0.5 s countdown) is not an end: the call's retry runs before the
+    next call of its key, although that one was waiting already."""
+    retrying = line.task("step_or_retry")
+    results = [retrying.apply_async((run, 0, n, 2)) for n in range(6)]
+    assert [r.get(timeout=GET) for r in results] == list(range(6))
+    assert line.starts(run)[0] == [0, 1, 2, 2, 3, 4, 5]
+    assert line.overlaps(run) == []
+
+
+def test_a_revoked_task_is_stepped_over(line: Line, run: str) -> None:
+    step = line.task("step")
+    head = step.apply_async((run, 0, 0, 2.0))
+    wait_until(lambda: line.starts(run).get(0), 20, "the head to start")
+    rest = {n: step.apply_async((run, 0, n)) for n in range(1, 6)}
+    rest[3].revoke()
+    head.get(timeout=GET)
+    for n in (1, 2, 4, 5):
+        assert rest[n].get(timeout=GET) == n
+    assert line.starts(run)[0] == [0, 1, 2, 4, 5]
+
+
+def test_a_pool_child_killed_mid_line_passes_the_turn_on(line: Line, run: str) -> None:
+    """Call 2's pool child SIGKILLs itself mid-run: the worker's parent frees its key and
+    ends its turn; the rest run in order, once each, and call 2 does not run again
+    (early ack: at most once)."""
+    dying = line.task("step_or_die")
+    results = [dying.apply_async((run, 0, n, 2)) for n in range(6)]
+    for n, result in enumerate(results):
+        if n == 2:
+            with pytest.raises(Exception, match=r"WorkerLost|exited prematurely|signal 9"):
+                result.get(timeout=GET)
+        else:
+            assert result.get(timeout=GET) == n
+    assert line.starts(run)[0] == list(range(6))
+    assert line.overlaps(run, killed=2) == []
+
+
+# -- a whole worker SIGKILLed ----------------------------------------------------------------
+
+
+def _kill_tree(main: int) -> None:
+    """SIGKILL a worker's main process and its pool children at once (a lost machine)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == main:
+                children.append(int(entry))
+    for pid in [main, *children]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def amqp_line() -> Iterator[Line]:
+    """Workers on RabbitMQ, started by the test (none yet): a killed worker's unacked
+    messages go back to the queue as its connection drops."""
+    yield from _line(AMQP_URL, workers=0)
+
+
+def test_a_whole_worker_killed_while_holding_keeps_the_line(amqp_line: Line, run: str) -> None:
+    """acks_late + reject_on_worker_lost: the head's worker is SIGKILLed (main process and
+    children) mid-run. Its message comes back to the other worker, waits parked until the
+    dead holder's lease lapses, and runs again before anything sent after it; each
+    follower runs once, in order, and no two runs of the key overlap."""
+    line = amqp_line
+    redelivered = line.task("step_redelivered")
+    line.start_worker("w0", 2)
+    head = redelivered.apply_async((run, 0, 0, 6.0))
+    wait_until(lambda: line.starts(run).get(0), 30, "the head to start on w0")
+    line.start_worker("w1", 2)
+    followers = [redelivered.apply_async((run, 0, n)) for n in range(1, 5)]
+    time.sleep(1.0)  # the followers arrive and park behind the running head
+    killed_at = time.time()
+    _kill_tree(line.procs[0].pid)
+    # The head's copy runs again on w1 (for 6 s): its start, after the lease lapsed.
+    wait_until(lambda: len(line.starts(run).get(0, [])) >= 2, 60, "the head to run again")
+    restarted = [at for e, n, what, at, _ in line.runs(run) if (n, what) == (0, "start")][1]
+    assert restarted - killed_at >= LINE["lease"] - 1.0, "ran before the dead lease lapsed"
+    assert head.get(timeout=GET) == 0
+    assert [f.get(timeout=GET) for f in followers] == list(range(1, 5))
+    assert line.starts(run)[0] == [0, 0, 1, 2, 3, 4]
+    assert line.overlaps(run) == []
