@@ -50,6 +50,7 @@ from simple_mutex.busy.line import (
     Line,
     Lines,
     Park,
+    Parked,
     Publish,
     Run,
     RunLate,
@@ -60,6 +61,7 @@ from simple_mutex.busy.line import (
     new_line,
     retry,
     revoke,
+    send,
     start,
     sweep,
     take,
@@ -268,6 +270,38 @@ def test_the_sweep_publishes_a_parked_head_nobody_ran_but_not_twice_within_the_g
     assert (again, swept.publish) == (line, ())
     line, swept = sweep(line, 6.0, lock_free=True, **KNOBS)
     assert swept.publish == (Publish(1, "m1"),)  # the first copy was lost: again
+
+
+def test_a_send_behind_a_ticket_ahead_parks_at_once_and_runs_in_its_turn():
+    """``send``: the first call of an idle line goes to the broker; one behind a running
+    or an issued ticket is parked with its message (carrying its ticket), never
+    delivered, and published when the turn reaches it."""
+    line, (first, parked) = send(new_line(K, E), 0.0, lambda t: f"m{t.number}")
+    assert (first, parked) == (T(1), False)
+    assert 1 in line.issued
+    line, (second, parked) = send(line, 1.0, lambda t: f"m{t.number}")
+    assert (second, parked) == (T(2), True)  # 1 is on its way: 2 waits in the line
+    assert line.parked[2] == Parked("m2", 1.0)
+    assert 2 not in line.issued
+    assert arrive(line, T(2), lock_free=True) == Duplicate(2)  # never its own delivery
+    line = started(line, 1, 2.0)
+    line, (third, parked) = send(line, 3.0, lambda t: f"m{t.number}")
+    assert (third, parked) == (T(3), True)  # 1 runs: 3 waits too
+    line, published = end(line, T(1), 4.0)
+    assert published == Publish(2, "m2")
+    assert arrive(line, T(2), lock_free=True) == Run(2)
+    line, published = end(started(line, 2, 5.0), T(2), 6.0)
+    assert published == Publish(3, "m3")
+    line, _ = end(started(line, 3, 7.0), T(3), 8.0)
+    line, (fourth, parked) = send(line, 9.0, lambda t: f"m{t.number}")
+    assert (fourth, parked) == (T(4), False)  # idle again: to the broker
+    roundtrip(line)
+
+
+def test_a_send_to_a_full_line_raises():
+    line, _ = send(new_line(K, E), 0.0, str, queue_max=1)
+    with pytest.raises(LineFullError):
+        send(line, 1.0, str, queue_max=1)
 
 
 def test_the_sweep_keeps_a_gap_nobody_waits_behind():
@@ -771,7 +805,9 @@ def test_every_step_has_both_faces_with_the_same_parameters():
     names = {n for n in dir(Lines) if not n.startswith("_")}
     steps = sorted(n for n in names if callable(getattr(Lines, n)) and not n.endswith("_async"))
     steps = [n for n in steps if n not in ("cache_key", "lock_key")]
-    assert steps == ["arrive", "end", "keys", "read", "retry", "revoke", "start", "sweep", "take"]
+    assert steps == [
+        "arrive", "end", "keys", "read", "retry", "revoke", "send", "start", "sweep", "take"
+    ]  # fmt: skip
     for name in steps:
         blocking, twin = getattr(Lines, name), getattr(Lines, name + "_async")
         assert inspect.iscoroutinefunction(twin)

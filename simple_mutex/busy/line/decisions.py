@@ -2,16 +2,16 @@
 is a pure function of (record, inputs, now) that returns the new record and what the
 caller must do.
 
-``take`` (a send), ``arrive`` (a worker got the message: ``Duplicate``, ``RunLate``,
-``Run`` or ``Park``, the closed set ``Arrival``), ``park`` (and ``arrival``, both as one
-change), ``start``, ``end``, ``retry``, ``revoke`` and ``sweep`` (its outcome a
+``take`` (a send), ``send`` (one that parks at once behind a ticket ahead), ``arrive``
+(a worker got the message: ``Duplicate``, ``RunLate``, ``Run`` or ``Park``, the closed
+set ``Arrival``), ``park`` (and ``arrival``, both as one change), ``start``, ``end``, ``retry``, ``revoke`` and ``sweep`` (its outcome a
 ``Swept``: the messages to ``Publish``, and what it skipped, expired or ended). They
 never read a clock or a cache: tests drive them exhaustively.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, TypeAlias, TypeVar
 
@@ -102,6 +102,26 @@ def take(
     ticket = line.next
     issued = {**line.issued, ticket: now + after}
     return replace(line, next=ticket + 1, issued=issued), line.ticket(ticket)
+
+
+def send(
+    line: Line,
+    now: float,
+    message_for: Callable[[Ticket], Message],
+    *,
+    queue_max: int | None = None,
+) -> tuple[Line, tuple[Ticket, bool]]:
+    """A send with no countdown that parks at once when a ticket is ahead of it (one
+    running, or the turn not yet its own): its message goes into the line, not to the
+    broker, so a burst for one key costs no delivery per call, and is published when its
+    turn comes. Returns the ticket and whether it was parked (False: publish it now).
+    ``message_for`` builds the message, which carries its ticket."""
+    line, ticket = take(line, now, queue_max=queue_max)
+    t = ticket.number
+    if t == line.turn and line.running is None:
+        return line, (ticket, False)  # nobody ahead: to the broker, and it runs
+    parked = {**line.parked, t: Parked(message_for(ticket), now)}
+    return replace(line, issued=_without(line.issued, t), parked=parked), (ticket, True)
 
 
 def arrive(line: Line, ticket: Ticket, *, lock_free: bool) -> Arrival:

@@ -37,7 +37,8 @@ from simple_mutex.errors import (
     bad_input,
 )
 
-from .decisions import Arrival, Publish, Swept, arrival, end, retry, revoke, start, sweep, take
+from . import decisions
+from .decisions import Arrival, Publish, Swept
 from .record import Line, Message, Ticket, decode, encode, new_line
 
 R = TypeVar("R")
@@ -226,7 +227,8 @@ class Lines:
 
     def _take(self, key: str, queue_max: int | None, after: float) -> Flow[Ticket]:
         return self._flow(
-            key, lambda line, _: take(line, self.clock(), queue_max=queue_max, after=after)
+            key,
+            lambda line, _: decisions.take(line, self.clock(), queue_max=queue_max, after=after),
         )
 
     def take(self, key: str, *, queue_max: int | None = None, after: float = 0.0) -> Ticket:
@@ -238,10 +240,32 @@ class Lines:
     ) -> Ticket:
         return await run_async(self.cache, self._take(key, queue_max, after))
 
+    def _send(
+        self, key: str, message_for: Callable[[Ticket], Message], queue_max: int | None
+    ) -> Flow[tuple[Ticket, bool]]:
+        return self._flow(
+            key,
+            lambda line, _: decisions.send(line, self.clock(), message_for, queue_max=queue_max),
+        )
+
+    def send(
+        self, key: str, message_for: Callable[[Ticket], Message], *, queue_max: int | None = None
+    ) -> tuple[Ticket, bool]:
+        """A send's ticket, its message parked at once when a ticket is ahead of it
+        (True: parked, publish nothing; False: publish it now). See ``send()``."""
+        return self._run("send", self._send(key, message_for, queue_max))
+
+    async def send_async(
+        self, key: str, message_for: Callable[[Ticket], Message], *, queue_max: int | None = None
+    ) -> tuple[Ticket, bool]:
+        return await run_async(self.cache, self._send(key, message_for, queue_max))
+
     def _arrive(self, key: str, ticket: Ticket, message: Message) -> Flow[Arrival]:
         return self._flow(
             key,
-            lambda line, free: arrival(line, ticket, message, self.clock(), lock_free=free),
+            lambda line, free: decisions.arrival(
+                line, ticket, message, self.clock(), lock_free=free
+            ),
             with_lock=True,
         )
 
@@ -255,7 +279,7 @@ class Lines:
 
     def _start(self, key: str, ticket: Ticket, redelivers: bool) -> Flow[Arrival]:
         return self._flow(
-            key, lambda line, _: start(line, ticket, self.clock(), redelivers=redelivers)
+            key, lambda line, _: decisions.start(line, ticket, self.clock(), redelivers=redelivers)
         )
 
     def start(self, key: str, ticket: Ticket, *, redelivers: bool = False) -> Arrival:
@@ -266,7 +290,7 @@ class Lines:
         return await run_async(self.cache, self._start(key, ticket, redelivers))
 
     def _end(self, key: str, ticket: Ticket) -> Flow[Publish | None]:
-        return self._flow(key, lambda line, _: end(line, ticket, self.clock()))
+        return self._flow(key, lambda line, _: decisions.end(line, ticket, self.clock()))
 
     def end(self, key: str, ticket: Ticket) -> Publish | None:
         """``ticket`` ended: the message to publish once the lock is released, if any."""
@@ -277,7 +301,7 @@ class Lines:
 
     def _retry(self, key: str, ticket: Ticket, after: float) -> Flow[None]:
         return self._flow(
-            key, lambda line, _: (retry(line, ticket, self.clock(), after=after), None)
+            key, lambda line, _: (decisions.retry(line, ticket, self.clock(), after=after), None)
         )
 
     def retry(self, key: str, ticket: Ticket, *, after: float = 0.0) -> None:
@@ -288,7 +312,7 @@ class Lines:
         await run_async(self.cache, self._retry(key, ticket, after))
 
     def _revoke(self, key: str, ticket: Ticket) -> Flow[Publish | None]:
-        return self._flow(key, lambda line, _: revoke(line, ticket, self.clock()))
+        return self._flow(key, lambda line, _: decisions.revoke(line, ticket, self.clock()))
 
     def revoke(self, key: str, ticket: Ticket) -> Publish | None:
         """``ticket`` will never run: the message to publish next, if its turn passed on."""
@@ -299,7 +323,7 @@ class Lines:
 
     def _sweep(self, key: str, promote_grace: float, gap_for: float) -> Flow[Swept]:
         def change(line: Line, free: bool) -> tuple[Line, Swept]:
-            return sweep(
+            return decisions.sweep(
                 line,
                 self.clock(),
                 lock_free=free,
