@@ -4,9 +4,10 @@ caller must do.
 
 ``take`` (a send), ``send`` (one that parks at once behind a ticket ahead), ``arrive``
 (a worker got the message: ``Duplicate``, ``RunLate``, ``Run`` or ``Park``, the closed
-set ``Arrival``), ``park`` (and ``arrival``, both as one change), ``start``, ``end``, ``retry``, ``revoke`` and ``sweep`` (its outcome a
-``Swept``: the messages to ``Publish``, and what it skipped, expired or ended). They
-never read a clock or a cache: tests drive them exhaustively.
+set ``Arrival``), ``park`` (and ``arrival``, both as one change), ``start``, ``end``,
+``retry``, ``revoke`` and ``sweep`` (its outcome a ``Swept``: the messages to
+``Publish``, and what it skipped, expired or ended). They never read a clock or a cache:
+tests drive them exhaustively.
 """
 
 from __future__ import annotations
