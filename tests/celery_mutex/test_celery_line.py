@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import celery_support.line_app  # noqa: F401  (its shared tasks join the producer)
+import psycopg
 import pytest
+from caches.test_postgres import POSTGRES_URL, with_query
 from celery import Celery
 from celery_support.line_app import LINE
 from celery_support.processes import REDIS_URL, Processes
@@ -42,14 +44,15 @@ class Line(Processes):
     """Prefork workers of ``celery_support.line_app`` and a producer of its tasks (the
     sending side takes each call's ticket: it sends through the MutexTask itself)."""
 
-    def __init__(self, tmp: Path, broker: str) -> None:
+    def __init__(self, tmp: Path, broker: str, cache: str = REDIS_URL) -> None:
         super().__init__(MODULE, tmp, broker)
+        self.env["CM_CACHE"] = cache  # the locks and the lines; runs are recorded in Redis
         self.producer = Celery("producer", set_as_current=False)
         self.producer.conf.update(
             broker_url=broker,
             result_backend=REDIS_URL,
             task_default_queue=self.queue,
-            mutex_cache=REDIS_URL,
+            mutex_cache=cache,
             mutex_prefix=self.prefix,
         )
         # line_app's tasks are shared: the producer has them too, under its own conf.
@@ -88,9 +91,11 @@ class Line(Processes):
         return found
 
 
-def _line(broker: str, workers: int = 2, concurrency: int = 2) -> Iterator[Line]:
+def _line(
+    broker: str, workers: int = 2, concurrency: int = 2, cache: str | None = None
+) -> Iterator[Line]:
     with tempfile.TemporaryDirectory() as tmp:
-        line = Line(Path(tmp), broker)
+        line = Line(Path(tmp), broker, cache or REDIS_URL)
         for i in range(workers):
             line.start_worker(f"w{i}", concurrency)
         try:
@@ -188,6 +193,35 @@ def test_a_pool_child_killed_mid_line_passes_the_turn_on(line: Line, run: str) -
             assert result.get(timeout=GET) == n
     assert line.starts(run)[0] == list(range(6))
     assert line.overlaps(run, killed=2) == []
+
+
+# -- the other tiers ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["postgres", "disk"])
+def tier_line(request: pytest.FixtureRequest) -> Iterator[Line]:
+    """Four slots on a Redis broker, the locks and lines in PostgreSQL or a DiskCache."""
+    with tempfile.TemporaryDirectory() as locks:
+        if request.param == "postgres":
+            table = f"t{uuid.uuid4().hex[:8]}_locks"
+            cache = with_query(POSTGRES_URL, table=table)
+        else:
+            cache = f"file://{locks}"
+        yield from _line(REDIS_URL, cache=cache)
+        if request.param == "postgres":
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+                conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+
+def test_every_tier_keeps_the_line(tier_line: Line, run: str) -> None:
+    """The same 20 keys x 10 tasks with the locks and lines in PostgreSQL and DiskCache:
+    send order, each once, no overlap."""
+    step = tier_line.task("step")
+    results = [step.apply_async((run, e, n)) for e in range(20) for n in range(10)]
+    assert [r.get(timeout=GET) for r in results] == [n for _ in range(20) for n in range(10)]
+    starts = tier_line.starts(run)
+    assert {e: starts[e] for e in range(20)} == {e: list(range(10)) for e in range(20)}
+    assert tier_line.overlaps(run) == []
 
 
 # -- a whole worker SIGKILLed ----------------------------------------------------------------
