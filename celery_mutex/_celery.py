@@ -7,7 +7,7 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError  # type: ignore[import-untyped]
 from celery import Task, current_task, states  # type: ignore[import-untyped]
-from celery.exceptions import Ignore, Retry, TimeLimitExceeded  # type: ignore[import-untyped]
+from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded  # type: ignore[import-untyped]
 from celery.result import EagerResult  # type: ignore[import-untyped]
 from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
@@ -25,6 +25,7 @@ from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
 __all__ = [
     "EagerResult",
     "Ignore",
+    "Reject",
     "Retry",
     "Signal",
     "Task",

@@ -63,7 +63,7 @@ def before_start(
     )
     try:
         if cfg.policy.on_busy == "queue" and not synchronous:
-            lease = line.arrive(task, cfg, key, task_id, args, kwargs, take)
+            lease = line.arrive(task, cfg, key, take)
         else:
             lease = take()
     except SimpleMutexAcquireTimeoutError as busy:

@@ -47,7 +47,7 @@ from simple_mutex.busy.policy import unreachable
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, LineFullError
 
 from . import per_call, signals
-from ._celery import EagerResult, Ignore, Retry, states, uuid
+from ._celery import EagerResult, Ignore, Reject, Retry, states, uuid
 from .config import Config, config_of
 
 log = logging.getLogger("celery_mutex")
@@ -95,12 +95,25 @@ def _header(ticket: Ticket) -> dict[str, Any]:
     return {"epoch": ticket.epoch, "number": ticket.number}
 
 
+def _configured_on_busy(task: Any) -> Any:
+    """The task's own on_busy, read without building its configuration (a producer that
+    sends MutexTasks need not configure a lock cache unless they queue)."""
+    for source in (
+        task._mutex_spec.options if task._mutex_spec is not None else {},
+        {"on_busy": task._get_app().conf.get("mutex_on_busy")},
+        task.mutex_defaults(),
+    ):
+        if source.get("on_busy") is not None:
+            return source["on_busy"]
+    return None
+
+
 def queues(task: Any, call: Mapping[str, Any]) -> bool:
     """Whether this call of ``task`` goes through the line."""
-    policy = per_call.applied(config_of(task), call).policy
-    if policy.on_busy != "queue":
+    own = _configured_on_busy(task)
+    if call.get("on_busy", own) != "queue":
         return False
-    if config_of(task).policy.on_busy != "queue":
+    if own != "queue":
         raise ConstraintValueError(
             f"{task.name}: apply_async(mutex={{'on_busy': 'queue'}}) needs the task's own "
             "on_busy='queue' (workers sweep the lines of those tasks only); set it on "
@@ -327,19 +340,13 @@ def redelivers(task: Any) -> bool:
     return bool(task.acks_late and task.reject_on_worker_lost)
 
 
-def arrive(
-    task: Any,
-    cfg: Config,
-    key: str,
-    task_id: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    acquire: Callable[[], Lease],
-) -> Lease:
-    """The line's answer for this delivery: the lease to run under (its turn came and
-    the lock was free), or Ignore raised (parked, or a duplicate: the slot is free, the
-    message acknowledged; a parked call is published again in its turn)."""
+def arrive(task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]) -> Lease:
+    """The line's answer for this delivery (``task.request``'s): the lease to run under
+    (its turn came and the lock was free), or Ignore raised (parked, or a duplicate: the
+    slot is free, the message acknowledged; a parked call is published again in its
+    turn)."""
     request = task.request
+    task_id, args, kwargs = request.id, request.args or (), request.kwargs or {}
     lines = cfg.lines
     ticket = ticket_from(request)
     if ticket is None:  # sent without one (send_task, beat): its place is its arrival
@@ -432,6 +439,10 @@ def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
         if isinstance(exc, Retry):
             lines.retry(key, ticket, after=_delay(exc.when, exc.when))
             return _nothing
+        if isinstance(exc, Reject) and exc.requeue and task.acks_late:
+            # Its message goes back to the queue: the call comes again, in its turn.
+            lines.retry(key, ticket)
+            return _nothing
         promoted = lines.end(key, ticket)
     except MalfunctionError as fault:
         # The lock is still released; a sweep finds the turn's holder gone and moves on.
@@ -458,28 +469,30 @@ def end_of_dead(
     """The worker's parent freed a dead child's lock: the turn moves on, unless the
     child was killed outright and the broker delivers the call again (its copy then runs
     in the same turn). A time limit or a revoke ends the call: its message is done."""
-    ticket = ticket_from(context)
-    if ticket is None or (killed and redelivers(task)):
-        return
-    try:
-        lines = config_of(task).lines
-        key = per_call.key_of(task, args, kwargs, per_call.of_request(context))
-        publish(task, key, lines.end(key, ticket), by="parent")
-    except Exception as exc:  # a signal handler: log, never raise into Celery
-        log.warning("%s[%s]: its line moves on at the next sweep: %r", task.name, task_id, exc)
+    if not (killed and redelivers(task)):
+        _from_the_parent(task, task_id, args, kwargs, context, "end")
 
 
 def revoked(task: Any, task_id: str, args: Any, kwargs: Any, context: Any) -> None:
     """A call revoked before it ran: its ticket is stepped over."""
+    _from_the_parent(task, task_id, args, kwargs, context, "revoke")
+
+
+def _from_the_parent(
+    task: Any, task_id: str, args: Any, kwargs: Any, context: Any, step: str
+) -> None:
+    """``Lines.end`` or ``Lines.revoke`` for the ticket a worker's request carries, and
+    the publish of the next call; from a signal handler, so it logs and never raises."""
     ticket = ticket_from(context)
     if ticket is None:
         return
     try:
         lines = config_of(task).lines
         key = per_call.key_of(task, args, kwargs, per_call.of_request(context))
-        publish(task, key, lines.revoke(key, ticket), by="revoke")
+        what = lines.end(key, ticket) if step == "end" else lines.revoke(key, ticket)
+        publish(task, key, what, by="parent" if step == "end" else "revoke")
     except Exception as exc:  # a signal handler: log, never raise into Celery
-        log.warning("%s[%s]: its ticket stays until a sweep: %r", task.name, task_id, exc)
+        log.warning("%s[%s]: its line moves on at the next sweep: %r", task.name, task_id, exc)
 
 
 # -- the sweep in every worker -----------------------------------------------------------------

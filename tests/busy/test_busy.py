@@ -91,12 +91,32 @@ def test_wait_before_busy_in_a_worker_and_synchronously(options, in_worker, sync
 
 
 def test_the_busy_policies_are_one_closed_type():
-    """The policies are these four (what option checks accept, read from the OnBusy
-    literal that mypy checks every match against); any other name is refused."""
-    assert typing.get_args(OnBusy) == ("skip", "retry", "wait", "raise")
-    assert ON_BUSY == ("skip", "retry", "wait", "raise")
+    """The policies are these five (what option checks accept, read from the OnBusy
+    literal that mypy checks every match against); any other name is refused, and queue
+    with more than one permit too (a line runs one call of a key at a time)."""
+    assert typing.get_args(OnBusy) == ("skip", "retry", "wait", "raise", "queue")
+    assert ON_BUSY == ("skip", "retry", "wait", "raise", "queue")
     with pytest.raises(ConstraintValueError, match="on_busy must be one of skip, retry"):
-        BusyPolicy.from_options("t", {"on_busy": "queue"})
+        BusyPolicy.from_options("t", {"on_busy": "line"})
+    with pytest.raises(ConstraintValueError, match="permits=2 would run several"):
+        BusyPolicy.from_options("t", {"on_busy": "queue", "permits": 2})
+
+
+def test_the_queue_options_are_checked():
+    """queue={...}: defaults merged in, unknown fields and bad values refused, naming
+    the fix; a synchronous queue waits, a worker's call tries once (its line decides)."""
+    policy = BusyPolicy.from_options("t", {"on_busy": "queue", "queue": {"max": 5}})
+    assert (policy.queue.max, policy.queue.on_full, policy.queue.gap_for) == (5, "raise", 120.0)
+    assert (policy.wait_for(synchronous=False), policy.wait_for(synchronous=True)) == (0.0, None)
+    for bad, fix in [
+        ({"maximum": 5}, "unknown queue field"),
+        ({"max": 0}, "queue max must be None or an int >= 1"),
+        ({"max": True}, "queue max must be None or an int >= 1"),
+        ({"on_full": "drop"}, "queue on_full must be 'raise' or 'skip'"),
+        ({"gap_for": -1}, "gap_for"),
+    ]:
+        with pytest.raises(ConstraintError, match=fix):  # a ValueError or a TypeError
+            BusyPolicy.from_options("t", {"on_busy": "queue", "queue": bad})
 
 
 def test_after_busy_skips_retries_or_raises():

@@ -63,9 +63,9 @@ from simple_mutex.busy.line import (
     revoke,
     send,
     start,
-    sweep,
     take,
 )
+from simple_mutex.busy.line import sweep as sweep
 from simple_mutex.testing import FaultyCache
 
 E = "0123456789abcdef"  # the epoch of the lines built here

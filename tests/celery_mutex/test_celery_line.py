@@ -118,9 +118,15 @@ def run() -> str:
 def test_twenty_keys_of_ten_tasks_run_in_send_order_each_once(line: Line, run: str) -> None:
     """200 tasks over 20 keys, sent interleaved to four slots: every key's tasks start in
     send order, each exactly once, never two of one key at once; every result arrives."""
+    _twenty_keys_of_ten(line, run, [(e, n) for n in range(10) for e in range(20)])
+
+
+def _twenty_keys_of_ten(line: Line, run: str, sends: list[tuple[int, int]]) -> None:
+    """Send ``step`` for each (entity, n) in this order; assert every key's calls started
+    in send order, each once, none overlapping, every result back."""
     step = line.task("step")
-    results = [step.apply_async((run, e, n)) for n in range(10) for e in range(20)]
-    assert [r.get(timeout=GET) for r in results] == [n for n in range(10) for _ in range(20)]
+    results = [step.apply_async((run, e, n)) for e, n in sends]
+    assert [r.get(timeout=GET) for r in results] == [n for _, n in sends]
     starts = line.starts(run)
     assert {e: starts[e] for e in range(20)} == {e: list(range(10)) for e in range(20)}
     assert line.overlaps(run) == []
@@ -157,13 +163,15 @@ def test_a_task_that_raises_passes_the_turn_on(line: Line, run: str) -> None:
     assert line.overlaps(run) == []
 
 
-def test_a_task_retry_keeps_its_turn(line: Line, run: str) -> None:
-    """Task.retry (a 0.5 s countdown) is not an end: the call's retry runs before the
-    next call of its key, although that one was waiting already."""
-    retrying = line.task("step_or_retry")
-    results = [retrying.apply_async((run, 0, n, 2)) for n in range(6)]
-    assert [r.get(timeout=GET) for r in results] == list(range(6))
-    assert line.starts(run)[0] == [0, 1, 2, 2, 3, 4, 5]
+@pytest.mark.parametrize("name", ["step_or_retry", "step_or_reject"])
+def test_a_call_that_comes_again_keeps_its_turn(line: Line, run: str, name: str) -> None:
+    """Call 2's first attempt comes again, by Task.retry (a 0.5 s countdown) or by
+    Reject(requeue=True) under acks_late (its message goes back to the queue): neither
+    ends its turn, so it runs again before the calls sent after it, already waiting."""
+    again = line.task(name)
+    results = [again.apply_async((run, 0, n, 2)) for n in range(5)]
+    assert [r.get(timeout=GET) for r in results] == list(range(5))
+    assert line.starts(run)[0] == [0, 1, 2, 2, 3, 4]
     assert line.overlaps(run) == []
 
 
@@ -214,14 +222,9 @@ def tier_line(request: pytest.FixtureRequest) -> Iterator[Line]:
 
 
 def test_every_tier_keeps_the_line(tier_line: Line, run: str) -> None:
-    """The same 20 keys x 10 tasks with the locks and lines in PostgreSQL and DiskCache:
-    send order, each once, no overlap."""
-    step = tier_line.task("step")
-    results = [step.apply_async((run, e, n)) for e in range(20) for n in range(10)]
-    assert [r.get(timeout=GET) for r in results] == [n for _ in range(20) for n in range(10)]
-    starts = tier_line.starts(run)
-    assert {e: starts[e] for e in range(20)} == {e: list(range(10)) for e in range(20)}
-    assert tier_line.overlaps(run) == []
+    """The same 20 keys x 10 tasks, sent in bursts (each key's ten together), with the
+    locks and lines in PostgreSQL and DiskCache: send order, each once, no overlap."""
+    _twenty_keys_of_ten(tier_line, run, [(e, n) for e in range(20) for n in range(10)])
 
 
 # -- a whole worker SIGKILLed ----------------------------------------------------------------

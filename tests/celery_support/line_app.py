@@ -99,3 +99,19 @@ def step_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) ->
     """acks_late with reject_on_worker_lost: a whole worker SIGKILLed mid-run gets its
     message delivered again, and the line waits for that copy."""
     return _work(run, entity, n, seconds)
+
+
+@app.task(base=MutexTask, acks_late=True, mutex={"key": "e.{run}.{entity}", **LINE})
+def step_or_reject(run: str, entity: int, n: int, reject_at: int) -> int:
+    """At ``n == reject_at`` its first delivery raises ``Reject(requeue=True)`` (acks_late:
+    the message goes back to the queue)."""
+    from celery.exceptions import Reject
+
+    _mark(run, entity, n, "start")
+    try:
+        if n == reject_at and _record.set(f"{PREFIX}rejected.{run}", 1, nx=True):
+            raise Reject("again, please", requeue=True)
+        time.sleep(SECTION)
+    finally:
+        _mark(run, entity, n, "end")
+    return n
