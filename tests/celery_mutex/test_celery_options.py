@@ -311,3 +311,25 @@ def test_a_lost_childs_per_call_key_and_marker_are_freed_by_the_parent():
         task.request_stack.pop()
     assert not Mutex(cache, prefix="mutex.").locked(key)
     assert not Mutex(cache, prefix="queued.mutex.").locked(key)
+
+
+def test_a_producer_needs_a_lock_cache_only_to_queue():
+    """Sending a MutexTask builds no lock cache (the worker takes the lock), unless the
+    task queues: its ticket is taken at the send, in the lock cache."""
+    plain = _task(_app(), key="k.{n}", on_busy="retry")
+    assert plain.apply_async((1,)).id
+    queued = _task(_app(), key="k.{n}", on_busy="queue")
+    with pytest.raises(ConstraintError, match="no lock cache configured"):
+        queued.apply_async((1,))
+
+
+def test_queue_options_are_refused_where_they_cannot_hold():
+    """Per call, queue needs the task's own on_busy='queue' (workers sweep only those
+    lines); a queued call's arguments must be JSON (it may be parked as JSON)."""
+    plain = _task(key="k.{n}", on_busy="retry")
+    with pytest.raises(ConstraintError, match="needs the task's own on_busy='queue'"):
+        plain.apply_async((1,), mutex={"on_busy": "queue"})
+    queued = _task(key="k.{n}", on_busy="queue")
+    with pytest.raises(ConstraintError, match="are not JSON"):
+        queued.apply_async((object(),))
+    assert queued.apply_async((2,)).id  # a JSON call is sent, its ticket taken
