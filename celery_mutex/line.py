@@ -450,6 +450,12 @@ def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
         return _nothing
 
     def then() -> None:
+        if promoted is None:
+            # The next call may have arrived between the end's write and the release,
+            # found the lock still held and parked: sweep the key now that it is free,
+            # rather than leave it to the next periodic sweep.
+            _sweep_key(task, config_of(task), key)
+            return
         try:
             publish(task, key, promoted, by="end")
         except Exception as exc:  # the broker refused: the head stays promoted, and a

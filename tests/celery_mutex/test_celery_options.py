@@ -333,3 +333,34 @@ def test_queue_options_are_refused_where_they_cannot_hold():
     with pytest.raises(ConstraintError, match="are not JSON"):
         queued.apply_async((object(),))
     assert queued.apply_async((2,)).id  # a JSON call is sent, its ticket taken
+
+
+def test_an_end_with_nothing_to_publish_sweeps_a_call_that_parked_meanwhile():
+    """The next call can arrive between an end's write and the lock's release, find the
+    lock still held and park; the end then has nothing to publish. Once released, the end
+    sweeps the key, so that call is published at once, not at the next periodic sweep."""
+    from celery_mutex import line
+    from celery_mutex.config import config_of
+    from simple_mutex.busy.line import Park
+
+    task = _task(key="k.{n}", on_busy="queue")
+    cfg, key = config_of(task), "k.1"
+    first, second = cfg.lines.take(key), cfg.lines.take(key)
+    held = cfg.locks.acquire(key, owner="first", attempt=0, timeout=0, renew=False, label="t")
+    cfg.lines.start(key, first)
+    task.push_request(id="first", args=(1,), kwargs={})
+    try:
+        task.request.mutex_ticket = (key, first)
+        then = line.ending(task, None)  # the end's write: 2 has not arrived, nothing to send
+        assert isinstance(cfg.lines.arrive(key, second, {"task": task.name, "id": "second",
+            "args": [1], "kwargs": {}, "options": {}, "headers": {}}), Park)  # fmt: skip
+        held.release()
+        sent: list[Any] = []
+        task._get_app().send_task = lambda *a, **kw: sent.append((a, kw))
+        then()
+    finally:
+        task.pop_request()
+    assert [kw["task_id"] for _, kw in sent] == ["second"]
+    line_now = cfg.lines.read(key)
+    assert line_now is not None
+    assert line_now.parked[second.number].promoted is not None
