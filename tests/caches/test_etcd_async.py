@@ -1,0 +1,213 @@
+"""AsyncEtcdCache (aetcd) against test_etcd's real three-member cluster: the shared
+contract through a blocking face (tests/async_facade.py) on a client given as it is, on
+clients for every member made by a factory, and what only asyncio shows: Mutex wraps
+aetcd's client and excludes EtcdCache's holders on the same keys, OS processes of many
+coroutines exclude each other exactly, a forked child never uses the parent's gRPC
+channel, a down member is passed over, every failure is a MalfunctionError naming etcd.
+
+A missing ``etcd`` binary fails the tests (scripts/lib.sh ``ensure_etcd``); nothing skips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import aetcd
+import pytest
+import test_etcd
+from async_crowds import LIMIT, contend, count_under_lock
+from async_facade import BlockingFace, refused_in_forked_children
+from contract import CacheContract, NotifyContract, unique_key
+from procs import forked
+from servers import EtcdCluster, free_port
+from test_etcd import RUN, EtcdTimings, raw
+
+from simple_mutex import ConstraintError, MalfunctionError, Mutex
+from simple_mutex.caches import as_cache
+from simple_mutex.caches.etcd import AsyncEtcdCache, EtcdCache
+from simple_mutex.contract import AsyncConditionalCache, is_async
+
+cluster = test_etcd.cluster  # the same fixture: a three-member cluster of this module's own
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
+
+
+def connect(endpoint: str, timeout: int = 5) -> aetcd.Client:
+    host, _, port = endpoint.rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=timeout)
+
+
+class Members:
+    """A client factory: one aetcd client per member, recording each call's process."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+        self.made: list[tuple[int, list[aetcd.Client]]] = []
+
+    def __call__(self) -> list[aetcd.Client]:
+        self.made.append((os.getpid(), [connect(e) for e in self.endpoints]))
+        return self.made[-1][1]
+
+
+GIVEN = "give the cache a function that makes the client instead"
+OPEN_AT_FORK = r"await cache.close\(\) in the parent before it forks"
+
+
+def refused_in_children(cache: BlockingFace, message: str) -> None:
+    refused_in_forked_children(cache, unique_key("fork"), ConstraintError, message)
+
+
+class TestAsyncEtcdContract(EtcdTimings, NotifyContract, CacheContract):
+    """The contract (a watch wakes waiters) on one member's client, given as it is."""
+
+    @pytest.fixture
+    def cache(self, cluster: EtcdCluster) -> Iterator[BlockingFace]:
+        async def build() -> AsyncEtcdCache:
+            return AsyncEtcdCache(connect(cluster.endpoints[1]), prefix=RUN, close_clients=True)
+
+        face = BlockingFace.built(build)
+        yield face
+        face.close()
+
+    def test_a_forked_child_uses_the_cache_on_its_own(self, cache: BlockingFace) -> None:
+        """In place of the contract's test: a gRPC channel must not be used after fork(),
+        so a forked child is refused at once with the ConstraintError naming the client
+        factory. (test_a_client_factory_is_called_once_in_each_process: the fork a
+        factory serves.)"""
+        refused_in_children(cache, GIVEN)
+
+
+class TestAsyncEtcdContractFactory(EtcdTimings, NotifyContract, CacheContract):
+    """...on clients for all three members, made by a factory in each process."""
+
+    @pytest.fixture
+    def cache(self, cluster: EtcdCluster) -> Iterator[BlockingFace]:
+        face = BlockingFace(AsyncEtcdCache(Members(cluster.endpoints), prefix=RUN))
+        yield face
+        face.close()
+
+    def test_a_forked_child_uses_the_cache_on_its_own(self, cache: BlockingFace) -> None:
+        """In place of the contract's test: the parent's channels were open at the fork,
+        and gRPC cannot run in such a child at all (its first call hangs, or it dies of
+        SIGSEGV): refused at once, naming the fix. A parent that closed its clients
+        first: test_a_client_factory_is_called_once_in_each_process."""
+        refused_in_children(cache, OPEN_AT_FORK)
+
+
+# -- what only asyncio shows -------------------------------------------------------------
+
+
+def test_mutex_wraps_the_aetcd_client_beside_the_blocking_cache(cluster: EtcdCluster) -> None:
+    """Mutex(aetcd.Client) locks through an AsyncEtcdCache, on the keys an EtcdCache of
+    the same prefix uses: each excludes the other's holder, with the same fence."""
+    blocking = Mutex(EtcdCache(raw(cluster)), lease=30)
+
+    async def main() -> None:
+        client = connect(cluster.endpoints[0])
+        cache = as_cache(client)
+        assert isinstance(cache, AsyncEtcdCache)
+        assert is_async(cache)
+        assert isinstance(cache, AsyncConditionalCache)
+        mutex = Mutex(client, lease=30)
+        key = unique_key("wrap")
+        async with mutex.acquire_async(key, timeout=5) as lease:
+            assert blocking.try_acquire(key) is None
+            assert (await mutex.holder_async(key)).fence == lease.fence
+            assert blocking.holder(key).fence == lease.fence  # type: ignore[union-attr]
+        assert not await mutex.locked_async(key)
+        held = blocking.acquire(key)  # no `with`: a blocking block is not a coroutine's
+        assert (await mutex.try_acquire_async(key)) is None
+        assert (await mutex.holder_async(key)).fence == held.fence
+        held.release()
+        await client.close()
+
+    run(main())
+
+
+def _contend(endpoints: list[str], key: str, tasks: int, rounds: int, shared: Any) -> None:
+    """One OS process of coroutines counting under one lock, on clients of its own."""
+
+    async def main() -> None:
+        cache = AsyncEtcdCache(Members(endpoints), prefix=RUN)
+        await count_under_lock(Mutex(cache, lease=30), key, tasks, rounds, shared)
+        await cache.close()
+
+    asyncio.run(main())
+
+
+def test_processes_of_many_coroutines_exclude_each_other_exactly(cluster: EtcdCluster) -> None:
+    """3 processes x 10 coroutines x 3 rounds on one key: every increment counted, never
+    two holders inside at once."""
+    procs, tasks, rounds = 3, 10, 3
+    key = unique_key("contend")
+    *exits, total, overlaps, inside = contend(
+        _contend, (cluster.endpoints, key, tasks, rounds), procs
+    )
+    assert exits == [0] * procs
+    assert (total, overlaps, inside) == (procs * tasks * rounds, 0, 0)
+
+
+def _use_factory(face: BlockingFace, factory: Members, key: str) -> None:
+    """In a forked child: the factory is called once more, here, and only its clients
+    are used."""
+    for _ in range(2):
+        face.compare_and_delete(key, version=face.put_if_absent(key, "child", ttl=30).version)
+    (parent, _), (child, _) = factory.made
+    assert (parent, child) == (os.getppid(), os.getpid())
+
+
+def test_a_client_factory_is_called_once_in_each_process(cluster: EtcdCluster) -> None:
+    """Lazily, on first use, once per process: a forked child (of a parent that closed
+    its clients before forking: a Celery prefork parent that never locks) calls it again,
+    the parent's calls stay one."""
+    factory = Members(cluster.endpoints)
+    face = BlockingFace(AsyncEtcdCache(factory, prefix=RUN))
+    assert factory.made == []
+    key = unique_key("factory")
+    for _ in range(2):
+        face.compare_and_delete(key, version=face.put_if_absent(key, "p", ttl=30).version)
+    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    face.call(face.cache.close())
+    assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 30) == [0, 0]
+    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    face.close()
+
+
+def test_a_factory_that_returns_no_client_is_refused(cluster: EtcdCluster) -> None:
+    face = BlockingFace(AsyncEtcdCache(lambda: "not a client", prefix=RUN))
+    with pytest.raises(ConstraintError, match="must return an aetcd Client"):
+        face.get("k")
+    face.close()
+    with pytest.raises(ConstraintError, match="aetcd Client"):
+        AsyncEtcdCache("not a client")
+
+
+def test_a_down_member_is_passed_over(cluster: EtcdCluster) -> None:
+    """The first member refuses (nobody listens): the next one answers, the watch too."""
+    endpoints = [f"127.0.0.1:{free_port()}", cluster.endpoints[0]]
+    face = BlockingFace(AsyncEtcdCache(Members(endpoints), prefix=RUN))
+    key = unique_key()
+    entry = face.put_if_absent(key, "v", ttl=30)
+    assert face.get(key) == entry
+    face.wait([key], 0.1)
+    face.close()
+
+
+def test_every_operation_on_a_dead_cluster_is_a_malfunction() -> None:
+    """Each of the five, and the watch of ``wait``, names etcd, the operation and the key."""
+    face = BlockingFace(AsyncEtcdCache(Members([f"127.0.0.1:{free_port()}"]), prefix=RUN))
+    for call, operation in [
+        (lambda: face.get("k"), "get"),
+        (lambda: face.put_if_absent("k", "v", ttl=1), "put_if_absent"),
+        (lambda: face.compare_and_set("k", "v", ttl=1, version="7"), "compare_and_set"),
+        (lambda: face.compare_and_delete("k", version="7"), "compare_and_delete"),
+        (lambda: face.wait(["k"], 1), "wait"),
+    ]:
+        with pytest.raises(MalfunctionError, match=f"etcd cache failed during {operation} on 'k'"):
+            call()
+    face.close()
