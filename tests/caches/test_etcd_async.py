@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -176,6 +177,39 @@ def test_a_client_factory_is_called_once_in_each_process(cluster: EtcdCluster) -
     assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 30) == [0, 0]
     assert [pid for pid, _ in factory.made] == [os.getpid()]
     face.close()
+
+
+def test_a_client_is_bound_to_its_first_loop_and_others_are_refused_at_once(
+    cluster: EtcdCluster,
+) -> None:
+    """A gRPC channel belongs to the event loop it was opened on. Another loop using the
+    cache (a second asyncio.run once the first closed, or a thread running its own loop
+    while the first still runs) fails at once with a ConstraintError naming the fix,
+    never hangs, and leaves nothing held."""
+    key = unique_key("bound")
+
+    def bound() -> Mutex:
+        return Mutex(AsyncEtcdCache(connect(cluster.endpoints[0]), prefix=RUN), lease=30)
+
+    async def cycle(mutex: Mutex) -> None:
+        await (await mutex.acquire_async(key, timeout=2)).release_async()
+
+    def refused(mutex: Mutex) -> None:
+        with pytest.raises(ConstraintError, match="build the client and the cache inside each"):
+            run(cycle(mutex))
+
+    first = bound()
+    run(cycle(first))  # binds the client to this loop, now closed
+    refused(first)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    running = bound()
+    asyncio.run_coroutine_threadsafe(cycle(running), loop).result(LIMIT)
+    refused(running)  # this thread's loop, while the other one runs
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    assert EtcdCache(raw(cluster), prefix=RUN).get(f"mutex.{key}") is None
 
 
 def test_a_factory_that_returns_no_client_is_refused(cluster: EtcdCluster) -> None:

@@ -42,6 +42,8 @@ DEFAULT_PREFIX = "simple_mutex/"
 DEFAULT_TIMEOUT = 5.0  # seconds a request may take: nothing may hang on a dead member
 DEFAULT_PORT = 2379
 _HELD_AT_KEYS = 4096  # keys whose last revision seen held is remembered
+# What asyncio raises when a gRPC channel is used on a loop other than its own.
+_OTHER_LOOP = ("attached to a different loop", "Event loop is closed")
 HELD, FREED = b"held", b"freed"
 _RECORD = "simple_mutex.etcd/1"  # the record's mark: anything else there is not ours
 
@@ -186,7 +188,15 @@ class EtcdCore(CacheBase):
         """The one place a driver error becomes what the flow sees: any error of the
         face's driver (``driver_errors``) is the MalfunctionError of the step's
         operation on its key; None for anything else (a signal handler's exception, a
-        bug), which propagates as it is."""
+        bug), which propagates as it is. A gRPC channel used on another event loop than
+        the one it was opened on (the asyncio face's) fails at once, before sending: the
+        caller's to fix, not a fault."""
+        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OTHER_LOOP):
+            return ConstraintTypeError(
+                f"{type(self).__name__}: its aetcd client is bound to the event loop it was "
+                f"first used on ({str(exc)[:120]}); build the client and the cache inside "
+                "each event loop (each asyncio.run, each thread running a loop)"
+            )
         if not isinstance(exc, self.driver_errors):
             return None
         error = fault(self.name, step.operation, step.key, exc)
