@@ -80,6 +80,11 @@ class BlockingFace:
         """The optional capability: an asyncio cache's ``scan`` returns a list."""
         return iter(self.call(self.cache.scan(prefix)))
 
+    def take_and_free(self, key: str, value: str, times: int = 2) -> None:
+        """Grant ``key`` and free it, ``times`` over (a cache used, its clients opened)."""
+        for _ in range(times):
+            self.compare_and_delete(key, version=self.put_if_absent(key, value, ttl=30).version)
+
     def close(self, *more: Any) -> None:
         """Close the cache (if it closes) and ``more`` (connections, pools) on the loop,
         then stop the loop."""

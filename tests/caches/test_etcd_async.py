@@ -156,8 +156,7 @@ def test_processes_of_many_coroutines_exclude_each_other_exactly(cluster: EtcdCl
 def _use_factory(face: BlockingFace, factory: Members, key: str) -> None:
     """In a forked child: the factory is called once more, here, and only its clients
     are used."""
-    for _ in range(2):
-        face.compare_and_delete(key, version=face.put_if_absent(key, "child", ttl=30).version)
+    face.take_and_free(key, "child")
     (parent, _), (child, _) = factory.made
     assert (parent, child) == (os.getppid(), os.getpid())
 
@@ -170,8 +169,7 @@ def test_a_client_factory_is_called_once_in_each_process(cluster: EtcdCluster) -
     face = BlockingFace(AsyncEtcdCache(factory, prefix=RUN))
     assert factory.made == []
     key = unique_key("factory")
-    for _ in range(2):
-        face.compare_and_delete(key, version=face.put_if_absent(key, "p", ttl=30).version)
+    face.take_and_free(key, "p")
     assert [pid for pid, _ in factory.made] == [os.getpid()]
     face.call(face.cache.close())
     assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 30) == [0, 0]

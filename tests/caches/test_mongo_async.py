@@ -279,8 +279,7 @@ class AsyncFactory:
 def _use_factory(face: BlockingFace, factory: AsyncFactory, key: str) -> None:
     """In a forked child (the face runs a loop of its own): the factory is called once
     more, here, and the cache uses only the client it made."""
-    for _ in range(2):
-        face.compare_and_delete(key, version=face.put_if_absent(key, "child", ttl=30).version)
+    face.take_and_free(key, "child")
     (parent, parents_client), (child, own) = factory.made
     assert (parent, child) == (os.getppid(), os.getpid())
     assert face.cache._collection().database.client is own is not parents_client
@@ -295,8 +294,7 @@ def test_an_async_client_factory_is_called_once_in_each_process(
     face = BlockingFace(AsyncMongoCache(factory, database=DB))
     assert factory.made == []
     key = unique_key("factory")
-    for _ in range(2):
-        face.compare_and_delete(key, version=face.put_if_absent(key, "p", ttl=30).version)
+    face.take_and_free(key, "p")
     assert [pid for pid, _ in factory.made] == [os.getpid()]
     assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 20) == [0, 0]
     assert len(factory.made) == 1
