@@ -22,7 +22,7 @@ import test_etcd
 from async_crowds import LIMIT, contend, count_under_lock
 from async_facade import BlockingFace, refused_in_forked_children
 from contract import CacheContract, NotifyContract, unique_key
-from procs import forked
+from procs import CTX, forked
 from servers import EtcdCluster, free_port
 from test_etcd import RUN, EtcdTimings, raw
 
@@ -56,7 +56,7 @@ class Members:
 
 
 GIVEN = "give the cache a function that makes the client instead"
-OPEN_AT_FORK = r"await cache.close\(\) in the parent before it forks"
+USED_BEFORE_FORK = "lock only in the forked children, never in the parent before it forks"
 
 
 def refused_in_children(cache: BlockingFace, message: str) -> None:
@@ -93,11 +93,11 @@ class TestAsyncEtcdContractFactory(EtcdTimings, NotifyContract, CacheContract):
         face.close()
 
     def test_a_forked_child_uses_the_cache_on_its_own(self, cache: BlockingFace) -> None:
-        """In place of the contract's test: the parent's channels were open at the fork,
-        and gRPC cannot run in such a child at all (its first call hangs, or it dies of
-        SIGSEGV): refused at once, naming the fix. A parent that closed its clients
-        first: test_a_client_factory_is_called_once_in_each_process."""
-        refused_in_children(cache, OPEN_AT_FORK)
+        """In place of the contract's test: the parent used gRPC before the fork, and
+        gRPC cannot run in such a child at all (its first call hangs, or it dies of
+        SIGSEGV): refused at once, naming the fix. A parent that forks before locking:
+        test_a_client_factory_is_called_once_in_each_process."""
+        refused_in_children(cache, USED_BEFORE_FORK)
 
 
 # -- what only asyncio shows -------------------------------------------------------------
@@ -130,11 +130,13 @@ def test_mutex_wraps_the_aetcd_client_beside_the_blocking_cache(cluster: EtcdClu
     run(main())
 
 
-def _contend(endpoints: list[str], key: str, tasks: int, rounds: int, shared: Any) -> None:
+def _contend(
+    endpoints: list[str], prefix: str, key: str, tasks: int, rounds: int, shared: Any
+) -> None:
     """One OS process of coroutines counting under one lock, on clients of its own."""
 
     async def main() -> None:
-        cache = AsyncEtcdCache(Members(endpoints), prefix=RUN)
+        cache = AsyncEtcdCache(Members(endpoints), prefix=prefix)
         await count_under_lock(Mutex(cache, lease=30), key, tasks, rounds, shared)
         await cache.close()
 
@@ -143,12 +145,12 @@ def _contend(endpoints: list[str], key: str, tasks: int, rounds: int, shared: An
 
 def test_processes_of_many_coroutines_exclude_each_other_exactly(cluster: EtcdCluster) -> None:
     """3 processes x 10 coroutines x 3 rounds on one key: every increment counted, never
-    two holders inside at once."""
+    two holders inside at once. The processes are fresh interpreters (spawned): this
+    one has used gRPC, which no forked child of it could."""
     procs, tasks, rounds = 3, 10, 3
     key = unique_key("contend")
-    *exits, total, overlaps, inside = contend(
-        _contend, (cluster.endpoints, key, tasks, rounds), procs
-    )
+    args = (cluster.endpoints, RUN, key, tasks, rounds)
+    *exits, total, overlaps, inside = contend(_contend, args, procs, context=CTX)
     assert exits == [0] * procs
     assert (total, overlaps, inside) == (procs * tasks * rounds, 0, 0)
 
@@ -157,23 +159,41 @@ def _use_factory(face: BlockingFace, factory: Members, key: str) -> None:
     """In a forked child: the factory is called once more, here, and only its clients
     are used."""
     face.take_and_free(key, "child")
-    (parent, _), (child, _) = factory.made
-    assert (parent, child) == (os.getppid(), os.getpid())
+    (child, _), *more = factory.made
+    assert (child, more) == (os.getpid(), [])
+
+
+def _forking_parent(endpoints: list[str], prefix: str, key: str) -> None:
+    """A fresh process that never used gRPC (a Celery prefork parent): it forks two
+    children before locking, each calls the factory and locks on its own clients; then
+    it locks too, on the one its own call made."""
+    factory = Members(endpoints)
+    face = BlockingFace(AsyncEtcdCache(factory, prefix=prefix))
+    assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 30) == [0, 0]
+    assert factory.made == []  # the children's calls were theirs
+    face.take_and_free(key, "p")
+    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    face.close()
 
 
 def test_a_client_factory_is_called_once_in_each_process(cluster: EtcdCluster) -> None:
-    """Lazily, on first use, once per process: a forked child (of a parent that closed
-    its clients before forking: a Celery prefork parent that never locks) calls it again,
-    the parent's calls stay one."""
-    factory = Members(cluster.endpoints)
-    face = BlockingFace(AsyncEtcdCache(factory, prefix=RUN))
-    assert factory.made == []
-    key = unique_key("factory")
-    face.take_and_free(key, "p")
-    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    """Lazily, on first use, once per process: forked children of a parent that has not
+    locked yet each call it, and the parent's own first use calls it once."""
+    parent = CTX.Process(target=_forking_parent, args=(cluster.endpoints, RUN, unique_key()))
+    parent.start()
+    parent.join(60)
+    assert parent.exitcode == 0
+
+
+def test_a_child_of_a_parent_that_used_grpc_is_refused(cluster: EtcdCluster) -> None:
+    """A parent that locked before forking, even with its clients closed since: its
+    children are refused at once, naming the fix (gRPC's poller thread outlives a closed
+    channel until it is collected; such a child hung or died of SIGSEGV in one run of
+    three when it was let through)."""
+    face = BlockingFace(AsyncEtcdCache(Members(cluster.endpoints), prefix=RUN))
+    face.take_and_free(unique_key("used"), "p")
     face.call(face.cache.close())
-    assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 30) == [0, 0]
-    assert [pid for pid, _ in factory.made] == [os.getpid()]
+    refused_in_children(face, USED_BEFORE_FORK)
     face.close()
 
 

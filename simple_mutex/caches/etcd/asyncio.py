@@ -9,23 +9,24 @@ client in this cache.
   grpcio and protobuf; it is the ``etcd`` extra's second driver.
 * ``wait`` is a watch on the keys (deletions only) from the revision at which a failed
   grant saw them held, as ``EtcdCache``'s: no polling, no thread.
-* gRPC and fork(): a forked child cannot use the parent's channels, and cannot use gRPC
-  at all while the parent had a channel open when it forked (measured with grpcio 1.85:
-  the child's first call hangs or the child dies of SIGSEGV, with or without
-  ``GRPC_ENABLE_FORK_SUPPORT``); a child of a parent whose channels were closed works. So,
-  given a client factory (a function of no arguments returning a new ``aetcd.Client``,
-  or a list of them, one per member), the cache calls it on first use in each process, a
-  forked child too; and a forked child is refused at once with a ``ConstraintError``
-  naming the fix, never left to hang, when the cache was given its clients as they are
-  (they are the parent's), or when any AsyncEtcdCache of the parent had its clients open
-  at the fork. For Celery prefork or RQ: give a factory, and do not use the cache in the
-  parent before it forks (or ``await cache.close()`` first). A gRPC channel the parent
-  opened outside any AsyncEtcdCache is not seen.
+* gRPC and fork(): a forked child cannot use the parent's channels, nor gRPC at all once
+  the parent had used gRPC's asyncio layer (measured with grpcio 1.85: the child's first
+  call hangs, or the child dies of SIGSEGV, with or without ``GRPC_ENABLE_FORK_SUPPORT``;
+  closing the parent's channels first did not make it safe in every run: gRPC's poller
+  thread lives on until the channels are collected). So, given a client factory (a
+  function of no arguments returning a new ``aetcd.Client``, or a list of them, one per
+  member), the cache calls it on first use in each process; and a forked child is refused
+  at once with a ``ConstraintError`` naming the fix, never left to hang, when the cache
+  was given its clients as they are (they are the parent's), or when any AsyncEtcdCache
+  of the parent had sent a request before the fork. For Celery prefork or RQ: give a
+  factory, and lock only in the forked children. gRPC used in the parent outside any
+  AsyncEtcdCache is not seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -59,11 +60,11 @@ with driver_imports("etcd"):
 T = TypeVar("T")
 
 
-class _Fork:
-    """Whether this process was forked while an AsyncEtcdCache of its parent had gRPC
-    channels open (each cache's ``_after_fork`` tells, in the child)."""
+class _Grpc:
+    """Whether an AsyncEtcdCache of this process, or of a process it was forked from,
+    sent a request (and so started gRPC's asyncio layer): a forked child inherits it."""
 
-    inherited_channels = False
+    used_in: int | None = None  # the pid of the process that first did
 
 
 class AsyncEtcdCache(EtcdCore):
@@ -108,9 +109,6 @@ class AsyncEtcdCache(EtcdCore):
 
     def _after_fork(self) -> None:
         # The parent's channels are dropped, never closed: closing would talk on them.
-        # aetcd opens a client's channel on its first call and drops it on close().
-        if any(client.channel is not None for client in self._clients or ()):
-            _Fork.inherited_channels = True
         if self._connect is not None:
             self._clients = None
         else:
@@ -124,13 +122,15 @@ class AsyncEtcdCache(EtcdCore):
                 "process, and a gRPC channel must not be used after fork(); for forked "
                 "children, give the cache a function that makes the client instead"
             )
-        if _Fork.inherited_channels:
+        used_in = _Grpc.used_in
+        if used_in is not None and used_in != os.getpid():
             raise ConstraintError(
-                "AsyncEtcdCache: this process was forked while an AsyncEtcdCache of its "
-                "parent had gRPC channels open, and gRPC cannot run in such a child; give "
-                "the cache a function that makes the client and use it only after the "
-                "fork, or await cache.close() in the parent before it forks"
+                f"AsyncEtcdCache: this process was forked from one (pid {used_in}) whose "
+                "AsyncEtcdCache had used gRPC, and gRPC cannot run in such a child; give "
+                "the cache a function that makes the client, and lock only in the "
+                "forked children, never in the parent before it forks"
             )
+        _Grpc.used_in = os.getpid()
         clients = self._clients
         if clients is None:
             assert self._connect is not None  # else the clients were given
