@@ -36,6 +36,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+from rounds import interleaved_rounds_async
 
 from simple_mutex import Mutex
 
@@ -70,16 +71,7 @@ async def cycle_table(cycles: int, repeats: int) -> None:
         "redis.asyncio.lock.Lock": theirs,
         "Mutex(redis.asyncio.Redis)": ours,
     }
-    rounds: dict[str, list[float]] = {name: [] for name in contenders}
-    for run in contenders.values():
-        for _ in range(200):
-            await run()
-    for _ in range(repeats):
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            for _ in range(cycles):
-                await run()
-            rounds[name].append((time.perf_counter() - start) / cycles * 1e6)
+    rounds = await interleaved_rounds_async(contenders, cycles=cycles, repeats=repeats, warmup=200)
     floor_m = statistics.median(rounds[next(iter(rounds))])
     lock_m = statistics.median(rounds["redis.asyncio.lock.Lock"])
     print(f"\nuncontended acquire+release on one loop, µs ({repeats} rounds of {cycles})")

@@ -15,6 +15,10 @@ each with its ratio to the floor.
 * EtcdCache ops: put_if_absent + compare_and_delete, no Mutex around them.
 * Mutex(EtcdCache): the whole library.
 
+Then the same cycle on the asyncio face, on one event loop: the floor is the same four
+requests bare on aetcd (its grant transaction also reads the entry back, since aetcd
+returns no header revision: as AsyncEtcdCache's does), against ``Mutex(AsyncEtcdCache)``.
+
 Then the hand-off: a holder releases while a waiter (another thread, blocked in
 ``acquire``) waits; p50 and p90 ms from ``release()`` to the waiter holding, beside the
 floor: etcd3gw's bare watch, from a delete to its event arriving.
@@ -23,6 +27,7 @@ floor: etcd3gw's bare watch, from a delete to its event arriving.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import os
@@ -35,13 +40,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aetcd
 import etcd3gw
+from aetcd import transactions
 from etcd3gw.lease import Lease
 from etcd3gw.watch import Watcher
-from rounds import RECORD, interleaved_rounds, print_ratio_table
+from rounds import RECORD, interleaved_rounds, interleaved_rounds_async, print_ratio_table
 
 from simple_mutex import Mutex
-from simple_mutex.caches.etcd import EtcdCache, from_url
+from simple_mutex.caches.etcd import AsyncEtcdCache, EtcdCache, from_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import servers
@@ -93,6 +100,41 @@ def mutex_cycle(cache: EtcdCache) -> Callable[[], None]:
         mutex.acquire("bench.mutex").release()
 
     return cycle
+
+
+async def asyncio_rounds(host: str, port: int, cycles: int, repeats: int) -> dict[str, list[float]]:
+    """The uncontended cycle on aetcd, bare and through the library, on this loop."""
+    client = aetcd.Client(host=host, port=port, timeout=5)
+    key = f"{PREFIX}/floor/asyncio".encode()
+
+    async def floor() -> None:
+        lease = await client.lease(30)
+        granted, (_, written) = await client.transaction(
+            [transactions.Create(key) == 0],
+            [transactions.Put(key, (RECORD % secrets.token_hex(16)).encode(), lease=lease.id),
+             transactions.Get(key)],
+            [],
+        )  # fmt: skip
+        assert granted
+        revision = written[0][1].mod_revision
+        freed, _ = await client.transaction(
+            [transactions.Mod(key) == revision], [transactions.Delete(key)], []
+        )
+        assert freed
+        await client.revoke_lease(lease.id)
+
+    mutex = Mutex(AsyncEtcdCache(client, prefix=PREFIX), lease=30)
+
+    async def ours() -> None:
+        await (await mutex.acquire_async("bench.asyncio")).release_async()
+
+    contenders = {"floor (same 4 requests, bare aetcd)": floor, "Mutex(AsyncEtcdCache)": ours}
+    warmup = min(50, cycles)
+    rounds = await interleaved_rounds_async(
+        contenders, cycles=cycles, repeats=repeats, warmup=warmup
+    )
+    await client.close()
+    return rounds
 
 
 def percentiles(gaps: list[float]) -> tuple[float, float]:
@@ -182,6 +224,7 @@ def main() -> None:
         rounds = interleaved_rounds(
             contenders, cycles=args.cycles, repeats=args.repeats, warmup=warmup
         )
+        on_loop = asyncio.run(asyncio_rounds(host, int(port), args.cycles, args.repeats))
         ours = handoff(url, args.handoffs)
         floor = bare_watch(client, args.handoffs)
         client.delete_prefix(f"{PREFIX}/")
@@ -189,6 +232,11 @@ def main() -> None:
         f"acquire + release, uncontended; {args.repeats} rounds x {args.cycles} cycles",
         rounds,
         floor="floor (same 4 requests, bare etcd3gw)",
+    )
+    print_ratio_table(
+        f"the same on one event loop; {args.repeats} rounds x {args.cycles} cycles",
+        on_loop,
+        floor="floor (same 4 requests, bare aetcd)",
     )
     print(f"\nhand-off, {args.handoffs} rounds | p50 ms | p90 ms |")
     print("|---|---|---|")

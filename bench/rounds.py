@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from simple_mutex import ConditionalCache, InMemoryCache, Mutex
 
@@ -30,6 +30,27 @@ def interleaved_rounds(
                 cycle()
             rounds[name].append((time.perf_counter() - start) / cycles * 1e6)
     return rounds
+
+
+async def interleaved_rounds_async(
+    contenders: Mapping[str, Callable[[], Awaitable[object]]],
+    *,
+    cycles: int,
+    repeats: int,
+    warmup: int,
+) -> dict[str, list[float]]:
+    """``interleaved_rounds`` on the running loop: each contender's call awaited."""
+    rounds: dict[str, list[float]] = {name: [] for name in contenders}
+    for cycle in contenders.values():
+        for _ in range(warmup):
+            await cycle()
+    for _ in range(repeats):
+        for name, cycle in contenders.items():
+            start = time.perf_counter()
+            for _ in range(cycles):
+                await cycle()
+            rounds[name].append((time.perf_counter() - start) / cycles * 1e6)
+    return rounds  # fmt: skip
 
 
 def print_ratio_table(title: str, rounds: Mapping[str, list[float]], floor: str) -> None:

@@ -23,7 +23,7 @@ USER_EXTRAS="redis,postgres,mongo,etcd,s3,sqlalchemy,django,celery,rq,prometheus
 # boundaries (about 2 minutes) and stay in the main run.
 INTEGRATION_TESTS=(
     tests/caches/test_redis.py tests/caches/test_postgres.py tests/caches/test_mongo.py tests/caches/test_s3.py
-    tests/caches/test_etcd.py
+    tests/caches/test_etcd.py tests/caches/test_etcd_async.py
     tests/celery_mutex/test_celery_inproc.py tests/celery_mutex/test_celery_prefork.py tests/rq_mutex/test_rq.py
     tests/rq_mutex/test_rq_dead_horse.py tests/celery_mutex/test_celery_enqueue.py
     tests/contrib/test_prometheus.py tests/contrib/test_opentelemetry.py tests/contrib/test_observe_workers.py
@@ -63,7 +63,7 @@ pip_install "$VENV" -e ".[test,$USER_EXTRAS]" -c "$constraints" \
 pip_install "$VENV" --pre -r scripts/test-servers.txt -c "$constraints" \
     || die "pip install of the test servers failed"
 say "installed: $("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
-    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|etcd3gw|boto3|botocore|prometheus.client|opentelemetry-(api|sdk))==' \
+    | grep -iE '^(celery|kombu|redis|rq|psycopg|psycopg-pool|pymongo|etcd3gw|aetcd|grpcio|protobuf|boto3|botocore|prometheus.client|opentelemetry-(api|sdk))==' \
     | paste -sd' ')"
 
 ensure_services

@@ -35,11 +35,14 @@ async def count_under_lock(mutex: Mutex, key: str, tasks: int, rounds: int, shar
     await asyncio.gather(*(worker() for _ in range(tasks)))
 
 
-def contend(child: Callable[..., None], args: tuple[Any, ...], procs: int) -> tuple[int, ...]:
-    """Run ``child(*args, shared)`` in ``procs`` forked processes (each calls
-    ``count_under_lock``); their exit codes, then (total, overlaps, inside)."""
-    shared = tuple(FORK.RawValue("i", 0) for _ in range(3))
-    children = [FORK.Process(target=child, args=(*args, shared)) for _ in range(procs)]
+def contend(
+    child: Callable[..., None], args: tuple[Any, ...], procs: int, context: Any = FORK
+) -> tuple[int, ...]:
+    """Run ``child(*args, shared)`` in ``procs`` processes, forked (or started by another
+    multiprocessing ``context``: procs.CTX spawns fresh interpreters), each calling
+    ``count_under_lock``; their exit codes, then (total, overlaps, inside)."""
+    shared = tuple(context.RawValue("i", 0) for _ in range(3))
+    children = [context.Process(target=child, args=(*args, shared)) for _ in range(procs)]
     for process in children:
         process.start()
     for process in children:

@@ -15,6 +15,8 @@ import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
+import pytest
+
 from simple_mutex.contract import Entry, is_async
 
 T = TypeVar("T")
@@ -78,6 +80,11 @@ class BlockingFace:
         """The optional capability: an asyncio cache's ``scan`` returns a list."""
         return iter(self.call(self.cache.scan(prefix)))
 
+    def take_and_free(self, key: str, value: str, times: int = 2) -> None:
+        """Grant ``key`` and free it, ``times`` over (a cache used, its clients opened)."""
+        for _ in range(times):
+            self.compare_and_delete(key, version=self.put_if_absent(key, value, ttl=30).version)
+
     def close(self, *more: Any) -> None:
         """Close the cache (if it closes) and ``more`` (connections, pools) on the loop,
         then stop the loop."""
@@ -88,6 +95,25 @@ class BlockingFace:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
+
+
+def _refused_in_child(face: BlockingFace, key: str, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        face.put_if_absent(key, "child", ttl=30)
+
+
+def refused_in_forked_children(
+    face: BlockingFace, key: str, error: type[Exception], message: str
+) -> None:
+    """A cache the parent has used, inherited by two forked children: each is refused at
+    once (``error`` matching ``message``) and writes nothing; the parent keeps working."""
+    from procs import forked  # the suites' helpers (tests/ is on sys.path)
+
+    face.compare_and_delete(key, version=face.put_if_absent(key, "p", ttl=30).version)
+    assert forked(_refused_in_child, [(face, key, error, message)] * 2, 10) == [0, 0]
+    assert face.get(key) is None  # the children wrote nothing
+    entry = face.put_if_absent(key, "parent", ttl=30)
+    assert face.get(key) == entry
 
 
 def _restart_in_child() -> None:

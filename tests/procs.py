@@ -69,6 +69,21 @@ def start(target: Callable[..., Any], *args: Any) -> multiprocessing.process.Bas
     return proc
 
 
+def forked(target: Callable[..., Any], runs: list[tuple[Any, ...]], timeout: float) -> list[Any]:
+    """``target(*args)`` in one forked child per ``args`` of ``runs``, all at once (each
+    inherits the test's objects); their exit codes (None: still running after
+    ``timeout``, then killed)."""
+    children = [FORK.Process(target=target, args=args) for args in runs]
+    for child in children:
+        child.start()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.exitcode is None:
+            child.kill()
+    return [child.exitcode for child in children]
+
+
 def join_all(procs: list[Any], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for proc in procs:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from simple_mutex import Lease, Mutex, Semaphore
+from simple_mutex.caches.etcd import AsyncEtcdCache, EtcdCache
 from simple_mutex.caches.mongo import AsyncMongoCache, MongoCache
 from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
 from simple_mutex.caches.redis import AsyncRedisCache, RedisCache
@@ -21,6 +22,7 @@ CACHES = [
     (RedisCache, AsyncRedisCache),
     (PostgresCache, AsyncPostgresCache),
     (MongoCache, AsyncMongoCache),
+    (EtcdCache, AsyncEtcdCache),
 ]
 # Names one face has for a reason of its own: each says why.
 ONE_SIDED = {

@@ -236,7 +236,17 @@ def check_etcd() -> None:
     host, _, port = url.removeprefix("etcd://").partition(":")
     client = etcd3gw.Etcd3Client(host=host, port=int(port), timeout=5)
     round_trip(EtcdCache(client, prefix=f"check_extras_{RUN}"), "EtcdCache(Etcd3Client)")
+
+    async def async_client() -> tuple[Any, Any]:
+        import aetcd
+
+        aio = aetcd.Client(host=host, port=int(port), timeout=5)
+        return aio, aio
+
+    async_round_trip(async_client, "Mutex(aetcd.Client)")
     client.delete_prefix(f"check_extras_{RUN}/")
+    for kind in "kt":  # Mutex(aetcd.Client)'s entry and trace, under the default prefix
+        client.delete_prefix(f"simple_mutex/{kind}/mutex.check-extras.{RUN}.")
 
 
 def check_s3() -> None:

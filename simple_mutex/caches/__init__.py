@@ -12,6 +12,7 @@ AsyncPostgresCache  every machine ``simple-mutex[postgres]`` (asyncio)
 MongoCache          every machine ``simple-mutex[mongo]``
 AsyncMongoCache     every machine ``simple-mutex[mongo]``, pymongo >= 4.13
 EtcdCache           every machine ``simple-mutex[etcd]``
+AsyncEtcdCache      every machine ``simple-mutex[etcd]`` (asyncio, aetcd)
 S3Cache             every machine ``simple-mutex[s3]``
 ==================  ============  =========================================
 
@@ -30,13 +31,14 @@ from .memory import InMemoryCache
 from .url import cache_from_url
 
 if TYPE_CHECKING:
-    from .etcd import EtcdCache
+    from .etcd import AsyncEtcdCache, EtcdCache
     from .mongo import AsyncMongoCache, MongoCache
     from .postgres import AsyncPostgresCache, PostgresCache
     from .redis import AsyncRedisCache, RedisCache
     from .s3 import S3Cache
 
 __all__ = [
+    "AsyncEtcdCache",
     "AsyncMongoCache",
     "AsyncPostgresCache",
     "AsyncRedisCache",

@@ -74,6 +74,10 @@ BACKENDS = (
         "etcd", where="etcd.sync",
     ),
     Backend(
+        "etcd_async", "AsyncEtcdCache", (), ("aetcd.Client",), ("aetcd", "grpc"), "etcd",
+        where="etcd.asyncio",
+    ),
+    Backend(
         "s3", "S3Cache", ("s3",), ("botocore.BaseClient",), ("boto3", "botocore"), "s3",
         needs="a bucket: pass S3Cache(client, 'bucket', 'prefix/')",
     ),

@@ -1,13 +1,14 @@
 """Failover of the replicated tiers, measured (issue 26, item 3): Redis with a replica and
-three Sentinels, PostgreSQL with a streaming standby, each on loopback servers of the
-test's own (tests/nemesis/failover.py). The primary's machine dies just after a grant
-(SIGKILL; the replication link, lagging 50 ms, drops what it still carries), the standby
-is promoted, clients go on; the nemesis's history checker counts what that did.
+three Sentinels, PostgreSQL with a streaming standby, etcd's three members, each on
+loopback servers of the test's own (tests/nemesis/failover.py). The primary's machine
+dies just after a grant (SIGKILL; the replication link, lagging 50 ms, drops what it
+still carries), the standby is promoted (etcd: the leader dies, the two others elect
+one), clients go on; the nemesis's history checker counts what that did.
 
-What the project promises is asserted: fences never go backwards on either tier (a
-fence is floored by the server's clock, the same machine's here), and with
-``replicas=1`` / a synchronous standby an acknowledged grant survives the failover (no
-two holders, no record vanishing under its holder). What it does not promise (an
+What the project promises is asserted: fences never go backwards on any tier (a fence is
+floored by the server's clock, the same machine's here; etcd's is the raft revision),
+and with ``replicas=1`` / a synchronous standby / etcd an acknowledged grant survives
+the failover (no two holders, no record vanishing under its holder). What it does not promise (an
 asynchronous replica or standby may lose a grant) is printed, not asserted: those
 figures are docs/guides/leases.md's failover table. ``FAILOVER_TRIALS`` (default 3)
 sets the failovers per setup.
@@ -35,8 +36,9 @@ TWO_HOLDERS = ("overlap", "refused-while-protected", "vanished")
         ("redis-sentinel", 1, True),
         ("postgres-standby", 0, False),
         ("postgres-standby", 1, True),
+        ("etcd", 0, True),
     ],
-    ids=["redis-async", "redis-replicas1", "postgres-async", "postgres-sync"],
+    ids=["redis-async", "redis-replicas1", "postgres-async", "postgres-sync", "etcd"],
 )
 def test_failover(tier: str, option: int, promised: bool) -> None:
     outcome = failover.failover_run(tier, option, TRIALS, clients=CLIENTS)

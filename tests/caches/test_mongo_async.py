@@ -10,7 +10,6 @@ dropped at the end; if no server answers, the tests fail, never skip.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import threading
 import time
@@ -22,8 +21,9 @@ import pymongo
 import pytest
 import test_mongo
 from async_crowds import LIMIT, contend, count_under_lock, os_threads
-from async_facade import BlockingFace
+from async_facade import BlockingFace, refused_in_forked_children
 from contract import CacheContract, unique_key
+from procs import forked
 from pymongo import AsyncMongoClient
 
 from simple_mutex import ConstraintError, Mutex
@@ -79,13 +79,6 @@ def cache(server_url: str, client: pymongo.MongoClient[Any]) -> Iterator[Blockin
 
 # -- the contract -----------------------------------------------------------------------
 
-FORK = multiprocessing.get_context("fork")
-
-
-def _refused_in_child(cache: BlockingFace, key: str) -> None:
-    with pytest.raises(ConstraintError, match="give the cache a function that makes the client"):
-        cache.put_if_absent(key, "child", ttl=30)
-
 
 class GivenClient:
     """An AsyncMongoCache over a client given as it is."""
@@ -96,17 +89,10 @@ class GivenClient:
         loop is its own, is refused at once with the ConstraintError naming the client
         factory, and writes nothing; the parent keeps working. (A cache given a factory
         passes the contract's test: TestAsyncMongoContractFactory.)"""
-        key = unique_key("fork")
-        cache.compare_and_delete(key, version=cache.put_if_absent(key, "p", ttl=30).version)
-        children = [FORK.Process(target=_refused_in_child, args=(cache, key)) for _ in range(2)]
-        for child in children:
-            child.start()
-        for child in children:
-            child.join(10)
-        assert [child.exitcode for child in children] == [0, 0]
-        assert cache.get(key) is None  # the children wrote nothing
-        entry = cache.put_if_absent(key, "parent", ttl=30)
-        assert cache.get(key) == entry
+        refused_in_forked_children(
+            cache, unique_key("fork"), ConstraintError,
+            "give the cache a function that makes the client",
+        )  # fmt: skip
 
 
 class TestAsyncMongoContractServerClock(GivenClient, CacheContract):
@@ -293,8 +279,7 @@ class AsyncFactory:
 def _use_factory(face: BlockingFace, factory: AsyncFactory, key: str) -> None:
     """In a forked child (the face runs a loop of its own): the factory is called once
     more, here, and the cache uses only the client it made."""
-    for _ in range(2):
-        face.compare_and_delete(key, version=face.put_if_absent(key, "child", ttl=30).version)
+    face.take_and_free(key, "child")
     (parent, parents_client), (child, own) = factory.made
     assert (parent, child) == (os.getppid(), os.getpid())
     assert face.cache._collection().database.client is own is not parents_client
@@ -309,17 +294,9 @@ def test_an_async_client_factory_is_called_once_in_each_process(
     face = BlockingFace(AsyncMongoCache(factory, database=DB))
     assert factory.made == []
     key = unique_key("factory")
-    for _ in range(2):
-        face.compare_and_delete(key, version=face.put_if_absent(key, "p", ttl=30).version)
+    face.take_and_free(key, "p")
     assert [pid for pid, _ in factory.made] == [os.getpid()]
-    children = [
-        FORK.Process(target=_use_factory, args=(face, factory, f"{key}.{n}")) for n in range(2)
-    ]
-    for child in children:
-        child.start()
-    for child in children:
-        child.join(20)
-    assert [child.exitcode for child in children] == [0, 0]
+    assert forked(_use_factory, [(face, factory, f"{key}.{n}") for n in range(2)], 20) == [0, 0]
     assert len(factory.made) == 1
     face.close()  # the cache closes the client its factory made
 

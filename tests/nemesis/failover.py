@@ -15,6 +15,12 @@ Tiers (each started on free loopback ports by ``failover_run`` and stopped after
     standby (``pg_ctl promote``, as an operator or Patroni would) and rebuilds the killed
     node as the new primary's standby. ``sync``: ``synchronous_commit=on`` with
     ``synchronous_standby_names='*'``.
+``etcd``
+    three members (tests/servers.py ``EtcdCluster``); clients hold an ``etcd://`` URL
+    naming all three. The leader is SIGKILLed, the other two elect one of themselves on
+    their own (raft: the nemesis only waits for it), and the killed member restarts on
+    its data directory as a follower. No lagging link: a raft write is acknowledged only
+    once a majority has it, so there is no replication backlog for the kill to drop.
 
 The clients are the nemesis's own (``workload``), writing their fences to a SQLite
 fenced store no fault touches. Each failover is recorded as ``fault`` (kind
@@ -38,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -327,6 +333,54 @@ class StandbyPair:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+# -- etcd: three members, raft -------------------------------------------------------------
+
+
+class EtcdTrio:
+    """Three etcd members; the "primary" is the raft leader, the "promotion" the election
+    the two others hold by themselves."""
+
+    def __init__(self) -> None:
+        from servers import EtcdCluster
+
+        self.cluster = EtcdCluster().start()
+        self.killed: Any = None
+
+    def client_cache(self) -> dict[str, Any]:
+        # 2 s per request: one in flight to a follower when the leader dies waits for
+        # the election (or times out and is retried by the engine), never for long.
+        members = ",".join(self.cluster.endpoints)
+        return {"kind": "url", "url": f"etcd://{members}/{SERVICE}?timeout=2"}
+
+    def wait_in_sync(self, timeout: float = 30) -> None:
+        """Every member answers and follows the same leader."""
+        deadline = time.monotonic() + timeout
+        while True:
+            statuses = [m.status() for m in self.cluster.members]
+            leaders = {s["leader"] for s in statuses if s is not None}
+            if None not in statuses and len(leaders) == 1 and leaders != {"0"}:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the etcd members did not agree on a leader: {statuses}")
+            time.sleep(0.05)
+
+    def kill_primary(self) -> int:
+        self.killed = self.cluster.leader()
+        self.killed.kill()
+        return int(self.killed.client_port)
+
+    def promote(self, timeout: float = 30) -> int:
+        """Nothing to do but wait: the two members left elect a leader."""
+        return int(self.cluster.leader(timeout=timeout).client_port)
+
+    def rejoin(self) -> None:
+        """The killed member restarts on its data: it catches up as a follower."""
+        self.killed.start()
+
+    def close(self) -> None:
+        self.cluster.stop()
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -424,55 +478,44 @@ def _pair(tier: str, workdir: Path, option: int, lag: float) -> Iterator[Pair]:
         pair.close()
 
 
+PairFor = Callable[[Path], contextlib.AbstractContextManager[Pair]]  # a trial's home -> its pair
+
+
+@contextlib.contextmanager
+def _pairs(tier: str, option: int, lag: float) -> Iterator[PairFor]:
+    """Per trial, the pair to fail over: a fresh one (Redis, PostgreSQL: each is floored by
+    the same clock), or for etcd the same cluster throughout: its fences are its
+    revisions, which grow within one cluster only; the killed member has rejoined, so the
+    next trial kills whichever member leads then."""
+    if tier != "etcd":
+        yield lambda home: _pair(tier, home, option, lag)
+        return
+    trio = EtcdTrio()
+    try:
+        yield lambda home: contextlib.nullcontext(trio)
+    finally:
+        trio.close()
+
+
 def failover_run(tier: str, option: int, trials: int = 4, clients: int = 5, seed: int = 1,
                  lag: float = LAG, lead: float = 1.0, settle: float = 2.0) -> Outcome:  # fmt: skip
-    """``trials`` failovers, each on a fresh pair: ``clients`` processes stream grants for
-    ``lead`` seconds, the primary is killed just after the next grant (``Grants``), the
-    standby promoted, the killed node
+    """``trials`` failovers, each on a fresh pair (etcd: on one cluster): ``clients``
+    processes stream grants for ``lead`` seconds, the primary is killed just after the
+    next grant (``Grants``), the standby promoted (etcd: a leader elected), the killed node
     rejoins as the new standby, and the clients go on for ``settle`` seconds. ``option``
     is ``replicas=`` (Redis) or synchronous (1) / asynchronous (0) commit (PostgreSQL).
     One history and one fenced store for every trial: the trials do not overlap in time,
-    and each pair's fences are floored by the same clock."""
+    and their fences only grow (``_pairs``)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"failover-{tier}-{option}-"))
     hist = workdir / "history"
     hist.mkdir()
     store = f"sqlite://{workdir / 'store.sqlite'}"
     rec = history.Recorder(hist, "nemesis")
     rec("start")
-    for trial in range(trials):
-        home = workdir / f"trial{trial}"
-        home.mkdir()
-        with _pair(tier, home, option, lag) as pair:
-            pair.wait_in_sync()
-            stop = home / "stop"
-            procs = _clients(pair, home, hist, store, stop, clients, seed + trial)
-            try:
-                watch = Grants(hist, home.name)
-                watch.wait_started(clients)
-                time.sleep(lead)
-                granted = watch.next_grant()
-                port = pair.kill_primary()
-                rec("fault", kind="primary-kill", target="server", port=port, trial=trial,
-                    after=granted)  # fmt: skip
-                new = pair.promote()
-                rec("promoted", target="server", port=new)
-                pair.rejoin()
-                pair.wait_in_sync()
-                rec("rejoined", target="server", port=port)
-                time.sleep(settle)
-                # Go on until a grant came after the kill, so the trial's pause is
-                # measured, not cut off (keys whose release failed in the outage stay
-                # held for their lease; with replicas=1 that outlasted the 2 s settle).
-                watch.next_grant(timeout=30)
-            finally:
-                stop.touch()
-                for proc in procs:
-                    try:
-                        proc.wait(60)
-                    except subprocess.TimeoutExpired:
-                        rec("unended", target=proc.pid, name=str(proc.args[-1]))
-                        proc.kill()
-                        proc.wait(10)
+    with _pairs(tier, option, lag) as pair_for:
+        for trial in range(trials):
+            _trial(pair_for, workdir / f"trial{trial}", trial, rec, hist, store, clients,
+                   seed, lead, settle)  # fmt: skip
     rec("exit")
     fenced = open_store(store)
     log = fenced.log()
@@ -485,6 +528,44 @@ def failover_run(tier: str, option: int, trials: int = 4, clients: int = 5, seed
     return Outcome(tier, _setup(tier, option), trials, figures, anomalies,
                    _after(events, "granted"), _after(events, "promoted"), workdir,
                    Counter(a.kind for a in anomalies))  # fmt: skip
+
+
+def _trial(pair_for: PairFor, home: Path, trial: int, rec: history.Recorder, hist: Path,
+           store: str, clients: int, seed: int, lead: float, settle: float) -> None:  # fmt: skip
+    """One failover: clients stream, the primary dies just after a grant, the standby is
+    promoted, the killed node rejoins, the clients go on until a grant came after it."""
+    home.mkdir()
+    with pair_for(home) as pair:
+        pair.wait_in_sync()
+        stop = home / "stop"
+        procs = _clients(pair, home, hist, store, stop, clients, seed + trial)
+        try:
+            watch = Grants(hist, home.name)
+            watch.wait_started(clients)
+            time.sleep(lead)
+            granted = watch.next_grant()
+            port = pair.kill_primary()
+            rec("fault", kind="primary-kill", target="server", port=port, trial=trial,
+                after=granted)  # fmt: skip
+            new = pair.promote()
+            rec("promoted", target="server", port=new)
+            pair.rejoin()
+            pair.wait_in_sync()
+            rec("rejoined", target="server", port=port)
+            time.sleep(settle)
+            # Go on until a grant came after the kill, so the trial's pause is
+            # measured, not cut off (keys whose release failed in the outage stay
+            # held for their lease; with replicas=1 that outlasted the 2 s settle).
+            watch.next_grant(timeout=30)
+        finally:
+            stop.touch()
+            for proc in procs:
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    rec("unended", target=proc.pid, name=str(proc.args[-1]))
+                    proc.kill()
+                    proc.wait(10)
 
 
 class Grants:
@@ -527,6 +608,8 @@ class Grants:
 def _setup(tier: str, option: int) -> str:
     if tier == "redis-sentinel":
         return f"replicas={option}" if option else "no replicas="
+    if tier == "etcd":
+        return "3 members, leader kill"
     return "synchronous standby" if option else "asynchronous standby"
 
 

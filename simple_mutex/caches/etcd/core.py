@@ -2,7 +2,9 @@
 operation runs and the meaning of their replies. No I/O here: each operation is a *flow*,
 a generator yielding the requests it needs (``Grant``, ``Revoke``, ``Txn``, ``Range``) and
 sent each reply; ``simple_mutex._runtime.steps`` runs them, ``sync.py`` performing each
-request with etcd3gw. Rationale: docs/design/etcd.md.
+request with etcd3gw, ``asyncio.py`` awaiting it with aetcd. What both faces do around
+their I/O is here too: the one error mapping, the order members are tried in, the
+revision a waiter's watch starts from. Rationale: docs/design/etcd.md.
 
 Under the cache's prefix ``P`` (always ending in ``/``), a lock key ``k`` is two etcd keys:
 
@@ -22,11 +24,12 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 from simple_mutex._runtime.steps import StepFlow
-from simple_mutex.caches._base import CacheBase, malformed, prefix_end
+from simple_mutex.caches._base import CacheBase, fault, malformed, prefix_end
 from simple_mutex.contract import Entry
 from simple_mutex.errors import (
     ConstraintTypeError,
@@ -36,6 +39,11 @@ from simple_mutex.errors import (
 )
 
 DEFAULT_PREFIX = "simple_mutex/"
+DEFAULT_TIMEOUT = 5.0  # seconds a request may take: nothing may hang on a dead member
+DEFAULT_PORT = 2379
+_HELD_AT_KEYS = 4096  # keys whose last revision seen held is remembered
+# What asyncio raises when a gRPC channel is used on a loop other than its own.
+_OTHER_LOOP = ("attached to a different loop", "Event loop is closed")
 HELD, FREED = b"held", b"freed"
 _RECORD = "simple_mutex.etcd/1"  # the record's mark: anything else there is not ours
 
@@ -108,10 +116,19 @@ class Txn(Request):
 
 class TxnReply(NamedTuple):
     succeeded: bool
-    revision: int
-    """The cluster's revision after the transaction (the one it wrote, if it wrote)."""
     ranges: list[list[KV]]
     """The key-values of each ``Get`` of the branch that ran, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """What ``wait`` watches: deletions of ``start`` (or of [start, end): a semaphore's
+    slots, where the others in the range wake it spuriously) from ``revision`` on (None:
+    from now)."""
+
+    start: bytes
+    end: bytes | None
+    revision: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,18 +164,77 @@ class EtcdCore(CacheBase):
     """The flows of the five operations and scan, over one prefix."""
 
     name = "etcd"
+    driver_errors: tuple[type[Exception], ...] = ()  # each face's driver's errors
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         super().__init__()
         self.prefix = normal_prefix(prefix)
         self._entries = self.prefix + "k/"
         self._traces = self.prefix + "t/"
+        self._current = 0  # the member that answered last
+        # key -> the latest revision at which this process saw the key held (by a grant, or
+        # by a failed one): any release a waiter must hear of comes after it.
+        self._held_at: dict[str, int] = {}
 
     def entry_key(self, key: str) -> bytes:
         return (self._entries + key).encode()
 
     def trace_key(self, key: str) -> bytes:
         return (self._traces + key).encode()
+
+    # -- what both faces do around their I/O ------------------------------------------------
+
+    def _failed(self, step: Step, exc: Exception) -> Exception | None:
+        """The one place a driver error becomes what the flow sees: any error of the
+        face's driver (``driver_errors``) is the MalfunctionError of the step's
+        operation on its key; None for anything else (a signal handler's exception, a
+        bug), which propagates as it is. A gRPC channel used on another event loop than
+        the one it was opened on (the asyncio face's) fails at once, before sending: the
+        caller's to fix, not a fault."""
+        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OTHER_LOOP):
+            return ConstraintTypeError(
+                f"{type(self).__name__}: its aetcd client is bound to the event loop it was "
+                f"first used on ({str(exc)[:120]}); build the client and the cache inside "
+                "each event loop (each asyncio.run, each thread running a loop)"
+            )
+        if not isinstance(exc, self.driver_errors):
+            return None
+        error = fault(self.name, step.operation, step.key, exc)
+        error.__cause__ = exc
+        return error
+
+    def _members(self, count: int) -> list[int]:
+        """The order to try ``count`` members in: the one that answered last first. A
+        member that refuses (down, partitioned, no leader) is passed over for the next;
+        the face calls ``_answered`` with the one that did."""
+        return [(self._current + attempt) % count for attempt in range(count)]
+
+    def _answered(self, index: int) -> None:
+        self._current = index
+
+    def _granted(self, key: str, entry: Entry | None, seen: int) -> Entry:
+        """A grant's outcome (``_putting``'s), remembered for a later ``wait`` on the key."""
+        self._saw_held(key, seen if entry is None else int(entry.version))
+        if entry is None:
+            raise SimpleCacheConditionError(f"etcd: {key!r} is held")
+        return entry
+
+    def _saw_held(self, key: str, revision: int) -> None:
+        """Remember the latest revision ``key`` was seen held at. Kept for a bounded
+        number of keys: a key forgotten only costs its waiter a wake-up by its poll."""
+        held_at = self._held_at
+        if len(held_at) >= _HELD_AT_KEYS and key not in held_at:
+            held_at.clear()
+        held_at[key] = max(revision, held_at.get(key, 0))
+
+    def _watch(self, keys: Sequence[str]) -> Watch:
+        """What ``wait(keys)`` watches: from just after the latest revision at which this
+        process saw a key held (its failed grant, in whatever thread), so a release in
+        between is replayed at once."""
+        revisions = [self._held_at[key] for key in keys if key in self._held_at]
+        subjects = sorted(self.entry_key(key) for key in keys)
+        end = subjects[-1] + b"\0" if len(subjects) > 1 else None
+        return Watch(subjects[0], end, min(revisions) + 1 if revisions else None)
 
     # -- the contract, as flows ------------------------------------------------------------
 
@@ -173,23 +249,27 @@ class EtcdCore(CacheBase):
         lease, granted = yield Grant("put_if_absent", key, lease_seconds(ttl))
         record = _record(value, asked + granted)
         subject, trace = self.entry_key(key), self.trace_key(key)
+        # The entry read back after its write: its create_revision is the fence, its
+        # mod_revision the version (the transaction's revision, which only a face whose
+        # client tells it could read otherwise).
         reply: TxnReply = yield Txn(
             "put_if_absent", key, subject, "CREATE", 0,
-            success=(Get(trace), Put(subject, record, lease), Put(trace, HELD)),
+            success=(Get(trace), Put(subject, record, lease), Put(trace, HELD), Get(subject)),
             failure=(Get(subject),),
         )  # fmt: skip
         if reply.succeeded:
-            traced = reply.ranges[0]
+            traced, written = reply.ranges
             took_over = bool(traced) and traced[0].value == HELD
-            expires_at = json.loads(record)["expires_at"]
-            return Entry(value, str(reply.revision), reply.revision, expires_at, took_over), 0
+            return _entry(written[0], "put_if_absent", key)._replace(took_over=took_over), 0
         yield from self._revoking("put_if_absent", key, lease)
         current = reply.ranges[0]
-        if current:
-            entry = _entry(current[0], "put_if_absent", key)
-            if entry.value == value:
-                return entry, 0  # our own earlier write, whose reply was lost
-        return None, reply.revision
+        if not current:  # the transaction is atomic: a failed compare means an entry
+            raise malformed("etcd", "put_if_absent", key, "held, but no entry read")
+        entry = _entry(current[0], "put_if_absent", key)
+        if entry.value == value:
+            return entry, 0  # our own earlier write, whose reply was lost
+        # Seen held at its last write: the release a waiter must hear of comes after it.
+        return None, current[0].mod_revision
 
     def _setting(self, key: str, value: str, *, ttl: float, version: str) -> Flow[Entry]:
         revision = _revision(version)
@@ -201,16 +281,15 @@ class EtcdCore(CacheBase):
         subject = self.entry_key(key)
         reply: TxnReply = yield Txn(
             "compare_and_set", key, subject, "MOD", revision,
-            success=(Get(subject), Put(subject, record, lease)),
+            success=(Get(subject), Put(subject, record, lease), Get(subject)),
         )  # fmt: skip
         if not reply.succeeded:
             yield from self._revoking("compare_and_set", key, lease)
             raise SimpleCacheConditionError(f"etcd: {key!r} is not at version {version}")
-        old = reply.ranges[0][0]
+        (old,), (new,) = reply.ranges
         _entry(old, "compare_and_set", key)  # a record of ours it replaced
         yield from self._revoking("compare_and_set", key, old.lease)
-        expires_at = json.loads(record)["expires_at"]
-        return Entry(value, str(reply.revision), old.create_revision, expires_at)
+        return _entry(new, "compare_and_set", key)
 
     def _deleting(self, key: str, *, version: str) -> Flow[None]:
         revision = _revision(version)

@@ -20,7 +20,7 @@ free of protobuf and grpc, so it installs beside any version of those. python-et
   the member refuses (down, or no leader) goes to the next one.
 * Every etcd3gw or requests error is a ``MalfunctionError`` naming etcd, the operation
   and the key (``EtcdCore._failed``, the one mapping). A forked child opens clients of
-  its own. Rationale: docs/design/etcd.md.
+  its own. Rationale: docs/design/etcd.md. The asyncio face: ``AsyncEtcdCache`` (aetcd).
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from simple_mutex._runtime.steps import drive
-from simple_mutex.caches._base import driver_imports, fault
+from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
-from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintTypeError, ConstraintValueError
 
 from .core import (
+    DEFAULT_PORT,
     DEFAULT_PREFIX,
+    DEFAULT_TIMEOUT,
     KV,
     Delete,
     EtcdCore,
@@ -60,10 +62,7 @@ with driver_imports("etcd"):
     from etcd3gw.watch import Watcher
 
 T = TypeVar("T")
-DEFAULT_TIMEOUT = 5.0  # seconds a request may take: nothing may hang on a dead member
-DEFAULT_PORT = 2379
 API_PATH = "/v3/"  # etcd >= 3.4: no discovery request per client
-_HELD_AT_KEYS = 4096  # keys whose last revision seen held is remembered
 
 
 class BadReply(Exception):
@@ -110,11 +109,7 @@ class EtcdCache(EtcdCore):
             raise ConstraintValueError("EtcdCache needs at least one etcd3gw Etcd3Client")
         super().__init__(prefix)
         self._clients: list[Any] = clients
-        self._current = 0  # the member that answered last
         self._owned = close_clients  # close() closes them: made from a URL, or after a fork
-        # key -> the latest revision at which this process saw the key held (by a grant, or
-        # by a failed one): any release a waiter must hear of comes after it.
-        self._held_at: dict[str, int] = {}
 
     def __repr__(self) -> str:
         members = ",".join(f"{c.host}:{c.port}" for c in self._clients)
@@ -133,32 +128,20 @@ class EtcdCache(EtcdCore):
 
     # -- I/O -----------------------------------------------------------------------------
 
-    def _failed(self, step: Step, exc: Exception) -> Exception | None:
-        """The one place a driver error becomes what the flow sees: any error of etcd3gw,
-        requests or the reply's shape is the MalfunctionError of the step's operation on
-        its key; None for anything else (a signal handler's exception, a bug), which
-        propagates as it is."""
-        if not isinstance(exc, self.driver_errors):
-            return None
-        error = fault(self.name, step.operation, step.key, exc)
-        error.__cause__ = exc
-        return error
-
     def _on_a_member(self, call: Any) -> Any:
-        """``call(client)`` on the member that answered last, else on the next ones: a
-        member that refuses (down, partitioned, no leader) is passed over."""
+        """``call(client)`` on each member in ``_members``' order, until one answers."""
         clients = self._clients
-        for attempt in range(len(clients)):
-            index = (self._current + attempt) % len(clients)
+        *others, last = self._members(len(clients))
+        for index in others:
             try:
                 reply = call(clients[index])
             except gateway.ConnectionFailedError:
-                if attempt == len(clients) - 1:
-                    raise
                 continue
-            self._current = index
+            self._answered(index)
             return reply
-        raise AssertionError("unreachable")  # pragma: no cover
+        reply = call(clients[last])
+        self._answered(last)
+        return reply
 
     def _perform(self, step: Step) -> Any:
         if isinstance(step, Grant):
@@ -189,11 +172,7 @@ class EtcdCache(EtcdCore):
         return iter(self._run(self._scanning(prefix)))
 
     def put_if_absent(self, key: str, value: str, *, ttl: float) -> Entry:
-        entry, seen = self._run(self._putting(key, value, ttl=ttl))
-        self._saw_held(key, seen if entry is None else int(entry.version))
-        if entry is None:
-            raise SimpleCacheConditionError(f"etcd: {key!r} is held")
-        return entry
+        return self._granted(key, *self._run(self._putting(key, value, ttl=ttl)))
 
     def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Entry:
         return self._run(self._setting(key, value, ttl=ttl, version=version))
@@ -203,22 +182,19 @@ class EtcdCache(EtcdCore):
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         """Until a watch on ``keys`` sees one deleted (freed or expired), at most
-        ``timeout`` seconds. The watch starts just after the latest revision at which this
-        process saw the key held (its failed grant, in whatever thread), so a release in
-        between is replayed at once."""
+        ``timeout`` seconds (``EtcdCore._watch``: from the revision a grant saw it held)."""
         if timeout <= 0 or not keys:
             return
-        revisions = [self._held_at[key] for key in keys if key in self._held_at]
-        subjects = sorted(self.entry_key(key) for key in keys)
+        watch = self._watch(keys)
         woken = threading.Event()
         options: dict[str, Any] = {"filters": ["NOPUT"]}
-        if revisions:
-            options["start_revision"] = min(revisions) + 1
-        if len(subjects) > 1:  # a semaphore's slots: one range (others in it wake spuriously)
-            options["range_end"] = subjects[-1] + b"\0"
-        step = Range("wait", keys[0], subjects[0])
+        if watch.revision is not None:
+            options["start_revision"] = watch.revision
+        if watch.end is not None:
+            options["range_end"] = watch.end
+        step = Range("wait", keys[0], watch.start)
         try:
-            watcher = self._on_a_member(lambda client: _watch(client, subjects[0], woken, options))
+            watcher = self._on_a_member(lambda client: _watch(client, watch.start, woken, options))
         except Exception as exc:
             error = self._failed(step, exc)
             if error is None:
@@ -228,14 +204,6 @@ class EtcdCache(EtcdCore):
             woken.wait(timeout)
         finally:
             watcher.stop()
-
-    def _saw_held(self, key: str, revision: int) -> None:
-        """Remember the latest revision ``key`` was seen held at. Kept for a bounded
-        number of keys: a key forgotten only costs its waiter a wake-up by its poll."""
-        held_at = self._held_at
-        if len(held_at) >= _HELD_AT_KEYS and key not in held_at:
-            held_at.clear()
-        held_at[key] = max(revision, held_at.get(key, 0))
 
 
 # -- the gateway's JSON ---------------------------------------------------------------------
@@ -282,7 +250,8 @@ def _txn_reply(reply: Any) -> TxnReply:
         for response in reply.get("responses", []):
             if "response_range" in response:
                 ranges.append([_kv(raw) for raw in response["response_range"].get("kvs", [])])
-        return TxnReply(bool(reply.get("succeeded")), int(reply["header"]["revision"]), ranges)
+        int(reply["header"]["revision"])  # every reply of etcd's has it: else not etcd
+        return TxnReply(bool(reply.get("succeeded")), ranges)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise BadReply(f"unexpected reply from etcd: {exc!r}") from None
 
