@@ -57,7 +57,8 @@ def scene() -> Iterator[Scene]:
     lines.take("idle")
     assert lines.send("idle", lambda t: {"n": 2})[1] is True
     line = lines.read("busy")
-    assert line is not None and sorted(line.parked) == [1, 2, 3]  # the copy is in parked
+    assert line is not None
+    assert sorted(line.parked) == [1, 2, 3]
     yield Scene(cache, prefix)
     for lease in held:
         lease.release()
@@ -88,17 +89,20 @@ def test_list_shows_a_parked_column_and_a_line_with_nothing_held(scene: Scene) -
     rows = rows_of(out.getvalue())
     assert rows["busy"][-1] == "2"
     assert rows["plain"][-1] == "-"  # held, no line
-    assert rows["idle"][:3] == ["idle", "-", "(none)"] and rows["idle"][-1] == "1"
+    assert rows["idle"][:3] == ["idle", "-", "(none)"]
+    assert rows["idle"][-1] == "1"
 
 
 def test_list_json_carries_parked_only_where_a_line_is(scene: Scene) -> None:
     out = io.StringIO()
     list_locks(scene.cache, scene.prefix, out, json_output=True)
     found = {row["key"]: row for row in json.loads(out.getvalue())}
-    assert found["busy"]["parked"] == 2 and found["busy"]["fence"] is not None
+    assert found["busy"]["parked"] == 2
+    assert found["busy"]["fence"] is not None
     assert "parked" not in found["plain"]
     assert found["idle"]["parked"] == 1
-    assert found["idle"]["host"] is None and found["idle"]["fence"] is None
+    assert found["idle"]["host"] is None
+    assert found["idle"]["fence"] is None
 
 
 def test_watch_and_show_say_how_many_are_parked(scene: Scene) -> None:
@@ -107,7 +111,8 @@ def test_watch_and_show_say_how_many_are_parked(scene: Scene) -> None:
     text = out.getvalue()
     assert ", 2 held, 3 parked, refreshed" in text
     table = text.split("\n", 1)[1]
-    assert rows_of(table)["busy"][-1] == "2" and rows_of(table)["idle"][-1] == "1"
+    assert rows_of(table)["busy"][-1] == "2"
+    assert rows_of(table)["idle"][-1] == "1"
     shown = io.StringIO()
     assert show_lock(scene.cache, "busy", scene.prefix, shown) == 0
     assert shown.getvalue().startswith("parked:      2 in its line\n")
