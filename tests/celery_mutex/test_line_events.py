@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_mutex import MutexTask
 from celery_mutex import line as celery_line
+from celery_mutex.acquire import before_start
 from celery_mutex.config import config_of
 from simple_mutex import events
 from simple_mutex.journal import parse_line, to_json
@@ -67,16 +67,15 @@ def test_parked_and_promoted_events_carry_the_ticket_and_the_wait(
     step.push_request(id="t4", args=[run, 4], kwargs={}, delivery_info={},
                       mutex_line=header)  # fmt: skip
     try:
-        with pytest.raises(celery_line.Ignore):
-            celery_line.arrive(step, config_of(step), key, "t4", (run, 4), {}, _never)
+        with pytest.raises(celery_line.Ignore):  # the worker's path: before_start
+            before_start(step, "t4", (run, 4), {})
     finally:
         step.pop_request()
     assert [(e.ticket, e.kind) for e in seen if e.ticket == 4] == [(4, "parked")]
+    now = lines.read(key)
+    assert now is not None
+    assert 4 in now.parked
 
     # The journal keeps the ticket, so the timeline can pair a park with its promotion.
     again = parse_line(to_json(promoted[0], "h", 1)).event
     assert (again.kind, again.ticket, again.waited, again.reason) == ("promoted", 2, waited, "end")
-
-
-def _never() -> Any:
-    raise AssertionError("a call parked before its turn takes no lock")
