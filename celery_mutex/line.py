@@ -28,10 +28,11 @@ import datetime as dt
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError
+from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError, events
 from simple_mutex.busy import skip_marker
 from simple_mutex.busy.line import (
     Duplicate,
@@ -170,6 +171,7 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
                 signals.mutex_parked.send(
                     sender=task, task_id=task_id, key=key, ticket=ticket.number
                 )
+                line_event(task, "parked", key, ticket.number)
                 return task.AsyncResult(task_id)
             options["task_id"] = task_id
         else:
@@ -330,6 +332,28 @@ def publish(task: Any, key: str, what: Publish | None, *, by: str) -> None:
     signals.mutex_promoted.send(
         sender=task, task_id=message["id"], key=key, ticket=what.ticket, by=by
     )
+    waited = None if what.parked_at is None else max(0.0, time.time() - what.parked_at)
+    line_event(task, "promoted", key, what.ticket, waited=waited, by=by)
+
+
+def line_event(
+    task: Any,
+    kind: str,
+    key: str,
+    ticket: int,
+    *,
+    waited: float | None = None,
+    by: str | None = None,
+) -> None:
+    """A ``parked`` or ``promoted`` lock event (``simple_mutex.events``): the journal,
+    the timeline and the metrics see a call wait in its key's line."""
+    if events.wanted(kind):
+        cache = config_of(task).lines.cache
+        name = getattr(cache, "name", type(cache).__name__)
+        events.emit(events.LockEvent(
+            kind, key, task.name, str(name), events.now(), waited=waited, reason=by,
+            ticket=ticket,
+        ))  # fmt: skip
 
 
 # -- a worker's arrival ------------------------------------------------------------------------
@@ -369,6 +393,7 @@ def arrive(task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]) -> Le
                 signals.mutex_parked.send(
                     sender=task, task_id=task_id, key=key, ticket=ticket.number
                 )
+                line_event(task, "parked", key, ticket.number)
                 log.info(
                     "%s[%s] parked in the line of %r (ticket %d)",
                     task.name,

@@ -30,7 +30,7 @@ from ._runtime.interrupt import not_theirs
 
 log = logging.getLogger("simple_mutex")
 
-KINDS = ("acquired", "busy", "timed_out", "released", "renewed", "lost")
+KINDS = ("acquired", "busy", "timed_out", "released", "renewed", "lost", "parked", "promoted")
 _LEVELS = {"lost": logging.WARNING, "timed_out": logging.INFO}
 
 
@@ -39,7 +39,9 @@ class LockEvent:
     """Something that happened to a lock. Seconds are floats; ``at`` is aware UTC."""
 
     kind: str
-    """acquired, busy (a try-once attempt found it held), timed_out, released, renewed, lost"""
+    """acquired, busy (a try-once attempt found it held), timed_out, released, renewed, lost;
+    for ``on_busy="queue"``: parked (a call went into its key's line to wait its turn) and
+    promoted (its turn came: it was published again)"""
     key: str
     """The user's key, verbatim."""
     name: str
@@ -54,7 +56,8 @@ class LockEvent:
     """Who holds it (acquired, renewed, released, lost: this holder; busy, timed_out: the
     holder in the way when known). Never the token."""
     waited: float | None = None
-    """acquired, busy, timed_out: how long the acquire took."""
+    """acquired, busy, timed_out: how long the acquire took; promoted: how long the call
+    waited parked."""
     held: float | None = None
     """released, lost: how long the lease was held."""
     took_over: bool = False
@@ -62,7 +65,9 @@ class LockEvent:
     its lease, and its record lapsed), as far as the cache still remembers that holder
     (``Entry.took_over``); False after a release, on a first grant, or once forgotten."""
     reason: str | None = None
-    """lost: why."""
+    """lost: why; promoted: who published it (end, sweep, revoke, parent)."""
+    ticket: int | None = None
+    """parked, promoted: the call's place in its key's line (pairs the two)."""
 
 
 Subscriber = Callable[[LockEvent], None]

@@ -18,6 +18,7 @@ from datetime import datetime
 
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key, split_slot
 from simple_mutex._core.records import Holder, holder_of, record_key
+from simple_mutex.busy.line import Lines
 from simple_mutex.contract import ConditionalCache, Entry, Scannable, is_async
 from simple_mutex.errors import ConstraintTypeError, SimpleCacheConditionError
 
@@ -84,6 +85,27 @@ def locks_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> list[Live
     base = prefix + encode_key(check_key(key))
     found = scannable(cache).scan(base)
     return _sorted(lock for lock in _decoded(cache, prefix, found) if lock.key == key)
+
+
+def line_prefix(prefix: str = DEFAULT_PREFIX) -> str:
+    """Where the lines of ``on_busy="queue"`` stand beside the locks under ``prefix``."""
+    return "line." + check_prefix(prefix)
+
+
+def parked_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
+    """Per key that has a line beside the locks under ``prefix``: how many calls wait
+    parked in it (a parked copy of the running ticket, its broker's redelivery kept in
+    case the holder died, is not a waiting call). Keys with no line are absent."""
+    lines = Lines(scannable(cache), lease=1, prefix=line_prefix(prefix), lock_prefix=prefix)
+    found: dict[str, int] = {}
+    keys = lines.keys()  # a scan, not a mapping's keys
+    for key in keys:
+        line = lines.read(key)
+        if line is None:
+            continue  # it expired between the listing and the read
+        running = line.running.ticket if line.running is not None else None
+        found[key] = sum(1 for t in line.parked if t != running)
+    return found
 
 
 def waited_on(cache: object, lock: LiveLock) -> bool | None:

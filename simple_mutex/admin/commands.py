@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from simple_mutex.admin import LiveLock, live_locks, locks_of, release, waited_on
+from simple_mutex.admin import LiveLock, live_locks, locks_of, parked_by_key, release, waited_on
 from simple_mutex.contract import ConditionalCache
 from simple_mutex.errors import MalfunctionError
 
@@ -47,13 +47,30 @@ def as_json(lock: LiveLock) -> dict[str, Any]:
     }
 
 
+def lines_json(locks: Sequence[LiveLock], parked: dict[str, int]) -> list[dict[str, Any]]:
+    """The ``--json`` array: each held permit (with ``parked`` where its key has a
+    line), then each key whose line waits with nothing held (its lock fields null)."""
+    found = []
+    for lock in locks:
+        entry = as_json(lock)
+        if lock.key in parked:
+            entry["parked"] = parked[lock.key]
+        found.append(entry)
+    held = {lock.key for lock in locks}
+    for key in sorted(parked.keys() - held):
+        found.append({**dict.fromkeys(_JSON_FIELDS), "key": key, "parked": parked[key]})
+    return sorted(found, key=lambda entry: (entry["key"], entry["slot"] or 0))
+
+
 def list_locks(cache: object, prefix: str, out: TextIO, *, json_output: bool = False) -> int:
-    """Every live lock under ``prefix``: a table, or a JSON array."""
+    """Every live lock under ``prefix``, and the parked count of each key that has a line
+    (``on_busy="queue"``): a table, or a JSON array."""
     locks = live_locks(cache, prefix)
+    parked = parked_by_key(cache, prefix)
     if json_output:
-        out.write(json.dumps([as_json(lock) for lock in locks], indent=2) + "\n")
-    elif locks:
-        out.write(table(locks, now()) + "\n")
+        out.write(json.dumps(lines_json(locks, parked), indent=2) + "\n")
+    elif locks or parked:
+        out.write(table(locks, now(), parked=parked) + "\n")
     else:
         out.write(f"no live locks under prefix {prefix!r}\n")
     return 0
@@ -62,9 +79,12 @@ def list_locks(cache: object, prefix: str, out: TextIO, *, json_output: bool = F
 def show_lock(cache: object, key: str, prefix: str, out: TextIO) -> int:
     """One key in full, every permit of a semaphore; 1 when it is free."""
     locks = locks_of(cache, key, prefix)
+    waiting = parked_by_key(cache, prefix).get(key)
+    in_line = "" if waiting is None else f"parked:      {waiting} in its line\n"
     if not locks:
-        out.write(f"{key!r} is free (nothing held under prefix {prefix!r})\n")
+        out.write(f"{key!r} is free (nothing held under prefix {prefix!r})\n{in_line}")
         return 1
+    out.write(in_line)
     moment = now()
     for lock in locks:
         held = lock.holder
@@ -152,6 +172,7 @@ def watch_locks(
             frame += 1
             try:
                 locks = live_locks(cache, prefix)
+                parked = parked_by_key(cache, prefix)
             except MalfunctionError as exc:
                 if frame == 1:
                     raise  # a wrong URL or a server that is down: the caller's status 2
@@ -170,11 +191,16 @@ def watch_locks(
             seen = current
             waiting = waiters(cache, locks)
             moment = now()
+            in_lines = f"{sum(parked.values())} parked, " if parked else ""
             head = (
-                f"simple-mutex watch: prefix {prefix!r}, {len(locks)} held, "
+                f"simple-mutex watch: prefix {prefix!r}, {len(locks)} held, {in_lines}"
                 f"refreshed {stamp(moment)} every {interval:g} s (Ctrl-C ends)"
             )
-            body = table(locks, moment, takeovers, waiting) if locks else "(no live locks)"
+            body = (
+                table(locks, moment, takeovers, waiting, parked=parked)
+                if locks or parked
+                else "(no live locks)"
+            )
             recent = "\n".join(news[-5:])
             out.write((_CLEAR if clear else "") + f"{head}\n{body}\n{recent}\n".rstrip() + "\n\n")
             out.flush()
@@ -236,13 +262,20 @@ def table(
     moment: datetime,
     takeovers: dict[str, int] | None = None,
     waiting: dict[str, bool | None] | None = None,
+    *,
+    parked: dict[str, int] | None = None,
 ) -> str:
+    """One row per held permit; with ``parked`` (per key with a line) a PARKED column,
+    ``-`` for a key with no line, and a row of its own (no holder) for a key whose line
+    waits with nothing held. No line anywhere: no column, the table as it always was."""
     heads = ["KEY", "SLOT", "HOLDER", "ACQUIRED", "HELD FOR", "EXPIRES IN", "FENCE"]
     if takeovers is not None:
         heads.append("TAKEOVERS")
     if waiting is not None:
         heads.append("WAITERS")
-    rows = [heads]
+    if parked:
+        heads.append("PARKED")
+    keyed: list[tuple[str, int, list[str]]] = []
     for lock in locks:
         held = lock.holder
         row = [
@@ -254,7 +287,16 @@ def table(
         if waiting is not None:
             told = waiting.get(lock.key)
             row.append("?" if told is None else "yes" if told else "no")
-        rows.append(row)
+        if parked:
+            row.append(str(parked[lock.key]) if lock.key in parked else "-")
+        keyed.append((lock.key, lock.slot, row))
+    if parked:
+        held_keys = {lock.key for lock in locks}
+        for key in parked.keys() - held_keys:
+            row = [clip(key), "-", "(none)", "-", "-", "-", "-"]
+            row += ["-"] * (len(heads) - len(row) - 1) + [str(parked[key])]
+            keyed.append((key, 0, row))
+    rows = [heads] + [row for _, _, row in sorted(keyed, key=lambda k: (k[0], k[1]))]
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
     lines = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
     return "\n".join(line.rstrip() for line in lines)

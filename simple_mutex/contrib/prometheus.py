@@ -17,6 +17,18 @@
 ``name`` is the event's low-cardinality name (a ``with_simple_mutex`` template, a task or
 job name, ``Mutex(name=...)``); labels never carry the key, whose values are unbounded.
 
+The lines of ``on_busy="queue"``, from a collector that reads them at each scrape
+(``instrument_lines(cache)``, in the one process that serves the metrics):
+
+* ``simple_mutex_parked{prefix, key}``: gauge, calls parked in each key's line now
+
+Here the key is a label: only keys with a line now are reported (a line expires with its
+last parked call), and nothing stays in the client once a line is gone. Read, not fed by
+events: a call parks in the sending process (``apply_async``) or a worker, is promoted
+by whichever worker ends the turn, and expires in whichever sweeps it, so a gauge
+counted up and down from events would be split over processes that share no
+``PROMETHEUS_MULTIPROC_DIR``, and would miss expiries; the record holds the truth.
+
 Multiprocess (a Celery prefork worker, gunicorn): set ``PROMETHEUS_MULTIPROC_DIR`` before
 the process starts and call ``instrument()`` in the parent, before it forks; every child
 writes its own files, and the held gauge is a ``livesum`` (the sum over live processes).
@@ -27,14 +39,20 @@ Serve them from a registry holding ``prometheus_client.multiprocess.MultiProcess
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from simple_mutex import events
-from simple_mutex.errors import ConstraintValueError
+from simple_mutex.admin import DEFAULT_PREFIX, parked_by_key
+from simple_mutex.errors import ConstraintValueError, SimpleMutexError
 
 from ._common import ACQUIRE_OUTCOMES, HOLD_BUCKETS, WAIT_BUCKETS, Granted
+
+log = logging.getLogger("simple_mutex")
 
 
 class _Metrics:
@@ -128,5 +146,59 @@ def instrument(registry: CollectorRegistry | None = None) -> Callable[[], None]:
         for collector in metrics.collectors:
             with contextlib.suppress(KeyError):  # uninstrument called twice
                 target.unregister(collector)
+
+    return uninstrument
+
+
+class ParkedCollector(Collector):
+    """``simple_mutex_parked{prefix, key}``: the parked calls of each line beside the
+    locks under ``prefix``, read from ``cache`` at each scrape (one scan, one read per
+    line). A cache that fails is a warning and an empty family, never a failed scrape."""
+
+    def __init__(self, cache: object, prefix: str = DEFAULT_PREFIX) -> None:
+        self.cache = cache
+        self.prefix = prefix
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "simple_mutex_parked",
+            "Calls parked in each key's line now (on_busy='queue')",
+            labels=["prefix", "key"],
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()  # so that registering it reads no cache
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        try:
+            parked = parked_by_key(self.cache, self.prefix)
+        except SimpleMutexError as exc:
+            log.warning("simple_mutex_parked: the lines under %r could not be read: %s",
+                        self.prefix, exc)  # fmt: skip
+            parked = {}
+        for key, count in sorted(parked.items()):
+            family.add_metric([self.prefix, key], count)
+        yield family
+
+
+def instrument_lines(
+    cache: object, *, prefix: str = DEFAULT_PREFIX, registry: CollectorRegistry | None = None
+) -> Callable[[], None]:
+    """Register ``ParkedCollector(cache, prefix)`` in ``registry`` (default: the global
+    one); returns the function that unregisters it. ``cache`` is the lock cache (a
+    blocking one that can ``scan``: every cache of ``simple_mutex.caches``)."""
+    target = REGISTRY if registry is None else registry
+    collector = ParkedCollector(cache, prefix)
+    try:
+        target.register(collector)
+    except ValueError as exc:
+        raise ConstraintValueError(
+            f"simple_mutex_parked is already registered in this registry ({exc})"
+        ) from exc
+
+    def uninstrument() -> None:
+        with contextlib.suppress(KeyError):
+            target.unregister(collector)
 
     return uninstrument

@@ -230,6 +230,7 @@ def parse_line(text: str) -> Record:
         held=_seconds(data, "held"),
         took_over=bool(_get(data, "took_over", bool, optional=True)),
         reason=_get(data, "reason", str, optional=True),
+        ticket=_get(data, "ticket", int, optional=True),
     )
     host = _get(data, "host", str, optional=True)
     return Record(event, host, _get(data, "pid", int, optional=True))

@@ -11,7 +11,11 @@ fence and duration), a wait a thin grey bar under it from the start of the acqui
 end, a try-once that found the key busy a tick, a timed-out wait a red tick; a takeover of
 a lapsed holder is a triangle at the start of the new hold, a lost lease a red cross at
 its end, and a hold whose end the journal never saw (its process was killed, or still
-runs) a dashed bar to its lease's expiry. Below it, a table per key. No script, no network:
+runs) a dashed bar to its lease's expiry. A call parked in its key's line
+(``on_busy="queue"``) is a translucent violet band under the key's holds, from its
+``parked`` event to its ``promoted`` one (``<rect class="parked" data-key data-ticket>``;
+overlapping calls darken it; one the journal never saw promoted is outlined, drawn to the
+journal's end). Below it, a table per key. No script, no network:
 the page opens from a file, offline, and mails as one attachment. Every string from the
 journal (keys are user input) is escaped.
 
@@ -71,6 +75,19 @@ class Wait:
 
 
 @dataclass
+class Parking:
+    """A call parked in its key's line, from ``parked`` to ``promoted`` (its wait)."""
+
+    key: str
+    ticket: int | None
+    name: str
+    start: datetime
+    end: datetime | None = None
+    by: str | None = None
+    """Who promoted it (end, sweep, revoke, parent); None: the journal never saw it."""
+
+
+@dataclass
 class Timeline:
     holds: list[Hold] = field(default_factory=list)
     waits: list[Wait] = field(default_factory=list)
@@ -78,6 +95,7 @@ class Timeline:
     """busy and timed_out, at their end"""
     keys: list[str] = field(default_factory=list)
     """in the order they first appear"""
+    parkings: list[Parking] = field(default_factory=list)
 
 
 def build(records: Iterable[Record | LockEvent]) -> Timeline:
@@ -87,9 +105,13 @@ def build(records: Iterable[Record | LockEvent]) -> Timeline:
     timeline = Timeline()
     keys: dict[str, None] = {}
     open_holds: dict[tuple[str, int | None, int, int | None], Hold] = {}
+    open_parks: dict[tuple[str, int | None], Parking] = {}
     for record in found:
         event = record.event
         keys.setdefault(event.key)
+        if event.kind in ("parked", "promoted"):
+            _park(event, open_parks, timeline)
+            continue
         if event.waited is not None and event.waited >= MIN_WAIT and event.kind != "released":
             start = datetime.fromtimestamp(event.at.timestamp() - event.waited, timezone.utc)
             timeline.waits.append(Wait(event.key, start, event.at, event.kind, _who(record)))
@@ -123,8 +145,34 @@ def build(records: Iterable[Record | LockEvent]) -> Timeline:
         # Drawn to its lease's expiry (when a takeover may follow), never past the journal.
         ends = [t for t in (hold.expires, last) if t is not None]
         hold.end = max(hold.start, min(ends))
+    for parking in open_parks.values():
+        parking.end = max(parking.start, last) if last is not None else parking.start
     timeline.keys = list(keys)
     return timeline
+
+
+def _park(
+    event: LockEvent, open_parks: dict[tuple[str, int | None], Parking], timeline: Timeline
+) -> None:
+    """A ``parked`` line opens a wait of (key, ticket), its ``promoted`` line closes it;
+    a promotion whose park is not in the journal starts at ``at - waited``. A second park
+    of an open ticket (its broker's copy) changes nothing; a second promotion (a sweep
+    published it again) is drawn from its own wait."""
+    ident = (event.key, event.ticket)
+    parking = open_parks.get(ident)
+    if event.kind == "parked":
+        if parking is None:
+            parking = Parking(event.key, event.ticket, event.name, event.at)
+            open_parks[ident] = parking
+            timeline.parkings.append(parking)
+        return
+    if parking is None:
+        began = datetime.fromtimestamp(event.at.timestamp() - (event.waited or 0), timezone.utc)
+        parking = Parking(event.key, event.ticket, event.name, began)
+        timeline.parkings.append(parking)
+    else:
+        del open_parks[ident]
+    parking.end, parking.by = event.at, event.reason or "?"
 
 
 def _who(record: Record) -> str:
@@ -139,6 +187,7 @@ LABEL_W = 230  # the key column
 CHART_W = 1000
 LANE_H = 18  # one semaphore slot
 WAIT_H = 4
+PARK_H = 6  # the band of a key's parked calls, under its waits
 ROW_GAP = 10
 AXIS_H = 34
 MAX_LABEL = 30  # characters of a key shown in its row; the full key is in its tooltip
@@ -160,6 +209,9 @@ svg .axis text { fill: #666; font-size: 11px; }
 .tick.timed_out { stroke: #c62828; stroke-width: 2.5; }
 .lost { stroke: #c62828; stroke-width: 2.5; }
 .takeover { fill: #000; }
+.parked { fill: #6a3fc4; fill-opacity: 0.3; }
+.parked.open { fill-opacity: 0.12; stroke: #6a3fc4; stroke-dasharray: 3 2; }
+.parked:hover { stroke: #000; stroke-width: 1.5; }
 table { border-collapse: collapse; margin-top: 20px; }
 th, td { border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
@@ -177,7 +229,7 @@ def render(events: Iterable[Record | LockEvent], *, skipped: Sequence[str] = ())
     lines left out, listed on the page."""
     timeline = build(events)
     body = [f"<h1>simple-mutex timeline</h1>{_meta(timeline)}"]
-    if timeline.holds or timeline.waits or timeline.ticks:
+    if timeline.holds or timeline.waits or timeline.ticks or timeline.parkings:
         colours = _colours(timeline.holds)
         body += [_chart(timeline, colours), _legend(colours), _table(timeline)]
     else:
@@ -198,9 +250,10 @@ def _meta(timeline: Timeline) -> str:
     if span is None:
         return ""
     t0, t1 = span
+    parked = f"{len(timeline.parkings)} parked, " if timeline.parkings else ""
     return (
         f'<p class="meta">{len(timeline.keys)} keys, {len(timeline.holds)} holds, '
-        f"{len(timeline.waits)} waits, from {_clock(t0, date=True)} to {_clock(t1)} UTC "
+        f"{len(timeline.waits)} waits, {parked}from {_clock(t0, date=True)} to {_clock(t1)} UTC "
         f"({_duration((t1 - t0).total_seconds())}). Hover a bar for its holder.</p>"
     )
 
@@ -208,6 +261,7 @@ def _meta(timeline: Timeline) -> str:
 def _span(timeline: Timeline) -> tuple[datetime, datetime] | None:
     times = [t for h in timeline.holds for t in (h.start, h.end) if t is not None]
     times += [t for w in (*timeline.waits, *timeline.ticks) for t in (w.start, w.end)]
+    times += [t for p in timeline.parkings for t in (p.start, p.end) if t is not None]
     return (min(times), max(times)) if times else None
 
 
@@ -223,11 +277,16 @@ def _chart(timeline: Timeline, colours: dict[str, tuple[str, str]]) -> str:
     lanes = {key: 1 for key in timeline.keys}
     for hold in timeline.holds:
         lanes[hold.key] = max(lanes[hold.key], hold.slot + 1)
+    queued = {parking.key for parking in timeline.parkings}
+
+    def row_height(key: str) -> float:
+        return lanes[key] * LANE_H + WAIT_H + 4 + (PARK_H + 2 if key in queued else 0)
+
     tops: dict[str, float] = {}
     y = float(AXIS_H)
     for key in timeline.keys:
         tops[key] = y
-        y += lanes[key] * LANE_H + WAIT_H + 4 + ROW_GAP
+        y += row_height(key) + ROW_GAP
     height = y
     width = LABEL_W + CHART_W + 20
     size = f'width="{width}" height="{height:.0f}" viewBox="0 0 {width} {height:.0f}"'
@@ -235,7 +294,7 @@ def _chart(timeline: Timeline, colours: dict[str, tuple[str, str]]) -> str:
            'aria-label="lock timeline">']  # fmt: skip
     out.append(_axis(seconds, height))
     for key in timeline.keys:
-        top, row_h = tops[key], lanes[key] * LANE_H + WAIT_H + 4
+        top, row_h = tops[key], row_height(key)
         shown = key if len(key) <= MAX_LABEL else key[: MAX_LABEL - 1] + "…"
         out.append(
             f'<rect class="row" x="{LABEL_W}" y="{top - 3:.1f}" width="{CHART_W}" '
@@ -250,11 +309,14 @@ def _chart(timeline: Timeline, colours: dict[str, tuple[str, str]]) -> str:
             f'width="{max(x(wait.end) - x(wait.start), 1):.2f}" height="{WAIT_H}">'
             f"<title>{_esc(title)}</title></rect>"
         )
+    for parking in timeline.parkings:
+        top = tops[parking.key] + lanes[parking.key] * LANE_H + WAIT_H + 4
+        out.append(_parking(parking, x, top))
     for hold in timeline.holds:
         out.append(_hold(hold, x, tops[hold.key] + hold.slot * LANE_H, colours))
     for tick in timeline.ticks:
         top = tops[tick.key]
-        bottom = top + lanes[tick.key] * LANE_H + WAIT_H + 2
+        bottom = top + row_height(tick.key) - 2
         title = f"{tick.key}\n{tick.who}: {_OUTCOME[tick.outcome]}"
         out.append(
             f'<line class="tick {tick.outcome}" x1="{x(tick.end):.2f}" x2="{x(tick.end):.2f}" '
@@ -273,6 +335,25 @@ _OUTCOME = {
 
 def _secs(wait: Wait) -> float:
     return (wait.end - wait.start).total_seconds()
+
+
+def _parking(parking: Parking, x: Callable[[datetime], float], top: float) -> str:
+    assert parking.end is not None
+    left, right = x(parking.start), x(parking.end)
+    waited = (parking.end - parking.start).total_seconds()
+    ticket = "" if parking.ticket is None else str(parking.ticket)
+    lines = [
+        parking.key,
+        f"{parking.name}, ticket {ticket or '?'}: parked {_duration(waited)} from "
+        f"{_clock(parking.start)} to {_clock(parking.end)} UTC",
+        f"promoted by {parking.by}" if parking.by else "never promoted in the journal",
+    ]
+    classes = "parked" if parking.by else "parked open"
+    return (
+        f'<rect class="{classes}" x="{left:.2f}" y="{top:.1f}" '
+        f'width="{max(right - left, 1.5):.2f}" height="{PARK_H}" data-key="{_esc(parking.key)}" '
+        f'data-ticket="{ticket}"><title>{_esc(chr(10).join(lines))}</title></rect>'
+    )
 
 
 def _hold(
@@ -376,7 +457,9 @@ KEY_TO_SYMBOLS = (
     '<svg width="14" height="10"><path class="takeover" d="M2,1 h10 l-5,7 z"/></svg>'
     " took over a lapsed lease "
     '<svg width="14" height="14"><path class="lost" d="M2,2 l10,10 m0,-10 l-10,10"/></svg>'
-    " lost</p>"
+    " lost "
+    '<svg width="28" height="8"><rect class="parked" x="1" y="1" width="26" height="6"/></svg>'
+    " parked in the line (on_busy='queue'), until promoted</p>"
 )
 
 
@@ -391,18 +474,22 @@ def _legend(colours: dict[str, tuple[str, str]]) -> str:
 def _table(timeline: Timeline) -> str:
     head = ("<tr><th>key</th><th>holds</th><th>held in all</th><th>longest hold</th>"
             "<th>waits</th><th>longest wait</th><th>busy</th><th>timed out</th>"
-            "<th>takeovers</th><th>lost</th><th>never released</th></tr>")  # fmt: skip
+            "<th>takeovers</th><th>lost</th><th>never released</th><th>parked</th>"
+            "<th>longest parked</th></tr>")  # fmt: skip
     rows = [head]
     for key in timeline.keys:
         holds = [h for h in timeline.holds if h.key == key]
         spans = [((h.end or h.start) - h.start).total_seconds() for h in holds]
         waits = [_secs(w) for w in timeline.waits if w.key == key]
         ticks = [t.outcome for t in timeline.ticks if t.key == key]
+        parks = [((p.end or p.start) - p.start).total_seconds() for p in timeline.parkings
+                 if p.key == key]  # fmt: skip
         cells = [
             len(holds), _duration(sum(spans)), _duration(max(spans, default=0)),
             len(waits), _duration(max(waits, default=0)), ticks.count("busy"),
             ticks.count("timed_out"), sum(h.took_over for h in holds),
             sum(h.ending == "lost" for h in holds), sum(h.ending == "open" for h in holds),
+            len(parks), _duration(max(parks, default=0)),
         ]  # fmt: skip
         rows.append(f"<tr><td>{_esc(key)}</td>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table>{''.join(rows)}</table>"

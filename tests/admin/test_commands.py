@@ -22,6 +22,8 @@ class Flaky(InMemoryCache):
         self.scans = 0
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
+        if prefix.startswith("line."):  # the lines' scan (parked counts): never fails
+            return super().scan(prefix)
         self.scans += 1
         if self.scans in self.failing:
             raise MalfunctionError(f"flaky cache failed during scan on {prefix!r}", key=prefix)

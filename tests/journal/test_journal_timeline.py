@@ -343,3 +343,59 @@ def test_holds_are_built_from_partial_journals():
     spans = [((h.start - t0).total_seconds(), (h.end - t0).total_seconds(), h.ending, h.took_over)
              for h in timeline.build(records).holds]  # fmt: skip
     assert spans == [(3, 5, "released", False), (6, 8, "open", False), (9, 10, "released", True)]
+
+
+def test_parked_calls_are_drawn_apart_from_holds():
+    """``parked`` to ``promoted`` (paired by key and ticket) is a parked band, not a hold:
+    a promotion whose park the journal lacks starts at ``at - waited``; one never promoted
+    is outlined to the journal's end; the table counts them per key."""
+    from datetime import datetime, timedelta, timezone
+
+    from simple_mutex._core.records import Holder
+    from simple_mutex.events import LockEvent
+
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def at(seconds: float) -> datetime:
+        return t0 + timedelta(seconds=seconds)
+
+    def line(kind: str, seconds: float, ticket: int, **more: Any) -> str:
+        e = LockEvent(kind, "order.7", "tasks.ship", "redis", at(seconds), ticket=ticket, **more)
+        return journal.to_json(e, "h", 9)
+
+    held = Holder("h", 5, None, at(0), at(30), 1)
+
+    def lock(kind: str, seconds: float, fence: int, pid: int, **more: Any) -> str:
+        e = LockEvent(kind, "order.7", "tasks.ship", "redis", at(seconds), fence=fence,
+                      slot=0, holder=held, **more)  # fmt: skip
+        return journal.to_json(e, "h", pid)
+
+    lines = [
+        lock("acquired", 0, 1, 5),
+        line("parked", 1, 2),
+        line("parked", 2, 3),
+        line("parked", 2.5, 2),  # the broker's copy of 2 parks again: one wait, from 1 s
+        lock("released", 4, 1, 5, held=4.0),
+        line("promoted", 4, 2, waited=3.0, reason="end"),
+        line("promoted", 6, 4, waited=1.5, reason="sweep"),  # its park is not in the journal
+        line("parked", 7, 5),  # never promoted
+        lock("acquired", 8, 2, 6),  # keeps the journal open to 8 s
+    ]
+    built = timeline.build([journal.parse_line(text) for text in lines])
+    spans = [(p.ticket, (p.start - t0).total_seconds(), (p.end - t0).total_seconds(), p.by)
+             for p in built.parkings]  # fmt: skip
+    assert spans == [(2, 1, 4, "end"), (3, 2, 8, None), (4, 4.5, 6, "sweep"), (5, 7, 8, None)]
+    assert [(h.fence, h.ending) for h in built.holds] == [(1, "released"), (2, "open")]
+    assert built.waits == []  # a promotion's wait is its parked band, not an acquire's wait
+    page = timeline.render([journal.parse_line(text) for text in lines])
+    chart = page.split('<p class="symbols">', 1)[0]
+    assert chart.count('<rect class="parked" ') == 2
+    assert chart.count('<rect class="parked open" ') == 2
+    assert 'data-ticket="2"' in chart
+    assert "ticket 2: parked 3 s" in chart
+    assert chart.count('<rect class="hold') == 2  # the holds are drawn as before, apart
+    assert "parked in the line" in page  # the key to the symbols names the band
+    assert "4 parked" in page
+    assert "<td>order.7</td>" in page
+    row = page.split("<td>order.7</td>", 1)[1].split("</tr>", 1)[0]
+    assert row.endswith("<td>4</td><td>6 s</td>")  # parked calls, longest parked

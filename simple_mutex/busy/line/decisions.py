@@ -13,7 +13,7 @@ tests drive them exhaustively.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias, TypeVar
 
 from simple_mutex.busy.policy import unreachable
@@ -68,6 +68,9 @@ class Publish:
 
     ticket: int
     message: Message
+    parked_at: float | None = field(default=None, compare=False)
+    """When it was first parked (``Parked.at``): what its ``promoted`` event's wait is
+    measured from. Not part of equality: the same publish, whenever it parked."""
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,9 @@ def _promote(line: Line, now: float) -> tuple[Line, Publish | None]:
         return line, None
     entry = line.parked[head]
     promoted = replace(entry, promoted=now)
-    return replace(line, parked={**line.parked, head: promoted}), Publish(head, entry.message)
+    return replace(line, parked={**line.parked, head: promoted}), Publish(
+        head, entry.message, entry.at
+    )
 
 
 def _head(line: Line) -> int | None:
@@ -317,7 +322,7 @@ def sweep(
             # The broker's copy came while the dead holder's lock was held, and parked.
             entry = replace(line.parked[t], promoted=now)
             line = replace(line, running=None, parked={**line.parked, t: entry})
-            publish.append(Publish(t, entry.message))
+            publish.append(Publish(t, entry.message, entry.at))
         elif running.redelivers and running.lapsed is None:
             line = replace(line, running=replace(running, lapsed=now))
         elif running.redelivers and running.lapsed is not None and now - running.lapsed < gap_for:
@@ -334,7 +339,7 @@ def sweep(
                 if entry.promoted is None or now - entry.promoted >= promote_grace:
                     entry = replace(entry, promoted=now)
                     line = replace(line, parked={**line.parked, head: entry})
-                    publish.append(Publish(head, entry.message))
+                    publish.append(Publish(head, entry.message, entry.at))
                 break
             due = line.issued.get(line.turn)
             behind = [p.at for t, p in line.parked.items() if t > line.turn]
