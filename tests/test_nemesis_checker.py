@@ -403,3 +403,26 @@ def test_a_parked_arrival_is_an_acquire_that_ended() -> None:
     )
     assert [a.kind for a in check_tasks(rows)] == ["lost-task"]
     assert check_tasks([r for r in rows if r.get("phase") != "parked"]) == []
+
+
+def test_an_acks_late_task_killed_before_its_ack_may_end_twice() -> None:
+    """Its worker killed after the body ended, before the ack: the broker delivers it again
+    and it runs to its end again (at least once). Not so for a queued call (its line ended
+    the turn first: the copy must be dropped), nor with no kill between the two ends."""
+
+    def twice(kill_at: float, **submit: Any) -> list[dict[str, Any]]:
+        return task_history(
+            ("submit", 0.0, {"task": "a", "late": True, **submit}),
+            ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+            ("run", 1.1, {"task": "a", "phase": "start", "pid": 5}),
+            ("run", 1.5, {"task": "a", "phase": "end", "pid": 5}),
+            ("fault", kill_at, {"kind": "worker-kill", "target": 5}),
+            ("run", 2.0, {"task": "a", "phase": "prerun", "pid": 6}),
+            ("run", 2.1, {"task": "a", "phase": "start", "pid": 6}),
+            ("run", 2.5, {"task": "a", "phase": "end", "pid": 6}),
+            ("outcome", 3.0, {"task": "a", "state": "success"}),
+        )
+
+    assert check_tasks(twice(1.6)) == []
+    assert [a.kind for a in check_tasks(twice(1.6, queued=True))] == ["double-run"]
+    assert [a.kind for a in check_tasks(twice(2.8))] == ["double-run"]

@@ -486,7 +486,9 @@ def _lost_ops(events: list[Event], holds: dict[str, Hold]) -> list[Anomaly]:
 
 def check_tasks(events: list[Event]) -> list[Anomaly]:
     """Every submitted task ran to its end once, was reported skipped, or failed with the
-    fault the nemesis dealt it; never two runs at once, never silently lost.
+    fault the nemesis dealt it; never two runs at once, never silently lost. An
+    ``acks_late`` task whose process was killed after its end, before the ack, may end once
+    more (its redelivery), unless it was queued (``_redelivered``).
 
     Events: ``submit`` (``task``, ``unique``: its key is its own, so a skip is wrong),
     ``limit``: a time limit it must not outlive), ``run`` (``task``, ``phase`` "prerun"
@@ -539,7 +541,7 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
             )
             continue
         state = out["state"]
-        if len(ends) > 1:
+        if len(ends) - _redelivered(sub, ends, by_pid) > 1:
             found.append(Anomaly("double-run", sub.get("key"), f"task {task} ran to its end "
                                  f"{len(ends)} times", ends[1]["t"], (task,)))  # fmt: skip
         found += _concurrent_runs(task, sub, starts, ends, faults)
@@ -585,6 +587,20 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
                         f"(state {state})", end["t"], (task,),
                     ))  # fmt: skip
     return found
+
+
+def _redelivered(sub: Event, ends: list[Event], by_pid: dict[Any, list[Event]]) -> int:
+    """Ends of an ``acks_late`` task after its process was killed between an earlier end
+    and that run's ack: the broker delivers it again (at least once: Celery's promise).
+    Not for a queued call: its line ended the turn before the ack, so the copy must be
+    dropped as a duplicate."""
+    if not sub.get("late") or sub.get("queued"):
+        return 0
+    ordered = sorted(ends, key=lambda r: r["t"])
+    return sum(
+        any(f["kind"] in KILLING and a["t"] <= f["t"] <= b["t"] for f in by_pid.get(a["pid"], ()))
+        for a, b in itertools.pairwise(ordered)
+    )
 
 
 def _concurrent_runs(task: str, sub: Event, starts: list[Event], ends: list[Event],
