@@ -426,6 +426,9 @@ def arrive(task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]) -> Le
                             key,
                             why,
                         )
+                    # Out of order, said so to the body too (the nemesis records it; None
+                    # when in order): request.mutex_late is the RunLate's why.
+                    request.mutex_late = started.why if isinstance(started, RunLate) else None
                     request.mutex_ticket = (key, ticket)
                     return lease
                 lease.release()  # the record changed since: decide again on it

@@ -7,7 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import nemesis  # noqa: F401  (puts tests/ on sys.path for the nemesis.* imports)
-from nemesis.checker import GONE_AT_RENEWAL, TAKEN_OVER, Spec, check, check_tasks, check_ticks
+from nemesis.checker import (
+    GONE_AT_RENEWAL,
+    TAKEN_OVER,
+    Spec,
+    check,
+    check_order,
+    check_tasks,
+    check_ticks,
+)
 
 
 class H:
@@ -344,3 +352,77 @@ def test_a_retry_of_one_task_gets_a_fence_of_its_own() -> None:
         if e["op"] == "acquire":
             e["task"] = "t1"
     assert "fence-repeat" in kinds(h.sorted())
+
+
+def queued(*grants: tuple[str, float, str | None]) -> list[dict[str, Any]]:
+    """Tasks a, b, c sent in that order on the queued key q.a, then granted as ``grants``
+    say: (task, when, the line's late reason)."""
+    rows: list[tuple[str, float, dict[str, Any]]] = [
+        ("submit", n * 0.1, {"task": task, "key": "q.a", "queued": True})
+        for n, task in enumerate("abc")
+    ]
+    rows += [("granted", t, {"task": task, "id": f"{task}:{t}", "key": "q.a", "late": late})
+             for task, t, late in grants]  # fmt: skip
+    return sorted(task_history(*rows), key=lambda e: e["t"])
+
+
+def test_queued_calls_granted_against_send_order() -> None:
+    """b granted before a, which was sent first: out of order; in send order, or a
+    never granted (killed before it ran), it is not."""
+    found = check_order(queued(("b", 1.0, None), ("a", 2.0, None), ("c", 3.0, None)))
+    assert [(a.kind, a.key) for a in found] == [("out-of-order", "q.a")]
+    assert found[0].detail.startswith("task b")
+    assert "before task a, sent earlier" in found[0].detail
+    assert check_order(queued(("a", 1.0, None), ("b", 2.0, None), ("c", 3.0, None))) == []
+    assert check_order(queued(("b", 1.0, None), ("c", 2.0, None))) == []
+    # Only the first grant counts: a's redelivered copy after b is its own turn's, not b's.
+    assert check_order(queued(("a", 1.0, None), ("b", 2.0, None), ("a", 2.5, None))) == []
+
+
+def test_a_late_run_out_of_order_is_no_anomaly() -> None:
+    """a stepped over as a gap, run late once it came (said so): b and c keep their order."""
+    late = queued(("b", 1.0, None), ("c", 2.0, None), ("a", 3.0, "skipped"))
+    assert check_order(late) == []
+    assert [a.kind for a in check_order(queued(("b", 1.0, None), ("a", 3.0, "skipped"),
+                                               ("c", 0.5, None)))] == ["out-of-order"]  # fmt: skip
+
+
+def test_a_parked_arrival_is_an_acquire_that_ended() -> None:
+    """A queued arrival parks (Ignore) after its acquire record, without a grant: no
+    lost-op, no hang; and a fault to its process after it parked is not dealt to it."""
+    h = H()
+    h.proc(1)
+    h.add("acquire", 1.0, 1, id="p", key="q.a", timeout=10, lease=2, renew=True)
+    h.add("parked", 1.01, 1, id="p", key="q.a")
+    assert kinds(h.sorted()) == []
+    rows = task_history(
+        ("submit", 0.0, {"task": "a", "queued": True}),
+        ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+        ("run", 1.1, {"task": "a", "phase": "parked", "pid": 5}),
+        ("fault", 2.0, {"kind": "worker-kill", "target": 5}),
+    )
+    assert [a.kind for a in check_tasks(rows)] == ["lost-task"]
+    assert check_tasks([r for r in rows if r.get("phase") != "parked"]) == []
+
+
+def test_an_acks_late_task_killed_before_its_ack_may_end_twice() -> None:
+    """Its worker killed after the body ended, before the ack: the broker delivers it again
+    and it runs to its end again (at least once). Not so for a queued call (its line ended
+    the turn first: the copy must be dropped), nor with no kill between the two ends."""
+
+    def twice(kill_at: float, **submit: Any) -> list[dict[str, Any]]:
+        return task_history(
+            ("submit", 0.0, {"task": "a", "late": True, **submit}),
+            ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+            ("run", 1.1, {"task": "a", "phase": "start", "pid": 5}),
+            ("run", 1.5, {"task": "a", "phase": "end", "pid": 5}),
+            ("fault", kill_at, {"kind": "worker-kill", "target": 5}),
+            ("run", 2.0, {"task": "a", "phase": "prerun", "pid": 6}),
+            ("run", 2.1, {"task": "a", "phase": "start", "pid": 6}),
+            ("run", 2.5, {"task": "a", "phase": "end", "pid": 6}),
+            ("outcome", 3.0, {"task": "a", "state": "success"}),
+        )
+
+    assert check_tasks(twice(1.6)) == []
+    assert [a.kind for a in check_tasks(twice(1.6, queued=True))] == ["double-run"]
+    assert [a.kind for a in check_tasks(twice(2.8))] == ["double-run"]

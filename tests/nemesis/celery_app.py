@@ -7,8 +7,13 @@ worker is redelivered at once), ``NEM_BACKEND`` (Redis), ``NEM_CACHE``, ``NEM_PR
 ``work`` takes ``k.<key>`` (renewed 2 s lease, ``on_busy="wait"``), then writes its fence
 to the store ``steps`` times, and writes ``cleanup`` more in a ``finally:`` (the clean-up
 a revoke or a hard time limit lets run: it must still be inside the lock). ``work_late``
-is the same with ``acks_late``. Every run records ``run`` start / end and the lock hold
-(``acquire`` from ``task_prerun``, before the lock is taken; ``granted`` once held).
+is the same with ``acks_late``. ``work_queued`` (and ``work_queued_late``, with
+``acks_late``) is the same body on ``q.<key>`` with ``on_busy="queue"``: its calls run one
+at a time in send order, a call whose turn has not come is parked (its ``task_prerun``
+``acquire`` then ends in a ``parked`` event: it raised ``Ignore``) and published again in
+its turn. Every run records ``run`` start / end and the lock hold (``acquire`` from
+``task_prerun``, before the lock is taken; ``granted`` once held, with ``late``: the
+line's reason when the run is out of send order, else None).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from celery_support.env_app import app_from_env
 import nemesis  # noqa: F401  (sys.path)
 from celery_mutex import MutexTask, current_lease
 from nemesis.body import Steps
+from nemesis.celery_locks import LOCK, QUEUED
 from nemesis.history import Recorder
 
 app = app_from_env(
@@ -37,7 +43,8 @@ app = app_from_env(
     task_reject_on_worker_lost=True,  # acks_late: a killed worker's task is redelivered
 )
 PREFIX: str = app.conf.mutex_prefix
-LOCK = {"key": "k.{key}", "on_busy": "wait", "timeout": 20, "lease": 2, "renew": True}
+QUEUED_TASKS = {f"{__name__}.work_queued", f"{__name__}.work_queued_late"}
+ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
 _rec: Recorder | None = None
 _steps: Steps | None = None
 
@@ -52,8 +59,19 @@ def _recorder() -> tuple[Recorder, Steps]:
     return _rec, _steps
 
 
+_ops: dict[str, str] = {}  # task id -> the op of its current arrival in this process
+_arrivals = 0
+
+
 def _op(task: Any) -> str:
-    return f"{task.request.id}:{os.getpid()}:{task.request.retries or 0}"
+    """The op of this arrival: a queued call arrives once per publish (same task id), and a
+    duplicate copy may arrive after its run in the same process, so each has its own."""
+    found = _ops.get(task.request.id)
+    return found or f"{task.request.id}:{os.getpid()}:{task.request.retries or 0}"
+
+
+def _lock(task: Any, key: str) -> str:
+    return f"{'q' if task.name in QUEUED_TASKS else 'k'}.{key}"
 
 
 @signals.task_prerun.connect
@@ -63,31 +81,50 @@ def _prerun(sender: Any = None, task: Any = None, args: Any = (), kwargs: Any = 
     key = (kwargs or {}).get("key")
     if key is None:
         return
+    global _arrivals
+    _arrivals += 1
+    queued = task.name in QUEUED_TASKS
+    op = f"{task.request.id}:{os.getpid()}:{task.request.retries or 0}:{_arrivals}"
+    _ops[task.request.id] = op
     rec("run", task=task.request.id, phase="prerun", pid=os.getpid())
-    rec("acquire", id=_op(task), key=f"k.{key}", timeout=LOCK["timeout"], lease=2, renew=True,
-        task=task.request.id)  # fmt: skip
+    rec("acquire", id=op, key=_lock(task, key), timeout=ARRIVAL if queued else LOCK["timeout"],
+        lease=2, renew=True, task=task.request.id)  # fmt: skip
+
+
+@signals.task_postrun.connect
+def _postrun(sender: Any = None, task: Any = None, kwargs: Any = None, state: Any = None,
+             **_: Any) -> None:  # fmt: skip
+    """A queued arrival parked (or dropped as a duplicate): it raised Ignore, no grant."""
+    key = (kwargs or {}).get("key")
+    if key is None or state != "IGNORED" or not getattr(task.request, "mutex_parked", False):
+        return
+    rec, _ = _recorder()
+    rec("parked", id=_op(task), key=_lock(task, key), task=task.request.id)
+    rec("run", task=task.request.id, phase="parked", pid=os.getpid())
 
 
 def _body(task: Any, key: str, steps: int, cleanup: int, pause: float) -> str:
     rec, writer = _recorder()
     op, lease = _op(task), current_lease()
     assert lease is not None
-    rec("granted", id=op, key=f"k.{key}", fence=lease.fence, slot=lease.slot,
-        deadline=lease._deadline, task=task.request.id)  # fmt: skip
+    lock = _lock(task, key)
+    rec("granted", id=op, key=lock, fence=lease.fence, slot=lease.slot,
+        deadline=lease._deadline, task=task.request.id,
+        late=getattr(task.request, "mutex_late", None))  # fmt: skip
     rec("run", task=task.request.id, phase="start", pid=os.getpid())
     _redis().set(f"{PREFIX}pid.{task.request.id}", os.getpid(), ex=600)
     n = 0
     try:
         for n in range(steps):
-            writer.step(op, f"k.{key}", lease, n)
+            writer.step(op, lock, lease, n)
             time.sleep(pause)
     except BaseException as exc:
         rec("lost" if "LeaseExpired" in type(exc).__name__ else "failed", id=op,
-            key=f"k.{key}", error=repr(exc)[:200])  # fmt: skip
+            key=lock, error=repr(exc)[:200])  # fmt: skip
         raise
     finally:
         for m in range(cleanup):
-            writer.step(op, f"k.{key}", lease, n + 1 + m, cleanup=True)
+            writer.step(op, lock, lease, n + 1 + m, cleanup=True)
             time.sleep(0.01)
     rec("run", task=task.request.id, phase="end", pid=os.getpid())
     rec("done", id=op)
@@ -111,4 +148,16 @@ def work(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 
 
 @app.task(base=MutexTask, bind=True, mutex=LOCK, acks_late=True)
 def work_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> str:
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=QUEUED)
+def work_queued(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=QUEUED, acks_late=True)
+def work_queued_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                     ) -> str:  # fmt: skip
     return _body(self, key, steps, cleanup, pause)

@@ -49,6 +49,9 @@ lost-op / crash
     vanished without a fault and without ``exit``.
 lost-task / double-run / unexplained-failure / tick-missed / tick-repeated
     Task-queue properties (``check_tasks``, ``check_ticks``).
+out-of-order
+    (``check_order``: ``on_busy="queue"``) a queued call of a key was first granted before
+    a call of that key sent earlier, and the line did not say the run was late.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def holds_of(events: list[Event]) -> dict[str, Hold]:
             continue
         if op == "granted":
             hold.granted = e
-        elif op in ("busy", "failed"):
+        elif op in ("busy", "failed", "parked"):
             hold.outcome = e
         elif op == "step":
             hold.steps.append(e)
@@ -483,7 +486,9 @@ def _lost_ops(events: list[Event], holds: dict[str, Hold]) -> list[Anomaly]:
 
 def check_tasks(events: list[Event]) -> list[Anomaly]:
     """Every submitted task ran to its end once, was reported skipped, or failed with the
-    fault the nemesis dealt it; never two runs at once, never silently lost.
+    fault the nemesis dealt it; never two runs at once, never silently lost. An
+    ``acks_late`` task whose process was killed after its end, before the ack, may end once
+    more (its redelivery), unless it was queued (``_redelivered``).
 
     Events: ``submit`` (``task``, ``unique``: its key is its own, so a skip is wrong),
     ``limit``: a time limit it must not outlive), ``run`` (``task``, ``phase`` "prerun"
@@ -510,7 +515,11 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
     for task, rows in runs.items():  # a fault to the process a run was in is dealt to it
         for r in rows:
             if r["phase"] == "prerun":
-                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if f["t"] >= r["t"]]
+                # ...until that arrival parked (on_busy="queue": it left the process then)
+                left = min([p["t"] for p in rows if p["phase"] == "parked"
+                            and p["pid"] == r["pid"] and p["t"] >= r["t"]],
+                           default=float("inf"))  # fmt: skip
+                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if r["t"] <= f["t"] < left]
     found = []
     for task, sub in submitted.items():
         out = outcomes.get(task)
@@ -532,7 +541,7 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
             )
             continue
         state = out["state"]
-        if len(ends) > 1:
+        if len(ends) - _redelivered(sub, ends, by_pid) > 1:
             found.append(Anomaly("double-run", sub.get("key"), f"task {task} ran to its end "
                                  f"{len(ends)} times", ends[1]["t"], (task,)))  # fmt: skip
         found += _concurrent_runs(task, sub, starts, ends, faults)
@@ -580,6 +589,20 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
     return found
 
 
+def _redelivered(sub: Event, ends: list[Event], by_pid: dict[Any, list[Event]]) -> int:
+    """Ends of an ``acks_late`` task after its process was killed between an earlier end
+    and that run's ack: the broker delivers it again (at least once: Celery's promise).
+    Not for a queued call: its line ended the turn before the ack, so the copy must be
+    dropped as a duplicate."""
+    if not sub.get("late") or sub.get("queued"):
+        return 0
+    ordered = sorted(ends, key=lambda r: r["t"])
+    return sum(
+        any(f["kind"] in KILLING and a["t"] <= f["t"] <= b["t"] for f in by_pid.get(a["pid"], ()))
+        for a, b in itertools.pairwise(ordered)
+    )
+
+
 def _concurrent_runs(task: str, sub: Event, starts: list[Event], ends: list[Event],
                      faults: list[Event]) -> list[Anomaly]:  # fmt: skip
     """Two runs of one task alive at once: a start while an earlier run of it had neither
@@ -604,6 +627,38 @@ def _concurrent_runs(task: str, sub: Event, starts: list[Event], ends: list[Even
                     (task,),
                 )
             )
+    return found
+
+
+def check_order(events: list[Event]) -> list[Anomaly]:
+    """``on_busy="queue"``: per key, the calls sent through the line (``submit`` with
+    ``queued``, in send order) are first granted in that order. Not counted: a call never
+    granted (killed or revoked before it ran), and one whose first grant the line said was
+    late (``granted.late``: a ticket stepped over as a gap that came after all)."""
+    sent: dict[str, list[Event]] = defaultdict(list)
+    first: dict[str, Event] = {}
+    for e in events:
+        if e["op"] == "submit" and e.get("queued"):
+            sent[e["key"]].append(e)
+        elif e["op"] == "granted" and e.get("task") is not None:
+            first.setdefault(e["task"], e)
+    found = []
+    for key, subs in sent.items():
+        ahead: tuple[float, str] | None = None  # the latest first grant of those sent before
+        for sub in subs:
+            grant = first.get(sub["task"])
+            if grant is None or grant["key"] != key or grant.get("late") is not None:
+                continue
+            if ahead is not None and grant["t"] < ahead[0]:
+                found.append(Anomaly(
+                    "out-of-order", key,
+                    f"task {sub['task']} (sent {sub['t']:.3f}) was granted at "
+                    f"{grant['t']:.3f}, before task {ahead[1]}, sent earlier, was granted at "
+                    f"{ahead[0]:.3f}; the line did not say it was late",
+                    grant["t"], (grant["id"], first[ahead[1]]["id"]),
+                ))  # fmt: skip
+            if ahead is None or grant["t"] > ahead[0]:
+                ahead = (grant["t"], sub["task"])
     return found
 
 

@@ -31,7 +31,11 @@ resumed        ``target``: a SIGSTOPped process was sent SIGCONT
 alarm          ``id``: an alarm (a job timeout) fired in this process
 submit / run / outcome
                task queues: ``task`` (an id), the run's ``fence`` and ``deadline``, and the
-               final state the queue reported
+               final state the queue reported; ``submit.queued``: sent through the line
+               (``on_busy="queue"``), in send order per key
+parked         ``on_busy="queue"``: ``id``, ``key``, ``task``: an arrival parked (or was
+               dropped as a duplicate) and raised Ignore, its acquire ended with no grant;
+               ``at="send"`` (no ``id``): a call parked at its send, behind a ticket ahead
 =============  ==========================================================================
 """
 

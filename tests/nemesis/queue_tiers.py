@@ -231,6 +231,7 @@ def _check_queue_run(
         conn.delete(name)
     events = history.load(hist)
     anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
+    anomalies += checker.check_order(events)
     return finish(tier, seed, duration, events, anomalies, workdir,
                   [f"{what}; store log {len(log)} writes"])  # fmt: skip
 
@@ -239,12 +240,14 @@ def _check_queue_run(
 
 CELERY_FAULTS = {
     "sigkill": 1.0, "sigstop": 1.5, "revoke": 1.5, "soft-time-limit": 1.0,
-    "hard-time-limit": 1.0, "worker-kill": 0.7,
+    "hard-time-limit": 1.0, "worker-kill": 0.7, "worker-stop": 0.7,
 }  # fmt: skip
 
 
 def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from celery import Celery
+
+    from celery_mutex.signals import mutex_parked
 
     hist, rec, run_id, store_prefix = _begin(workdir)
     prefix, queue = f"nem{run_id}.", f"nem-{run_id}"
@@ -254,7 +257,9 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
     }  # fmt: skip
     procs = Procs(workdir, env)
     app = Celery("nemesis-client", set_as_current=False)
-    app.conf.update(broker_url=BROKER, result_backend=REDIS, task_default_queue=queue)
+    app.conf.update(broker_url=BROKER, result_backend=REDIS, task_default_queue=queue,
+                    mutex_cache=REDIS, mutex_prefix=prefix)  # fmt: skip
+    _queued_senders(app)
     conn = redis.Redis.from_url(REDIS)
     workers = ["cw0", "cw1"]
     generation: dict[str, int] = {}
@@ -269,18 +274,33 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 
     rng = random.Random(seed)
     submitted: dict[str, Any] = {}
-    keys: dict[str, str] = {}
+    keys: dict[str, tuple[bool, str]] = {}  # task id -> (queued, key)
 
-    def submit(name: str = "work", key: str | None = None, **options: Any) -> str:
+    def submit(name: str = "work", key: str | None = None, queued: bool | None = None,
+               **options: Any) -> str:  # fmt: skip
+        """Send a call: ``queued`` (40% of the random ones) through the client's MutexTask
+        on ``q.<key>``, taking its ticket at the send (the submit events of one key are in
+        send order: this thread sends them one by one, recording each right after)."""
+        if queued is None:
+            queued = key is None and rng.random() < QUEUED_SHARE
         key = key or rng.choice("abc")
         steps = options.pop("steps", rng.randint(2, 8))
         late = name == "work_late" or rng.random() < 0.3
-        task = "nemesis.celery_app." + ("work_late" if late else "work")
-        result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
+        if queued:
+            task = "nemesis.celery_app." + ("work_queued_late" if late else "work_queued")
+            if "countdown" not in options and rng.random() < 0.25:
+                # Through the broker (a countdown keeps the ticket from the send): it may
+                # reach a worker before its turn and park there.
+                options["countdown"] = round(rng.uniform(0.0, 1.0), 2)
+            result = app.tasks[task].apply_async(kwargs={"key": key, "steps": steps}, **options)
+        else:
+            task = "nemesis.celery_app." + ("work_late" if late else "work")
+            result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
         limit = options.get("soft_time_limit") or options.get("time_limit")
-        rec("submit", task=result.id, key=f"k.{key}", name=task, limit=limit, late=late)
+        rec("submit", task=result.id, key=f"{'q' if queued else 'k'}.{key}", name=task,
+            limit=limit, late=late, queued=queued)  # fmt: skip
         submitted[result.id] = result
-        keys[result.id] = key
+        keys[result.id] = (queued, key)
         return str(result.id)
 
     def running() -> list[tuple[str, int]]:
@@ -308,11 +328,18 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         if kind == "worker-kill":
             _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
             return
+        if kind == "worker-stop":  # its prefetched and countdown messages wait with it: a
+            # queued one may be stepped over as a gap (gap_for 3 s) and then run late
+            main = procs.procs[workers[int(pick * len(workers))]].pid
+            for pid in [main, *children(main)]:
+                _sigstop(rec, stopped, "", pid, length)
+            return
         if not live:
             return
         task_id, pid = live[int(pick * len(live))]
         if kind == "revoke":  # a waiter on its key must not enter during its clean-up
-            submit(key=keys[task_id])
+            queued, key = keys[task_id]
+            submit(key=key, queued=queued)
             time.sleep(0.2)
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
@@ -321,12 +348,39 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         elif kind == "sigstop":
             _sigstop(rec, stopped, task_id, pid, length)
 
+    def parked_at_send(sender: Any = None, task_id: str = "", key: str = "", **_: Any) -> None:
+        rec("parked", task=task_id, key=key, at="send")  # behind a ticket ahead: no delivery
+
     stopped: list[tuple[float, int]] = []
-    _drive(rec, procs, workers, "ready.", start_worker, seed, duration,
-           only(CELERY_FAULTS, kinds), rng, submit, deal, stopped,
-           lambda: _outcomes(rec, submitted, timeout=45))  # fmt: skip
+    mutex_parked.connect(parked_at_send, weak=False)
+    try:
+        _drive(rec, procs, workers, "ready.", start_worker, seed, duration,
+               only(CELERY_FAULTS, kinds), rng, submit, deal, stopped,
+               lambda: _outcomes(rec, submitted, timeout=45))  # fmt: skip
+    finally:
+        mutex_parked.disconnect(parked_at_send)
+    what = f"{len(submitted)} tasks submitted, {sum(q for q, _ in keys.values())} of them queued"
     return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
-                            f"{len(submitted)} tasks submitted")  # fmt: skip
+                            what)  # fmt: skip
+
+
+QUEUED_SHARE = 0.4  # of the random calls: on_busy="queue" on keys of their own (q.<key>)
+
+
+def _queued_senders(app: Any) -> None:
+    """Stand-ins on the client app for the worker's queueing tasks (same names, same mutex
+    options): sent through them, each call takes its ticket at the send, as a producer's
+    ``apply_async`` does; their bodies never run here."""
+    from celery_mutex import MutexTask
+    from nemesis.celery_locks import QUEUED
+
+    for name in ("work_queued", "work_queued_late"):
+
+        def stand_in(key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> None:
+            raise AssertionError("a stand-in: the worker runs this task")
+
+        app.task(base=MutexTask, shared=False, name=f"nemesis.celery_app.{name}",
+                 mutex=QUEUED, acks_late=name.endswith("_late"))(stand_in)  # fmt: skip
 
 
 def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float) -> None:
