@@ -19,8 +19,8 @@ USER_EXTRAS="redis,postgres,mongo,etcd,s3,sqlalchemy,django,celery,rq,prometheus
 # One file per tier and integration; the slowest process tests are left to the main run.
 # The beat guard's slots depend on Celery's own date arithmetic, which changed in 5.7: its
 # simulated-clock tests (every zone, Kolkata's +05:30 among them, through Celery's own
-# is_due) run on the lowest Celery too. The real beats in Kolkata wait out two minute
-# boundaries (about 2 minutes) and stay in the main run.
+# is_due) run on the lowest Celery too. The real beats in Kolkata wait for a minute
+# boundary (up to 75 s) and stay in the main run.
 INTEGRATION_TESTS=(
     tests/caches/test_redis.py tests/caches/test_postgres.py tests/caches/test_mongo.py tests/caches/test_s3.py
     tests/caches/test_etcd.py
