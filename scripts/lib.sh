@@ -73,7 +73,15 @@ python_for() {
 pip_install() {
     local venv="$1"
     shift
-    "$venv/bin/python" -m pip install --quiet "$@" \
+    pip_run "$venv" install --quiet "$@"
+}
+
+# The pip of virtual environment $1 with ARGS (a subcommand and its options), the same
+# notes dropped.
+pip_run() {
+    local venv="$1"
+    shift
+    "$venv/bin/python" -m pip "$@" \
         2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" >&2)
 }
 
