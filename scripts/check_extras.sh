@@ -130,8 +130,13 @@ check_one() {
 # checks, each bounded, none timed. Each one's output is shown whole as it ends, in order.
 at_once="${EXTRAS_JOBS:-2}"
 pids=()
+running_checks() {  # how many of the checks started so far still run (not the servers)
+    local pid count=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && count=$((count + 1)); done
+    echo "$count"
+}
 for i in "${!wanted[@]}"; do
-    while (($(jobs -rp | wc -l) >= at_once)); do sleep 0.2; done
+    while (($(running_checks) >= at_once)); do sleep 0.2; done
     check_one "${wanted[i]}" >"$work/check-$i.log" 2>&1 &
     pids+=("$!")
 done
