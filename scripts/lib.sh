@@ -73,7 +73,15 @@ python_for() {
 pip_install() {
     local venv="$1"
     shift
-    "$venv/bin/python" -m pip install --quiet "$@" \
+    pip_run "$venv" install --quiet "$@"
+}
+
+# The pip of virtual environment $1 with ARGS (a subcommand and its options), the same
+# notes dropped.
+pip_run() {
+    local venv="$1"
+    shift
+    "$venv/bin/python" -m pip "$@" \
         2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" >&2)
 }
 
@@ -119,6 +127,14 @@ PY
             || die "pip install failed"
         printf '%s\n' "$want" >"$stamp"
     fi
+}
+
+# The test environment: $VENV with simple-mutex[test,dev] (editable) and the test-only
+# servers (a MongoDB wire-protocol server, ...), never package dependencies.
+setup_test_venv() {
+    setup_venv "test,dev"
+    pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
+        || die "pip install of the test servers failed"
 }
 
 # -- services ------------------------------------------------------------------------

@@ -8,10 +8,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
-setup_venv "test,dev"
-# Test-only servers (a MongoDB wire-protocol server, ...): never package dependencies.
-pip_install "$VENV" --pre -r "$REPO_ROOT/scripts/test-servers.txt" \
-    || die "pip install of the test servers failed"
+setup_test_venv
 
 # -- services: start what the enabled backend tiers test against -----------------------
 ensure_services

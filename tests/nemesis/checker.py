@@ -484,6 +484,44 @@ def _lost_ops(events: list[Event], holds: dict[str, Hold]) -> list[Anomaly]:
 # -- task queues ------------------------------------------------------------------------
 
 
+def _dealt_to_tasks(events: list[Event]) -> dict[str, list[Event]]:
+    """The faults dealt to each task: to it by id, and to a process after its run began
+    there."""
+    dealt: dict[str, list[Event]] = defaultdict(list)
+    by_pid: dict[Any, list[Event]] = defaultdict(list)
+    runs: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        if e["op"] == "fault" and e.get("task"):
+            dealt[e["task"]].append(e)
+        elif e["op"] == "fault" and isinstance(e.get("target"), int):
+            by_pid[e["target"]].append(e)
+        elif e["op"] == "run":
+            runs[e["task"]].append(e)
+    for task, rows in runs.items():  # a fault to the process a run was in is dealt to it
+        for r in rows:
+            if r["phase"] == "prerun":
+                # ...until that arrival parked (on_busy="queue": it left the process then)
+                left = min([p["t"] for p in rows if p["phase"] == "parked"
+                            and p["pid"] == r["pid"] and p["t"] >= r["t"]],
+                           default=float("inf"))  # fmt: skip
+                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if r["t"] <= f["t"] < left]
+    return dealt
+
+
+def gone_with_a_fault(events: list[Event]) -> set[str]:
+    """The tasks that may end with no outcome: acked at receipt (not ``late``), then their
+    process was killed. Nothing can bring them back (no message is left), so a wait for
+    outcomes need not wait for them."""
+    dealt = _dealt_to_tasks(events)
+    return {
+        e["task"]
+        for e in events
+        if e["op"] == "submit"
+        and not e.get("late")
+        and any(f["kind"] in KILLING for f in dealt.get(e["task"], ()))
+    }
+
+
 def check_tasks(events: list[Event]) -> list[Anomaly]:
     """Every submitted task ran to its end once, was reported skipped, or failed with the
     fault the nemesis dealt it; never two runs at once, never silently lost. An
@@ -498,7 +536,6 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
     submitted: dict[str, Event] = {}
     runs: dict[str, list[Event]] = defaultdict(list)
     outcomes: dict[str, Event] = {}
-    dealt: dict[str, list[Event]] = defaultdict(list)
     for e in events:
         if e["op"] == "submit":
             submitted[e["task"]] = e
@@ -506,20 +543,12 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
             runs[e["task"]].append(e)
         elif e["op"] == "outcome":
             outcomes[e["task"]] = e
-        elif e["op"] == "fault" and e.get("task"):
-            dealt[e["task"]].append(e)
-    by_pid: dict[Any, list[Event]] = defaultdict(list)
+    dealt = _dealt_to_tasks(events)
+    gone = gone_with_a_fault(events)
+    by_pid: dict[Any, list[Event]] = defaultdict(list)  # faults dealt to a process
     for e in events:
         if e["op"] == "fault" and not e.get("task") and isinstance(e.get("target"), int):
             by_pid[e["target"]].append(e)
-    for task, rows in runs.items():  # a fault to the process a run was in is dealt to it
-        for r in rows:
-            if r["phase"] == "prerun":
-                # ...until that arrival parked (on_busy="queue": it left the process then)
-                left = min([p["t"] for p in rows if p["phase"] == "parked"
-                            and p["pid"] == r["pid"] and p["t"] >= r["t"]],
-                           default=float("inf"))  # fmt: skip
-                dealt[task] += [f for f in by_pid.get(r["pid"], ()) if r["t"] <= f["t"] < left]
     found = []
     for task, sub in submitted.items():
         out = outcomes.get(task)
@@ -527,7 +556,7 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
         starts = [r for r in runs[task] if r["phase"] == "start"]
         faults = dealt.get(task, [])
         kinds = ",".join(sorted({f["kind"] for f in faults})) or "none"
-        if out is None and not sub.get("late") and any(f["kind"] in KILLING for f in faults):
+        if out is None and task in gone:
             continue  # acked at receipt, then its worker was killed: gone with the fault
         if out is None:
             found.append(

@@ -356,7 +356,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
     try:
         _drive(rec, procs, workers, "ready.", start_worker, seed, duration,
                only(CELERY_FAULTS, kinds), rng, submit, deal, stopped,
-               lambda: _outcomes(rec, submitted, timeout=45))  # fmt: skip
+               lambda: _outcomes(rec, submitted, timeout=45, hist=hist))  # fmt: skip
     finally:
         mutex_parked.disconnect(parked_at_send)
     what = f"{len(submitted)} tasks submitted, {sum(q for q, _ in keys.values())} of them queued"
@@ -383,14 +383,22 @@ def _queued_senders(app: Any) -> None:
                  mutex=QUEUED, acks_late=name.endswith("_late"))(stand_in)  # fmt: skip
 
 
-def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float) -> None:
+def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float, hist: Path) -> None:
     """Wait for every task to be ready (up to ``timeout`` in all), recording each outcome;
-    a task never ready has none (the checker calls it lost)."""
+    a task never ready has none (the checker calls it lost). The wait ends early once
+    every task still pending is gone with a fault (``checker.gone_with_a_fault``: no
+    outcome can come for those) and none became ready for ``QUIET`` s (a revoked task's
+    state is stored a moment after the revoke)."""
     from celery_mutex import is_skipped
 
     deadline = time.monotonic() + timeout
     pending = dict(submitted)
+    last_outcome = time.monotonic()
     while pending and time.monotonic() < deadline:
+        if time.monotonic() - last_outcome >= QUIET:
+            if set(pending) <= checker.gone_with_a_fault(history.load(hist)):
+                return
+            last_outcome += 1  # look again in 1 s
         for task_id, result in list(pending.items()):
             if not result.ready():
                 continue
@@ -401,7 +409,11 @@ def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float) 
             else:
                 rec("outcome", task=task_id, state="failure", error=f"{state} {value!r}"[:300])
             del pending[task_id]
+            last_outcome = time.monotonic()
         time.sleep(0.2)
+
+
+QUIET = 5.0  # s with no outcome before a wait for outcomes may end early
 
 
 # -- RQ -------------------------------------------------------------------------------
