@@ -232,10 +232,15 @@ def contend(
 
 
 def hold_forever(url: str, prefix: str, key: str, lease: float, info_path: str) -> None:
-    """Take ``key`` without renewal, report it, then hang until killed."""
-    held = Mutex(cache_from_url(url), lease=lease, prefix=prefix).acquire(key, timeout=10)
+    """Take ``key`` without renewal, report it (``asked``: before the acquire's request,
+    ``granted``: after its reply), then hang until killed."""
+    mutex = Mutex(cache_from_url(url), lease=lease, prefix=prefix)
+    mutex.locked("warm-up")  # the first request's set-up is not part of the grant
+    asked = time.monotonic()
+    held = mutex.acquire(key, timeout=10)
     granted = time.monotonic()
-    write_json(info_path, {"pid": os.getpid(), "fence": held.fence, "granted": granted})
+    info = {"pid": os.getpid(), "fence": held.fence, "asked": asked, "granted": granted}
+    write_json(info_path, info)
     while True:
         time.sleep(3600)
 
