@@ -305,7 +305,9 @@ def check_celery(extras: list[str]) -> None:
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-P", "prefork",
              "-c", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
-             "-l", "INFO"],
+             # a node name of its own: two checks at once on one RabbitMQ would otherwise
+             # both declare the exclusive control queue of "celery@<host>"
+             "-n", f"check-{RUN}@%h", "-l", "INFO"],
             stdout=sink, stderr=subprocess.STDOUT, env=worker_env,
         )  # fmt: skip
     try:
