@@ -162,6 +162,13 @@ BROAD_CATCH_ALLOWED = {
     ("celery_mutex/run.py", "release_owner"),
     ("celery_mutex/safety_net.py", "_release_leftover"),  # the parent, its child dead
     ("rq_mutex/horses.py", "_record_ended"),  # the RQ worker, its horse dead
+    # on_busy="queue": the next call's publish after the body ended and the lock was
+    # released (a failure leaves it to a sweep), the parent's end of a dead child's turn,
+    # and the sweeper's own thread.
+    ("celery_mutex/line.py", "then"),
+    ("celery_mutex/line.py", "_from_the_parent"),
+    ("celery_mutex/line.py", "sweep_once"),
+    ("celery_mutex/line.py", "_run"),
 }
 BROAD = {"Exception", "BaseException"}
 
