@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError, events
+from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import skip_marker
 from simple_mutex.busy.line import (
     Duplicate,
@@ -42,6 +42,8 @@ from simple_mutex.busy.line import (
     Run,
     RunLate,
     Ticket,
+    pass_on,
+    report,
     ticket_of,
 )
 from simple_mutex.busy.policy import unreachable
@@ -345,15 +347,8 @@ def line_event(
     waited: float | None = None,
     by: str | None = None,
 ) -> None:
-    """A ``parked`` or ``promoted`` lock event (``simple_mutex.events``): the journal,
-    the timeline and the metrics see a call wait in its key's line."""
-    if events.wanted(kind):
-        cache = config_of(task).lines.cache
-        name = getattr(cache, "name", type(cache).__name__)
-        events.emit(events.LockEvent(
-            kind, key, task.name, str(name), events.now(), waited=waited, reason=by,
-            ticket=ticket,
-        ))  # fmt: skip
+    """A ``parked`` or ``promoted`` lock event of this task (``Lines.event``)."""
+    config_of(task).lines.event(kind, key, task.name, ticket, waited=waited, by=by)
 
 
 # -- a worker's arrival ------------------------------------------------------------------------
@@ -463,34 +458,16 @@ def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
     task.request.mutex_ticket = None
     key, ticket = found
     lines = config_of(task).lines
-    try:
-        if isinstance(exc, Retry):
-            lines.retry(key, ticket, after=_delay(exc.when, exc.when))
-            return _nothing
-        if isinstance(exc, Reject) and exc.requeue and task.acks_late:
-            # Its message goes back to the queue: the call comes again, in its turn.
-            lines.retry(key, ticket)
-            return _nothing
-        promoted = lines.end(key, ticket)
-    except MalfunctionError as fault:
-        # The lock is still released; a sweep finds the turn's holder gone and moves on.
-        log.warning("%s: the line of %r moves on at the next sweep: %s", task.name, key, fault)
-        return _nothing
-
-    def then() -> None:
-        if promoted is None:
-            # The next call may have arrived between the end's write and the release,
-            # found the lock still held and parked: sweep the key now that it is free,
-            # rather than leave it to the next periodic sweep.
-            _sweep_key(task, config_of(task), key)
-            return
-        try:
-            publish(task, key, promoted, by="end")
-        except Exception as exc:  # the broker refused: the head stays promoted, and a
-            # sweep publishes it again once promote_grace has passed
-            log.warning("%s: publishing the next in the line of %r failed: %r", task.name, key, exc)
-
-    return then
+    again: float | None = None
+    if isinstance(exc, Retry):
+        again = _delay(exc.when, exc.when)
+    elif isinstance(exc, Reject) and exc.requeue and task.acks_late:
+        again = 0.0  # its message goes back to the queue: the call comes again, in its turn
+    return pass_on(
+        lines, key, ticket, again_after=again, who=task.name, log=log,
+        publish=lambda promoted: publish(task, key, promoted, by="end"),
+        sweep=lambda: _sweep_key(task, config_of(task), key),
+    )  # fmt: skip
 
 
 def _nothing() -> None:
@@ -580,12 +557,7 @@ class Sweeper:
                 except Exception as exc:  # a sweep must go on with the next line
                     log.warning("sweep: the line of %r: %r", key, exc)
                     continue
-                if swept.crashed is not None:
-                    log.warning("sweep: ticket %d of %r ended: its holder died", swept.crashed, key)
-                for gap in swept.skipped:
-                    log.warning("sweep: ticket %d of %r never arrived; stepped over", gap, key)
-                for gone in swept.expired:
-                    log.warning("sweep: ticket %d of %r waited past park_for; dropped", gone, key)
+                report(swept, key, log)
         return published
 
     def every(self) -> float:

@@ -165,10 +165,12 @@ BROAD_CATCH_ALLOWED = {
     # on_busy="queue": the next call's publish after the body ended and the lock was
     # released (a failure leaves it to a sweep), the parent's end of a dead child's turn,
     # and the sweeper's own thread.
-    ("celery_mutex/line.py", "then"),
     ("celery_mutex/line.py", "_from_the_parent"),
     ("celery_mutex/line.py", "sweep_once"),
     ("celery_mutex/line.py", "_run"),
+    # RQ's: the periodic sweep in the worker's main process (no job timeout there).
+    ("rq_mutex/line.py", "sweep_all"),
+    ("rq_mutex/worker.py", "sweep_lines"),
 }
 BROAD = {"Exception", "BaseException"}
 

@@ -20,6 +20,7 @@ import asyncio
 import inspect
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import queue
@@ -804,9 +805,10 @@ def test_the_lines_of_a_cache_are_listed_by_key(tier):
 def test_every_step_has_both_faces_with_the_same_parameters():
     names = {n for n in dir(Lines) if not n.startswith("_")}
     steps = sorted(n for n in names if callable(getattr(Lines, n)) and not n.endswith("_async"))
-    steps = [n for n in steps if n not in ("cache_key", "lock_key")]
+    steps = [n for n in steps if n not in ("cache_key", "lock_key", "event")]
     assert steps == [
-        "arrive", "end", "keys", "read", "retry", "revoke", "send", "start", "sweep", "take"
+        "arrive", "end", "keys", "over", "read", "retry", "revoke", "send", "start", "sweep",
+        "take",
     ]  # fmt: skip
     for name in steps:
         blocking, twin = getattr(Lines, name), getattr(Lines, name + "_async")
@@ -970,3 +972,81 @@ def test_processes_parking_and_ending_run_the_tickets_in_order_one_at_a_time(sha
     assert line.epoch == epoch
     assert not line.parked
     assert sum(1 for o in outs if read_json(o)) >= 2, "one worker did everything"
+
+
+# -- the end of a run, as the integrations take it (Lines.over, pass_on, report) ----------
+
+
+def test_over_keeps_the_turn_for_a_retry_and_ends_it_otherwise():
+    lines = Lines(InMemoryCache(), lease=30)
+    first, second = lines.take("k"), lines.take("k")
+    assert lines.arrive("k", second, "m2") == Park(2)
+    assert lines.start("k", first) == Run(1)
+    assert lines.over("k", first, again_after=0.5) is None  # a retry: still its turn
+    assert lines.arrive("k", second, "m2") == Duplicate(2)  # parked already, waits on
+    assert lines.start("k", first) == Run(1)
+    assert lines.over("k", first, again_after=None) == Publish(2, "m2")
+    assert asyncio.run(lines.over_async("k", second, again_after=None)) is None  # not running
+
+
+def test_pass_on_publishes_after_the_release_or_sweeps(caplog):
+    lines = Lines(InMemoryCache(), lease=30)
+    log = logging.getLogger("test.pass_on")
+    done: list[object] = []
+    first, second = lines.take("k"), lines.take("k")
+    lines.arrive("k", second, "m2")
+    lines.start("k", first)
+
+    def publish(what: Publish) -> None:
+        done.append(what)
+
+    then = ln.pass_on(lines, "k", first, again_after=None, publish=publish,
+                      sweep=lambda: done.append("swept"), who="t", log=log)  # fmt: skip
+    assert done == []  # nothing is published before the caller released the lock
+    then()
+    assert done == [Publish(2, "m2")]
+    # Nothing parked behind: the key is swept instead (a call may have parked meanwhile).
+    lines.start("k", second)
+    ln.pass_on(lines, "k", second, again_after=None, publish=publish,
+               sweep=lambda: done.append("swept"), who="t", log=log)()  # fmt: skip
+    assert done[-1] == "swept"
+
+    def refused(what: Publish) -> None:
+        raise ConnectionError("broker down")
+
+    third, fourth = lines.take("k"), lines.take("k")
+    lines.arrive("k", fourth, "m4")
+    lines.start("k", third)
+    with caplog.at_level(logging.WARNING, logger="test.pass_on"):
+        ln.pass_on(lines, "k", third, again_after=None, publish=refused,
+                   sweep=lambda: None, who="t", log=log)()  # fmt: skip
+    assert "passing the line of 'k' on failed" in caplog.text  # logged, not raised
+    assert lines.read("k").parked[4].promoted is not None  # a sweep publishes it again
+
+
+def test_pass_on_leaves_a_line_it_cannot_reach_to_the_sweep(caplog):
+    """The cache fails as the run ends: logged ("moves on at the next sweep"), nothing
+    raised into the run's outcome, nothing published."""
+
+    class Down(InMemoryCache):
+        def get(self, key: str) -> Any:
+            raise MalfunctionError("the cache is down", unsent=True)
+
+    lines = Lines(Down(), lease=30)
+    published: list[object] = []
+    with caplog.at_level(logging.WARNING, logger="test.pass_on"):
+        then = ln.pass_on(lines, "k", Ticket("e", 1), again_after=None,
+                          publish=published.append, sweep=lambda: published.append("swept"),
+                          who="t", log=logging.getLogger("test.pass_on"))  # fmt: skip
+        then()
+    assert "moves on at the next sweep" in caplog.text
+    assert published == []
+
+
+def test_report_logs_what_a_sweep_did(caplog):
+    swept = ln.Swept(skipped=(3,), expired=(5,), crashed=2)
+    with caplog.at_level(logging.WARNING, logger="test.report"):
+        ln.report(swept, "k", logging.getLogger("test.report"))
+    assert "ticket 2 of 'k' ended: its holder died" in caplog.text
+    assert "ticket 3 of 'k' never arrived" in caplog.text
+    assert "ticket 5 of 'k' waited past park_for" in caplog.text

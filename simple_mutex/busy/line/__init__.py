@@ -40,7 +40,7 @@ from .record import Message as Message
 from .store import DEFAULT_PARK_FOR as DEFAULT_PARK_FOR
 from .store import UPDATE_WRITES as UPDATE_WRITES
 from .store import Change as Change
-from .store import Lines, update
+from .store import Lines, pass_on, report, update
 
 __all__ = [
     "Arrival",
@@ -62,6 +62,8 @@ __all__ = [
     "end",
     "new_line",
     "park",
+    "pass_on",
+    "report",
     "retry",
     "revoke",
     "send",

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from simple_mutex import events
 from simple_mutex._core.durations import Duration, positive_seconds
 from simple_mutex._core.flows import CompareAndSet, Flow, Get, Pause, PutIfAbsent, settle
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key
 from simple_mutex._runtime.drivers import run, run_async
+from simple_mutex._runtime.interrupt import not_theirs
 from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import AnyCache, Entry, Scannable, is_async
 from simple_mutex.errors import (
@@ -107,6 +110,60 @@ def update(
     )
 
 
+def pass_on(
+    lines: Lines,
+    key: str,
+    ticket: Ticket,
+    *,
+    again_after: float | None,
+    publish: Callable[[Publish], object],
+    sweep: Callable[[], object],
+    who: str,
+    log: logging.Logger,
+) -> Callable[[], None]:
+    """The end of a run in the line, for an integration: before the lock is released,
+    the turn moves on (``again_after`` None) or stays (the task queue's own retry, due in
+    that many seconds). Returns what to do once the lock is released: ``publish`` the
+    next parked call, or, with none to publish, ``sweep`` the key (the next call may have
+    arrived between this write and the release, found the lock still held and parked).
+    ``who`` names the run in the log; nothing here raises into the run's own outcome."""
+    try:
+        promoted = lines.over(key, ticket, again_after=again_after)
+    except MalfunctionError as fault:
+        # The lock is still released; a sweep finds the turn's holder gone and moves on.
+        log.warning("%s: the line of %r moves on at the next sweep: %s", who, key, fault)
+        return _nothing
+    if again_after is not None:
+        return _nothing
+
+    def then() -> None:
+        try:
+            sweep() if promoted is None else publish(promoted)
+        except Exception as exc:
+            if not_theirs(exc):
+                raise  # a job timeout or time limit that landed here is the run's own
+            # The run's outcome stands: the head stays promoted, and a sweep publishes it
+            # again once promote_grace has passed.
+            log.warning("%s: passing the line of %r on failed: %r", who, key, exc)
+
+    return then
+
+
+def _nothing() -> None:
+    pass
+
+
+def report(swept: Swept, key: str, log: logging.Logger) -> None:
+    """Log what a sweep of ``key``'s line did besides publishing (the operator's view of
+    a dead holder, a lost message, a call that waited too long)."""
+    if swept.crashed is not None:
+        log.warning("sweep: ticket %d of %r ended: its holder died", swept.crashed, key)
+    for gap in swept.skipped:
+        log.warning("sweep: ticket %d of %r never arrived; stepped over", gap, key)
+    for gone in swept.expired:
+        log.warning("sweep: ticket %d of %r waited past park_for; dropped", gone, key)
+
+
 # -- the two faces -----------------------------------------------------------------------------
 
 _rng = random.Random()
@@ -146,6 +203,26 @@ class Lines:
 
     def cache_key(self, key: str) -> str:
         return self.prefix + encode_key(check_key(key))
+
+    def event(
+        self,
+        kind: str,
+        key: str,
+        name: str,
+        ticket: int,
+        *,
+        waited: float | None = None,
+        by: str | None = None,
+    ) -> None:
+        """A ``parked`` or ``promoted`` lock event (``simple_mutex.events``) of the task or
+        job ``name``: the journal, the timeline and the metrics see a call wait in its
+        key's line. Built only when someone listens."""
+        if events.wanted(kind):
+            cache = getattr(self.cache, "name", type(self.cache).__name__)
+            events.emit(events.LockEvent(
+                kind, key, name, str(cache), events.now(), waited=waited, reason=by,
+                ticket=ticket,
+            ))  # fmt: skip
 
     def lock_key(self, key: str) -> str:
         return self.lock_prefix + encode_key(check_key(key))
@@ -298,6 +375,23 @@ class Lines:
 
     async def end_async(self, key: str, ticket: Ticket) -> Publish | None:
         return await run_async(self.cache, self._end(key, ticket))
+
+    def over(self, key: str, ticket: Ticket, *, again_after: float | None) -> Publish | None:
+        """A run of ``ticket`` is over. ``again_after`` set: it will run again (its task
+        queue's own retry, due in that many seconds) and keeps its turn (``retry``); None:
+        it ended (``end``: the message to publish once the lock is released, if any)."""
+        if again_after is None:
+            return self.end(key, ticket)
+        self.retry(key, ticket, after=again_after)
+        return None
+
+    async def over_async(
+        self, key: str, ticket: Ticket, *, again_after: float | None
+    ) -> Publish | None:
+        if again_after is None:
+            return await self.end_async(key, ticket)
+        await self.retry_async(key, ticket, after=again_after)
+        return None
 
     def _retry(self, key: str, ticket: Ticket, after: float) -> Flow[None]:
         return self._flow(
