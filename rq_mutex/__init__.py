@@ -16,6 +16,9 @@ job id when the worker's main process imported ``rq_mutex`` (``rq worker -w
 rq_mutex.Worker``; see ``rq_mutex.horses``). The default cache is Redis on the job's own
 connection, so a plain RQ setup configures nothing.
 
+``on_busy="queue"`` runs a key's jobs one at a time in enqueue order, parked off the
+queue while they wait (``rq_mutex.line``; start workers with ``-w rq_mutex.Worker``).
+
 Several ``rq cron`` processes enqueue each tick once after one line in the cron config:
 ``from rq_mutex import once_per_tick; once_per_tick()`` (see ``rq_mutex.cron``).
 """
@@ -25,8 +28,8 @@ from __future__ import annotations
 from simple_mutex.busy import SKIPPED, current_lease, is_skipped
 
 from .cron import first_run_of_tick, once_per_tick
-from .horses import Worker
 from .job import mutex_job
+from .worker import Worker
 
 __all__ = [
     "SKIPPED",

@@ -166,12 +166,4 @@ def record_reaped_horses() -> None:
         RQWorker.wait_for_horse = _records_reaped(own)  # type: ignore[method-assign]
 
 
-class Worker(RQWorker):
-    """RQ's forking ``Worker``, named so that ``rq worker -w rq_mutex.Worker`` imports
-    ``rq_mutex`` in the worker's main process (``rq worker`` alone imports job code only
-    in the horses), where it records the horses it reaps. Importing ``rq_mutex`` there any
-    other way (a ``-c`` settings module, a worker script) does the same for every worker
-    class."""
-
-
 record_reaped_horses()

@@ -17,6 +17,8 @@ under every worker class and in ``Queue(is_async=False)``)::
                                 (a synchronous queue waits instead: simple_mutex.busy)
                      wait    -> block until free (bounded by timeout)
                      raise   -> the job fails with SimpleMutexAcquireTimeoutError
+               queue: the key's line decides first (``rq_mutex.line``): its turn ->
+                      acquire and run; else parked (returns rq.Retry, off the queue)
     body       runs inside ``with lease:``: a lost lease interrupts it and the job fails
                with SimpleMutexLeaseExpiredError (no SIGALRM: RQ's timeout owns it)
     end        released on return, exception, RQ's JobTimeoutException; a killed work
@@ -60,9 +62,11 @@ from simple_mutex.busy import (
     skip_marker,
     unreachable,
 )
+from simple_mutex.busy.line import Lines
 from simple_mutex.contract import is_async
 from simple_mutex.decorator import key_function
 
+from . import line
 from .connection import cache_on
 from .cron import META_TICK, first_run_of_tick
 from .horses import free_ended_attempts, token_for
@@ -86,6 +90,7 @@ def mutex_job(
     lease: Duration = 60.0,
     renew: bool = True,
     permits: int = 1,
+    queue: Mapping[str, Any] | None = None,
     cache: object = None,
 ) -> Callable[[F], F]:
     """Make a job function take a lease lock on ``key`` for each run.
@@ -94,19 +99,16 @@ def mutex_job(
     defaults, so ``f(7)`` and ``f(order_id=7)`` share a lock) or a callable taking them.
     The other options mean what they mean for Celery's ``MutexTask`` (README, "Celery"):
     ``on_busy`` skip / retry (returns ``rq.Retry``: start workers ``--with-scheduler``) /
-    wait / raise, ``timeout``, ``retry={"countdown", "backoff", "jitter", "cap", "max"}``,
+    wait / raise / queue (runs in enqueue order per key, parked off the queue while it
+    waits: ``rq_mutex.line``), ``timeout``, ``retry={"countdown", "backoff", "jitter",
+    "cap", "max"}``, ``queue={"max", "on_full", "park_for", "gap_for", "sweep_every"}``,
     ``lease`` and ``renew``, ``permits``. ``cache``: a cache, a raw client or a URL; by
     default Redis on the job's own connection. Bad options raise ConstraintError here.
     """
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
+    if queue is not None:
+        options["queue"] = queue
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
-    if policy.on_busy == "queue":
-        # The line (simple_mutex.busy.line) is in place; RQ's parking (by job id, promoted
-        # with Queue.enqueue_job) is not built yet, so the choice is refused, not ignored.
-        raise ConstraintValueError(
-            "mutex_job: on_busy='queue' is not available for RQ jobs yet (Celery's "
-            "MutexTask has it); use on_busy='wait' to keep one job per key at a time"
-        )
     if isinstance(cache, str) and "://" not in cache:
         raise ConstraintValueError(
             f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}"
@@ -119,6 +121,11 @@ def mutex_job(
             raise ConstraintTypeError(
                 f"mutex_job cannot guard the generator function {fn.__qualname__}: its body "
                 "runs after the job returns; return a list, or lock inside the generator"
+            )
+        if policy.on_busy == "queue" and inspect.iscoroutinefunction(fn):
+            raise ConstraintValueError(
+                f"mutex_job: on_busy='queue' is not available for the async job function "
+                f"{fn.__qualname__} yet; make it a plain def, or use on_busy='wait'"
             )
         run = _Run(fn, key_function(fn, key), policy, cache)
         wrapper: Callable[..., Any]
@@ -157,14 +164,22 @@ class _Run:
         self.cache = cache
         # Its Mutex (or Semaphore) per cache, in this process.
         name = f"{fn.__module__}.{fn.__qualname__}"  # RQ's own name for the job function
+        self.name = name
         self.spaces: PerProcess[Mutex | Semaphore] = PerProcess(
             functools.partial(policy.lock_space, name=name), limit=16
+        )
+        # The lines of on_busy="queue" (rq_mutex.line), beside the locks, per cache.
+        self.lines_by: PerProcess[Lines] = PerProcess(
+            functools.partial(Lines, lease=policy.lease, park_for=policy.queue.park_for),
+            limit=16,
         )
 
     def __call__(self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key, skipped = self._before(job, args, kwargs)
         if skipped is not None:
             return skipped
+        if self.policy.on_busy == "queue" and job.worker_name != SYNC_WORKER:
+            return self._in_line(job, key, args, kwargs)
         try:
             held = self._acquire(job, key)
         except SimpleMutexAcquireTimeoutError as busy:
@@ -175,6 +190,35 @@ class _Run:
         except BaseException:
             held.let_go_at_the_door()  # an interrupt before the block was entered
             raise
+
+    def _in_line(self, job: Job, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``on_busy="queue"``: the body runs in the job's turn, else the job parks."""
+        lines, queue = self.lines(job.connection), self.policy.queue
+        if job.number_of_retries:
+            # Run before (parked, or RQ's retry after its horse died): a dead attempt's
+            # record is freed at once, as for the other policies.
+            free_ended_attempts(job, self._space(job), key)
+        got = line.arrive(
+            job, key, lines, queue, self.name, lambda: self._acquire(job, key),
+            lambda job, reason: flag_skipped(job, reason, None),
+        )  # fmt: skip
+        if isinstance(got, line.Finish):
+            return got.value
+        held, then = got.lease, _nothing
+        try:  # nothing runs between the grant and this try (a job timeout's alarm)
+            with running(held), held:
+                try:
+                    value = self.fn(*args, **kwargs)
+                except BaseException as exc:
+                    then = line.ending(job, key, got, lines, queue, self.name, failed=exc)
+                    raise
+                then = line.ending(job, key, got, lines, queue, self.name, returned=value)
+                return value
+        except BaseException:
+            held.let_go_at_the_door()  # an interrupt before the block was entered
+            raise
+        finally:
+            then()  # after the release: the next in the line is enqueued
 
     async def run_async(self, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An ``async def`` job: waiting, renewal and release never block the loop, and a
@@ -231,9 +275,15 @@ class _Run:
             self.check_timeout(job, key)
         return key, None
 
+    def cache_for(self, connection: Any) -> Any:
+        """The lock cache: the job's own Redis connection unless ``cache=`` named one."""
+        return cache_on(connection) if self.cache is None else shared_cache(self.cache)
+
     def _space(self, job: Job) -> Mutex | Semaphore:
-        cache = cache_on(job.connection) if self.cache is None else shared_cache(self.cache)
-        return self.spaces.get(cache)
+        return self.spaces.get(self.cache_for(job.connection))
+
+    def lines(self, connection: Any) -> Lines:
+        return self.lines_by.get(self.cache_for(connection))
 
     def _acquiring(self, job: Job) -> dict[str, Any]:
         synchronous = job.worker_name == SYNC_WORKER
@@ -307,6 +357,10 @@ META_SKIP_REASON = "rq_mutex_skip_reason"
 META_HOLDER = "rq_mutex_holder"
 
 
+def _nothing() -> None:
+    pass
+
+
 def flag_skipped(job: Job, reason: str, holder: str | None) -> None:
     """Mark a skipped run in ``job.meta`` where dashboards and ``Job.fetch`` see it: the
     job itself ends FINISHED, like any run that returned."""
@@ -370,6 +424,9 @@ def check_timeouts_when_enqueued() -> None:
         run = _decorated_run(job)
         if run is not None and not run.policy.renew:
             run.check_timeout(job, None)
+        if run is not None and run.policy.on_busy == "queue":
+            key = run.key_of(*job.args, **job.kwargs)
+            line.at_send(job, run.lines(self.connection), key, run.policy.queue)
         return job
 
     setattr(create_job, _CHECKING, True)

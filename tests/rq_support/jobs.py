@@ -254,3 +254,64 @@ async def hold_on_attempts_async(run: str, holds: tuple[int, ...] = (1,)) -> str
         await asyncio.sleep(0.05)
     _record(run, "done", attempt=attempt)
     return f"attempt {attempt}"
+
+
+# -- on_busy="queue" (tests/rq_mutex/test_rq_line.py) -------------------------------------
+
+LINE = {"sweep_every": 1, "gap_for": 4}
+
+
+@mutex_job(key="line.{run}.{entity}", on_busy="queue", lease=6, queue=LINE)
+def in_line(run: str, entity: str, item: int, hold: float = 0.05, fail: bool = False) -> int:
+    """One call of an entity's line: its section is recorded, so order, overlap and
+    exactly-once can be checked; ``fail`` raises after it. Its start is recorded too (the
+    horse's pid, to kill it mid-run)."""
+    _record(run, "started", name=entity, item=item, at=time.monotonic())
+    _section(run, entity, hold, item=item)
+    if fail:
+        raise RuntimeError(f"item {item} fails, as told")
+    return item
+
+
+@mutex_job(key="line.{run}.{entity}", on_busy="queue", lease=6, queue={**LINE, "max": 3})
+def in_short_line(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    _section(run, entity, hold, item=item)
+    return item
+
+
+@mutex_job(
+    key="line.{run}.{entity}", on_busy="queue", lease=6, queue={**LINE, "max": 2, "on_full": "skip"}
+)
+def in_line_or_skip(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    _section(run, entity, hold, item=item)
+    return item
+
+
+@mutex_job(key="line.{run}.{entity}", on_busy="queue", lease=6, queue=LINE)
+def in_line_flaky(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    """Fails its first attempt (RQ retries it, under ``retry=Retry(...)``), then returns."""
+    attempt = _redis().incr(f"rqt:{run}:attempt:{entity}:{item}")
+    _section(run, entity, hold, item=item, attempt=attempt)
+    if attempt == 1:
+        raise RuntimeError("first attempt fails")
+    return item
+
+
+# The same line with the locks and lines in PostgreSQL and in a DiskCache (the lock cache
+# is opened when a job first runs, so importing this module connects to nothing).
+PG_LINE = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+PG_LINE += ("&" if "?" in PG_LINE else "?") + "table=rqt_line_locks"
+DISK_LINE = "file:///tmp/rqt-line-disk"
+
+
+@mutex_job(key="line.{run}.{entity}", on_busy="queue", lease=6, queue=LINE, cache=PG_LINE)
+def in_pg_line(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    _redis().set(f"rqt:{run}:pid:{entity}:{item}", os.getpid(), ex=300)
+    _section(run, entity, hold, item=item)
+    return item
+
+
+@mutex_job(key="line.{run}.{entity}", on_busy="queue", lease=6, queue=LINE, cache=DISK_LINE)
+def in_disk_line(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    _section(run, entity, hold, item=item)
+    return item

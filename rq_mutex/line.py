@@ -1,0 +1,352 @@
+"""``on_busy="queue"`` for RQ: a job whose turn has not come is parked in its key's line
+(``simple_mutex.busy.line``; ``docs/design/queue.md``) and its work horse ends at once;
+the job is enqueued again, at the front of its queue, when its turn comes::
+
+    enqueue   ``Queue.create_job`` (every enqueue path goes through it; wrapped in
+              ``rq_mutex.job``) takes the job's ticket into ``job.meta["rq_mutex_line"]``.
+              A full line raises LineFullError there, or (``on_full="skip"``) marks the
+              job to finish at once with the skip marker. A job created scheduled
+              (``enqueue_at`` / ``enqueue_in``) or with dependencies was not sent to run
+              now: it takes its place when it first reaches a worker.
+    arrival   its turn and the lock free: take the lock, mark it running, run the body.
+              Not its turn, or the lock busy: park. The line holds ``{"job", "queue"}``
+              (written before the horse ends: write-then-ack), and the job returns
+              ``rq.Retry(interval=park_for + ...)``, so RQ keeps it SCHEDULED in the
+              ScheduledJobRegistry, off every queue, its hash and result handle intact.
+              A second copy of a ticket that ran or runs finishes with the skip marker
+              (reason "duplicate").
+    end       one write passes the turn on, the lock is released, then the next parked
+              job is enqueued at the front of its queue and taken out of the registry
+              (publish-then-forget: a crash in between leaves a duplicate, which the line
+              drops, never a loss). RQ's own retries (``retry=Retry(...)`` with retries
+              left, or a returned ``rq.Retry``) keep the turn instead.
+    sweep     a parking arrival sweeps its key; ``rq_mutex.Worker`` sweeps the lines on
+              its connection every ``SWEEP_EVERY`` seconds, between jobs and while idle
+              (a head nobody ran is published, a dead horse's turn ends once its lock
+              lapsed, a ticket that never arrived is stepped over).
+
+RQ's ``RateLimit`` (3.0) was evaluated as the base and not chosen: ``docs/design/queue.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.registry import ScheduledJobRegistry
+
+from simple_mutex import Lease, LineFullError, MalfunctionError, SimpleMutexAcquireTimeoutError
+from simple_mutex.busy import line as ln
+from simple_mutex.busy import skip_marker, unreachable
+from simple_mutex.busy.policy import QueuePolicy
+
+log = logging.getLogger("rq_mutex")
+
+META = "rq_mutex_line"  # job.meta: its ticket, {"epoch", "number"}
+META_FULL = "rq_mutex_line_full"  # job.meta: its line was full at the send (on_full="skip")
+ARRIVALS = 8  # decisions one arrival may take before the line is called too contended
+PATIENCE = 2.0  # how long an end waits for the next job's parking horse to finish
+UNLIMITED = 2**31 - 1  # rq.Retry needs a number
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The job's turn came: run the body under ``lease``, then end ``ticket``."""
+
+    lease: Lease
+    ticket: ln.Ticket
+    late: str | None = None  # RunLate's why, when it runs out of order
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The job ends now without running its body, returning ``value`` (the skip marker,
+    or the ``rq.Retry`` that parks it)."""
+
+    value: Any
+
+
+# -- the send --------------------------------------------------------------------------------
+
+
+def takes_its_place_at_send(job: Job) -> bool:
+    """A job sent to run now (not scheduled for later, no dependencies to wait for)."""
+    status = job.get_status(refresh=False)
+    return status in (None, JobStatus.QUEUED) and not job._dependency_ids
+
+
+def at_send(job: Job, lines: ln.Lines, key: str, queue: QueuePolicy) -> None:
+    """The ticket of a job being created, into its meta (saved with the job)."""
+    if not takes_its_place_at_send(job):
+        return
+    try:
+        ticket = lines.take(key, queue_max=queue.max)
+    except LineFullError:
+        if queue.on_full != "skip":
+            raise
+        job.meta[META_FULL] = True
+        return
+    job.meta[META] = {"epoch": ticket.epoch, "number": ticket.number}
+
+
+def ticket_from(job: Job) -> ln.Ticket | None:
+    """The ticket in a job's meta; a mangled one is refused (the job takes a new place)."""
+    found = (job.meta or {}).get(META)
+    if not isinstance(found, Mapping):
+        return None
+    try:
+        return ln.ticket_of(found.get("epoch"), found.get("number"))
+    except (TypeError, ValueError) as bad:
+        log.warning("job %s: its %s meta was refused: %s", job.id, META, bad)
+        return None
+
+
+def _take(job: Job, lines: ln.Lines, key: str) -> ln.Ticket:
+    """A place taken as the job arrives, saved in its meta so a park keeps it."""
+    ticket = lines.take(key)
+    job.meta[META] = {"epoch": ticket.epoch, "number": ticket.number}
+    job.save_meta()  # type: ignore[no-untyped-call]
+    return ticket
+
+
+# -- the arrival ---------------------------------------------------------------------------------
+
+
+def park_interval(queue: QueuePolicy) -> int:
+    """RQ's schedule for a parked job: past ``park_for`` and a few sweeps, so a sweep has
+    dropped its entry (it then ends as a duplicate) before RQ's scheduler would run it."""
+    return math.ceil(queue.park_for + 3 * queue.sweep_every)
+
+
+def arrive(
+    job: Job,
+    key: str,
+    lines: ln.Lines,
+    queue: QueuePolicy,
+    name: str,
+    acquire: Callable[[], Lease],
+    flag_skipped: Callable[[Job, str], None],
+) -> Turn | Finish:
+    """The line's answer for this run of ``job``: its ``Turn`` (the lock taken, marked
+    running) or how it ``Finish``es now (parked, a duplicate, the line was full)."""
+    if (job.meta or {}).get(META_FULL):
+        flag_skipped(job, "line full")
+        return Finish(skip_marker("rq_mutex", key, reason="line full"))
+    ticket = ticket_from(job) or _take(job, lines, key)
+    message = {"job": job.id, "queue": job.origin}
+    for _ in range(ARRIVALS):
+        decided = lines.arrive(key, ticket, message)
+        match decided:
+            case ln.Duplicate():
+                log.info("job %s: ticket %d of %r is a duplicate", job.id, ticket.number, key)
+                flag_skipped(job, "duplicate")
+                return Finish(skip_marker("rq_mutex", key, reason="duplicate"))
+            case ln.Park():
+                lines.event("parked", key, name, ticket.number)
+                log.info("job %s parked in the line of %r (ticket %d)", job.id, key, ticket.number)
+                # Any parking sweeps its key: a head a dead horse left moves on now. The
+                # sweep may hand the turn to this very job: it then runs instead.
+                if sweep_key(job.connection, lines, key, queue, name, own=job.id):
+                    continue
+                if _promoted(lines, key, ticket):
+                    # Its holder ended since, and handed it the turn while this horse
+                    # still runs (its promoter waits for it to park): it runs instead.
+                    continue
+                return Finish(Retry(max=UNLIMITED, interval=park_interval(queue)))
+            case ln.RunLate(why="stranger"):
+                # Its line's record is gone (expired, or lost in a failover): it takes a
+                # place in the line as it is now.
+                ticket = _take(job, lines, key)
+            case ln.Run() | ln.RunLate():
+                try:
+                    lease = acquire()
+                except SimpleMutexAcquireTimeoutError:
+                    continue  # taken meanwhile: decide again (it parks)
+                started = lines.start(key, ticket, redelivers=bool(job.retries_left))
+                if isinstance(started, ln.Run | ln.RunLate):
+                    late = started.why if isinstance(started, ln.RunLate) else None
+                    if late is not None:
+                        log.warning(
+                            "job %s runs out of order: ticket %d of %r was %s",
+                            job.id, ticket.number, key, late,
+                        )  # fmt: skip
+                    if job.number_of_retries:
+                        # Parked before: a copy a publish left in the registry must not run
+                        # again after park_for (one ZREM, only for a job that waited).
+                        registry = ScheduledJobRegistry(job.origin, connection=job.connection)  # type: ignore[no-untyped-call]
+                        registry.remove(job)
+                    return Turn(lease, ticket, late)
+                lease.release()  # the record changed since: decide again on it
+            case _ as unknown:
+                unreachable(unknown)
+    raise MalfunctionError(
+        f"job {job.id}: the line of {key!r} changed under each of {ARRIVALS} arrivals in a row",
+        key=key,
+    )
+
+
+def _promoted(lines: ln.Lines, key: str, ticket: ln.Ticket) -> bool:
+    """Whether ``ticket`` is parked and was handed the turn."""
+    line = lines.read(key)
+    parked = None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+    return parked is not None and parked.promoted is not None
+
+
+def _running(lines: ln.Lines, key: str, number: int) -> bool:
+    line = lines.read(key)
+    return line is not None and line.running is not None and line.running.ticket == number
+
+
+# -- the end ---------------------------------------------------------------------------------
+
+
+def ending(
+    job: Job,
+    key: str,
+    turn: Turn,
+    lines: ln.Lines,
+    queue: QueuePolicy,
+    name: str,
+    *,
+    returned: object = None,
+    failed: BaseException | None = None,
+) -> Callable[[], None]:
+    """Before the lock is released: the turn moves on, or stays for RQ's own retry.
+    Returns what to do once it is released: enqueue the next parked job."""
+    ticket, count = turn.ticket, job.number_of_retries or 0
+    again: float | None = None
+    if isinstance(returned, Retry):
+        again = Retry.get_interval(count, returned.intervals)
+    elif failed is not None and job.retries_left:
+        # RQ runs it again (same job id, same ticket): it keeps its turn.
+        again = Retry.get_interval(count, job.retry_intervals)
+    return ln.pass_on(
+        lines, key, ticket, again_after=again, who=f"job {job.id}", log=log,
+        publish=lambda promoted: publish(
+            job.connection, key, promoted, lines, name, by="end", patience=PATIENCE
+        ),
+        sweep=lambda: sweep_key(job.connection, lines, key, queue, name),
+    )  # fmt: skip
+
+
+# -- publishing ------------------------------------------------------------------------------
+
+
+def publish(
+    connection: Any,
+    key: str,
+    what: ln.Publish,
+    lines: ln.Lines,
+    name: str,
+    *,
+    by: str,
+    patience: float = 0.0,
+) -> bool:
+    """Enqueue a parked job for its turn, at the front of its queue, then take it out of
+    the ScheduledJobRegistry. Only a job still in that registry is enqueued: one already
+    out was published (and is queued or running), so a second promoter adds no copy. A
+    job whose parking horse has not finished yet is waited for up to ``patience``
+    seconds; else a later sweep publishes it. A job gone from RQ (deleted, or ended
+    without running: a job timeout as it parked) will never run: it is stepped over and
+    the next one published, so no dead entry holds the line. True when one was enqueued."""
+    for _ in range(ARRIVALS):
+        found = _parked_job(connection, key, what, lines, patience)
+        if isinstance(found, Job):
+            Queue(found.origin, connection=connection).enqueue_job(found, at_front=True)
+            ScheduledJobRegistry(found.origin, connection=connection).remove(found)  # type: ignore[no-untyped-call]
+            log.debug("published job %s, ticket %d of %r, by %s", found.id, what.ticket, key, by)
+            waited = None if what.parked_at is None else max(0.0, time.time() - what.parked_at)
+            lines.event("promoted", key, name, what.ticket, waited=waited, by=by)
+            return True
+        if found is None:
+            return False
+        line = lines.read(key)
+        if line is None:
+            return False
+        following = lines.revoke(key, ln.Ticket(line.epoch, what.ticket))
+        if following is None:
+            return False
+        what = following
+    return False
+
+
+_GONE = "gone"
+
+
+def _parked_job(
+    connection: Any, key: str, what: ln.Publish, lines: ln.Lines, patience: float
+) -> Job | str | None:
+    """The parked job to enqueue; None when it is not ours to enqueue now (queued
+    already, or its horse is still parking it), ``_GONE`` when it will never run."""
+    job_id, origin = what.message.get("job"), what.message.get("queue")
+    if not isinstance(job_id, str) or not isinstance(origin, str):
+        log.warning("ticket %d of %r holds no job: stepped over", what.ticket, key)
+        return _GONE
+    registry = ScheduledJobRegistry(origin, connection=connection)  # type: ignore[no-untyped-call]
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            job = Job.fetch(job_id, connection=connection)
+        except NoSuchJobError:
+            log.warning(
+                "job %s, ticket %d of %r, was deleted: stepped over", job_id, what.ticket, key
+            )
+            return _GONE
+        if connection.zscore(registry.key, job_id) is not None:
+            return job
+        status = job.get_status(refresh=False)
+        if status not in (JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.QUEUED):
+            log.warning("job %s, ticket %d of %r, ended %s without its turn: stepped over",
+                        job_id, what.ticket, key, status)  # fmt: skip
+            return _GONE
+        if status == JobStatus.QUEUED or time.monotonic() > deadline:
+            return None  # queued already, or still parking: a later sweep tries again
+        if status == JobStatus.STARTED and _running(lines, key, what.ticket):
+            return None  # its horse saw the turn come before it parked, and runs it
+        time.sleep(0.01)
+
+
+# -- sweeping ----------------------------------------------------------------------------------
+
+
+def sweep_key(
+    connection: Any,
+    lines: ln.Lines,
+    key: str,
+    queue: QueuePolicy,
+    name: str,
+    *,
+    own: str | None = None,
+) -> bool:
+    """One sweep of ``key``'s line, publishing what it says to; True when it handed the
+    turn to the job ``own`` (the caller's, still in its horse: it runs now instead)."""
+    try:
+        swept = lines.sweep(key, promote_grace=queue.promote_grace, gap_for=queue.gap_for)
+    except MalfunctionError as fault:
+        log.warning("sweeping the line of %r failed: %s", key, fault)
+        return False
+    mine = False
+    for what in swept.publish:
+        if own is not None and what.message.get("job") == own:
+            mine = True
+            continue
+        publish(connection, key, what, lines, name, by="sweep")
+    ln.report(swept, key, log)
+    return mine
+
+
+def sweep_all(connection: Any, lines: ln.Lines, queue: QueuePolicy, name: str) -> None:
+    """Sweep every line in ``lines``' cache (a worker's periodic sweep)."""
+    found = lines.keys()
+    for key in found:
+        try:
+            sweep_key(connection, lines, key, queue, name)
+        except Exception as exc:  # a sweep must go on with the next line
+            log.warning("sweep: the line of %r: %r", key, exc)

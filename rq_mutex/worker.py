@@ -1,0 +1,81 @@
+"""``rq_mutex.Worker``: RQ's forking ``Worker``, named so that ``rq worker -w
+rq_mutex.Worker`` imports ``rq_mutex`` in the worker's main process (``rq worker`` alone
+imports job code only in the work horses). There it does two things RQ's own worker
+cannot know to do:
+
+* records the horses it reaps, so the next run of a job id whose horse died frees what
+  that horse held (``rq_mutex.horses``; importing ``rq_mutex`` in the main process any
+  other way does this for every worker class);
+* sweeps the lines of ``on_busy="queue"`` on its own connection (the default cache) every
+  ``line_sweep_every`` seconds, in its main loop (no thread: the worker forks), between
+  jobs, while idle and while a horse runs: a head nobody ran is published, a dead horse's
+  turn ends once its lock lapsed, a ticket that never arrived is stepped over
+  (``rq_mutex.line``). Lines in a cache of their own (a job's ``cache=``) are swept
+  when the worker is told of it: ``RQ_MUTEX_LINE_CACHES`` (URLs, comma-separated) in its
+  environment, or ``line_caches`` on a subclass; else by their keys' next arrivals only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from rq.worker import Worker as RQWorker
+
+from simple_mutex.busy import shared_cache
+from simple_mutex.busy.line import Lines
+from simple_mutex.busy.policy import QueuePolicy
+
+from .connection import cache_on
+from .line import sweep_all
+
+log = logging.getLogger("rq_mutex")
+
+_DEFAULTS = QueuePolicy()
+LINE_CACHES = "RQ_MUTEX_LINE_CACHES"  # more caches to sweep: URLs, comma-separated
+
+
+class Worker(RQWorker):
+    """RQ's ``Worker`` that reaps horses on the record and sweeps the lines (above)."""
+
+    line_sweep_every: float = _DEFAULTS.sweep_every
+    line_caches: tuple[object, ...] = ()
+    """Caches (or URLs) other than the worker's own Redis whose lines it sweeps too."""
+
+    _line_swept_at = 0.0
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # An idle worker blocks in BLPOP this long: it wakes in time to sweep.
+        rq_own = int(RQWorker.dequeue_timeout.fget(self))  # type: ignore[attr-defined]
+        return max(1, min(rq_own, math.ceil(self.line_sweep_every)))
+
+    @property
+    def connection_timeout(self) -> int:
+        # The socket timeout RQ gives the connection stays what it was (RQ's own sum).
+        return int(RQWorker.dequeue_timeout.fget(self)) + 10  # type: ignore[attr-defined]
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        super().heartbeat(timeout, pipeline)
+        if time.monotonic() - self._line_swept_at >= self.line_sweep_every:
+            self._line_swept_at = time.monotonic()
+            self.sweep_lines()
+
+    def sweep_lines(self) -> None:
+        """One sweep of every line in the worker's caches; never raises into RQ."""
+        named = [url.strip() for url in os.environ.get(LINE_CACHES, "").split(",")]
+        for where in [None, *self.line_caches, *filter(None, named)]:
+            try:
+                cache = cache_on(self.connection) if where is None else shared_cache(where)
+                lines = Lines(cache, lease=60.0, park_for=_DEFAULTS.park_for)
+                sweep_all(self.connection, lines, _DEFAULTS, "rq_mutex.Worker")
+            except Exception as exc:  # the worker's own loop must go on
+                shown = (  # never the URL: it may hold a password
+                    "its own Redis" if where is None
+                    else f"a {where.split(':', 1)[0]} cache" if isinstance(where, str)
+                    else type(where).__name__
+                )  # fmt: skip
+                log.warning("sweeping the lines in %s failed: %r", shown, exc)

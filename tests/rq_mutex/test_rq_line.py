@@ -1,0 +1,349 @@
+"""``mutex_job(on_busy="queue")``: jobs of one key run in enqueue order, one at a time,
+each once, and a parked job holds no worker while it waits (``rq_mutex.line``).
+
+Real ``rq worker -w rq_mutex.Worker`` processes (forking work horses) on a real Redis
+(db 12); the jobs (``jobs.in_line``, a 6 s lease) record their sections, so order,
+overlap and exactly-once are read back. Faults: a horse SIGKILLed mid-line (with and
+without an RQ retry), a whole worker SIGKILLed, a job that raises, RQ's own retry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+import test_rq
+from rq import Queue, Retry, SimpleWorker
+from rq.job import Job, JobStatus
+from rq_support import jobs
+from test_rq import records
+from workers import start, stop, wait_until
+
+# isort: split
+from rq_mutex import is_skipped, mutex_job
+from rq_mutex.line import META
+from simple_mutex import ConstraintError, LineFullError
+from simple_mutex.busy.line import Lines
+from simple_mutex.caches import RedisCache
+
+pytestmark = pytest.mark.slow
+
+# test_rq's fixtures: its Redis (db 12), a run id, the run's queue, real `rq worker`s.
+conn, run, queue, rq_workers = test_rq.conn, test_rq.run, test_rq.queue, test_rq.rq_workers
+
+WORKER = ("-w", "rq_mutex.Worker")  # reaps horses on the record, sweeps the lines
+ENDED = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+def ended(jobs_: list[Job]) -> bool:
+    return all(j.get_status(refresh=True) in ENDED for j in jobs_)
+
+
+def order(conn: redis.Redis, run: str) -> dict[str, list[int]]:
+    """Each entity's items, in the order their sections started."""
+    found: dict[str, list[int]] = {}
+    for rec in sorted(records(conn, run), key=lambda r: r["start"]):
+        found.setdefault(rec["name"], []).append(rec["item"])
+    return found
+
+
+def assert_one_at_a_time(conn: redis.Redis, run: str, killed: int = 0) -> None:
+    """No two sections of one entity overlapped (by their counter and their times). A
+    section ``killed`` with its horse never left the counter, so it counts as inside."""
+    recs = records(conn, run)
+    assert max(r["inside"] for r in recs) == 1 + killed
+    by: dict[str, list[dict[str, Any]]] = {}
+    for rec in recs:
+        by.setdefault(rec["name"], []).append(rec)
+    for sections in by.values():
+        sections.sort(key=lambda r: r["start"])
+        for before, after in itertools.pairwise(sections):
+            assert before["end"] <= after["start"], (before, after)
+
+
+def started(conn: redis.Redis, run: str, item: int, entity: str = "e") -> dict[str, Any]:
+    wait_until(
+        lambda: any(
+            r["item"] == item and r["name"] == entity for r in records(conn, run, "started")
+        ),
+        60,
+        f"item {item} to start",
+    )
+    return next(
+        r for r in records(conn, run, "started") if r["item"] == item and r["name"] == entity
+    )
+
+
+def test_twenty_keys_run_in_enqueue_order_once_each(conn, run, queue, rq_workers):
+    """20 keys x 10 jobs, sent interleaved, 4 workers: every key's jobs run in the order
+    they were enqueued, never two at once, each exactly once."""
+    for _ in range(4):
+        rq_workers(*WORKER)
+    sent = [
+        queue.enqueue(jobs.in_line, run, f"e{e:02d}", item, hold=0.05)
+        for item in range(10)
+        for e in range(20)
+    ]
+    assert all(META in j.meta for j in sent), "a ticket is taken at the enqueue"
+    wait_until(lambda: ended(sent), 180, "every job to end")
+    assert Counter(j.get_status() for j in sent) == {JobStatus.FINISHED: 200}
+    assert [j.return_value() for j in sent] == [item for item in range(10) for _ in range(20)]
+    assert order(conn, run) == {f"e{e:02d}": list(range(10)) for e in range(20)}
+    assert len(records(conn, run)) == 200  # once each
+    assert_one_at_a_time(conn, run)
+
+
+@pytest.fixture
+def tier_workers(queue: Queue) -> Iterator[Callable[[str], None]]:
+    """Real ``rq worker -w rq_mutex.Worker`` processes told to sweep a tier's lines too
+    (``RQ_MUTEX_LINE_CACHES``)."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_workers(cache: str, count: int = 3) -> None:
+        argv = ["rq", "worker", "-u", jobs.REDIS_URL, *WORKER, queue.name]
+        started.extend(start(argv, RQ_MUTEX_LINE_CACHES=cache) for _ in range(count))
+
+    yield start_workers
+    stop(started)
+
+
+@pytest.mark.parametrize("tier", ["postgres", "disk"])
+def test_every_tier_keeps_the_line(conn, run, queue, tier_workers, tier):
+    """10 keys x 6 jobs, each key's six enqueued together, the locks and lines in
+    PostgreSQL or a DiskCache (RQ's own store stays Redis): enqueue order, once each."""
+    tier_workers(jobs.PG_LINE if tier == "postgres" else jobs.DISK_LINE)
+    job = jobs.in_pg_line if tier == "postgres" else jobs.in_disk_line
+    sent = [queue.enqueue(job, run, f"e{e}", item) for e in range(10) for item in range(6)]
+    wait_until(lambda: ended(sent), 120, "every job to end")
+    assert Counter(j.get_status() for j in sent) == {JobStatus.FINISHED: 60}
+    assert order(conn, run) == {f"e{e}": list(range(6)) for e in range(10)}
+    assert_one_at_a_time(conn, run)
+
+
+def test_a_dead_horse_in_a_tier_of_its_own_is_swept(conn, run, queue, tier_workers):
+    """The locks and lines in PostgreSQL: item 1's horse is SIGKILLed holding; no job of
+    the key arrives after it, so only the workers' sweep of that cache moves the line
+    on (its lock lapses in 6 s), and items 2 and 3 run, in order."""
+    tier_workers(jobs.PG_LINE, count=2)
+    sent = [
+        queue.enqueue(jobs.in_pg_line, run, "e", i, hold=8.0 if i == 1 else 0.05) for i in range(4)
+    ]
+    victim = started_pg(conn, run, 1)
+    wait_until(lambda: {j.get_status(refresh=True) for j in sent[2:]} == {JobStatus.SCHEDULED},
+               30, "items 2 and 3 to park")  # fmt: skip
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: ended(sent[2:]), 40, "the line to go on")
+    assert order(conn, run)["e"] == [0, 2, 3]
+
+
+def started_pg(conn: redis.Redis, run: str, item: int) -> int:
+    """The pid of the horse running ``item`` (its section's counter is up)."""
+    wait_until(lambda: conn.get(f"rqt:{run}:pid:e:{item}"), 30, f"item {item} to start")
+    return int(conn.get(f"rqt:{run}:pid:e:{item}"))
+
+
+def test_a_parked_job_holds_no_worker(conn, run, queue, rq_workers):
+    """Two workers; one key's holder runs 4 s with three more jobs of that key behind it.
+    With on_busy="wait" both workers would sit on the key; here the ten jobs of other
+    keys all run while the holder still holds it."""
+    for _ in range(2):
+        rq_workers(*WORKER)
+    first = queue.enqueue(jobs.in_line, run, "busy", 0, hold=4.0)
+    started(conn, run, 0, "busy")
+    behind = [queue.enqueue(jobs.in_line, run, "busy", item, hold=0.05) for item in (1, 2, 3)]
+    others = [queue.enqueue(jobs.in_line, run, f"o{i}", 0, hold=0.05) for i in range(10)]
+    wait_until(lambda: ended(others), 30, "the other keys' jobs")
+    assert first.get_status(refresh=True) == JobStatus.STARTED, "they ran during the hold"
+    assert {j.get_status(refresh=True) for j in behind} == {JobStatus.SCHEDULED}, "parked"
+    wait_until(lambda: ended([first, *behind]), 30, "the busy key's line")
+    assert order(conn, run)["busy"] == [0, 1, 2, 3]
+    assert_one_at_a_time(conn, run)
+
+
+def test_a_job_that_raises_passes_the_turn_on(conn, run, queue, rq_workers):
+    rq_workers(*WORKER)
+    rq_workers(*WORKER)
+    sent = [queue.enqueue(jobs.in_line, run, "e", i, fail=(i == 2)) for i in range(5)]
+    wait_until(lambda: ended(sent), 60, "the line")
+    assert [j.get_status() for j in sent] == [
+        JobStatus.FINISHED, JobStatus.FINISHED, JobStatus.FAILED,
+        JobStatus.FINISHED, JobStatus.FINISHED,
+    ]  # fmt: skip
+    assert order(conn, run) == {"e": [0, 1, 2, 3, 4]}
+    assert_one_at_a_time(conn, run)
+
+
+def test_rqs_own_retry_keeps_the_turn(conn, run, queue, rq_workers):
+    """Item 1 fails its first attempt; RQ retries it (``retry=Retry(max=2)``) and the
+    retry runs before item 2, though item 2 was waiting."""
+    rq_workers(*WORKER, "--with-scheduler")
+    rq_workers(*WORKER)
+    sent = []
+    for i in range(4):
+        job, retry = (
+            (jobs.in_line_flaky, Retry(max=2, interval=1)) if i == 1 else (jobs.in_line, None)
+        )
+        sent.append(queue.enqueue(job, run, "e", i, hold=0.2, retry=retry))
+    wait_until(lambda: ended(sent), 60, "the line")
+    assert [j.get_status() for j in sent] == [JobStatus.FINISHED] * 4
+    assert order(conn, run) == {"e": [0, 1, 1, 2, 3]}
+    assert_one_at_a_time(conn, run)
+
+
+@pytest.mark.parametrize("retried", [False, True], ids=["no-retry", "rq-retry"])
+def test_a_horse_sigkilled_mid_line(conn, run, queue, rq_workers, retried):
+    """Item 2's horse is SIGKILLed while it holds the key. Without a retry it never runs
+    again and the line goes on with item 3 once its lease (6 s) lapsed and a worker
+    swept; with ``retry=Retry(max=1)`` it runs again in its own turn, before item 3
+    (its dead attempt's lock is freed at once). The rest run once each, in order."""
+    rq_workers(*WORKER, "--with-scheduler")
+    rq_workers(*WORKER)
+    retry = Retry(max=1, interval=1) if retried else None
+    sent = [
+        queue.enqueue(jobs.in_line, run, "e", i, hold=8.0 if i == 2 else 0.05, retry=retry)
+        for i in range(6)
+    ]
+    victim = started(conn, run, 2)
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: ended(sent), 90, "the line")
+    got = order(conn, run)["e"]
+    if retried:
+        assert got == [0, 1, 2, 3, 4, 5]
+        assert [r["item"] for r in records(conn, run, "started")].count(2) == 2
+        assert [j.get_status() for j in sent] == [JobStatus.FINISHED] * 6
+    else:
+        assert got == [0, 1, 3, 4, 5]
+        assert sent[2].get_status() == JobStatus.FAILED
+        resumed = started(conn, run, 3)["at"] - killed_at
+        print(f"the line went on {resumed:.1f} s after the kill")
+        assert resumed < 6 + 2 * 5 + 3, f"the line stalled {resumed:.1f} s after the kill"
+    assert_one_at_a_time(conn, run, killed=1)
+
+
+def test_a_whole_worker_sigkilled_mid_line(conn, run, queue, rq_workers):
+    """The worker running item 2 is SIGKILLed with its horse: nobody reaps it. Its lock
+    lapses with the lease; the other worker's sweep then ends the dead turn and item 3
+    runs; every other item runs once, in order."""
+    doomed = rq_workers(*WORKER)
+    sent = [
+        queue.enqueue(jobs.in_line, run, "e", i, hold=8.0 if i == 2 else 0.05) for i in range(6)
+    ]
+    victim = started(conn, run, 2)
+    rq_workers(*WORKER)  # the survivor, started once item 2 is held by the doomed one
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    doomed.kill()
+    doomed.wait(timeout=10)
+    wait_until(lambda: started_items(conn, run) >= {3, 4, 5}, 60, "the line to go on")
+    resumed = started(conn, run, 3)["at"] - killed_at
+    wait_until(lambda: ended(sent[3:]), 30, "the rest of the line")
+    assert order(conn, run)["e"] == [0, 1, 3, 4, 5]
+    print(f"the line went on {resumed:.1f} s after the kill")
+    assert resumed < 6 + 2 * 5 + 3, f"the line stalled {resumed:.1f} s after the kill"
+    assert_one_at_a_time(conn, run, killed=1)
+
+
+def started_items(conn: redis.Redis, run: str) -> set[int]:
+    return {r["item"] for r in records(conn, run, "started")}
+
+
+def test_a_parked_job_cancelled_or_deleted_is_stepped_over(conn, run, queue, rq_workers):
+    """Items 1 and 2 wait parked behind item 0; item 1 is cancelled and item 2 deleted
+    while they wait. Neither will ever run, so neither may hold the line: item 3 runs
+    as soon as item 0 ends."""
+    rq_workers(*WORKER)
+    rq_workers(*WORKER)
+    sent = [
+        queue.enqueue(jobs.in_line, run, "e", i, hold=3.0 if i == 0 else 0.05) for i in range(4)
+    ]
+    started(conn, run, 0)
+    wait_until(
+        lambda: all(j.get_status(refresh=True) == JobStatus.SCHEDULED for j in sent[1:]),
+        30,
+        "items 1 to 3 to park",
+    )
+    sent[1].cancel()
+    sent[2].delete()
+    wait_until(lambda: ended([sent[0], sent[3]]), 30, "item 3 to run")
+    assert sent[3].get_status() == JobStatus.FINISHED
+    assert order(conn, run) == {"e": [0, 3]}
+
+
+def test_a_full_line_raises_at_the_enqueue_or_skips(conn, run, queue):
+    """``queue={"max": 3}``: the fourth enqueue of a key with nothing run yet raises
+    LineFullError, naming the fix; with on_full="skip" the
+    job is enqueued and finishes at once with the skip marker, its body never run."""
+    for i in range(3):
+        queue.enqueue(jobs.in_short_line, run, "e", i)
+    with pytest.raises(LineFullError, match="queue_max=3"):
+        queue.enqueue(jobs.in_short_line, run, "e", 3)
+    kept = [queue.enqueue(jobs.in_line_or_skip, run, "s", i) for i in range(3)]
+    SimpleWorker([queue], connection=conn).work(burst=True)
+    assert [is_skipped(j.return_value()) for j in kept] == [False, False, True]
+    assert kept[2].return_value()["reason"] == "line full"
+    assert order(conn, run)["s"] == [0, 1]
+
+
+def test_a_duplicate_delivery_runs_once(conn, run, queue):
+    """The same job id enqueued again after it ran: the copy finishes with the skip
+    marker (reason "duplicate"); the body ran once."""
+    job = queue.enqueue(jobs.in_line, run, "e", 0)
+    SimpleWorker([queue], connection=conn).work(burst=True)
+    assert job.return_value() == 0
+    queue.enqueue_job(Job.fetch(job.id, connection=conn))
+    SimpleWorker([queue], connection=conn).work(burst=True)
+    again = Job.fetch(job.id, connection=conn).return_value()
+    assert is_skipped(again)
+    assert again["reason"] == "duplicate"
+    assert len(records(conn, run)) == 1
+
+
+def test_a_scheduled_job_takes_its_place_when_it_arrives(conn, run, queue):
+    """``enqueue_in`` sends it for later: it holds no place in the line meanwhile (the
+    jobs sent after it run), and takes one when it reaches a worker."""
+    later = queue.enqueue_in(timedelta(seconds=60), jobs.in_line, run, "e", 0)
+    assert META not in later.meta
+    now = queue.enqueue(jobs.in_line, run, "e", 1)
+    SimpleWorker([queue], connection=conn).work(burst=True)
+    assert now.return_value() == 1
+    lines = Lines(RedisCache(conn), lease=6)
+    line = lines.read(f"line.{run}.e")
+    assert line is not None
+    assert line.running is None
+    assert not line.parked
+
+
+def test_a_synchronous_queue_runs_it_at_once(conn, run):
+    sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
+    job = sync.enqueue(jobs.in_line, run, "e", 0)
+    assert job.return_value() == 0
+
+
+def test_queue_is_refused_for_an_async_job_function():
+    with pytest.raises(ConstraintError, match="plain def"):
+
+        @mutex_job(key="k", on_busy="queue")
+        async def job() -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({"permits": 2}, "drop permits"),
+        ({"queue": {"max": 0}}, "max"),
+        ({"queue": {"limit": 3}}, "unknown"),
+    ],
+)
+def test_bad_queue_options_are_refused(options, fix):
+    with pytest.raises(ConstraintError, match=fix):
+        mutex_job(key="k", on_busy="queue", **options)
