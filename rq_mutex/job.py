@@ -424,13 +424,25 @@ def check_timeouts_when_enqueued() -> None:
         run = _decorated_run(job)
         if run is not None and not run.policy.renew:
             run.check_timeout(job, None)
-        if run is not None and run.policy.on_busy == "queue":
+        if run is not None and run.policy.on_busy == "queue" and self._is_async:
             key = run.key_of(*job.args, **job.kwargs)
-            line.at_send(job, run.lines(self.connection), key, run.policy.queue)
+            lines = run.lines(self.connection)
+            line.at_send(job, lines, key, run.policy.queue, origin=self.name)
         return job
+
+    pushing = Queue._enqueue_job
+
+    @functools.wraps(pushing)
+    def _enqueue_job(self: Queue, job: Job, pipeline: Any = None, *args: Any, **kwargs: Any) -> Job:
+        # Every push goes through here (enqueue, enqueue_many, retries, the scheduler);
+        # only a job its create_job parked at the send is diverted, once.
+        if line.divert(self, job, pipeline):
+            return job
+        return pushing(self, job, pipeline, *args, **kwargs)
 
     setattr(create_job, _CHECKING, True)
     Queue.create_job = create_job  # type: ignore[method-assign]
+    Queue._enqueue_job = _enqueue_job  # type: ignore[method-assign]
 
 
 check_timeouts_when_enqueued()

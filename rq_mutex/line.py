@@ -3,11 +3,13 @@
 the job is enqueued again, at the front of its queue, when its turn comes::
 
     enqueue   ``Queue.create_job`` (every enqueue path goes through it; wrapped in
-              ``rq_mutex.job``) takes the job's ticket into ``job.meta["rq_mutex_line"]``.
-              A full line raises LineFullError there, or (``on_full="skip"``) marks the
-              job to finish at once with the skip marker. A job created scheduled
-              (``enqueue_at`` / ``enqueue_in``) or with dependencies was not sent to run
-              now: it takes its place when it first reaches a worker.
+              ``rq_mutex.job``) takes the job's ticket into ``job.meta["rq_mutex_line"]``;
+              behind a ticket ahead the job is parked there and then (the wrapped
+              ``Queue._enqueue_job`` schedules it instead of pushing it). A full line
+              raises LineFullError, or (``on_full="skip"``) marks the job to finish at
+              once with the skip marker. A job created scheduled (``enqueue_at`` /
+              ``enqueue_in``), with dependencies, or on a synchronous queue was not sent
+              to run now: it takes its place when it first reaches a worker.
     arrival   its turn and the lock free: take the lock, mark it running, run the body.
               Not its turn, or the lock busy: park. The line holds ``{"job", "queue"}``
               (written before the horse ends: write-then-ack), and the job returns
@@ -30,6 +32,7 @@ RQ's ``RateLimit`` (3.0) was evaluated as the base and not chosen: ``docs/design
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 import time
@@ -54,6 +57,7 @@ META_FULL = "rq_mutex_line_full"  # job.meta: its line was full at the send (on_
 ARRIVALS = 8  # decisions one arrival may take before the line is called too contended
 PATIENCE = 2.0  # how long an end waits for the next job's parking horse to finish
 UNLIMITED = 2**31 - 1  # rq.Retry needs a number
+SAVED_WITHIN = 60.0  # a job parked at its send is saved by its producer well within this
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,40 @@ def takes_its_place_at_send(job: Job) -> bool:
     return status in (None, JobStatus.QUEUED) and not job._dependency_ids
 
 
-def at_send(job: Job, lines: ln.Lines, key: str, queue: QueuePolicy) -> None:
-    """The ticket of a job being created, into its meta (saved with the job)."""
+def at_send(job: Job, lines: ln.Lines, key: str, queue: QueuePolicy, *, origin: str) -> None:
+    """The ticket of a job being created on the queue ``origin``, into its meta (saved
+    with the job). Behind a ticket ahead (one running, or the turn not its own) it parks
+    at once: the line holds it now, and ``divert`` schedules it instead of pushing it, so
+    a burst for one key costs no horse per job."""
     if not takes_its_place_at_send(job):
         return
+    message = {"job": job.id, "queue": origin}
     try:
-        ticket = lines.take(key, queue_max=queue.max)
+        ticket, parked = lines.send(key, lambda _: message, queue_max=queue.max)
     except LineFullError:
         if queue.on_full != "skip":
             raise
         job.meta[META_FULL] = True
         return
     job.meta[META] = {"epoch": ticket.epoch, "number": ticket.number}
+    if parked:
+        setattr(job, _PARK_AT_SEND, park_interval(queue))
+
+
+_PARK_AT_SEND = "_rq_mutex_park_at_send"  # on the Job object its producer just created
+
+
+def divert(queue: Queue, job: Job, pipeline: Any) -> bool:
+    """Schedule (park) a job ``at_send`` parked instead of pushing it on ``queue``, in
+    the enqueue's own pipeline; True when it was. Only the producer's own Job object
+    carries the mark, once: every later push of the job (its promotion) goes through."""
+    after = getattr(job, _PARK_AT_SEND, None)
+    if after is None:
+        return False
+    delattr(job, _PARK_AT_SEND)
+    when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=after)
+    queue.schedule_job(job, when, pipeline=pipeline)
+    return True
 
 
 def ticket_from(job: Job) -> ln.Ticket | None:

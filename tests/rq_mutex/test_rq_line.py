@@ -151,6 +151,33 @@ def started_pg(conn: redis.Redis, run: str, item: int) -> int:
     return int(conn.get(f"rqt:{run}:pid:e:{item}"))
 
 
+def test_a_burst_parks_at_the_enqueue(conn, run, queue, rq_workers):
+    """Ten jobs of one key enqueued together: all but the first are parked as they are
+    enqueued (SCHEDULED at once, never pushed), so no horse runs for them before their
+    turn: each has exactly one result, the run's."""
+    sent = [queue.enqueue(jobs.in_line, run, "e", i) for i in range(10)]
+    assert [j.get_status(refresh=True) for j in sent] == [JobStatus.QUEUED] + [
+        JobStatus.SCHEDULED
+    ] * 9
+    assert queue.count == 1
+    rq_workers(*WORKER)
+    rq_workers(*WORKER)
+    wait_until(lambda: ended(sent), 60, "the burst")
+    assert order(conn, run) == {"e": list(range(10))}
+    assert [len(j.results()) for j in sent] == [1] * 10
+
+
+def test_enqueue_many_keeps_the_line(conn, run, queue):
+    """``enqueue_many`` pushes in one pipeline through RQ's private ``_enqueue_job``: the
+    jobs behind the first are still parked, and run in order."""
+    sent = queue.enqueue_many([Queue.prepare_data(jobs.in_line, (run, "e", i)) for i in range(5)])
+    assert queue.count == 1
+    for _ in range(5):
+        SimpleWorker([queue], connection=conn).work(burst=True)
+    assert [j.get_status(refresh=True) for j in sent] == [JobStatus.FINISHED] * 5
+    assert order(conn, run) == {"e": list(range(5))}
+
+
 def test_a_parked_job_holds_no_worker(conn, run, queue, rq_workers):
     """Two workers; one key's holder runs 4 s with three more jobs of that key behind it.
     With on_busy="wait" both workers would sit on the key; here the ten jobs of other
@@ -327,6 +354,7 @@ def test_a_synchronous_queue_runs_it_at_once(conn, run):
     sync = Queue(f"rqt-sync-{run}", connection=conn, is_async=False)
     job = sync.enqueue(jobs.in_line, run, "e", 0)
     assert job.return_value() == 0
+    assert META not in job.meta  # no line there: a ticket would be a gap in it
 
 
 def test_queue_is_refused_for_an_async_job_function():
