@@ -806,7 +806,8 @@ def test_every_step_has_both_faces_with_the_same_parameters():
     steps = sorted(n for n in names if callable(getattr(Lines, n)) and not n.endswith("_async"))
     steps = [n for n in steps if n not in ("cache_key", "lock_key")]
     assert steps == [
-        "arrive", "end", "keys", "read", "retry", "revoke", "send", "start", "sweep", "take"
+        "arrive", "end", "keys", "read", "retry", "revoke", "send", "send_collapsed", "start",
+        "sweep", "take",
     ]  # fmt: skip
     for name in steps:
         blocking, twin = getattr(Lines, name), getattr(Lines, name + "_async")
