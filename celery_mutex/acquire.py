@@ -62,8 +62,12 @@ def before_start(
         label=f"{task.name}[{task_id}]",
     )
     try:
-        if cfg.policy.on_busy == "queue" and not synchronous:
-            lease = line.arrive(task, cfg, key, take)
+        if cfg.policy.in_line and not synchronous:
+            found = line.arrive(task, cfg, key, take)
+            if isinstance(found, dict):  # superseded: a newer call took its place
+                _skip(task, found, reason="superseded", holder=None)
+                return
+            lease = found
         else:
             lease = take()
     except SimpleMutexAcquireTimeoutError as busy:
