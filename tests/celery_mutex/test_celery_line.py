@@ -439,3 +439,27 @@ def test_debounce_loses_nothing_to_a_killed_holder_or_a_killed_worker(
         assert _start_of(line, run, ns[-1]) - last >= PERIOD - 0.01
     assert line.starts(run)[0] == [9, 19, 29]
     assert line.overlaps(run, killed=9) == []
+
+
+def test_keep_latest_loses_nothing_to_a_whole_worker_killed_while_holding(
+    redis_line: Line, run: str
+) -> None:
+    """The first call runs (6 s) on w0; 49 more are sent, 48 superseded, the last
+    waiting in the line; then w0 is SIGKILLed (main process and children: early ack, so
+    the first ran at most once). The waiting call is in the lock cache, not in w0: w1's
+    sweep finds the dead holder's lock lapsed and publishes it; it runs once."""
+    line = redis_line
+    latest = line.task("latest")
+    line.start_worker("w0", 2)
+    first = latest.apply_async((run, 0, 0, 6.0))
+    wait_until(lambda: line.starts(run).get(0), 30, "the first call to start on w0")
+    line.start_worker("w1", 2)
+    results = [first, *(latest.apply_async((run, 0, n)) for n in range(1, 50))]
+    _superseded_in_a_chain(results[1:49])
+    killed_at = time.time()
+    _kill_tree(line.procs[0].pid)
+    assert results[49].get(timeout=GET) == 49
+    delay = _start_of(line, run, 49) - killed_at
+    print(f"keep latest: the waiting call ran {delay:.2f} s after its holder's worker died")
+    assert line.starts(run)[0] == [0, 49]
+    assert line.overlaps(run, killed=0) == []
