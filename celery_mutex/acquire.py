@@ -151,8 +151,8 @@ SKIPPED_EVENT = "task-mutex-skipped"
 def _skip(task: Any, marker: dict[str, Any], *, reason: str, holder: str | None) -> None:
     """Return ``marker`` instead of running, and say so where monitors look: the run
     itself ends SUCCESS, so Flower and event consumers get a ``task-mutex-skipped`` task
-    event (fields ``key``, ``reason`` "busy" | "duplicate tick" | "redelivered tick",
-    ``holder``)."""
+    event (fields ``key``, ``reason`` "busy" | "duplicate tick" | "redelivered tick" |
+    "superseded" (keep latest, debounce: an arrival a newer call replaced), ``holder``)."""
     request = task.request
     request.mutex_skipped = marker
     if request.is_eager or not request.hostname or not getattr(task, "send_events", True):
