@@ -391,7 +391,7 @@ def test_a_late_run_out_of_order_is_no_anomaly() -> None:
 def latest(*rows: tuple[str, float, dict[str, Any]]) -> list[dict[str, Any]]:
     """Tasks a, b, c sent in that order with on_busy="latest" on l.a, then ``rows``."""
     sent: list[tuple[str, float, dict[str, Any]]] = [
-        ("submit", n * 0.1, {"task": task, "key": "l.a", "queued": True, "latest": True})
+        ("submit", n * 0.1, {"task": task, "key": "l.a", "queued": True, "supersedes": True})
         for n, task in enumerate("abc")
     ]
     return sorted(task_history(*sent, *rows), key=lambda e: e["t"])

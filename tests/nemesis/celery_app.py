@@ -12,8 +12,9 @@ is the same with ``acks_late``. ``work_queued`` (and ``work_queued_late``, with
 at a time in send order, a call whose turn has not come is parked (its ``task_prerun``
 ``acquire`` then ends in a ``parked`` event: it raised ``Ignore``) and published again in
 its turn. ``work_latest`` (and ``work_latest_late``) is the same body on ``l.<key>``
-with ``on_busy="latest"``: a call whose place a newer one took never runs (its arrival,
-if it has one, ends in a ``superseded`` event). Every run records ``run`` start / end and
+with ``on_busy="latest"``, ``work_debounced`` (and ``_late``) on ``d.<key>`` with
+``on_busy="debounce"``: a call whose place a newer one took never runs (its arrival, if
+it has one, ends in a ``superseded`` event). Every run records ``run`` start / end and
 the lock hold (``acquire`` from
 ``task_prerun``, before the lock is taken; ``granted`` once held, with ``late``: the
 line's reason when the run is out of send order, else None).
@@ -32,7 +33,7 @@ from celery_support.env_app import app_from_env
 import nemesis  # noqa: F401  (sys.path)
 from celery_mutex import MutexTask, current_lease
 from nemesis.body import Steps
-from nemesis.celery_locks import LATEST, LOCK, QUEUED
+from nemesis.celery_locks import DEBOUNCE, LATEST, LOCK, QUEUED
 from nemesis.history import Recorder
 
 app = app_from_env(
@@ -48,7 +49,8 @@ app = app_from_env(
 PREFIX: str = app.conf.mutex_prefix
 QUEUED_TASKS = {f"{__name__}.work_queued", f"{__name__}.work_queued_late"}
 LATEST_TASKS = {f"{__name__}.work_latest", f"{__name__}.work_latest_late"}
-IN_LINE = QUEUED_TASKS | LATEST_TASKS
+DEBOUNCED_TASKS = {f"{__name__}.work_debounced", f"{__name__}.work_debounced_late"}
+IN_LINE = QUEUED_TASKS | LATEST_TASKS | DEBOUNCED_TASKS
 ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
 _rec: Recorder | None = None
 _steps: Steps | None = None
@@ -76,8 +78,10 @@ def _op(task: Any) -> str:
 
 
 def _lock(task: Any, key: str) -> str:
-    kind = "q" if task.name in QUEUED_TASKS else "l" if task.name in LATEST_TASKS else "k"
-    return f"{kind}.{key}"
+    for kind, names in (("q", QUEUED_TASKS), ("l", LATEST_TASKS), ("d", DEBOUNCED_TASKS)):
+        if task.name in names:
+            return f"{kind}.{key}"
+    return f"k.{key}"
 
 
 @signals.task_prerun.connect
@@ -187,4 +191,16 @@ def work_latest(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: f
 @app.task(base=MutexTask, bind=True, mutex=LATEST, acks_late=True)
 def work_latest_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
                      ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=DEBOUNCE)
+def work_debounced(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                   ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=DEBOUNCE, acks_late=True)
+def work_debounced_late(self: Any, key: str, steps: int = 6, cleanup: int = 20,
+                        pause: float = 0.05) -> str:  # fmt: skip
     return _body(self, key, steps, cleanup, pause)

@@ -53,7 +53,8 @@ out-of-order
     (``check_order``: ``on_busy="queue"``) a queued call of a key was first granted before
     a call of that key sent earlier, and the line did not say the run was late.
 superseded-ran / superseded-by-older / newest-lost
-    (``check_latest``: ``on_busy="latest"``) a call reported superseded was granted; or
+    (``check_latest``: ``on_busy="latest"`` and ``"debounce"``) a call reported
+    superseded was granted; or
     it names as the call that took its place one sent before it (or none we sent); or the
     newest call of a key was never granted, with no fault dealt to it.
 """
@@ -696,7 +697,8 @@ def check_order(events: list[Event]) -> list[Anomaly]:
 
 
 def check_latest(events: list[Event]) -> list[Anomaly]:
-    """``on_busy="latest"`` (``submit`` with ``latest``, in send order per key): a call
+    """``on_busy="latest"`` and ``"debounce"`` (``submit`` with ``supersedes``, in send
+    order per key): a call
     whose outcome is the skip marker with reason ``superseded`` was never granted, and the
     call it names (``outcome.by``) was sent after it; the newest call of each key was
     granted, unless a fault was dealt to it (a kill or a revoke may end it unrun)."""
@@ -705,7 +707,7 @@ def check_latest(events: list[Event]) -> list[Anomaly]:
     granted: set[str] = set()
     outcomes: dict[str, Event] = {}
     for e in events:
-        if e["op"] == "submit" and e.get("latest"):
+        if e["op"] == "submit" and e.get("supersedes"):
             sent[e["key"]].append(e)
             order[e["task"]] = len(order)
         elif e["op"] == "granted" and e.get("task") is not None:

@@ -274,24 +274,25 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 
     rng = random.Random(seed)
     submitted: dict[str, Any] = {}
-    keys: dict[str, tuple[str, str]] = {}  # task id -> (its lock's kind: k, q or l; key)
+    keys: dict[str, tuple[str, str]] = {}  # task id -> (its lock's kind: k, q, l or d; key)
 
     def submit(name: str = "work", key: str | None = None, kind: str | None = None,
                burst: bool = True, **options: Any) -> str:  # fmt: skip
-        """Send a call: of the random ones, 40% through the line (``q.<key>``, kind q) and
-        20% keep latest (``l.<key>``, kind l, each followed by a burst of up to four more on
-        its key), each through the client's MutexTask, taking its ticket at the send (the
+        """Send a call: of the random ones, 40% through the line (``q.<key>``, kind q),
+        20% keep latest (``l.<key>``, kind l) and 10% debounced (``d.<key>``, kind d), each
+        of the last two followed by a burst of up to four more on its key, each through the
+        client's MutexTask, taking its ticket at the send (the
         submit events of one key are in send order: this thread sends them one by one,
         recording each right after)."""
         if kind is None:
             roll = rng.random() if key is None else 1.0
-            kind = "q" if roll < QUEUED_SHARE else "l" if roll < LINE_SHARE else "k"
+            kind = next((k for k, upto in SHARES if roll < upto), "k")
         queued = kind != "k"
         key = key or rng.choice("abc")
         steps = options.pop("steps", rng.randint(2, 8))
         late = name == "work_late" or rng.random() < 0.3
         if queued:
-            base = "work_queued" if kind == "q" else "work_latest"
+            base = {"q": "work_queued", "l": "work_latest", "d": "work_debounced"}[kind]
             task = "nemesis.celery_app." + (f"{base}_late" if late else base)
             if "countdown" not in options and rng.random() < 0.25:
                 # Through the broker (a countdown keeps the ticket from the send): it may
@@ -303,13 +304,13 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
         limit = options.get("soft_time_limit") or options.get("time_limit")
         rec("submit", task=result.id, key=f"{kind}.{key}", name=task, limit=limit, late=late,
-            queued=queued, latest=kind == "l")  # fmt: skip
+            queued=queued, supersedes=kind in ("l", "d"))  # fmt: skip
         submitted[result.id] = result
         keys[result.id] = (kind, key)
-        if kind == "l" and burst:
+        if kind in ("l", "d") and burst:
             # A burst behind it on the same key, so newer calls take the waiting place.
             for _ in range(rng.randint(0, 4)):
-                submit(key=key, kind="l", burst=False)
+                submit(key=key, kind=kind, burst=False)
         return str(result.id)
 
     def running() -> list[tuple[str, int]]:
@@ -370,13 +371,14 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         mutex_parked.disconnect(parked_at_send)
     lines = [kind for kind, _ in keys.values()]
     what = (f"{len(submitted)} tasks submitted, {lines.count('q')} of them queued, "
-            f"{lines.count('l')} keep latest")  # fmt: skip
+            f"{lines.count('l')} keep latest, {lines.count('d')} debounced")  # fmt: skip
     return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
                             what)  # fmt: skip
 
 
-QUEUED_SHARE = 0.4  # of the random calls: on_busy="queue" on keys of their own (q.<key>)
-LINE_SHARE = 0.6  # and up to here on_busy="latest" (l.<key>)
+# Of the random calls, up to each share: on_busy="queue", "latest", "debounce", each on
+# keys of their own (q.<key>, l.<key>, d.<key>); the rest wait (k.<key>).
+SHARES = (("q", 0.4), ("l", 0.6), ("d", 0.7))
 
 
 def _queued_senders(app: Any) -> None:
@@ -384,14 +386,15 @@ def _queued_senders(app: Any) -> None:
     options): sent through them, each call takes its ticket at the send, as a producer's
     ``apply_async`` does; their bodies never run here."""
     from celery_mutex import MutexTask
-    from nemesis.celery_locks import LATEST, QUEUED
+    from nemesis.celery_locks import DEBOUNCE, LATEST, QUEUED
 
-    for name, mutex in [("work_queued", QUEUED), ("work_queued_late", QUEUED),
-                        ("work_latest", LATEST), ("work_latest_late", LATEST)]:  # fmt: skip
+    mutexes = {"work_queued": QUEUED, "work_latest": LATEST, "work_debounced": DEBOUNCE}
+    for name in [n for base in mutexes for n in (base, f"{base}_late")]:
 
         def stand_in(key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> None:
             raise AssertionError("a stand-in: the worker runs this task")
 
+        mutex = mutexes[name.removesuffix("_late")]
         app.task(base=MutexTask, shared=False, name=f"nemesis.celery_app.{name}",
                  mutex=mutex, acks_late=name.endswith("_late"))(stand_in)  # fmt: skip
 
