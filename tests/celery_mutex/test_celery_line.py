@@ -463,3 +463,22 @@ def test_keep_latest_loses_nothing_to_a_whole_worker_killed_while_holding(
     print(f"keep latest: the waiting call ran {delay:.2f} s after its holder's worker died")
     assert line.starts(run)[0] == [0, 49]
     assert line.overlaps(run, killed=0) == []
+
+
+def test_every_tier_keeps_the_latest_and_debounces(tier_line: Line, run: str) -> None:
+    """Keep latest and debounce with the locks and lines in PostgreSQL and DiskCache: 50
+    calls sent at once run the first and the last only; a debounce burst of ten runs its
+    last call once, no earlier than a period after it."""
+    line = tier_line
+    latest = line.task("latest")
+    results = [latest.apply_async((run, 0, n, 0.5)) for n in range(50)]
+    _superseded_in_a_chain(results[1:49])
+    assert [results[0].get(timeout=GET), results[49].get(timeout=GET)] == [0, 49]
+    assert line.starts(run)[0] == [0, 49]
+    debounced = line.task("debounced")
+    burst, _, last = _debounce_burst(debounced, run, range(100, 110), 0.05)
+    assert burst[-1].get(timeout=GET) == 109
+    _superseded_in_a_chain(burst)
+    assert _start_of(line, run, 109) - last >= PERIOD - 0.01
+    assert line.starts(run)[0] == [0, 49, 109]
+    assert line.overlaps(run) == []
