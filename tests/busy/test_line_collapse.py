@@ -167,6 +167,25 @@ def test_the_broker_copy_of_a_replaced_call_never_runs():
     assert isinstance(decided, Superseded)
 
 
+def test_the_redelivered_copy_of_the_running_call_is_never_superseded():
+    """acks_late with reject_on_worker_lost: the running call's worker died and its
+    message comes back while a newer call waits. The copy is the running call itself: it
+    parks for the dead lease (no newer call takes its turn), runs once the lease lapsed,
+    and then the waiting call runs."""
+    line, _ = sent(new_line(K, E), "a", 0.0)
+    line, _ = start(line, T(1), 0.0, redelivers=True, collapse=LATEST, message=msg("a"))
+    line, _ = sent(line, "b", 1.0)
+    line, decided = arrival(line, T(1), msg("a"), 2.0, lock_free=False, collapse=LATEST)
+    assert decided == Park(1)
+    assert {t: p.message["id"] for t, p in line.parked.items()} == {1: "a", 2: "b"}
+    line, swept = sweep(line, 9.0, lock_free=True, **KNOBS)  # the dead lease lapsed
+    assert swept.publish == (Publish(1, msg("a")),)
+    assert arrive(line, T(1), lock_free=True, collapse=LATEST, message=msg("a")) == Run(1)
+    line = running(line, 1, "a", 9.5)
+    line, published = end(line, T(1), 10.0)
+    assert published == Publish(2, msg("b", T(2)))
+
+
 def test_the_queue_is_unchanged_without_collapse():
     """collapse=None is issue 24's queue: sends queue behind each other, nothing replaced."""
     line = new_line(K, E)
@@ -248,7 +267,11 @@ class World:
         self.line = new_line(K, E)
         self.now = 0.0
         self.flight: list[tuple[int, dict[str, Any]]] = []
-        self.holder: tuple[int, str] | None = None
+        self.holder: tuple[int, str, dict[str, Any]] | None = None
+        # Odd seeds: a broker that redelivers a dead holder's call (acks_late with
+        # reject_on_worker_lost); such a call may run again, once per death.
+        self.redelivers = seed % 2 == 1
+        self.again: list[str] = []
         self.calls: list[str] = []
         self.ran: list[str] = []
         self.superseded: dict[str, str] = {}
@@ -312,17 +335,21 @@ class World:
             case Run() | RunLate():
                 assert free, "ran while the lock was held"
                 self.line, again = start(
-                    self.line, T(n), self.now, redelivers=False, collapse=self.collapse,
-                    message=message,
+                    self.line, T(n), self.now, redelivers=self.redelivers,
+                    collapse=self.collapse, message=message,
                 )  # fmt: skip
                 if not isinstance(again, Run | RunLate):
                     return
-                assert call not in self.ran, f"{call} ran twice"
+                if call in self.again:
+                    self.again.remove(call)  # its broker's copy, after its holder died
+                    self.seen.add("redelivered ran")
+                else:
+                    assert call not in self.ran, f"{call} ran twice"
+                    self.ran.append(call)
                 assert call not in self.superseded, f"{call} ran after it was superseded"
                 if call in self.due:
                     assert self.now >= self.due[call], f"{call} ran before it was due"
-                self.ran.append(call)
-                self.holder = (n, call)
+                self.holder = (n, call, message)
 
     def _publish(self, what: Publish | None) -> None:
         if what is not None:
@@ -339,11 +366,19 @@ class World:
             self._publish(published)
 
     def crash(self) -> None:
-        """The holder's child dies: its parent ends the turn (early ack: no copy)."""
-        if self.holder is not None and self.rng.random() < 0.3:
-            self.crashed.add(self.holder[1])
-            self.seen.add("crash")
+        """The holder dies. Early ack: its parent ends the turn, no copy comes. A broker
+        that redelivers: its lock lapses, nobody ends the turn, and its copy comes back."""
+        if self.holder is None or self.rng.random() >= 0.3:
+            return
+        n, call, message = self.holder
+        self.crashed.add(call)
+        self.seen.add("crash")
+        if not self.redelivers:
             self.finish()
+            return
+        self.holder = None
+        self.again.append(call)
+        self.flight.append((n, message))
 
     def sweep(self) -> None:
         self.now += self.rng.random() * 2
@@ -358,7 +393,8 @@ class World:
     def drain(self) -> None:
         for _ in range(20_000):
             line = self.line
-            if not self.flight and self.holder is None and not line.parked and not line.issued:
+            idle = self.holder is None and line.running is None
+            if idle and not self.flight and not line.parked and not line.issued:
                 return
             self.step(sending=False)
         raise AssertionError(f"the line never drained: {self.line}")
@@ -394,4 +430,5 @@ def test_the_property_run_sees_every_outcome():
                 world.step(sending=True)
             world.drain()
             seen |= world.seen
-    assert seen >= {"superseded", "park", "arrival superseded", "duplicate", "crash"}
+    assert seen >= {"superseded", "park", "arrival superseded", "duplicate", "crash",
+                    "redelivered ran"}  # fmt: skip

@@ -482,3 +482,26 @@ def test_every_tier_keeps_the_latest_and_debounces(tier_line: Line, run: str) ->
     assert _start_of(line, run, 109) - last >= PERIOD - 0.01
     assert line.starts(run)[0] == [0, 49, 109]
     assert line.overlaps(run) == []
+
+
+def test_keep_latest_reruns_a_redelivered_holder_before_the_waiting_call(
+    amqp_line: Line, run: str
+) -> None:
+    """acks_late + reject_on_worker_lost: the first call's whole worker is SIGKILLed
+    mid-run while the 50th waits (48 superseded). The first's message comes back to the
+    other worker and runs again once its dead lease lapsed, in its own turn; then the
+    50th runs, once. Nothing lost, no two runs of the key at once."""
+    line = amqp_line
+    redelivered = line.task("latest_redelivered")
+    line.start_worker("w0", 2)
+    first = redelivered.apply_async((run, 0, 0, 6.0))
+    wait_until(lambda: line.starts(run).get(0), 30, "the first call to start on w0")
+    line.start_worker("w1", 2)
+    results = [first, *(redelivered.apply_async((run, 0, n)) for n in range(1, 50))]
+    _superseded_in_a_chain(results[1:49])
+    time.sleep(1.0)  # w1 is up and sweeping
+    _kill_tree(line.procs[0].pid)
+    assert results[0].get(timeout=GET) == 0
+    assert results[49].get(timeout=GET) == 49
+    assert line.starts(run)[0] == [0, 0, 49]
+    assert line.overlaps(run) == []

@@ -146,3 +146,15 @@ def latest(run: str, entity: int, n: int, seconds: float = SECTION, die_at: int 
 @app.task(base=MutexTask, mutex={"key": "d.{run}.{entity}", **DEBOUNCE})
 def debounced(run: str, entity: int, n: int, seconds: float = SECTION, die_at: int = -1) -> int:
     return _work_or_die(run, entity, n, seconds, die_at)
+
+
+@app.task(
+    base=MutexTask,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    mutex={"key": "l.{run}.{entity}", **LATEST},
+)
+def latest_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
+    """Keep latest with acks_late and reject_on_worker_lost: a whole worker SIGKILLed
+    mid-run gets its message delivered again, and it runs before the waiting call."""
+    return _work(run, entity, n, seconds)

@@ -212,7 +212,11 @@ def arrival(
     or, when a newer call waits, this one is ``Superseded`` and leaves the line."""
     decided = arrive(line, ticket, lock_free=lock_free, collapse=collapse, message=message)
     if isinstance(decided, Park):
-        if collapse is None:
+        copy = line.running is not None and line.running.ticket == ticket.number
+        if collapse is None or copy:
+            # The broker's copy of the running call (its worker died; acks_late) is that
+            # call, not a newer one: it waits for the dead lease as in the queue, and no
+            # waiting call takes its turn.
             return park(line, ticket, message, now), decided
         return _park_collapsed(line, ticket, message, now, collapse)
     return line, decided
