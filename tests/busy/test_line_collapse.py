@@ -186,6 +186,26 @@ def test_the_redelivered_copy_of_the_running_call_is_never_superseded():
     assert published == Publish(2, msg("b", T(2)))
 
 
+def test_a_retry_keeps_its_turn_under_latest_and_waits_again_under_debounce():
+    """Task.retry keeps the ticket's turn: under keep latest the retry runs before the
+    waiting call; under debounce it parks for a new quiet period, where the newer waiting
+    call takes its place (the newer arguments win)."""
+    from simple_mutex.busy.line import retry
+
+    line, _ = sent(new_line(K, E), "a", 0.0)
+    line = running(line, 1, "a")
+    line, _ = sent(line, "b", 1.0)
+    line = retry(line, T(1), 2.0, after=0.5)
+    assert arrive(line, T(1), lock_free=True, collapse=LATEST, message=msg("a")) == Run(1)
+    line, _ = sent(new_line(K, E), "a", 0.0, DEBOUNCE)
+    line, _ = sweep(line, 2.0, lock_free=True, **KNOBS)
+    line = running(line, 1, "a", 2.0, DEBOUNCE)
+    line, _ = sent(line, "b", 3.0, DEBOUNCE)
+    line = retry(line, T(1), 4.0, after=0.5)
+    line, decided = arrival(line, T(1), msg("a"), 4.5, lock_free=True, collapse=DEBOUNCE)
+    assert decided == Superseded(1, msg("a"), 2, msg("b", T(2)))
+
+
 def test_the_queue_is_unchanged_without_collapse():
     """collapse=None is issue 24's queue: sends queue behind each other, nothing replaced."""
     line = new_line(K, E)
