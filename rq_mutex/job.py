@@ -50,7 +50,6 @@ from simple_mutex import (
     SimpleMutexAcquireTimeoutError,
 )
 from simple_mutex.busy import (
-    IN_LINE,
     BusyPolicy,
     Duration,
     PerProcess,
@@ -99,15 +98,20 @@ def mutex_job(
     ``lease`` and ``renew``, ``permits``. ``cache``: a cache, a raw client or a URL; by
     default Redis on the job's own connection. Bad options raise ConstraintError here.
     """
-    if on_busy in IN_LINE:
-        # The line (simple_mutex.busy.line) is in place; RQ's parking (by job id, promoted
-        # with Queue.enqueue_job) is not built yet, so the choice is refused, not ignored.
+    if on_busy in ("latest", "debounce"):  # Celery's, on the line (issue 25); refused here
         raise ConstraintValueError(
-            f"mutex_job: on_busy={on_busy!r} is not available for RQ jobs yet "
-            "(Celery's MutexTask has it); use on_busy='wait' to keep one job per key at a time"
+            f"mutex_job: on_busy={on_busy!r} is not available for RQ jobs yet (Celery's "
+            "MutexTask has it); use on_busy='wait' to keep one job per key at a time"
         )
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
+    if policy.on_busy == "queue":
+        # The line (simple_mutex.busy.line) is in place; RQ's parking (by job id, promoted
+        # with Queue.enqueue_job) is not built yet, so the choice is refused, not ignored.
+        raise ConstraintValueError(
+            "mutex_job: on_busy='queue' is not available for RQ jobs yet (Celery's "
+            "MutexTask has it); use on_busy='wait' to keep one job per key at a time"
+        )
     if isinstance(cache, str) and "://" not in cache:
         raise ConstraintValueError(
             f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}"
