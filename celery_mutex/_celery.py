@@ -7,7 +7,14 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError  # type: ignore[import-untyped]
 from celery import Task, current_task, states  # type: ignore[import-untyped]
-from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded  # type: ignore[import-untyped]
+from celery.backends.base import DisabledBackend  # type: ignore[import-untyped]
+from celery.exceptions import (  # type: ignore[import-untyped]
+    Ignore,
+    Reject,
+    Retry,
+    SoftTimeLimitExceeded,
+    TimeLimitExceeded,
+)
 from celery.result import EagerResult  # type: ignore[import-untyped]
 from celery.signals import (  # type: ignore[import-untyped]
     task_failure,
@@ -23,11 +30,13 @@ from celery.utils import uuid  # type: ignore[import-untyped]
 from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
 
 __all__ = [
+    "DisabledBackend",
     "EagerResult",
     "Ignore",
     "Reject",
     "Retry",
     "Signal",
+    "SoftTimeLimitExceeded",
     "Task",
     "TimeLimitExceeded",
     "WorkerLostError",

@@ -62,8 +62,12 @@ def before_start(
         label=f"{task.name}[{task_id}]",
     )
     try:
-        if cfg.policy.on_busy == "queue" and not synchronous:
-            lease = line.arrive(task, cfg, key, take)
+        if cfg.policy.in_line and not synchronous:
+            found = line.arrive(task, cfg, key, take)
+            if isinstance(found, dict):  # superseded: a newer call took its place
+                _skip(task, found, reason="superseded", holder=None)
+                return
+            lease = found
         else:
             lease = take()
     except SimpleMutexAcquireTimeoutError as busy:
@@ -147,8 +151,8 @@ SKIPPED_EVENT = "task-mutex-skipped"
 def _skip(task: Any, marker: dict[str, Any], *, reason: str, holder: str | None) -> None:
     """Return ``marker`` instead of running, and say so where monitors look: the run
     itself ends SUCCESS, so Flower and event consumers get a ``task-mutex-skipped`` task
-    event (fields ``key``, ``reason`` "busy" | "duplicate tick" | "redelivered tick",
-    ``holder``)."""
+    event (fields ``key``, ``reason`` "busy" | "duplicate tick" | "redelivered tick" |
+    "superseded" (keep latest, debounce: an arrival a newer call replaced), ``holder``)."""
     request = task.request
     request.mutex_skipped = marker
     if request.is_eager or not request.hostname or not getattr(task, "send_events", True):

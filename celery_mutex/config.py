@@ -140,7 +140,7 @@ def _build(task: Any) -> Config:
     options = task._mutex_spec.options
     merged = {**DEFAULTS, **below, **settings, **options}
     # retry and queue fields merge field by field, in the same order
-    for nested in ("retry", "queue"):
+    for nested in ("retry", "queue", "debounce"):
         merged[nested] = {
             **below.get(nested, {}),
             **settings.get(nested, {}),

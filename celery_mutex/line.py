@@ -20,6 +20,12 @@ the same task id runs when it is published again, so its ``AsyncResult`` resolve
 A call that arrives with no ticket (``send_task``, a beat's send) takes its place when it
 arrives. Synchronous calls (``apply()``, ``task_always_eager``, direct calls) have no
 line: they wait for the lock, as ``on_busy="wait"`` does.
+
+``on_busy="latest"`` and ``"debounce"`` (issue 25) are the same line holding one waiting
+call per key (``simple_mutex.busy.line.collapse``): a newer call takes its place, and the
+call it replaced resolves at once, its result the skip marker with ``reason`` superseded
+and ``by`` the task id of the call that took its place (``resolve``). A debounced call
+waits parked until it is due; a worker's sweep publishes it then.
 """
 
 from __future__ import annotations
@@ -35,22 +41,36 @@ from typing import Any
 from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import skip_marker
 from simple_mutex.busy.line import (
+    Collapse,
+    Debounce,
     Duplicate,
+    Latest,
     Lines,
     Park,
     Publish,
     Run,
     RunLate,
+    Superseded,
     Ticket,
     pass_on,
     report,
     ticket_of,
 )
-from simple_mutex.busy.policy import unreachable
+from simple_mutex.busy.policy import IN_LINE, unreachable
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, LineFullError
 
 from . import per_call, signals
-from ._celery import EagerResult, Ignore, Reject, Retry, states, uuid
+from ._celery import (
+    DisabledBackend,
+    EagerResult,
+    Ignore,
+    Reject,
+    Retry,
+    SoftTimeLimitExceeded,
+    TimeLimitExceeded,
+    states,
+    uuid,
+)
 from .config import Config, config_of
 
 log = logging.getLogger("celery_mutex")
@@ -112,17 +132,32 @@ def _configured_on_busy(task: Any) -> Any:
 
 
 def queues(task: Any, call: Mapping[str, Any]) -> bool:
-    """Whether this call of ``task`` goes through the line."""
+    """Whether this call of ``task`` goes through the line (queue, latest, debounce)."""
     own = _configured_on_busy(task)
-    if call.get("on_busy", own) != "queue":
+    wanted = call.get("on_busy", own)
+    if wanted not in IN_LINE:
         return False
-    if own != "queue":
+    if own != wanted:
         raise ConstraintValueError(
-            f"{task.name}: apply_async(mutex={{'on_busy': 'queue'}}) needs the task's own "
-            "on_busy='queue' (workers sweep the lines of those tasks only); set it on "
-            "the task's mutex={...}"
+            f"{task.name}: apply_async(mutex={{'on_busy': {wanted!r}}}) needs the task's "
+            f"own on_busy={wanted!r} (workers sweep the lines of such tasks only, and a "
+            f"line keeps one discipline); set it on the task's mutex={{...}}"
         )
     return True
+
+
+def collapse_of(cfg: Config) -> Collapse:
+    """How the task's line collapses: ``Latest``, ``Debounce``, or None (the queue)."""
+    match cfg.policy.on_busy:
+        case "latest":
+            return Latest()
+        case "debounce":
+            period, max_delay = cfg.policy.debounce.period, cfg.policy.debounce.max_delay
+            assert period is not None  # from_options checked both
+            assert max_delay is not None
+            return Debounce(period, max_delay)
+        case _:
+            return None
 
 
 def _json_checked(task: Any, args: Any, kwargs: Any) -> None:
@@ -159,16 +194,24 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
     cfg = config_of(task)
     key = per_call.key_of(task, args, kwargs, call)
     after = _delay(options.get("countdown"), options.get("eta"))
+    collapse = collapse_of(cfg)
     try:
         if _parks_at_send(options):
             # Behind a ticket ahead, the call goes into the line at once, not through
             # the broker: a burst for one key costs no delivery per parked call.
             task_id = options.get("task_id") or uuid()
-            ticket, parked = cfg.lines.send(
-                key,
-                lambda ticket: _sent_message(task, task_id, args, kwargs, options, ticket),
-                queue_max=cfg.policy.queue.max,
-            )
+
+            def message_for(ticket: Ticket) -> dict[str, Any]:
+                return _sent_message(task, task_id, args, kwargs, options, ticket)
+
+            gone: tuple[Superseded, ...] = ()
+            if collapse is None:
+                ticket, parked = cfg.lines.send(key, message_for, queue_max=cfg.policy.queue.max)
+            else:
+                ticket, parked, gone = cfg.lines.send_collapsed(
+                    key, message_for, collapse, queue_max=cfg.policy.queue.max
+                )
+            resolve(task, key, gone)
             if parked:
                 signals.mutex_parked.send(
                     sender=task, task_id=task_id, key=key, ticket=ticket.number
@@ -359,20 +402,53 @@ def redelivers(task: Any) -> bool:
     return bool(task.acks_late and task.reject_on_worker_lost)
 
 
-def arrive(task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]) -> Lease:
+def superseded_marker(key: str, by: Superseded) -> dict[str, Any]:
+    """The result of a call a newer one took the place of: the skip marker, reason
+    ``superseded``, ``by`` the task id of the newer call."""
+    newer = by.by_message.get("id") if isinstance(by.by_message, Mapping) else None
+    return skip_marker("celery_mutex", key, holder=None, reason="superseded", by=newer)
+
+
+def resolve(task: Any, key: str, gone: tuple[Superseded, ...]) -> None:
+    """Store the result of each call ``gone`` from the line (a newer call took its
+    place), so its ``AsyncResult`` resolves at once. After the line's write: a crash in
+    between leaves that result pending, never a call run (nothing of it is left to run)."""
+    for call in gone:
+        task_id = call.message.get("id") if isinstance(call.message, Mapping) else None
+        if task_id is None or task.ignore_result or isinstance(task.backend, DisabledBackend):
+            continue  # nobody can read its result
+        marker = superseded_marker(key, call)
+        log.info("%s[%s] superseded in the line of %r by %s", task.name, task_id, key, marker["by"])
+        try:
+            task.backend.store_result(task_id, marker, states.SUCCESS)
+        except Exception as exc:  # the call is out of the line either way; its result waits
+            if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
+                raise  # the caller's own time limit (a send from a task body) goes on up
+            log.warning("%s[%s]: storing its superseded result failed: %r", task.name, task_id, exc)
+
+
+def arrive(
+    task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]
+) -> Lease | dict[str, Any]:
     """The line's answer for this delivery (``task.request``'s): the lease to run under
-    (its turn came and the lock was free), or Ignore raised (parked, or a duplicate: the
-    slot is free, the message acknowledged; a parked call is published again in its
-    turn)."""
+    (its turn came and the lock was free), the marker to return instead of running (a
+    newer call took this one's place: keep latest, debounce), or Ignore raised (parked,
+    or a duplicate: the slot is free, the message acknowledged; a parked call is
+    published again in its turn)."""
     request = task.request
     task_id, args, kwargs = request.id, request.args or (), request.kwargs or {}
     lines = cfg.lines
     ticket = ticket_from(request)
     if ticket is None:  # sent without one (send_task, beat): its place is its arrival
         ticket = lines.take(key)
+    collapse = collapse_of(cfg)
     for _ in range(ARRIVALS):
-        decided = lines.arrive(key, ticket, message_of(task, args, kwargs, ticket))
+        message = message_of(task, args, kwargs, ticket)
+        decided = lines.arrive(key, ticket, message, collapse=collapse)
         match decided:
+            case Superseded():
+                log.info("%s[%s]: a newer call of %r took its place", task.name, task_id, key)
+                return superseded_marker(key, decided)
             case Duplicate():
                 log.info(
                     "%s[%s]: ticket %d of %r is a duplicate; dropped",
@@ -383,7 +459,8 @@ def arrive(task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]) -> Le
                 )
                 request.mutex_parked = True  # the call is not over: keep its marker
                 raise Ignore()
-            case Park():
+            case Park(superseded=gone):
+                resolve(task, key, gone)
                 request.mutex_parked = True
                 signals.mutex_parked.send(
                     sender=task, task_id=task_id, key=key, ticket=ticket.number
@@ -409,7 +486,12 @@ def arrive(task: Any, cfg: Config, key: str, acquire: Callable[[], Lease]) -> Le
                     lease = acquire()
                 except SimpleMutexAcquireTimeoutError:
                     continue  # taken meanwhile: decide again (it parks)
-                started = lines.start(key, ticket, redelivers=redelivers(task))
+                started = lines.start(
+                    key, ticket, redelivers=redelivers(task), collapse=collapse, message=message
+                )
+                if isinstance(started, Superseded):
+                    lease.release()
+                    return superseded_marker(key, started)
                 if isinstance(started, Run | RunLate):
                     if isinstance(started, RunLate):
                         why, number = started.why, ticket.number
@@ -532,7 +614,7 @@ class Sweeper:
                 cfg = config_of(task)
             except (ValueError, TypeError):
                 continue  # a task with no cache configured fails when it runs
-            if cfg.policy.on_busy == "queue":
+            if cfg.policy.in_line:
                 found.setdefault((id(cfg.lines.cache), cfg.lines.prefix), (task, cfg.lines, cfg))
         return list(found.values())
 

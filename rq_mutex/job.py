@@ -105,6 +105,11 @@ def mutex_job(
     ``lease`` and ``renew``, ``permits``. ``cache``: a cache, a raw client or a URL; by
     default Redis on the job's own connection. Bad options raise ConstraintError here.
     """
+    if on_busy in ("latest", "debounce"):  # Celery's, on the line (issue 25); refused here
+        raise ConstraintValueError(
+            f"mutex_job: on_busy={on_busy!r} is not available for RQ jobs yet (Celery's "
+            "MutexTask has it); use on_busy='wait' to keep one job per key at a time"
+        )
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     if queue is not None:
         options["queue"] = queue

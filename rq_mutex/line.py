@@ -174,6 +174,11 @@ def arrive(
                 log.info("job %s: ticket %d of %r is a duplicate", job.id, ticket.number, key)
                 flag_skipped(job, "duplicate")
                 return Finish(skip_marker("rq_mutex", key, reason="duplicate"))
+            case ln.Superseded():
+                # Only keep latest and debounce supersede, and RQ refuses both (no
+                # collapse= is passed here): never reached, but a finish, not a run.
+                flag_skipped(job, "superseded")
+                return Finish(skip_marker("rq_mutex", key, reason="superseded"))
             case ln.Park():
                 lines.event("parked", key, name, ticket.number)
                 log.info("job %s parked in the line of %r (ticket %d)", job.id, key, ticket.number)

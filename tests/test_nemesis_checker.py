@@ -12,6 +12,7 @@ from nemesis.checker import (
     TAKEN_OVER,
     Spec,
     check,
+    check_latest,
     check_order,
     check_tasks,
     check_ticks,
@@ -385,6 +386,40 @@ def test_a_late_run_out_of_order_is_no_anomaly() -> None:
     assert check_order(late) == []
     assert [a.kind for a in check_order(queued(("b", 1.0, None), ("a", 3.0, "skipped"),
                                                ("c", 0.5, None)))] == ["out-of-order"]  # fmt: skip
+
+
+def latest(*rows: tuple[str, float, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tasks a, b, c sent in that order with on_busy="latest" on l.a, then ``rows``."""
+    sent: list[tuple[str, float, dict[str, Any]]] = [
+        ("submit", n * 0.1, {"task": task, "key": "l.a", "queued": True, "supersedes": True})
+        for n, task in enumerate("abc")
+    ]
+    return sorted(task_history(*sent, *rows), key=lambda e: e["t"])
+
+
+def superseded(task: str, by: str, t: float = 2.0) -> tuple[str, float, dict[str, Any]]:
+    return ("outcome", t, {"task": task, "state": "skipped", "reason": "superseded", "by": by})
+
+
+def granted(task: str, t: float) -> tuple[str, float, dict[str, Any]]:
+    return ("granted", t, {"task": task, "id": f"{task}:{t}", "key": "l.a", "late": None})
+
+
+def test_keep_latest_supersedes_only_older_calls_never_runs_them_and_runs_the_newest() -> None:
+    """a runs, b is superseded by c, c runs: clean. b granted as well, b superseded by a
+    (sent before it), c never granted: one anomaly each; c never granted but revoked (a
+    fault dealt to it): none."""
+    clean = latest(granted("a", 1.0), superseded("b", "c"), granted("c", 3.0))
+    assert check_latest(clean) == []
+    assert [a.kind for a in check_latest([*clean, *latest(granted("b", 2.5))[3:]])] == [
+        "superseded-ran"
+    ]  # fmt: skip
+    older = latest(granted("a", 1.0), superseded("b", "a"), granted("c", 3.0))
+    assert [a.kind for a in check_latest(older)] == ["superseded-by-older"]
+    lost = latest(granted("a", 1.0), superseded("b", "c"))
+    assert [(a.kind, a.ids) for a in check_latest(lost)] == [("newest-lost", ("c",))]
+    revoked = [*lost, *task_history(("fault", 2.5, {"kind": "revoke", "task": "c"}))]
+    assert check_latest(revoked) == []
 
 
 def test_a_parked_arrival_is_an_acquire_that_ended() -> None:

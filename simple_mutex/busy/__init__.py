@@ -25,6 +25,7 @@ from simple_mutex.current import current_lease
 
 from .per_process import PerProcess, reset, shared_cache
 from .policy import (
+    IN_LINE,
     SHARED,
     Busy,
     BusyPolicy,
@@ -38,6 +39,7 @@ from .policy import (
 from .running import SKIPPED, is_skipped, running, skip_marker
 
 __all__ = [
+    "IN_LINE",
     "SHARED",
     "SKIPPED",
     "Busy",

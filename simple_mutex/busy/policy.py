@@ -2,7 +2,10 @@
 
 ``on_busy``: ``skip`` (finish without running), ``retry`` (run again later), ``wait``
 (block until free), ``raise``, or ``queue`` (park the call in the key's line and run it
-in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the line);
+in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the line),
+``latest`` (the line keeps one parked call per key besides the running one: a newer call
+takes its place) or ``debounce`` (one parked call per key, run ``period`` after the calls
+stopped, at most ``max_delay`` after the first of them: ``debounce={...}``);
 ``timeout`` bounds the wait before ``on_busy`` applies (``wait``: None = forever; the
 others: one try). A busy retry runs again after
 ``countdown * backoff**n`` seconds, capped at ``cap``, jittered to [0.5, 1.5) of that when
@@ -34,8 +37,10 @@ from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
 from simple_mutex._core.durations import positive_seconds, timeout_seconds
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
-OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise", "queue"]
+OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise", "queue", "latest", "debounce"]
 ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
+IN_LINE: frozenset[OnBusy] = frozenset({"queue", "latest", "debounce"})
+"""The policies that park a call in its key's line (``simple_mutex.busy.line``)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,17 @@ class QueuePolicy:
 
 
 @dataclass(frozen=True)
+class DebouncePolicy:
+    """``on_busy="debounce"``'s ``debounce={"period": s, "max_delay": s}``: a key's call
+    runs ``period`` after its last call (each newer one takes the parked one's place and
+    pushes the run back), but never later than ``max_delay`` after the first call of
+    the burst. Both are required with ``on_busy="debounce"``; ``max_delay`` >= ``period``."""
+
+    period: float | None = None
+    max_delay: float | None = None
+
+
+@dataclass(frozen=True)
 class BusyPolicy:
     """The shared options of one task or job function, checked."""
 
@@ -140,17 +156,25 @@ class BusyPolicy:
     renew: bool = True
     permits: int = 1
     queue: QueuePolicy = QueuePolicy()
+    debounce: DebouncePolicy = DebouncePolicy()
+
+    @property
+    def in_line(self) -> bool:
+        """Whether a worker's call goes through its key's line (queue, latest, debounce)."""
+        return self.on_busy in IN_LINE
 
     @classmethod
     def from_options(cls, where: str, options: Mapping[str, Any]) -> BusyPolicy:
         """The shared options found in ``options`` (checked), defaults for the rest."""
         policy = cls(**{n: check_option(where, n, v) for n, v in options.items() if n in SHARED})
-        if policy.on_busy == "queue" and policy.permits != 1:
+        if policy.in_line and policy.permits != 1:
             raise ConstraintValueError(
-                f"{where}: on_busy='queue' runs one call of a key at a time, in order; "
-                f"permits={policy.permits} would run several: drop permits, or choose "
+                f"{where}: on_busy={policy.on_busy!r} runs one call of a key at a time, in "
+                f"order; permits={policy.permits} would run several: drop permits, or choose "
                 "another on_busy"
             )
+        if policy.on_busy == "debounce":
+            _check_debounce(where, policy)
         return policy
 
     def wait_for(self, synchronous: bool) -> float | None:
@@ -160,7 +184,7 @@ class BusyPolicy:
         match self.on_busy:
             case "wait":
                 return None
-            case "queue":
+            case "queue" | "latest" | "debounce":
                 # A worker's call consults its line and takes the lock only when its turn
                 # came and the lock is free; a synchronous one has no line: it waits.
                 return None if synchronous else 0.0
@@ -189,7 +213,7 @@ class BusyPolicy:
                 ) from busy
             case "retry":
                 return RunAgain(self.retry.next_delay(busy_retries, busy))
-            case "wait" | "raise" | "queue":
+            case "wait" | "raise" | "queue" | "latest" | "debounce":
                 raise busy
             case _ as unknown:
                 unreachable(unknown)
@@ -285,6 +309,42 @@ def queue_policy(where: str, value: object) -> QueuePolicy:
     )
 
 
+DEBOUNCE_FIELDS = frozenset(f.name for f in dataclasses.fields(DebouncePolicy))
+
+
+def debounce_policy(where: str, value: object) -> DebouncePolicy:
+    """``debounce={...}``: its fields checked (both are required once on_busy is
+    ``"debounce"``: ``from_options`` says so)."""
+    given = check_known(where, "debounce field", {} if value is None else value, DEBOUNCE_FIELDS)
+    found = {
+        name: positive_seconds(given[name], f"{where}: debounce {name}")
+        for name in DEBOUNCE_FIELDS
+        if given.get(name) is not None
+    }
+    return DebouncePolicy(**found)
+
+
+def _check_debounce(where: str, policy: BusyPolicy) -> None:
+    period, max_delay = policy.debounce.period, policy.debounce.max_delay
+    if period is None or max_delay is None:
+        raise ConstraintValueError(
+            f"{where}: on_busy='debounce' needs debounce={{'period': s, 'max_delay': s}} "
+            "(the quiet time before the run, and the most a call may wait from the first "
+            "of its burst); set both"
+        )
+    if max_delay < period:
+        raise ConstraintValueError(
+            f"{where}: debounce max_delay ({max_delay:g} s) must be at least its period "
+            f"({period:g} s): raise max_delay, or shorten period"
+        )
+    if max_delay > policy.queue.park_for:
+        raise ConstraintValueError(
+            f"{where}: debounce max_delay ({max_delay:g} s) must not exceed queue park_for "
+            f"({policy.queue.park_for:g} s), or a parked call would be dropped before its "
+            "run: lower max_delay, or raise queue={'park_for': ...}"
+        )
+
+
 def check_bool(where: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConstraintTypeError(f"{where}: {name} must be True or False, got {value!r}")
@@ -305,6 +365,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "renew": lambda where, value: check_bool(where, "renew", value),
     "permits": check_permits,
     "queue": queue_policy,
+    "debounce": debounce_policy,
 }
 SHARED = frozenset(_CHECKS)
 """The option names both integrations take with the same meaning (besides key, cache)."""

@@ -91,15 +91,54 @@ def test_wait_before_busy_in_a_worker_and_synchronously(options, in_worker, sync
 
 
 def test_the_busy_policies_are_one_closed_type():
-    """The policies are these five (what option checks accept, read from the OnBusy
-    literal that mypy checks every match against); any other name is refused, and queue
-    with more than one permit too (a line runs one call of a key at a time)."""
-    assert typing.get_args(OnBusy) == ("skip", "retry", "wait", "raise", "queue")
-    assert ON_BUSY == ("skip", "retry", "wait", "raise", "queue")
+    """The policies are these seven (what option checks accept, read from the OnBusy
+    literal that mypy checks every match against); any other name is refused, and the
+    line's three with more than one permit too (a line runs one call of a key at a time)."""
+    names = ("skip", "retry", "wait", "raise", "queue", "latest", "debounce")
+    assert typing.get_args(OnBusy) == names
+    assert names == ON_BUSY
     with pytest.raises(ConstraintValueError, match="on_busy must be one of skip, retry"):
         BusyPolicy.from_options("t", {"on_busy": "line"})
-    with pytest.raises(ConstraintValueError, match="permits=2 would run several"):
-        BusyPolicy.from_options("t", {"on_busy": "queue", "permits": 2})
+    debounce = {"debounce": {"period": 1, "max_delay": 5}}
+    for on_busy, more in [("queue", {}), ("latest", {}), ("debounce", debounce)]:
+        with pytest.raises(ConstraintValueError, match="permits=2 would run several"):
+            BusyPolicy.from_options("t", {"on_busy": on_busy, "permits": 2, **more})
+
+
+def test_the_debounce_options_are_checked_and_name_the_fix():
+    """on_busy='debounce' needs both period and max_delay, max_delay at least period and
+    at most queue park_for (a parked call must not expire before its run); keep latest
+    takes no options."""
+    policy = BusyPolicy.from_options(
+        "t", {"on_busy": "debounce", "debounce": {"period": 2, "max_delay": {"seconds": 30}}}
+    )
+    assert (policy.debounce.period, policy.debounce.max_delay) == (2.0, 30.0)
+    assert policy.in_line
+    assert (policy.wait_for(synchronous=False), policy.wait_for(synchronous=True)) == (0.0, None)
+    latest = BusyPolicy.from_options("t", {"on_busy": "latest"})
+    assert latest.in_line
+    assert (latest.wait_for(synchronous=False), latest.wait_for(synchronous=True)) == (0.0, None)
+    assert not BusyPolicy.from_options("t", {"on_busy": "wait"}).in_line
+    for options, fix in [
+        ({"on_busy": "debounce"}, r"needs debounce=\{'period': s, 'max_delay': s\}.*set both"),
+        ({"on_busy": "debounce", "debounce": {"period": 1}}, "set both"),
+        ({"on_busy": "debounce", "debounce": {"max_delay": 1}}, "set both"),
+        (
+            {"on_busy": "debounce", "debounce": {"period": 5, "max_delay": 2}},
+            "max_delay .2 s. must be at least its period .5 s.: raise max_delay",
+        ),
+        (
+            {"on_busy": "debounce", "debounce": {"period": 1, "max_delay": 600},
+             "queue": {"park_for": 60}},
+            "must not exceed queue park_for .60 s.*lower max_delay",
+        ),
+        ({"on_busy": "debounce", "debounce": {"period": 0, "max_delay": 2}}, "greater than 0"),
+        ({"on_busy": "debounce", "debounce": {"period": -1, "max_delay": 2}}, "debounce period"),
+        ({"on_busy": "debounce", "debounce": {"wait": 1}}, "unknown debounce field.*'wait'"),
+        ({"on_busy": "debounce", "debounce": [1, 2]}, "expected a dict of debounce fields"),
+    ]:  # fmt: skip
+        with pytest.raises(ConstraintError, match=fix):
+            BusyPolicy.from_options("t", options)
 
 
 def test_the_queue_options_are_checked():

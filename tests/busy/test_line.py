@@ -787,6 +787,44 @@ def test_the_asyncio_face_runs_the_same_flow(tier):
     assert (line.turn, line.next, dict(line.parked)) == (3, 3, {})
 
 
+def test_keep_latest_and_debounce_on_each_tier_and_both_faces(tier):
+    """Issue 25 through the real cache: a burst replaces the waiting call in place (one
+    entry, one ticket), the replaced ones reported; a debounced call's due time survives
+    the record's JSON and holds the sweep back; the asyncio face answers the same."""
+    lines = lines_of(tier)
+    latest, debounce = ln.Latest(), ln.Debounce(period=600, max_delay=900)
+    key, other = new_key(), new_key()
+
+    def message(call: str) -> Any:
+        return lambda ticket: {"id": call, "n": ticket.number}
+
+    first, parked, _ = lines.send_collapsed(key, message("a"), latest)
+    assert (first.number, parked) == (1, False)
+    gone = [lines.send_collapsed(key, message(c), latest)[2] for c in "bcd"]
+    assert [[(s.message["id"], s.by_message["id"]) for s in g] for g in gone] == [
+        [], [("b", "c")], [("c", "d")]
+    ]  # fmt: skip
+    line = lines.read(key)
+    assert line is not None
+    assert (line.next, {t: p.message["id"] for t, p in line.parked.items()}) == (3, {2: "d"})
+    ticket, parked, _ = lines.send_collapsed(other, message("x"), debounce)
+    assert parked
+    assert lines.sweep(other, promote_grace=0, gap_for=0) == ln.Swept()  # not due
+
+    async def faces() -> list[Any]:
+        return [
+            await lines.send_collapsed_async(other, message("y"), debounce),
+            await lines.arrive_async(other, ticket, {"id": "x"}, collapse=debounce),
+            await lines.read_async(other),
+        ]
+
+    replaced, stale, line = asyncio.run(faces())
+    assert [s.message["id"] for s in replaced[2]] == ["x"]
+    assert stale == ln.Superseded(1, {"id": "x"}, 1, {"id": "y", "n": 1})
+    assert line is not None
+    assert line.parked[1].due == pytest.approx(line.parked[1].at + 600)
+
+
 def test_the_lines_of_a_cache_are_listed_by_key(tier):
     """What a sweep goes through: every key with a line, a hashed long key by the name
     its record carries; the locks beside them are not lines."""
@@ -807,8 +845,8 @@ def test_every_step_has_both_faces_with_the_same_parameters():
     steps = sorted(n for n in names if callable(getattr(Lines, n)) and not n.endswith("_async"))
     steps = [n for n in steps if n not in ("cache_key", "lock_key", "event")]
     assert steps == [
-        "arrive", "end", "keys", "over", "read", "retry", "revoke", "send", "start", "sweep",
-        "take",
+        "arrive", "end", "keys", "over", "read", "retry", "revoke", "send", "send_collapsed",
+        "start", "sweep", "take",
     ]  # fmt: skip
     for name in steps:
         blocking, twin = getattr(Lines, name), getattr(Lines, name + "_async")

@@ -10,6 +10,7 @@ cases, RabbitMQ at 127.0.0.1:5672. A missing server fails the tests; it never sk
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -26,11 +27,12 @@ import psycopg
 import pytest
 from caches.test_postgres import POSTGRES_URL, with_query
 from celery import Celery
-from celery_support.line_app import LINE
+from celery_support.line_app import LINE, MAX_DELAY, PERIOD, SECTION
 from celery_support.processes import REDIS_URL, Processes
 from workers import wait_until
 
 # isort: split
+from celery_mutex import is_skipped
 
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 GET = 60
@@ -305,3 +307,201 @@ def test_a_whole_worker_killed_with_early_ack_passes_the_turn_on(amqp_line: Line
     assert lease / 2 <= delay <= lease + sweep + 5.0
     assert line.starts(run)[0] == [0, 1, 2, 3, 4]  # the head ran once (early ack)
     assert line.overlaps(run, killed=0) == []
+
+
+# -- keep latest and debounce (issue 25) -----------------------------------------------------
+
+
+def _superseded_in_a_chain(results: list[Any]) -> None:
+    """Each of ``results`` resolved to the skip marker, superseded by the next one."""
+    for result, newer in itertools.pairwise(results):
+        marker = result.get(timeout=GET)
+        assert is_skipped(marker), marker
+        assert (marker["reason"], marker["by"]) == ("superseded", newer.id)
+
+
+@pytest.mark.parametrize("die", [False, True], ids=["finishes", "killed"])
+def test_keep_latest_runs_the_running_call_and_the_last_of_a_burst_of_fifty(
+    line: Line, run: str, die: bool
+) -> None:
+    """50 calls of one key sent at once: the first runs (0.5 s), the other 49 wait in the
+    line one at a time, each newer taking the waiting one's place: the last (49) runs
+    next, once, and the 48 between resolve at once to the skip marker, each superseded
+    by the next. Also with the first's pool child SIGKILLed mid-run: its parent passes
+    the turn on, and the last still runs once (the first, early-acked, never again)."""
+    latest = line.task("latest")
+    results = [latest.apply_async((run, 0, n, 0.5, 0 if die else -1)) for n in range(50)]
+    _superseded_in_a_chain(results[1:49])
+    assert results[49].get(timeout=GET) == 49
+    if die:
+        with pytest.raises(Exception, match=r"WorkerLost|exited prematurely|signal 9"):
+            results[0].get(timeout=GET)
+    else:
+        assert results[0].get(timeout=GET) == 0
+    assert line.starts(run)[0] == [0, 49]
+    assert line.overlaps(run, killed=0 if die else None) == []
+
+
+def _debounce_burst(
+    debounced: Any, run: str, ns: range, every: float, die_at: int = -1, during: Any = None
+) -> tuple[list[Any], float, float]:
+    """Send ``debounced`` for each n of ``ns``, ``every`` seconds apart (``during(i)``
+    after the i-th send); returns the results, the first send's and the last send's
+    wall times (each read before its send: the line's clock reads it after)."""
+    results, first, last = [], time.time(), 0.0
+    for i, n in enumerate(ns):
+        last = time.time()
+        results.append(debounced.apply_async((run, 0, n, SECTION, die_at)))
+        if during is not None:
+            during(i)
+        time.sleep(every)
+    return results, first, last
+
+
+def _start_of(line: Line, run: str, n: int) -> float:
+    return next(at for _, m, what, at, _ in line.runs(run) if (m, what) == (n, "start"))
+
+
+def test_debounce_runs_each_burst_once_after_it_ends_with_its_last_arguments(
+    line: Line, run: str
+) -> None:
+    """Three bursts of ten calls 50 ms apart (shorter than the 1 s period), each sent
+    once the one before ran: each burst runs exactly once, its last call, no earlier
+    than a period after that call and at most max_delay after the burst's first; every
+    other call resolves at once to the skip marker, superseded by the next."""
+    debounced = line.task("debounced")
+    late = []
+    for b in range(3):
+        ns = range(b * 10, b * 10 + 10)
+        results, first, last = _debounce_burst(debounced, run, ns, 0.05)
+        assert results[-1].get(timeout=GET) == ns[-1]
+        _superseded_in_a_chain(results)
+        began = _start_of(line, run, ns[-1])
+        assert began - last >= PERIOD - 0.01, "ran before the quiet period passed"
+        assert began - first <= MAX_DELAY + LINE["queue"]["sweep_every"] + 2.0
+        late.append(began - (last + PERIOD))
+    print(f"debounce: each run started {', '.join(f'{s:.2f}' for s in late)} s after due")
+    assert line.starts(run)[0] == [9, 19, 29]
+    assert line.overlaps(run) == []
+
+
+def test_debounce_runs_a_steady_stream_by_its_max_delay(line: Line, run: str) -> None:
+    """Calls every 0.25 s for 4.5 s, never a quiet period: the burst's max_delay (3 s)
+    runs the call waiting then, no earlier, while the stream goes on; the rest form a
+    second burst, whose last call runs a period after the stream stops. Every call runs
+    once or is superseded, never both."""
+    debounced = line.task("debounced")
+    results, first, _ = _debounce_burst(debounced, run, range(18), 0.25)
+    assert results[-1].get(timeout=GET) == 17
+    starts = line.starts(run)[0]
+    assert len(starts) == 2, starts
+    assert starts[1] == 17
+    capped = _start_of(line, run, starts[0])
+    print(f"debounce: a steady stream's first run {capped - first:.2f} s after its first call")
+    assert MAX_DELAY - 0.01 <= capped - first <= MAX_DELAY + LINE["queue"]["sweep_every"] + 2.0
+    for n, result in enumerate(results):
+        outcome = result.get(timeout=GET)
+        assert outcome == n if n in starts else is_skipped(outcome), (n, outcome)
+    assert line.overlaps(run) == []
+
+
+@pytest.fixture
+def redis_line() -> Iterator[Line]:
+    """Workers on Redis, started by the test (none yet), so it may kill one."""
+    yield from _line(REDIS_URL, workers=0)
+
+
+def test_debounce_loses_nothing_to_a_killed_holder_or_a_killed_worker(
+    redis_line: Line, run: str
+) -> None:
+    """Three bursts on two workers. Burst 1's run SIGKILLs its pool child mid-run: its
+    parent ends the turn (early ack: it ran once, and not again). Midway through burst 2
+    one whole worker is SIGKILLed (main process and children): the burst's call waits in
+    the line, in the lock cache, and the other worker's sweep publishes it when due. Each
+    burst's last call starts exactly once; the others are superseded."""
+    line = redis_line
+    line.start_worker("w0", 2)
+    line.start_worker("w1", 2)
+    debounced = line.task("debounced")
+    results, _, _ = _debounce_burst(debounced, run, range(10), 0.05, die_at=9)
+    with pytest.raises(Exception, match=r"WorkerLost|exited prematurely|signal 9"):
+        results[-1].get(timeout=GET)
+    _superseded_in_a_chain(results)
+
+    def kill_w0(i: int) -> None:
+        if i == 4:
+            _kill_tree(line.procs[0].pid)
+
+    for ns, during in [(range(10, 20), kill_w0), (range(20, 30), None)]:
+        results, _, last = _debounce_burst(debounced, run, ns, 0.05, during=during)
+        assert results[-1].get(timeout=GET) == ns[-1]
+        _superseded_in_a_chain(results)
+        assert _start_of(line, run, ns[-1]) - last >= PERIOD - 0.01
+    assert line.starts(run)[0] == [9, 19, 29]
+    assert line.overlaps(run, killed=9) == []
+
+
+def test_keep_latest_loses_nothing_to_a_whole_worker_killed_while_holding(
+    redis_line: Line, run: str
+) -> None:
+    """The first call runs (6 s) on w0; 49 more are sent, 48 superseded, the last
+    waiting in the line; then w0 is SIGKILLed (main process and children: early ack, so
+    the first ran at most once). The waiting call is in the lock cache, not in w0: w1's
+    sweep finds the dead holder's lock lapsed and publishes it; it runs once."""
+    line = redis_line
+    latest = line.task("latest")
+    line.start_worker("w0", 2)
+    first = latest.apply_async((run, 0, 0, 6.0))
+    wait_until(lambda: line.starts(run).get(0), 30, "the first call to start on w0")
+    line.start_worker("w1", 2)
+    results = [first, *(latest.apply_async((run, 0, n)) for n in range(1, 50))]
+    _superseded_in_a_chain(results[1:49])
+    killed_at = time.time()
+    _kill_tree(line.procs[0].pid)
+    assert results[49].get(timeout=GET) == 49
+    delay = _start_of(line, run, 49) - killed_at
+    print(f"keep latest: the waiting call ran {delay:.2f} s after its holder's worker died")
+    assert line.starts(run)[0] == [0, 49]
+    assert line.overlaps(run, killed=0) == []
+
+
+def test_every_tier_keeps_the_latest_and_debounces(tier_line: Line, run: str) -> None:
+    """Keep latest and debounce with the locks and lines in PostgreSQL and DiskCache: 50
+    calls sent at once run the first and the last only; a debounce burst of ten runs its
+    last call once, no earlier than a period after it."""
+    line = tier_line
+    latest = line.task("latest")
+    results = [latest.apply_async((run, 0, n, 0.5)) for n in range(50)]
+    _superseded_in_a_chain(results[1:49])
+    assert [results[0].get(timeout=GET), results[49].get(timeout=GET)] == [0, 49]
+    assert line.starts(run)[0] == [0, 49]
+    debounced = line.task("debounced")
+    burst, _, last = _debounce_burst(debounced, run, range(100, 110), 0.05)
+    assert burst[-1].get(timeout=GET) == 109
+    _superseded_in_a_chain(burst)
+    assert _start_of(line, run, 109) - last >= PERIOD - 0.01
+    assert line.starts(run)[0] == [0, 49, 109]
+    assert line.overlaps(run) == []
+
+
+def test_keep_latest_reruns_a_redelivered_holder_before_the_waiting_call(
+    amqp_line: Line, run: str
+) -> None:
+    """acks_late + reject_on_worker_lost: the first call's whole worker is SIGKILLed
+    mid-run while the 50th waits (48 superseded). The first's message comes back to the
+    other worker and runs again once its dead lease lapsed, in its own turn; then the
+    50th runs, once. Nothing lost, no two runs of the key at once."""
+    line = amqp_line
+    redelivered = line.task("latest_redelivered")
+    line.start_worker("w0", 2)
+    first = redelivered.apply_async((run, 0, 0, 6.0))
+    wait_until(lambda: line.starts(run).get(0), 30, "the first call to start on w0")
+    line.start_worker("w1", 2)
+    results = [first, *(redelivered.apply_async((run, 0, n)) for n in range(1, 50))]
+    _superseded_in_a_chain(results[1:49])
+    time.sleep(1.0)  # w1 is up and sweeping
+    _kill_tree(line.procs[0].pid)
+    assert results[0].get(timeout=GET) == 0
+    assert results[49].get(timeout=GET) == 49
+    assert line.starts(run)[0] == [0, 0, 49]
+    assert line.overlaps(run) == []

@@ -17,6 +17,7 @@ from workers import ReleaseLater
 # isort: split
 from celery_mutex import MutexTask, current_lease, is_skipped
 from celery_mutex.keys import stable_encoding
+from rq_mutex import mutex_job
 from simple_mutex import ConstraintError, InMemoryCache, Mutex, SimpleMutexAcquireTimeoutError
 
 
@@ -364,3 +365,68 @@ def test_an_end_with_nothing_to_publish_sweeps_a_call_that_parked_meanwhile():
     line_now = cfg.lines.read(key)
     assert line_now is not None
     assert line_now.parked[second.number].promoted is not None
+
+
+def test_latest_and_debounce_options_are_checked_where_the_task_is_made():
+    """Bad debounce options fail at the first send (they may come from app.conf's
+    mutex_debounce, so they are checked merged), naming the fix; a bad field fails at
+    definition; per call, the line's disciplines need the task's own (a line keeps one);
+    RQ refuses them until its parking is built."""
+    with pytest.raises(ConstraintError, match=r"needs debounce=.*set both"):
+        _task(key="k.{n}", on_busy="debounce").apply_async((1,))
+    bad = _task(key="k.{n}", on_busy="debounce", debounce={"period": 3, "max_delay": 1})
+    with pytest.raises(ConstraintError, match="must be at least its period"):
+        bad.apply_async((1,))
+    with pytest.raises(ConstraintError, match="unknown debounce field"):
+        _task(key="k.{n}", on_busy="debounce", debounce={"quiet": 3})
+    queued = _task(key="k.{n}", on_busy="queue")
+    with pytest.raises(ConstraintError, match="needs the task's own on_busy='latest'"):
+        queued.apply_async((1,), mutex={"on_busy": "latest"})
+    latest = _task(key="k.{n}", on_busy="latest")
+    with pytest.raises(ConstraintError, match="needs the task's own on_busy='queue'"):
+        latest.apply_async((1,), mutex={"on_busy": "queue"})
+    for on_busy in ("latest", "debounce"):
+        with pytest.raises(ConstraintError, match=f"on_busy='{on_busy}' is not available for RQ"):
+            mutex_job(key="k", on_busy=on_busy)
+
+
+def test_a_newer_send_takes_the_waiting_calls_place_and_resolves_it():
+    """Keep latest at the producer: the first call goes to the broker (nobody ahead), the
+    second waits in the line, the third takes its place and ticket: the second's
+    AsyncResult resolves at once to the skip marker, superseded by the third's id."""
+    from celery_mutex.config import config_of
+
+    task = _task(key="k.{n}", on_busy="latest")
+    first, second, third = (task.apply_async((1,)) for _ in range(3))
+    marker = second.get(timeout=5)
+    assert is_skipped(marker)
+    assert (marker["reason"], marker["by"], marker["key"]) == ("superseded", third.id, "k.1")
+    line = config_of(task).lines.read("k.1")
+    assert line is not None
+    assert [p.message["id"] for p in line.parked.values()] == [third.id]
+    assert (line.next, line.turn) == (3, 1)  # the third took ticket 2: no ticket per call
+    assert not first.ready()
+    assert not third.ready()
+
+
+def test_a_debounced_send_always_waits_and_a_newer_one_pushes_it_back():
+    """Debounce at the producer: even the first call of a burst waits in the line, due a
+    period later; a newer call takes its place, keeps the burst's start, and pushes the
+    due time back, never past max_delay from the burst's first call."""
+    from celery_mutex.config import config_of
+
+    task = _task(key="k.{n}", on_busy="debounce", debounce={"period": 2, "max_delay": 3})
+    lines = config_of(task).lines
+    results = [task.apply_async((1,))]
+    parked = next(iter(lines.read("k.1").parked.values()))  # type: ignore[union-attr]
+    assert parked.due == pytest.approx(parked.at + 2, abs=0.01)
+    time.sleep(0.3)
+    results.append(task.apply_async((1,)))
+    entry = next(iter(lines.read("k.1").parked.values()))  # type: ignore[union-attr]
+    assert (entry.message["id"], entry.at) == (results[1].id, parked.at)
+    assert entry.due == pytest.approx(parked.at + 2.3, abs=0.1)
+    time.sleep(1.0)
+    results.append(task.apply_async((1,)))
+    entry = next(iter(lines.read("k.1").parked.values()))  # type: ignore[union-attr]
+    assert entry.due == pytest.approx(parked.at + 3)  # max_delay caps it
+    assert [r.get(timeout=5)["by"] for r in results[:2]] == [results[1].id, results[2].id]

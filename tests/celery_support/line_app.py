@@ -115,3 +115,46 @@ def step_or_reject(run: str, entity: int, n: int, reject_at: int) -> int:
     finally:
         _mark(run, entity, n, "end")
     return n
+
+
+# Keep latest and debounce (issue 25): the same line, one waiting call per key.
+LATEST: dict[str, Any] = {**LINE, "on_busy": "latest"}
+PERIOD, MAX_DELAY = 1.0, 3.0
+DEBOUNCE: dict[str, Any] = {
+    **LINE,
+    "on_busy": "debounce",
+    "debounce": {"period": PERIOD, "max_delay": MAX_DELAY},
+}
+
+
+def _work_or_die(run: str, entity: int, n: int, seconds: float, die_at: int) -> int:
+    """Records the run; at ``n == die_at`` its pool child SIGKILLs itself mid-run."""
+    _mark(run, entity, n, "start")
+    if n == die_at:
+        time.sleep(seconds / 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    _mark(run, entity, n, "end")
+    return n
+
+
+@app.task(base=MutexTask, mutex={"key": "l.{run}.{entity}", **LATEST})
+def latest(run: str, entity: int, n: int, seconds: float = SECTION, die_at: int = -1) -> int:
+    return _work_or_die(run, entity, n, seconds, die_at)
+
+
+@app.task(base=MutexTask, mutex={"key": "d.{run}.{entity}", **DEBOUNCE})
+def debounced(run: str, entity: int, n: int, seconds: float = SECTION, die_at: int = -1) -> int:
+    return _work_or_die(run, entity, n, seconds, die_at)
+
+
+@app.task(
+    base=MutexTask,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    mutex={"key": "l.{run}.{entity}", **LATEST},
+)
+def latest_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
+    """Keep latest with acks_late and reject_on_worker_lost: a whole worker SIGKILLed
+    mid-run gets its message delivered again, and it runs before the waiting call."""
+    return _work(run, entity, n, seconds)

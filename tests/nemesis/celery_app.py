@@ -11,7 +11,11 @@ is the same with ``acks_late``. ``work_queued`` (and ``work_queued_late``, with
 ``acks_late``) is the same body on ``q.<key>`` with ``on_busy="queue"``: its calls run one
 at a time in send order, a call whose turn has not come is parked (its ``task_prerun``
 ``acquire`` then ends in a ``parked`` event: it raised ``Ignore``) and published again in
-its turn. Every run records ``run`` start / end and the lock hold (``acquire`` from
+its turn. ``work_latest`` (and ``work_latest_late``) is the same body on ``l.<key>``
+with ``on_busy="latest"``, ``work_debounced`` (and ``_late``) on ``d.<key>`` with
+``on_busy="debounce"``: a call whose place a newer one took never runs (its arrival, if
+it has one, ends in a ``superseded`` event). Every run records ``run`` start / end and
+the lock hold (``acquire`` from
 ``task_prerun``, before the lock is taken; ``granted`` once held, with ``late``: the
 line's reason when the run is out of send order, else None).
 """
@@ -29,7 +33,7 @@ from celery_support.env_app import app_from_env
 import nemesis  # noqa: F401  (sys.path)
 from celery_mutex import MutexTask, current_lease
 from nemesis.body import Steps
-from nemesis.celery_locks import LOCK, QUEUED
+from nemesis.celery_locks import DEBOUNCE, LATEST, LOCK, QUEUED
 from nemesis.history import Recorder
 
 app = app_from_env(
@@ -44,6 +48,9 @@ app = app_from_env(
 )
 PREFIX: str = app.conf.mutex_prefix
 QUEUED_TASKS = {f"{__name__}.work_queued", f"{__name__}.work_queued_late"}
+LATEST_TASKS = {f"{__name__}.work_latest", f"{__name__}.work_latest_late"}
+DEBOUNCED_TASKS = {f"{__name__}.work_debounced", f"{__name__}.work_debounced_late"}
+IN_LINE = QUEUED_TASKS | LATEST_TASKS | DEBOUNCED_TASKS
 ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
 _rec: Recorder | None = None
 _steps: Steps | None = None
@@ -71,7 +78,10 @@ def _op(task: Any) -> str:
 
 
 def _lock(task: Any, key: str) -> str:
-    return f"{'q' if task.name in QUEUED_TASKS else 'k'}.{key}"
+    for kind, names in (("q", QUEUED_TASKS), ("l", LATEST_TASKS), ("d", DEBOUNCED_TASKS)):
+        if task.name in names:
+            return f"{kind}.{key}"
+    return f"k.{key}"
 
 
 @signals.task_prerun.connect
@@ -83,7 +93,7 @@ def _prerun(sender: Any = None, task: Any = None, args: Any = (), kwargs: Any = 
         return
     global _arrivals
     _arrivals += 1
-    queued = task.name in QUEUED_TASKS
+    queued = task.name in IN_LINE
     op = f"{task.request.id}:{os.getpid()}:{task.request.retries or 0}:{_arrivals}"
     _ops[task.request.id] = op
     rec("run", task=task.request.id, phase="prerun", pid=os.getpid())
@@ -93,10 +103,19 @@ def _prerun(sender: Any = None, task: Any = None, args: Any = (), kwargs: Any = 
 
 @signals.task_postrun.connect
 def _postrun(sender: Any = None, task: Any = None, kwargs: Any = None, state: Any = None,
-             **_: Any) -> None:  # fmt: skip
-    """A queued arrival parked (or dropped as a duplicate): it raised Ignore, no grant."""
+             retval: Any = None, **_: Any) -> None:  # fmt: skip
+    """A queued arrival parked (or dropped as a duplicate): it raised Ignore, no grant. A
+    keep-latest arrival superseded by a newer call: it returned the marker, no grant."""
     key = (kwargs or {}).get("key")
-    if key is None or state != "IGNORED" or not getattr(task.request, "mutex_parked", False):
+    if key is None:
+        return
+    if isinstance(retval, dict) and retval.get("reason") == "superseded":
+        rec, _ = _recorder()
+        rec("superseded", id=_op(task), key=_lock(task, key), task=task.request.id,
+            by=retval.get("by"))  # fmt: skip
+        rec("run", task=task.request.id, phase="superseded", pid=os.getpid())
+        return
+    if state != "IGNORED" or not getattr(task.request, "mutex_parked", False):
         return
     rec, _ = _recorder()
     rec("parked", id=_op(task), key=_lock(task, key), task=task.request.id)
@@ -160,4 +179,28 @@ def work_queued(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: f
 @app.task(base=MutexTask, bind=True, mutex=QUEUED, acks_late=True)
 def work_queued_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
                      ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=LATEST)
+def work_latest(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=LATEST, acks_late=True)
+def work_latest_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                     ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=DEBOUNCE)
+def work_debounced(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                   ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=DEBOUNCE, acks_late=True)
+def work_debounced_late(self: Any, key: str, steps: int = 6, cleanup: int = 20,
+                        pause: float = 0.05) -> str:  # fmt: skip
     return _body(self, key, steps, cleanup, pause)

@@ -10,3 +10,7 @@ LOCK: dict[str, Any] = {"key": "k.{key}", "on_busy": "wait", "timeout": 20, "lea
                         "renew": True}  # fmt: skip
 QUEUED: dict[str, Any] = {"key": "q.{key}", "on_busy": "queue", "lease": 2, "renew": True,
                           "queue": {"sweep_every": 0.5, "gap_for": 3}}  # fmt: skip
+# Keep latest (issue 25): the same line, one waiting call per key, on l.<key>.
+LATEST: dict[str, Any] = {**QUEUED, "key": "l.{key}", "on_busy": "latest"}
+DEBOUNCE: dict[str, Any] = {**QUEUED, "key": "d.{key}", "on_busy": "debounce",
+                            "debounce": {"period": 0.5, "max_delay": 2}}  # fmt: skip

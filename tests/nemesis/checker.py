@@ -52,6 +52,11 @@ lost-task / double-run / unexplained-failure / tick-missed / tick-repeated
 out-of-order
     (``check_order``: ``on_busy="queue"``) a queued call of a key was first granted before
     a call of that key sent earlier, and the line did not say the run was late.
+superseded-ran / superseded-by-older / newest-lost
+    (``check_latest``: ``on_busy="latest"`` and ``"debounce"``) a call reported
+    superseded was granted; or
+    it names as the call that took its place one sent before it (or none we sent); or the
+    newest call of a key was never granted, with no fault dealt to it.
 """
 
 from __future__ import annotations
@@ -501,7 +506,7 @@ def _dealt_to_tasks(events: list[Event]) -> dict[str, list[Event]]:
         for r in rows:
             if r["phase"] == "prerun":
                 # ...until that arrival parked (on_busy="queue": it left the process then)
-                left = min([p["t"] for p in rows if p["phase"] == "parked"
+                left = min([p["t"] for p in rows if p["phase"] in ("parked", "superseded")
                             and p["pid"] == r["pid"] and p["t"] >= r["t"]],
                            default=float("inf"))  # fmt: skip
                 dealt[task] += [f for f in by_pid.get(r["pid"], ()) if r["t"] <= f["t"] < left]
@@ -688,6 +693,47 @@ def check_order(events: list[Event]) -> list[Anomaly]:
                 ))  # fmt: skip
             if ahead is None or grant["t"] > ahead[0]:
                 ahead = (grant["t"], sub["task"])
+    return found
+
+
+def check_latest(events: list[Event]) -> list[Anomaly]:
+    """``on_busy="latest"`` and ``"debounce"`` (``submit`` with ``supersedes``, in send
+    order per key): a call
+    whose outcome is the skip marker with reason ``superseded`` was never granted, and the
+    call it names (``outcome.by``) was sent after it; the newest call of each key was
+    granted, unless a fault was dealt to it (a kill or a revoke may end it unrun)."""
+    sent: dict[str, list[Event]] = defaultdict(list)
+    order: dict[str, int] = {}
+    granted: set[str] = set()
+    outcomes: dict[str, Event] = {}
+    for e in events:
+        if e["op"] == "submit" and e.get("supersedes"):
+            sent[e["key"]].append(e)
+            order[e["task"]] = len(order)
+        elif e["op"] == "granted" and e.get("task") is not None:
+            granted.add(e["task"])
+        elif e["op"] == "outcome":
+            outcomes[e["task"]] = e
+    dealt = _dealt_to_tasks(events)
+    found = []
+    for key, subs in sent.items():
+        for sub in subs:
+            task, out = sub["task"], outcomes.get(sub["task"])
+            if out is None or out.get("reason") != "superseded":
+                continue
+            if task in granted:
+                found.append(Anomaly("superseded-ran", key, f"task {task} was granted, yet "
+                                     "reported superseded", out["t"], (task,)))  # fmt: skip
+            by = out.get("by")
+            if by not in order or order[by] <= order[task]:
+                found.append(Anomaly("superseded-by-older", key, f"task {task} was reported "
+                                     f"superseded by {by}, not a call sent after it",
+                                     out["t"], (task,)))  # fmt: skip
+        newest = subs[-1]
+        if newest["task"] not in granted and not dealt.get(newest["task"]):
+            found.append(Anomaly("newest-lost", key, f"task {newest['task']}, the newest call "
+                                 "of its key, was never granted and no fault was dealt to it",
+                                 newest["t"], (newest["task"],)))  # fmt: skip
     return found
 
 

@@ -36,6 +36,10 @@ submit / run / outcome
 parked         ``on_busy="queue"``: ``id``, ``key``, ``task``: an arrival parked (or was
                dropped as a duplicate) and raised Ignore, its acquire ended with no grant;
                ``at="send"`` (no ``id``): a call parked at its send, behind a ticket ahead
+superseded     ``on_busy="latest"`` / ``"debounce"``: ``id``, ``key``, ``task``, ``by``: an
+               arrival found a newer call waiting and returned the skip marker, its
+               acquire with no grant; ``submit.supersedes`` marks such calls,
+               ``outcome.reason`` / ``outcome.by`` what a superseded call's result said
 =============  ==========================================================================
 """
 

@@ -231,7 +231,7 @@ def _check_queue_run(
         conn.delete(name)
     events = history.load(hist)
     anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
-    anomalies += checker.check_order(events)
+    anomalies += checker.check_order(events) + checker.check_latest(events)
     return finish(tier, seed, duration, events, anomalies, workdir,
                   [f"{what}; store log {len(log)} writes"])  # fmt: skip
 
@@ -274,20 +274,26 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 
     rng = random.Random(seed)
     submitted: dict[str, Any] = {}
-    keys: dict[str, tuple[bool, str]] = {}  # task id -> (queued, key)
+    keys: dict[str, tuple[str, str]] = {}  # task id -> (its lock's kind: k, q, l or d; key)
 
-    def submit(name: str = "work", key: str | None = None, queued: bool | None = None,
-               **options: Any) -> str:  # fmt: skip
-        """Send a call: ``queued`` (40% of the random ones) through the client's MutexTask
-        on ``q.<key>``, taking its ticket at the send (the submit events of one key are in
-        send order: this thread sends them one by one, recording each right after)."""
-        if queued is None:
-            queued = key is None and rng.random() < QUEUED_SHARE
+    def submit(name: str = "work", key: str | None = None, kind: str | None = None,
+               burst: bool = True, **options: Any) -> str:  # fmt: skip
+        """Send a call: of the random ones, 40% through the line (``q.<key>``, kind q),
+        20% keep latest (``l.<key>``, kind l) and 10% debounced (``d.<key>``, kind d), each
+        of the last two followed by a burst of up to four more on its key, each through the
+        client's MutexTask, taking its ticket at the send (the
+        submit events of one key are in send order: this thread sends them one by one,
+        recording each right after)."""
+        if kind is None:
+            roll = rng.random() if key is None else 1.0
+            kind = next((k for k, upto in SHARES if roll < upto), "k")
+        queued = kind != "k"
         key = key or rng.choice("abc")
         steps = options.pop("steps", rng.randint(2, 8))
         late = name == "work_late" or rng.random() < 0.3
         if queued:
-            task = "nemesis.celery_app." + ("work_queued_late" if late else "work_queued")
+            base = {"q": "work_queued", "l": "work_latest", "d": "work_debounced"}[kind]
+            task = "nemesis.celery_app." + (f"{base}_late" if late else base)
             if "countdown" not in options and rng.random() < 0.25:
                 # Through the broker (a countdown keeps the ticket from the send): it may
                 # reach a worker before its turn and park there.
@@ -297,10 +303,14 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             task = "nemesis.celery_app." + ("work_late" if late else "work")
             result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
         limit = options.get("soft_time_limit") or options.get("time_limit")
-        rec("submit", task=result.id, key=f"{'q' if queued else 'k'}.{key}", name=task,
-            limit=limit, late=late, queued=queued)  # fmt: skip
+        rec("submit", task=result.id, key=f"{kind}.{key}", name=task, limit=limit, late=late,
+            queued=queued, supersedes=kind in ("l", "d"))  # fmt: skip
         submitted[result.id] = result
-        keys[result.id] = (queued, key)
+        keys[result.id] = (kind, key)
+        if kind in ("l", "d") and burst:
+            # A burst behind it on the same key, so newer calls take the waiting place.
+            for _ in range(rng.randint(0, 4)):
+                submit(key=key, kind=kind, burst=False)
         return str(result.id)
 
     def running() -> list[tuple[str, int]]:
@@ -338,8 +348,8 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             return
         task_id, pid = live[int(pick * len(live))]
         if kind == "revoke":  # a waiter on its key must not enter during its clean-up
-            queued, key = keys[task_id]
-            submit(key=key, queued=queued)
+            kind_of, key = keys[task_id]
+            submit(key=key, kind=kind_of)
             time.sleep(0.2)
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
@@ -359,12 +369,16 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
                lambda: _outcomes(rec, submitted, timeout=45, hist=hist))  # fmt: skip
     finally:
         mutex_parked.disconnect(parked_at_send)
-    what = f"{len(submitted)} tasks submitted, {sum(q for q, _ in keys.values())} of them queued"
+    lines = [kind for kind, _ in keys.values()]
+    what = (f"{len(submitted)} tasks submitted, {lines.count('q')} of them queued, "
+            f"{lines.count('l')} keep latest, {lines.count('d')} debounced")  # fmt: skip
     return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
                             what)  # fmt: skip
 
 
-QUEUED_SHARE = 0.4  # of the random calls: on_busy="queue" on keys of their own (q.<key>)
+# Of the random calls, up to each share: on_busy="queue", "latest", "debounce", each on
+# keys of their own (q.<key>, l.<key>, d.<key>); the rest wait (k.<key>).
+SHARES = (("q", 0.4), ("l", 0.6), ("d", 0.7))
 
 
 def _queued_senders(app: Any) -> None:
@@ -372,15 +386,17 @@ def _queued_senders(app: Any) -> None:
     options): sent through them, each call takes its ticket at the send, as a producer's
     ``apply_async`` does; their bodies never run here."""
     from celery_mutex import MutexTask
-    from nemesis.celery_locks import QUEUED
+    from nemesis.celery_locks import DEBOUNCE, LATEST, QUEUED
 
-    for name in ("work_queued", "work_queued_late"):
+    mutexes = {"work_queued": QUEUED, "work_latest": LATEST, "work_debounced": DEBOUNCE}
+    for name in [n for base in mutexes for n in (base, f"{base}_late")]:
 
         def stand_in(key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> None:
             raise AssertionError("a stand-in: the worker runs this task")
 
+        mutex = mutexes[name.removesuffix("_late")]
         app.task(base=MutexTask, shared=False, name=f"nemesis.celery_app.{name}",
-                 mutex=QUEUED, acks_late=name.endswith("_late"))(stand_in)  # fmt: skip
+                 mutex=mutex, acks_late=name.endswith("_late"))(stand_in)  # fmt: skip
 
 
 def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float, hist: Path) -> None:
@@ -403,9 +419,11 @@ def _outcomes(rec: history.Recorder, submitted: dict[str, Any], timeout: float, 
             if not result.ready():
                 continue
             state, value = result.state, result.result
-            if state == "SUCCESS":
-                outcome = "skipped" if is_skipped(value) else "success"
-                rec("outcome", task=task_id, state=outcome)
+            if state == "SUCCESS" and is_skipped(value):
+                rec("outcome", task=task_id, state="skipped", reason=value.get("reason"),
+                    by=value.get("by"))  # fmt: skip
+            elif state == "SUCCESS":
+                rec("outcome", task=task_id, state="success")
             else:
                 rec("outcome", task=task_id, state="failure", error=f"{state} {value!r}"[:300])
             del pending[task_id]

@@ -3,6 +3,8 @@ per key at ``line.<key>``, beside the lock, and every decision taken on it.
 
 * ``record``: the record (``Line``, ``Parked``, ``Running``), its tickets (``Ticket``,
   ``ticket_of``) and its JSON to and from, strictly parsed (``encode``, ``decode``).
+* ``collapse``: keep latest and debounce (issue 25): ``Latest``, ``Debounce`` and the
+  ``Superseded`` call that lost its place to a newer one.
 * ``decisions``: each step of the design as a pure function of (record, inputs, now),
   and the outcomes they return (``Duplicate``, ``RunLate``, ``Run``, ``Park``,
   ``Publish``, ``Swept``): no clock, no cache.
@@ -14,6 +16,7 @@ Everything is imported from here (``simple_mutex.busy.line``), as when it was on
 
 from __future__ import annotations
 
+from .collapse import Collapse, Debounce, Latest, Superseded
 from .decisions import (
     Arrival,
     Duplicate,
@@ -29,6 +32,7 @@ from .decisions import (
     retry,
     revoke,
     send,
+    send_collapsed,
     start,
     sweep,
     take,
@@ -44,7 +48,10 @@ from .store import Lines, pass_on, report, update
 
 __all__ = [
     "Arrival",
+    "Collapse",
+    "Debounce",
     "Duplicate",
+    "Latest",
     "Line",
     "Lines",
     "Park",
@@ -53,6 +60,7 @@ __all__ = [
     "Run",
     "RunLate",
     "Running",
+    "Superseded",
     "Swept",
     "Ticket",
     "arrival",
@@ -67,6 +75,7 @@ __all__ = [
     "retry",
     "revoke",
     "send",
+    "send_collapsed",
     "start",
     "sweep",
     "take",

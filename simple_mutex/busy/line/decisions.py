@@ -8,6 +8,11 @@ set ``Arrival``), ``park`` (and ``arrival``, both as one change), ``start``, ``e
 ``retry``, ``revoke`` and ``sweep`` (its outcome a ``Swept``: the messages to
 ``Publish``, and what it skipped, expired or ended). They never read a clock or a cache:
 tests drive them exhaustively.
+
+Keep latest and debounce (``collapse``: ``Latest``, ``Debounce``) are the same steps
+given ``collapse=``, plus ``send_collapsed`` (a send that takes the waiting call's place):
+a key's line then holds one waiting call, and every call that loses its place is a
+``Superseded`` (an arrival's outcome, or listed in a ``Park`` and a send's answer).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Literal, TypeAlias, TypeVar
 from simple_mutex.busy.policy import unreachable
 from simple_mutex.errors import ConstraintValueError, LineFullError, MalfunctionError
 
+from .collapse import Collapse, Debounce, Superseded, identity
 from .record import MAX_TICKET, Line, Message, Parked, Running, Ticket
 
 R = TypeVar("R")
@@ -57,9 +63,13 @@ class Park:
     """Not its turn (or the lock is busy): ``park`` its message, then acknowledge it."""
 
     ticket: int
+    superseded: tuple[Superseded, ...] = ()
+    """With ``collapse``: the waiting calls this one took the place of (their results
+    are the caller's to resolve)."""
 
 
-Arrival: TypeAlias = Duplicate | RunLate | Run | Park
+Arrival: TypeAlias = Duplicate | RunLate | Run | Park | Superseded
+"""``Superseded`` only with ``collapse``: a newer call waits, so this one will not run."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +138,18 @@ def send(
     return replace(line, issued=_without(line.issued, t), parked=parked), (ticket, True)
 
 
-def arrive(line: Line, ticket: Ticket, *, lock_free: bool) -> Arrival:
-    """What a worker that got ``ticket``'s message does (the design's step 2)."""
+def arrive(
+    line: Line,
+    ticket: Ticket,
+    *,
+    lock_free: bool,
+    collapse: Collapse = None,
+    message: Message = None,
+) -> Arrival:
+    """What a worker that got ``ticket``'s message does (the design's step 2). With
+    ``collapse``, ``message`` (the arriving one) tells a copy of a call whose place a
+    newer call took (same ticket, another identity: ``Superseded``), and under
+    ``Debounce`` a call never parked waits, parked, for its quiet time."""
     t = ticket.number
     if ticket.epoch != line.epoch or t >= line.next:
         # No place in this line (its record expired and started again, or a failover
@@ -147,12 +167,19 @@ def arrive(line: Line, ticket: Ticket, *, lock_free: bool) -> Arrival:
         # parked, for the lease to lapse (the sweep publishes it then).
         return Park(t) if t not in line.parked else Duplicate(t)
     parked = line.parked.get(t)
+    replaced = parked is not None and identity(message) != identity(parked.message)
+    if collapse is not None and message is not None and parked is not None and replaced:
+        # The broker's copy of a call parked at its arrival, whose place a newer call took
+        # (a crash between the park's write and its ack): it must not run.
+        return Superseded(t, message, t, parked.message)
     if parked is not None and parked.promoted is None:
         return Duplicate(t)  # redelivered after it was parked (write-then-ack)
     if t in line.skipped:
         return RunLate(t, "skipped") if lock_free and running is None else Park(t)
     if t < line.turn or t in line.ended:
         return Duplicate(t)
+    if isinstance(collapse, Debounce) and parked is None:
+        return Park(t)  # it came through the broker, never parked: its quiet time first
     if t == line.turn and lock_free and running is None:
         return Run(t)
     return Park(t)
@@ -172,20 +199,127 @@ def park(line: Line, ticket: Ticket, message: Message, now: float) -> Line:
 
 
 def arrival(
-    line: Line, ticket: Ticket, message: Message, now: float, *, lock_free: bool
+    line: Line,
+    ticket: Ticket,
+    message: Message,
+    now: float,
+    *,
+    lock_free: bool,
+    collapse: Collapse = None,
 ) -> tuple[Line, Arrival]:
-    """``arrive``, and the park it may call for, as one change (write-then-ack)."""
-    decided = arrive(line, ticket, lock_free=lock_free)
+    """``arrive``, and the park it may call for, as one change (write-then-ack). With
+    ``collapse`` the park takes the place of the waiting calls (listed in the ``Park``),
+    or, when a newer call waits, this one is ``Superseded`` and leaves the line."""
+    decided = arrive(line, ticket, lock_free=lock_free, collapse=collapse, message=message)
     if isinstance(decided, Park):
-        return park(line, ticket, message, now), decided
+        copy = line.running is not None and line.running.ticket == ticket.number
+        if collapse is None or copy:
+            # The broker's copy of the running call (its worker died; acks_late) is that
+            # call, not a newer one: it waits for the dead lease as in the queue, and no
+            # waiting call takes its turn.
+            return park(line, ticket, message, now), decided
+        return _park_collapsed(line, ticket, message, now, collapse)
     return line, decided
 
 
-def start(line: Line, ticket: Ticket, now: float, *, redelivers: bool) -> tuple[Line, Arrival]:
+def _waiting(line: Line, but: int | None) -> dict[int, Parked]:
+    """The parked calls a newer call may take the place of: not promoted (nobody
+    published them for their turn) and not a copy of the running ticket."""
+    held = line.running.ticket if line.running is not None else None
+    return {u: p for u, p in line.parked.items() if p.promoted is None and u != held and u != but}
+
+
+def _park_collapsed(
+    line: Line, ticket: Ticket, message: Message, now: float, collapse: Collapse
+) -> tuple[Line, Park | Superseded]:
+    """Park ``ticket`` in the place of every waiting call; or, when a newer call waits
+    already (it was sent after this one), this one leaves the line superseded."""
+    if ticket.epoch != line.epoch or ticket.number >= line.next:
+        raise ConstraintValueError(f"line {line.key!r}: ticket {ticket} is not of this line")
+    t = ticket.number
+    waiting = _waiting(line, t)
+    newer = [u for u in waiting if u > t]
+    if newer:
+        by = max(newer)
+        return _forget(line, t), Superseded(t, message, by, waiting[by].message)
+    line, first = _replaced(line, waiting, now, collapse)
+    line = replace(
+        line,
+        issued=_without(line.issued, t),
+        parked={**line.parked, t: _entry(message, first, now, collapse)},
+    )
+    return line, Park(
+        t, tuple(Superseded(u, p.message, t, message) for u, p in sorted(waiting.items()))
+    )
+
+
+def _replaced(
+    line: Line, waiting: Mapping[int, Parked], now: float, collapse: Collapse
+) -> tuple[Line, float]:
+    """``waiting`` leave the line; returns it and when the burst they belong to began
+    (a debounce's ``max_delay`` counts from its first call; else now)."""
+    for u in waiting:
+        line = _forget(line, u)
+    if isinstance(collapse, Debounce):
+        return line, min((p.at for p in waiting.values()), default=now)
+    return line, now
+
+
+def _entry(message: Message, first: float, now: float, collapse: Collapse) -> Parked:
+    due = collapse.due(first, now) if isinstance(collapse, Debounce) else None
+    return Parked(message, first, due=due)
+
+
+def send_collapsed(
+    line: Line,
+    now: float,
+    message_for: Callable[[Ticket], Message],
+    collapse: Collapse,
+    *,
+    queue_max: int | None = None,
+) -> tuple[Line, tuple[Ticket, bool, tuple[Superseded, ...]]]:
+    """A send under ``collapse``: when a call waits, this one takes its place, and its
+    ticket when no ticket handed out after it is still on its way through the broker
+    (the waiting message is replaced in place: a burst costs one entry, not a ticket
+    each; ticket order stays send order, which is how an arrival tells the newer call).
+    Else it takes a ticket and parks behind a ticket ahead (``Latest``; with nobody ahead
+    it is published now) or always (``Debounce``: due ``period`` from now). Returns the
+    ticket, whether it was parked, and the calls it superseded."""
+    waiting = {} if collapse is None else _waiting(line, None)
+    if not waiting and not isinstance(collapse, Debounce):
+        line, (ticket, was_parked) = send(line, now, message_for, queue_max=queue_max)
+        return line, (ticket, was_parked, ())
+    newest = max(waiting, default=0)
+    if waiting and not any(i > newest for i in line.issued):
+        ticket = line.ticket(newest)
+        kept = {newest: waiting[newest]}
+        line, first = _replaced(line, _without(waiting, newest), now, collapse)
+    else:
+        kept = {}
+        line, first = _replaced(line, waiting, now, collapse)
+        line, ticket = take(line, now, queue_max=queue_max)
+    t = ticket.number
+    if isinstance(collapse, Debounce):
+        first = min([first, *(p.at for p in kept.values())])
+    message = message_for(ticket)
+    parked = {**line.parked, t: _entry(message, first, now, collapse)}
+    gone = tuple(Superseded(w, p.message, t, message) for w, p in sorted(waiting.items()))
+    return replace(line, issued=_without(line.issued, t), parked=parked), (ticket, True, gone)
+
+
+def start(
+    line: Line,
+    ticket: Ticket,
+    now: float,
+    *,
+    redelivers: bool,
+    collapse: Collapse = None,
+    message: Message = None,
+) -> tuple[Line, Arrival]:
     """Mark ``ticket`` running; its caller holds the lock. The decision is taken again
     on the record as it is now: anything but ``Run`` or ``RunLate`` tells the caller to
     release the lock and act on that instead (``Park``: call ``arrival``)."""
-    decided = arrive(line, ticket, lock_free=True)
+    decided = arrive(line, ticket, lock_free=True, collapse=collapse, message=message)
     match decided:
         case Run(t) | RunLate(t, "skipped"):
             issued, parked = _without(line.issued, t), _without(line.parked, t)
@@ -193,7 +327,7 @@ def start(line: Line, ticket: Ticket, now: float, *, redelivers: bool) -> tuple[
             return replace(
                 line, issued=issued, parked=parked, skipped=skipped, running=running
             ), decided
-        case RunLate() | Park() | Duplicate():
+        case RunLate() | Park() | Duplicate() | Superseded():
             return line, decided  # a stranger runs without a mark; the others do not run
         case unknown:
             return unreachable(unknown)
@@ -281,6 +415,8 @@ def _promote(line: Line, now: float) -> tuple[Line, Publish | None]:
     if head is None:
         return line, None
     entry = line.parked[head]
+    if entry.due is not None and entry.due > now:
+        return line, None  # a debounced call: the sweep publishes it when it is due
     promoted = replace(entry, promoted=now)
     return replace(line, parked={**line.parked, head: promoted}), Publish(
         head, entry.message, entry.at
@@ -336,7 +472,8 @@ def sweep(
             head = _head(line)
             if head is not None:
                 entry = line.parked[head]
-                if entry.promoted is None or now - entry.promoted >= promote_grace:
+                ready = entry.due is None or entry.due <= now  # a debounced call waits
+                if ready and (entry.promoted is None or now - entry.promoted >= promote_grace):
                     entry = replace(entry, promoted=now)
                     line = replace(line, parked={**line.parked, head: entry})
                     publish.append(Publish(head, entry.message, entry.at))

@@ -69,6 +69,9 @@ class Parked:
     """When it was first parked: ``park_for`` runs from here."""
     promoted: float | None = None
     """When it was last published for its turn (None: not since it was parked)."""
+    due: float | None = None
+    """``on_busy="debounce"``: not published before this time (None: when its turn comes).
+    Its ``at`` is then the first call of the burst, which ``max_delay`` counts from."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ def encode(line: Line) -> str:
         "issued": {str(t): at for t, at in sorted(line.issued.items())},
         "parked": {
             str(t): {"message": p.message, "at": p.at, "promoted": p.promoted}
+            | ({} if p.due is None else {"due": p.due})
             for t, p in sorted(line.parked.items())
         },
         "ended": sorted(line.ended),
@@ -244,13 +248,15 @@ def _object(value: object, name: str) -> list[tuple[str, Any]]:
 
 
 def _parked(value: object) -> Parked:
-    if not isinstance(value, dict) or set(value) != {"message", "at", "promoted"}:
+    # "due" only for a debounced call: a queue's records stay as issue 24 wrote them.
+    if not isinstance(value, dict) or set(value) - {"due"} != {"message", "at", "promoted"}:
         raise _Malformed(f"parked entry {value!r:.80}")
     promoted = value["promoted"]
     return Parked(
         value["message"],
         _time(value["at"], "parked"),
         None if promoted is None else _time(promoted, "promoted"),
+        _time(value["due"], "due") if "due" in value else None,
     )
 
 

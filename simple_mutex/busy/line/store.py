@@ -41,6 +41,7 @@ from simple_mutex.errors import (
 )
 
 from . import decisions
+from .collapse import Collapse, Superseded
 from .decisions import Arrival, Publish, Swept
 from .record import Line, Message, Ticket, decode, encode, new_line
 
@@ -337,34 +338,107 @@ class Lines:
     ) -> tuple[Ticket, bool]:
         return await run_async(self.cache, self._send(key, message_for, queue_max))
 
-    def _arrive(self, key: str, ticket: Ticket, message: Message) -> Flow[Arrival]:
+    def _send_collapsed(
+        self,
+        key: str,
+        message_for: Callable[[Ticket], Message],
+        collapse: Collapse,
+        queue_max: int | None,
+    ) -> Flow[tuple[Ticket, bool, tuple[Superseded, ...]]]:
+        return self._flow(
+            key,
+            lambda line, _: decisions.send_collapsed(
+                line, self.clock(), message_for, collapse, queue_max=queue_max
+            ),
+        )
+
+    def send_collapsed(
+        self,
+        key: str,
+        message_for: Callable[[Ticket], Message],
+        collapse: Collapse,
+        *,
+        queue_max: int | None = None,
+    ) -> tuple[Ticket, bool, tuple[Superseded, ...]]:
+        """A send of keep latest or debounce: it takes the waiting call's place, or
+        parks (or, for ``Latest`` with nobody ahead, is to be published: False); the
+        calls it superseded come back. See ``send_collapsed()``."""
+        return self._run(
+            "send_collapsed", self._send_collapsed(key, message_for, collapse, queue_max)
+        )
+
+    async def send_collapsed_async(
+        self,
+        key: str,
+        message_for: Callable[[Ticket], Message],
+        collapse: Collapse,
+        *,
+        queue_max: int | None = None,
+    ) -> tuple[Ticket, bool, tuple[Superseded, ...]]:
+        return await run_async(
+            self.cache, self._send_collapsed(key, message_for, collapse, queue_max)
+        )
+
+    def _arrive(
+        self, key: str, ticket: Ticket, message: Message, collapse: Collapse
+    ) -> Flow[Arrival]:
         return self._flow(
             key,
             lambda line, free: decisions.arrival(
-                line, ticket, message, self.clock(), lock_free=free
+                line, ticket, message, self.clock(), lock_free=free, collapse=collapse
             ),
             with_lock=True,
         )
 
-    def arrive(self, key: str, ticket: Ticket, message: Message) -> Arrival:
+    def arrive(
+        self, key: str, ticket: Ticket, message: Message, *, collapse: Collapse = None
+    ) -> Arrival:
         """What to do with ``ticket``'s message; a ``Park`` is written before this
         returns (acknowledge the message only after)."""
-        return self._run("arrive", self._arrive(key, ticket, message))
+        return self._run("arrive", self._arrive(key, ticket, message, collapse))
 
-    async def arrive_async(self, key: str, ticket: Ticket, message: Message) -> Arrival:
-        return await run_async(self.cache, self._arrive(key, ticket, message))
+    async def arrive_async(
+        self, key: str, ticket: Ticket, message: Message, *, collapse: Collapse = None
+    ) -> Arrival:
+        return await run_async(self.cache, self._arrive(key, ticket, message, collapse))
 
-    def _start(self, key: str, ticket: Ticket, redelivers: bool) -> Flow[Arrival]:
+    def _start(
+        self, key: str, ticket: Ticket, redelivers: bool, collapse: Collapse, message: Message
+    ) -> Flow[Arrival]:
         return self._flow(
-            key, lambda line, _: decisions.start(line, ticket, self.clock(), redelivers=redelivers)
+            key,
+            lambda line, _: decisions.start(
+                line,
+                ticket,
+                self.clock(),
+                redelivers=redelivers,
+                collapse=collapse,
+                message=message,
+            ),
         )
 
-    def start(self, key: str, ticket: Ticket, *, redelivers: bool = False) -> Arrival:
+    def start(
+        self,
+        key: str,
+        ticket: Ticket,
+        *,
+        redelivers: bool = False,
+        collapse: Collapse = None,
+        message: Message = None,
+    ) -> Arrival:
         """Mark ``ticket`` running (call it holding the lock); see ``start()``."""
-        return self._run("start", self._start(key, ticket, redelivers))
+        return self._run("start", self._start(key, ticket, redelivers, collapse, message))
 
-    async def start_async(self, key: str, ticket: Ticket, *, redelivers: bool = False) -> Arrival:
-        return await run_async(self.cache, self._start(key, ticket, redelivers))
+    async def start_async(
+        self,
+        key: str,
+        ticket: Ticket,
+        *,
+        redelivers: bool = False,
+        collapse: Collapse = None,
+        message: Message = None,
+    ) -> Arrival:
+        return await run_async(self.cache, self._start(key, ticket, redelivers, collapse, message))
 
     def _end(self, key: str, ticket: Ticket) -> Flow[Publish | None]:
         return self._flow(key, lambda line, _: decisions.end(line, ticket, self.clock()))
