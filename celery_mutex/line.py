@@ -42,9 +42,7 @@ from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import skip_marker
 from simple_mutex.busy.line import (
     Collapse,
-    Debounce,
     Duplicate,
-    Latest,
     Lines,
     Park,
     Publish,
@@ -52,6 +50,7 @@ from simple_mutex.busy.line import (
     RunLate,
     Superseded,
     Ticket,
+    collapse_for,
     pass_on,
     report,
     ticket_of,
@@ -148,16 +147,7 @@ def queues(task: Any, call: Mapping[str, Any]) -> bool:
 
 def collapse_of(cfg: Config) -> Collapse:
     """How the task's line collapses: ``Latest``, ``Debounce``, or None (the queue)."""
-    match cfg.policy.on_busy:
-        case "latest":
-            return Latest()
-        case "debounce":
-            period, max_delay = cfg.policy.debounce.period, cfg.policy.debounce.max_delay
-            assert period is not None  # from_options checked both
-            assert max_delay is not None
-            return Debounce(period, max_delay)
-        case _:
-            return None
+    return collapse_for(cfg.policy)
 
 
 def _json_checked(task: Any, args: Any, kwargs: Any) -> None:

@@ -91,6 +91,7 @@ def mutex_job(
     renew: bool = True,
     permits: int = 1,
     queue: Mapping[str, Any] | None = None,
+    debounce: Mapping[str, Any] | None = None,
     cache: object = None,
 ) -> Callable[[F], F]:
     """Make a job function take a lease lock on ``key`` for each run.
@@ -100,19 +101,18 @@ def mutex_job(
     The other options mean what they mean for Celery's ``MutexTask`` (README, "Celery"):
     ``on_busy`` skip / retry (returns ``rq.Retry``: start workers ``--with-scheduler``) /
     wait / raise / queue (runs in enqueue order per key, parked off the queue while it
-    waits: ``rq_mutex.line``), ``timeout``, ``retry={"countdown", "backoff", "jitter",
+    waits: ``rq_mutex.line``) / latest (one running and one waiting per key, the newest
+    job taking the waiting one's place) / debounce (``debounce={"period", "max_delay"}``:
+    one run after the enqueues stopped), ``timeout``, ``retry={"countdown", "backoff", "jitter",
     "cap", "max"}``, ``queue={"max", "on_full", "park_for", "gap_for", "sweep_every"}``,
     ``lease`` and ``renew``, ``permits``. ``cache``: a cache, a raw client or a URL; by
     default Redis on the job's own connection. Bad options raise ConstraintError here.
     """
-    if on_busy in ("latest", "debounce"):  # Celery's, on the line (issue 25); refused here
-        raise ConstraintValueError(
-            f"mutex_job: on_busy={on_busy!r} is not available for RQ jobs yet (Celery's "
-            "MutexTask has it); use on_busy='wait' to keep one job per key at a time"
-        )
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     if queue is not None:
         options["queue"] = queue
+    if debounce is not None:
+        options["debounce"] = debounce
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
     if isinstance(cache, str) and "://" not in cache:
         raise ConstraintValueError(
@@ -127,10 +127,10 @@ def mutex_job(
                 f"mutex_job cannot guard the generator function {fn.__qualname__}: its body "
                 "runs after the job returns; return a list, or lock inside the generator"
             )
-        if policy.on_busy == "queue" and inspect.iscoroutinefunction(fn):
+        if policy.in_line and inspect.iscoroutinefunction(fn):
             raise ConstraintValueError(
-                f"mutex_job: on_busy='queue' is not available for the async job function "
-                f"{fn.__qualname__} yet; make it a plain def, or use on_busy='wait'"
+                f"mutex_job: on_busy={policy.on_busy!r} is not available for the async job "
+                f"function {fn.__qualname__} yet; make it a plain def, or use on_busy='wait'"
             )
         run = _Run(fn, key_function(fn, key), policy, cache)
         wrapper: Callable[..., Any]
@@ -183,7 +183,7 @@ class _Run:
         key, skipped = self._before(job, args, kwargs)
         if skipped is not None:
             return skipped
-        if self.policy.on_busy == "queue" and job.worker_name != SYNC_WORKER:
+        if self.policy.in_line and job.worker_name != SYNC_WORKER:
             return self._in_line(job, key, args, kwargs)
         try:
             held = self._acquire(job, key)
@@ -197,14 +197,15 @@ class _Run:
             raise
 
     def _in_line(self, job: Job, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``on_busy="queue"``: the body runs in the job's turn, else the job parks."""
+        """``on_busy`` queue, latest or debounce: the body runs in the job's turn, else the
+        job parks (or finishes, superseded by a newer one)."""
         lines, queue = self.lines(job.connection), self.policy.queue
         if job.number_of_retries:
             # Run before (parked, or RQ's retry after its horse died): a dead attempt's
             # record is freed at once, as for the other policies.
             free_ended_attempts(job, self._space(job), key)
         got = line.arrive(
-            job, key, lines, queue, self.name, lambda: self._acquire(job, key),
+            job, key, lines, self.policy, self.name, lambda: self._acquire(job, key),
             lambda job, reason: flag_skipped(job, reason, None),
         )  # fmt: skip
         if isinstance(got, line.Finish):
@@ -429,10 +430,13 @@ def check_timeouts_when_enqueued() -> None:
         run = _decorated_run(job)
         if run is not None and not run.policy.renew:
             run.check_timeout(job, None)
-        if run is not None and run.policy.on_busy == "queue" and self._is_async:
+        if run is not None and run.policy.in_line and self._is_async:
             key = run.key_of(*job.args, **job.kwargs)
             lines = run.lines(self.connection)
-            line.at_send(job, lines, key, run.policy.queue, origin=self.name)
+            line.at_send(
+                job, lines, key, run.policy, origin=self.name, connection=self.connection,
+                name=run.name,
+            )  # fmt: skip
         return job
 
     pushing = Queue._enqueue_job

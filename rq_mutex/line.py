@@ -11,7 +11,7 @@ the job is enqueued again, at the front of its queue, when its turn comes::
               ``enqueue_in``), with dependencies, or on a synchronous queue was not sent
               to run now: it takes its place when it first reaches a worker.
     arrival   its turn and the lock free: take the lock, mark it running, run the body.
-              Not its turn, or the lock busy: park. The line holds ``{"job", "queue"}``
+              Not its turn, or the lock busy: park. The line holds ``{"id", "queue"}``
               (written before the horse ends: write-then-ack), and the job returns
               ``rq.Retry(interval=park_for + ...)``, so RQ keeps it SCHEDULED in the
               ScheduledJobRegistry, off every queue, its hash and result handle intact.
@@ -48,7 +48,7 @@ from rq.registry import ScheduledJobRegistry
 from simple_mutex import Lease, LineFullError, MalfunctionError, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import line as ln
 from simple_mutex.busy import skip_marker, unreachable
-from simple_mutex.busy.policy import QueuePolicy
+from simple_mutex.busy.policy import BusyPolicy, QueuePolicy
 
 log = logging.getLogger("rq_mutex")
 
@@ -86,24 +86,59 @@ def takes_its_place_at_send(job: Job) -> bool:
     return status in (None, JobStatus.QUEUED) and not job._dependency_ids
 
 
-def at_send(job: Job, lines: ln.Lines, key: str, queue: QueuePolicy, *, origin: str) -> None:
+def at_send(
+    job: Job,
+    lines: ln.Lines,
+    key: str,
+    policy: BusyPolicy,
+    *,
+    origin: str,
+    connection: Any,
+    name: str,
+) -> None:
     """The ticket of a job being created on the queue ``origin``, into its meta (saved
     with the job). Behind a ticket ahead (one running, or the turn not its own) it parks
     at once: the line holds it now, and ``divert`` schedules it instead of pushing it, so
-    a burst for one key costs no horse per job."""
+    a burst for one key costs no horse per job. Keep latest and debounce: it takes the
+    waiting job's place (that job is released to finish as superseded), and a debounced
+    job is scheduled for when it is due (RQ's scheduler, or a sweep, enqueues it)."""
     if not takes_its_place_at_send(job):
         return
-    message = {"job": job.id, "queue": origin}
+    queue, collapse = policy.queue, ln.collapse_for(policy)
+    message = {"id": job.id, "queue": origin}
+    gone: tuple[ln.Superseded, ...] = ()
     try:
-        ticket, parked = lines.send(key, lambda _: message, queue_max=queue.max)
+        if collapse is None:
+            ticket, parked = lines.send(key, lambda _: message, queue_max=queue.max)
+        else:
+            ticket, parked, gone = lines.send_collapsed(
+                key, lambda _: message, collapse, queue_max=queue.max
+            )
     except LineFullError:
         if queue.on_full != "skip":
             raise
         job.meta[META_FULL] = True
         return
     job.meta[META] = {"epoch": ticket.epoch, "number": ticket.number}
+    release_superseded(connection, key, gone)
     if parked:
-        setattr(job, _PARK_AT_SEND, park_interval(queue))
+        wake = time.time() + park_interval(queue)
+        if isinstance(collapse, ln.Debounce):
+            wake = _due(lines, key, ticket) or time.time() + collapse.period
+        # RQ's registry scores by the whole second, rounded down: round up, or RQ's
+        # scheduler would bring a debounced job before it is due.
+        setattr(job, _PARK_AT_SEND, math.ceil(wake))
+
+
+def release_superseded(connection: Any, key: str, gone: tuple[ln.Superseded, ...]) -> None:
+    """Each job a newer one took the place of is enqueued (at the front), so it arrives,
+    finds itself superseded and finishes with the skip marker: its result handle resolves
+    through RQ's own machinery. One still being saved by its producer finishes when RQ's
+    scheduler runs it instead."""
+    for call in gone:
+        found = _parked_job(connection, key, call.ticket, call.message, None, 0.0)
+        if isinstance(found, Job):
+            _enqueue_parked(connection, found)
 
 
 _PARK_AT_SEND = "_rq_mutex_park_at_send"  # on the Job object its producer just created
@@ -113,12 +148,11 @@ def divert(queue: Queue, job: Job, pipeline: Any) -> bool:
     """Schedule (park) a job ``at_send`` parked instead of pushing it on ``queue``, in
     the enqueue's own pipeline; True when it was. Only the producer's own Job object
     carries the mark, once: every later push of the job (its promotion) goes through."""
-    after = getattr(job, _PARK_AT_SEND, None)
-    if after is None:
+    wake = getattr(job, _PARK_AT_SEND, None)
+    if wake is None:
         return False
     delattr(job, _PARK_AT_SEND)
-    when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=after)
-    queue.schedule_job(job, when, pipeline=pipeline)
+    queue.schedule_job(job, dt.datetime.fromtimestamp(wake, dt.timezone.utc), pipeline=pipeline)
     return True
 
 
@@ -155,31 +189,42 @@ def arrive(
     job: Job,
     key: str,
     lines: ln.Lines,
-    queue: QueuePolicy,
+    policy: BusyPolicy,
     name: str,
     acquire: Callable[[], Lease],
     flag_skipped: Callable[[Job, str], None],
 ) -> Turn | Finish:
     """The line's answer for this run of ``job``: its ``Turn`` (the lock taken, marked
-    running) or how it ``Finish``es now (parked, a duplicate, the line was full)."""
+    running) or how it ``Finish``es now (parked, a duplicate, superseded, the line was
+    full)."""
+    queue, collapse = policy.queue, ln.collapse_for(policy)
     if (job.meta or {}).get(META_FULL):
         flag_skipped(job, "line full")
         return Finish(skip_marker("rq_mutex", key, reason="line full"))
     ticket = ticket_from(job) or _take(job, lines, key)
-    message = {"job": job.id, "queue": job.origin}
+    message = {"id": job.id, "queue": job.origin}
     for _ in range(ARRIVALS):
-        decided = lines.arrive(key, ticket, message)
+        decided = lines.arrive(key, ticket, message, collapse=collapse)
         match decided:
+            case ln.Duplicate() if _parked_here(lines, key, ticket, job.id):
+                # Not a copy: this very job, parked, woken by RQ's scheduler (debounce's
+                # due time, or park_for). Due and free, a sweep hands it the turn now;
+                # else it parks again, and its turn is handed to it as to any other.
+                if sweep_key(job.connection, lines, key, queue, name, own=job.id):
+                    continue
+                due = _due(lines, key, ticket)
+                if due is not None and due > time.time():
+                    # Woken early (RQ's whole seconds): back to sleep until it is due.
+                    return Finish(Retry(max=UNLIMITED, interval=math.ceil(due - time.time()) + 1))
+                return Finish(Retry(max=UNLIMITED, interval=park_interval(queue)))
             case ln.Duplicate():
                 log.info("job %s: ticket %d of %r is a duplicate", job.id, ticket.number, key)
                 flag_skipped(job, "duplicate")
                 return Finish(skip_marker("rq_mutex", key, reason="duplicate"))
             case ln.Superseded():
-                # Only keep latest and debounce supersede, and RQ refuses both (no
-                # collapse= is passed here): never reached, but a finish, not a run.
-                flag_skipped(job, "superseded")
-                return Finish(skip_marker("rq_mutex", key, reason="superseded"))
-            case ln.Park():
+                return _superseded(job, key, decided, flag_skipped)
+            case ln.Park(superseded=gone):
+                release_superseded(job.connection, key, gone)
                 lines.event("parked", key, name, ticket.number)
                 log.info("job %s parked in the line of %r (ticket %d)", job.id, key, ticket.number)
                 # Any parking sweeps its key: a head a dead horse left moves on now. The
@@ -200,7 +245,13 @@ def arrive(
                     lease = acquire()
                 except SimpleMutexAcquireTimeoutError:
                     continue  # taken meanwhile: decide again (it parks)
-                started = lines.start(key, ticket, redelivers=bool(job.retries_left))
+                started = lines.start(
+                    key, ticket, redelivers=bool(job.retries_left), collapse=collapse,
+                    message=message,
+                )  # fmt: skip
+                if isinstance(started, ln.Superseded):
+                    lease.release()
+                    return _superseded(job, key, started, flag_skipped)
                 if isinstance(started, ln.Run | ln.RunLate):
                     late = started.why if isinstance(started, ln.RunLate) else None
                     if late is not None:
@@ -208,11 +259,10 @@ def arrive(
                             "job %s runs out of order: ticket %d of %r was %s",
                             job.id, ticket.number, key, late,
                         )  # fmt: skip
-                    if job.number_of_retries:
-                        # Parked before: a copy a publish left in the registry must not run
-                        # again after park_for (one ZREM, only for a job that waited).
-                        registry = ScheduledJobRegistry(job.origin, connection=job.connection)  # type: ignore[no-untyped-call]
-                        registry.remove(job)
+                    # A copy a publish left in the registry (it crashed between its two
+                    # steps) must not run again after park_for: one ZREM.
+                    registry = ScheduledJobRegistry(job.origin, connection=job.connection)  # type: ignore[no-untyped-call]
+                    registry.remove(job)
                     return Turn(lease, ticket, late)
                 lease.release()  # the record changed since: decide again on it
             case _ as unknown:
@@ -220,6 +270,36 @@ def arrive(
     raise MalfunctionError(
         f"job {job.id}: the line of {key!r} changed under each of {ARRIVALS} arrivals in a row",
         key=key,
+    )
+
+
+def _superseded(
+    job: Job, key: str, by: ln.Superseded, flag_skipped: Callable[[Job, str], None]
+) -> Finish:
+    """A newer job took this one's place (keep latest, debounce): it finishes with the
+    skip marker, ``reason`` superseded, ``by`` the newer job's id."""
+    newer = by.by_message.get("id") if isinstance(by.by_message, Mapping) else None
+    log.info("job %s: a newer job of %r (%s) took its place", job.id, key, newer)
+    flag_skipped(job, "superseded")
+    return Finish(skip_marker("rq_mutex", key, reason="superseded", by=newer))
+
+
+def _due(lines: ln.Lines, key: str, ticket: ln.Ticket) -> float | None:
+    """When ``ticket``'s debounced entry is due (None: not parked, or not debounced)."""
+    line = lines.read(key)
+    parked = None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+    return None if parked is None else parked.due
+
+
+def _parked_here(lines: ln.Lines, key: str, ticket: ln.Ticket, job_id: str) -> bool:
+    """Whether the line holds ``job_id`` itself parked at ``ticket``, not yet promoted."""
+    line = lines.read(key)
+    parked = None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+    return (
+        parked is not None
+        and parked.promoted is None
+        and isinstance(parked.message, Mapping)
+        and parked.message.get("id") == job_id
     )
 
 
@@ -288,16 +368,19 @@ def publish(
     without running: a job timeout as it parked) will never run: it is stepped over and
     the next one published, so no dead entry holds the line. True when one was enqueued."""
     for _ in range(ARRIVALS):
-        found = _parked_job(connection, key, what, lines, patience)
+        found = _parked_job(connection, key, what.ticket, what.message, lines, patience)
         if isinstance(found, Job):
-            Queue(found.origin, connection=connection).enqueue_job(found, at_front=True)
-            ScheduledJobRegistry(found.origin, connection=connection).remove(found)  # type: ignore[no-untyped-call]
+            _enqueue_parked(connection, found)
             log.debug("published job %s, ticket %d of %r, by %s", found.id, what.ticket, key, by)
             waited = None if what.parked_at is None else max(0.0, time.time() - what.parked_at)
             lines.event("promoted", key, name, what.ticket, waited=waited, by=by)
             return True
-        if found is None:
-            return False
+        if found is None or (
+            found == _YOUNG
+            and what.parked_at is not None
+            and time.time() - what.parked_at < SAVED_WITHIN
+        ):
+            return False  # not ours to enqueue now: a later sweep tries again
         line = lines.read(key)
         if line is None:
             return False
@@ -308,17 +391,31 @@ def publish(
     return False
 
 
-_GONE = "gone"
+def _enqueue_parked(connection: Any, job: Job) -> None:
+    """Publish-then-forget: on its queue's front first, then out of the registry."""
+    Queue(job.origin, connection=connection).enqueue_job(job, at_front=True)
+    ScheduledJobRegistry(job.origin, connection=connection).remove(job)  # type: ignore[no-untyped-call]
+
+
+_GONE, _YOUNG = "gone", "young"
 
 
 def _parked_job(
-    connection: Any, key: str, what: ln.Publish, lines: ln.Lines, patience: float
+    connection: Any,
+    key: str,
+    ticket: int,
+    message: ln.Message,
+    lines: ln.Lines | None,
+    patience: float,
 ) -> Job | str | None:
     """The parked job to enqueue; None when it is not ours to enqueue now (queued
-    already, or its horse is still parking it), ``_GONE`` when it will never run."""
-    job_id, origin = what.message.get("job"), what.message.get("queue")
+    already, or its horse is still parking it), ``_GONE`` when it will never run, and
+    ``_YOUNG`` when no such job exists yet (a producer still saving one it parked at its
+    send, or one that died before it could: the caller tells them apart by age)."""
+    job_id = message.get("id") if isinstance(message, Mapping) else None
+    origin = message.get("queue") if isinstance(message, Mapping) else None
     if not isinstance(job_id, str) or not isinstance(origin, str):
-        log.warning("ticket %d of %r holds no job: stepped over", what.ticket, key)
+        log.warning("ticket %d of %r holds no job: stepped over", ticket, key)
         return _GONE
     registry = ScheduledJobRegistry(origin, connection=connection)  # type: ignore[no-untyped-call]
     deadline = time.monotonic() + patience
@@ -326,20 +423,20 @@ def _parked_job(
         try:
             job = Job.fetch(job_id, connection=connection)
         except NoSuchJobError:
-            log.warning(
-                "job %s, ticket %d of %r, was deleted: stepped over", job_id, what.ticket, key
-            )
-            return _GONE
+            if time.monotonic() > deadline:
+                return _YOUNG
+            time.sleep(0.01)
+            continue
         if connection.zscore(registry.key, job_id) is not None:
             return job
         status = job.get_status(refresh=False)
         if status not in (JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.QUEUED):
             log.warning("job %s, ticket %d of %r, ended %s without its turn: stepped over",
-                        job_id, what.ticket, key, status)  # fmt: skip
+                        job_id, ticket, key, status)  # fmt: skip
             return _GONE
         if status == JobStatus.QUEUED or time.monotonic() > deadline:
             return None  # queued already, or still parking: a later sweep tries again
-        if status == JobStatus.STARTED and _running(lines, key, what.ticket):
+        if status == JobStatus.STARTED and lines is not None and _running(lines, key, ticket):
             return None  # its horse saw the turn come before it parked, and runs it
         time.sleep(0.01)
 
@@ -365,7 +462,7 @@ def sweep_key(
         return False
     mine = False
     for what in swept.publish:
-        if own is not None and what.message.get("job") == own:
+        if own is not None and what.message.get("id") == own:
             mine = True
             continue
         publish(connection, key, what, lines, name, by="sweep")

@@ -306,6 +306,70 @@ def test_a_parked_job_cancelled_or_deleted_is_stepped_over(conn, run, queue, rq_
     assert order(conn, run) == {"e": [0, 3]}
 
 
+# -- keep latest and debounce ----------------------------------------------------------------
+
+
+def test_keep_latest_runs_the_first_and_the_last_of_a_burst(conn, run, queue, rq_workers):
+    """50 jobs of one key enqueued at once: the first runs, the last runs after it with
+    its own arguments, and the 48 between finish at once with the skip marker (reason
+    superseded, naming the job that took their place); none runs twice."""
+    rq_workers(*WORKER)
+    rq_workers(*WORKER)
+    sent = [queue.enqueue(jobs.latest_of, run, "e", i, hold=0.5) for i in range(50)]
+    wait_until(lambda: ended(sent), 90, "the burst")
+    assert order(conn, run) == {"e": [0, 49]}
+    assert [sent[0].return_value(), sent[49].return_value()] == [0, 49]
+    between = [j.return_value() for j in sent[1:49]]
+    assert all(is_skipped(m) and m["reason"] == "superseded" for m in between)
+    # Each names a job enqueued after it: the one in its place when it finished.
+    later = {j.id: i for i, j in enumerate(sent)}
+    assert all(later[m["by"]] > i for i, m in enumerate(between, start=1))
+    assert Counter(j.get_status() for j in sent) == {JobStatus.FINISHED: 50}
+
+
+def test_keep_latest_loses_nothing_to_a_killed_holder(conn, run, queue, rq_workers):
+    """The first job's horse is SIGKILLed while it holds, 20 more wait behind it: the last
+    of them still runs, once, after the dead lease lapsed; the rest are superseded."""
+    rq_workers(*WORKER)
+    rq_workers(*WORKER)
+    first = queue.enqueue(jobs.latest_of, run, "e", 0, hold=8.0)
+    victim = started(conn, run, 0)
+    rest = [queue.enqueue(jobs.latest_of, run, "e", i) for i in range(1, 21)]
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: ended([first, *rest]), 60, "the line")
+    assert order(conn, run) == {"e": [20]}
+    assert rest[-1].return_value() == 20
+    assert all(is_skipped(j.return_value()) for j in rest[:-1])
+
+
+def test_debounce_runs_once_per_burst_with_its_last_arguments(conn, run, queue, rq_workers):
+    """Three bursts of ten enqueues 50 ms apart, 2.5 s between bursts (period 1 s,
+    max_delay 3 s): one run per burst, with the burst's last arguments, no earlier than
+    the period after its last enqueue and at most a few seconds past the due time (RQ's
+    scheduler moves it, a sweep too)."""
+    rq_workers(*WORKER, "--with-scheduler")
+    rq_workers(*WORKER)
+    bursts: list[list[tuple[float, Job]]] = []
+    for b in range(3):
+        bursts.append([])
+        for i in range(10):
+            bursts[-1].append((time.time(), queue.enqueue(jobs.debounced, run, "e", b * 10 + i)))
+            time.sleep(0.05)
+        time.sleep(2.5)
+    every = [job for burst in bursts for _, job in burst]
+    wait_until(lambda: ended(every), 60, "the bursts")
+    assert order(conn, run) == {"e": [9, 19, 29]}
+    starts = {r["item"]: r["wall"] for r in records(conn, run, "started")}
+    for burst in bursts:
+        (first_at, _), (last_at, last) = burst[0], burst[-1]
+        due = min(last_at + jobs.DEBOUNCE["period"], first_at + jobs.DEBOUNCE["max_delay"])
+        ran = starts[last.return_value()]
+        print(f"burst ran {ran - due:+.2f} s from its due time")
+        assert ran >= due - 0.05, "it ran before its burst was over"
+        assert ran <= due + 3.0, f"it ran {ran - due:.2f} s late"
+        assert all(is_skipped(job.return_value()) for _, job in burst[:-1])
+
+
 def test_a_full_line_raises_at_the_enqueue_or_skips(conn, run, queue):
     """``queue={"max": 3}``: the fourth enqueue of a key with nothing run yet raises
     LineFullError, naming the fix; with on_full="skip" the

@@ -315,3 +315,26 @@ def in_pg_line(run: str, entity: str, item: int, hold: float = 0.05) -> int:
 def in_disk_line(run: str, entity: str, item: int, hold: float = 0.05) -> int:
     _section(run, entity, hold, item=item)
     return item
+
+
+# -- keep latest and debounce (tests/rq_mutex/test_rq_line.py) ----------------------------
+
+
+@mutex_job(key="latest.{run}.{entity}", on_busy="latest", lease=6, queue=LINE)
+def latest_of(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    """Keep latest: one runs, one waits; the newest enqueue takes the waiting place."""
+    _record(run, "started", name=entity, item=item, at=time.monotonic())
+    _section(run, entity, hold, item=item)
+    return item
+
+
+DEBOUNCE = {"period": 1.0, "max_delay": 3.0}
+
+
+@mutex_job(key="deb.{run}.{entity}", on_busy="debounce", debounce=DEBOUNCE, lease=6, queue=LINE)
+def debounced(run: str, entity: str, item: int, hold: float = 0.05) -> int:
+    """Debounce: one run per burst, a period after its last enqueue, at most max_delay
+    after its first; its start is recorded on the wall clock (the test's enqueue times)."""
+    _record(run, "started", name=entity, item=item, at=time.monotonic(), wall=time.time())
+    _section(run, entity, hold, item=item)
+    return item

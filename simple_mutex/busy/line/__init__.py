@@ -16,7 +16,7 @@ Everything is imported from here (``simple_mutex.busy.line``), as when it was on
 
 from __future__ import annotations
 
-from .collapse import Collapse, Debounce, Latest, Superseded
+from .collapse import Collapse, Debounce, Latest, Superseded, collapse_for
 from .decisions import (
     Arrival,
     Duplicate,
@@ -65,6 +65,7 @@ __all__ = [
     "Ticket",
     "arrival",
     "arrive",
+    "collapse_for",
     "decode",
     "encode",
     "end",

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from simple_mutex.busy.policy import BusyPolicy
+
 from .record import Message
 
 
@@ -40,6 +42,21 @@ class Debounce:
 
 
 Collapse: TypeAlias = Latest | Debounce | None
+
+
+def collapse_for(policy: BusyPolicy) -> Collapse:
+    """How a task's or job's line collapses, by its policy: ``Latest``, ``Debounce``, or
+    None (the queue, or no line)."""
+    match policy.on_busy:
+        case "latest":
+            return Latest()
+        case "debounce":
+            period, max_delay = policy.debounce.period, policy.debounce.max_delay
+            assert period is not None  # from_options checked both
+            assert max_delay is not None
+            return Debounce(period, max_delay)
+        case _:
+            return None
 
 
 @dataclass(frozen=True)
