@@ -100,12 +100,13 @@ def mutex_job(
     """
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
-    if policy.on_busy == "queue":
+    if policy.on_busy in ("queue", "replace"):
         # The line (simple_mutex.busy.line) is in place; RQ's parking (by job id, promoted
-        # with Queue.enqueue_job) is not built yet, so the choice is refused, not ignored.
+        # with Queue.enqueue_job) and its stop of a replaced job are not built yet, so
+        # the choice is refused, not ignored.
         raise ConstraintValueError(
-            "mutex_job: on_busy='queue' is not available for RQ jobs yet (Celery's "
-            "MutexTask has it); use on_busy='wait' to keep one job per key at a time"
+            f"mutex_job: on_busy={policy.on_busy!r} is not available for RQ jobs yet "
+            "(Celery's MutexTask has it); use on_busy='wait' to keep one job per key at a time"
         )
     if isinstance(cache, str) and "://" not in cache:
         raise ConstraintValueError(

@@ -2,7 +2,9 @@
 
 ``on_busy``: ``skip`` (finish without running), ``retry`` (run again later), ``wait``
 (block until free), ``raise``, or ``queue`` (park the call in the key's line and run it
-in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the line);
+in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the line), or
+``replace`` (the newest call takes the key from the running holder, with a larger fence,
+and stops it: ``celery_mutex.replace``);
 ``timeout`` bounds the wait before ``on_busy`` applies (``wait``: None = forever; the
 others: one try). A busy retry runs again after
 ``countdown * backoff**n`` seconds, capped at ``cap``, jittered to [0.5, 1.5) of that when
@@ -15,7 +17,8 @@ never more than one ``lease`` (a holder that still has the key after a lease is 
 or is the caller itself one call up), or exactly ``timeout`` when that is set. If the key
 is still busy then, the call fails with ``SimpleMutexAcquireTimeoutError``. ``skip``,
 ``wait`` and ``raise`` behave the same in a worker and synchronously; a synchronous
-``queue`` has no line to park in and waits, as ``wait`` does.
+``queue`` has no line to park in and waits, as ``wait`` does, and so does a synchronous
+``replace`` (it has no worker to stop the holder through).
 
 The policies are a closed type (``OnBusy``) and what a busy key leads to is another
 (``Busy``: ``Skip`` or ``RunAgain``, or the busy error raised): each consumer matches
@@ -34,7 +37,7 @@ from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
 from simple_mutex._core.durations import positive_seconds, timeout_seconds
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
-OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise", "queue"]
+OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise", "queue", "replace"]
 ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
 
 
@@ -151,6 +154,18 @@ class BusyPolicy:
                 f"permits={policy.permits} would run several: drop permits, or choose "
                 "another on_busy"
             )
+        if policy.on_busy == "replace" and policy.permits != 1:
+            raise ConstraintValueError(
+                f"{where}: on_busy='replace' stops the one running holder of a key; with "
+                f"permits={policy.permits} there is no single holder to replace: drop "
+                "permits, or choose another on_busy"
+            )
+        if policy.on_busy == "replace" and policy.timeout is not None:
+            raise ConstraintValueError(
+                f"{where}: on_busy='replace' never waits for the holder (it takes the key "
+                "from it), so timeout has no meaning there: drop timeout, or use "
+                "on_busy='wait' with a timeout"
+            )
         return policy
 
     def wait_for(self, synchronous: bool) -> float | None:
@@ -160,9 +175,10 @@ class BusyPolicy:
         match self.on_busy:
             case "wait":
                 return None
-            case "queue":
+            case "queue" | "replace":
                 # A worker's call consults its line and takes the lock only when its turn
-                # came and the lock is free; a synchronous one has no line: it waits.
+                # came and the lock is free, or (replace) tries once, then takes the key
+                # from its holder; a synchronous one has neither: it waits.
                 return None if synchronous else 0.0
             case "retry":
                 return min(self.lease, self.retry.budget()) if synchronous else 0.0
@@ -189,7 +205,7 @@ class BusyPolicy:
                 ) from busy
             case "retry":
                 return RunAgain(self.retry.next_delay(busy_retries, busy))
-            case "wait" | "raise" | "queue":
+            case "wait" | "raise" | "queue" | "replace":
                 raise busy
             case _ as unknown:
                 unreachable(unknown)

@@ -91,15 +91,31 @@ def test_wait_before_busy_in_a_worker_and_synchronously(options, in_worker, sync
 
 
 def test_the_busy_policies_are_one_closed_type():
-    """The policies are these five (what option checks accept, read from the OnBusy
+    """The policies are these six (what option checks accept, read from the OnBusy
     literal that mypy checks every match against); any other name is refused, and queue
     with more than one permit too (a line runs one call of a key at a time)."""
-    assert typing.get_args(OnBusy) == ("skip", "retry", "wait", "raise", "queue")
-    assert ON_BUSY == ("skip", "retry", "wait", "raise", "queue")
+    assert typing.get_args(OnBusy) == ("skip", "retry", "wait", "raise", "queue", "replace")
+    assert ON_BUSY == ("skip", "retry", "wait", "raise", "queue", "replace")
     with pytest.raises(ConstraintValueError, match="on_busy must be one of skip, retry"):
         BusyPolicy.from_options("t", {"on_busy": "line"})
     with pytest.raises(ConstraintValueError, match="permits=2 would run several"):
         BusyPolicy.from_options("t", {"on_busy": "queue", "permits": 2})
+
+
+def test_replace_refuses_the_options_it_cannot_honour():
+    """on_busy='replace' stops one holder and never waits for it: with permits > 1 or a
+    timeout it raises ConstraintError naming the fix; a worker's call tries once (then
+    takes the key), a synchronous one has no worker to stop through and waits; a busy
+    key it could not take raises."""
+    with pytest.raises(ConstraintValueError, match="permits=3 there is no single holder"):
+        BusyPolicy.from_options("t", {"on_busy": "replace", "permits": 3})
+    with pytest.raises(ConstraintValueError, match="drop timeout"):
+        BusyPolicy.from_options("t", {"on_busy": "replace", "timeout": 5})
+    policy = BusyPolicy.from_options("t", {"on_busy": "replace"})
+    assert (policy.wait_for(synchronous=False), policy.wait_for(synchronous=True)) == (0.0, None)
+    busy = SimpleMutexAcquireTimeoutError("busy", key="k")
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        policy.after_busy(busy, synchronous=False, busy_retries=0)
 
 
 def test_the_queue_options_are_checked():

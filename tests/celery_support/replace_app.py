@@ -1,0 +1,65 @@
+"""The app the ``on_busy="replace"`` suite's ``celery worker -P prefork`` subprocesses run.
+
+``writer`` holds ``doc.<doc>`` and writes ``<name>.<i>`` through the fence guard
+(``fenced_set`` into Redis DB 9) every 20 ms, logging each write's outcome; a newer call
+of the same key replaces it. Configured from ``CM_*`` like ``celery_support.app``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+
+from celery_support.env_app import app_from_env
+
+# isort: split
+from celery_mutex import MutexTask, current_lease
+from simple_mutex import FencedOutError
+from simple_mutex.fenced import fenced_set
+
+app = app_from_env("celery_support.replace_app")
+PREFIX: str = app.conf.mutex_prefix
+_record = redis.Redis.from_url(app.conf.mutex_cache)
+STORE_URL = "redis://127.0.0.1:6379/9"  # the fenced store the bodies write to
+_store = redis.Redis.from_url(STORE_URL)
+LEASE = float(os.environ.get("CM_LEASE", "30"))
+
+
+def log(doc: str, what: str, **row: object) -> None:
+    """One JSON row on ``<prefix><what>.<doc>``; times are time.monotonic() (system-wide
+    on Linux, so comparable across the workers' processes)."""
+    key = f"{PREFIX}{what}.{doc}"
+    _record.pipeline().rpush(key, json.dumps({**row, "t": time.monotonic()})).expire(
+        key, 600
+    ).execute()
+
+
+@app.task(base=MutexTask, mutex={"key": "doc.{doc}", "on_busy": "replace", "lease": LEASE})
+def writer(doc: str, name: str, writes: int, deaf: bool = False) -> str:
+    """``writes`` fenced writes, 20 ms apart. ``deaf``: the loss interrupt is caught and
+    the loop goes on (a body that cannot be stopped); its later writes carry its fence."""
+    fence = current_lease().fence
+    log(doc, "started", name=name, fence=fence, pid=os.getpid())
+    i = 0
+    try:
+        while i < writes:
+            try:
+                try:
+                    fenced_set(_store, f"{PREFIX}doc.{doc}", f"{name}.{i}", fence=fence)
+                    outcome = "accepted"
+                except FencedOutError:
+                    outcome = "refused"
+                log(doc, "writes", name=name, fence=fence, i=i, outcome=outcome)
+                i += 1
+                time.sleep(0.02)
+            except BaseException as exc:  # the loss interrupt, or SIGTERM's SystemExit
+                if not deaf:
+                    raise
+                log(doc, "ignored", name=name, error=type(exc).__name__)
+    finally:
+        log(doc, "ended", name=name, writes=i)
+    log(doc, "done", name=name)
+    return name
