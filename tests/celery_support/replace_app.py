@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -28,13 +30,41 @@ _store = redis.Redis.from_url(STORE_URL)
 LEASE = float(os.environ.get("CM_LEASE", "30"))
 
 
+def _off_thread(call: Callable[[], object]) -> None:
+    """Run ``call`` in a thread of its own and wait for it: the loss interrupt lands in
+    the body's thread, never inside a Redis command (one cut between its send and its
+    reply would leave the reply for the next command on that connection)."""
+    worker = threading.Thread(target=call)
+    worker.start()
+    try:
+        worker.join()
+    except BaseException:
+        worker.join()  # the row or the write completes, then the body unwinds
+        raise
+
+
 def log(doc: str, what: str, **row: object) -> None:
     """One JSON row on ``<prefix><what>.<doc>``; times are time.monotonic() (system-wide
     on Linux, so comparable across the workers' processes)."""
     key = f"{PREFIX}{what}.{doc}"
-    _record.pipeline().rpush(key, json.dumps({**row, "t": time.monotonic()})).expire(
-        key, 600
-    ).execute()
+    value = json.dumps({**row, "t": time.monotonic()})
+    _off_thread(lambda: _record.pipeline().rpush(key, value).expire(key, 600).execute())
+
+
+def _write(doc: str, name: str, fence: int, i: int) -> None:
+    """One fenced write, and its row (with the time the outcome was known)."""
+
+    def write() -> None:
+        try:
+            fenced_set(_store, f"{PREFIX}doc.{doc}", f"{name}.{i}", fence=fence)
+            outcome = "accepted"
+        except FencedOutError:
+            outcome = "refused"
+        row = {"name": name, "fence": fence, "i": i, "outcome": outcome, "t": time.monotonic()}
+        key = f"{PREFIX}writes.{doc}"
+        _record.pipeline().rpush(key, json.dumps(row)).expire(key, 600).execute()
+
+    _off_thread(write)
 
 
 @app.task(base=MutexTask, mutex={"key": "doc.{doc}", "on_busy": "replace", "lease": LEASE})
@@ -47,12 +77,7 @@ def writer(doc: str, name: str, writes: int, deaf: bool = False) -> str:
     try:
         while i < writes:
             try:
-                try:
-                    fenced_set(_store, f"{PREFIX}doc.{doc}", f"{name}.{i}", fence=fence)
-                    outcome = "accepted"
-                except FencedOutError:
-                    outcome = "refused"
-                log(doc, "writes", name=name, fence=fence, i=i, outcome=outcome)
+                _write(doc, name, fence, i)
                 i += 1
                 time.sleep(0.02)
             except BaseException as exc:  # the loss interrupt, or SIGTERM's SystemExit
