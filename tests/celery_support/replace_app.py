@@ -33,13 +33,24 @@ LEASE = float(os.environ.get("CM_LEASE", "30"))
 def _off_thread(call: Callable[[], object]) -> None:
     """Run ``call`` in a thread of its own and wait for it: the loss interrupt lands in
     the body's thread, never inside a Redis command (one cut between its send and its
-    reply would leave the reply for the next command on that connection)."""
-    worker = threading.Thread(target=call)
-    worker.start()
+    reply would leave the reply for the next command on that connection). The wait polls
+    a flag with sleeps and takes no lock: an exception landing inside ``Thread.join``
+    (Python 3.11) can leave the thread's lock held, and the next join then hangs."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
     try:
-        worker.join()
+        while not done.is_set():
+            time.sleep(0.002)
     except BaseException:
-        worker.join()  # the row or the write completes, then the body unwinds
+        while not done.is_set():  # the row or the write completes, then the body unwinds
+            time.sleep(0.002)
         raise
 
 
