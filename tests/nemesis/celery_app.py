@@ -11,7 +11,9 @@ is the same with ``acks_late``. ``work_queued`` (and ``work_queued_late``, with
 ``acks_late``) is the same body on ``q.<key>`` with ``on_busy="queue"``: its calls run one
 at a time in send order, a call whose turn has not come is parked (its ``task_prerun``
 ``acquire`` then ends in a ``parked`` event: it raised ``Ignore``) and published again in
-its turn. Every run records ``run`` start / end and the lock hold (``acquire`` from
+its turn. ``work_replacing`` is the same body on ``r.<key>`` with ``on_busy="replace"``:
+the newest call takes the key from the running one and stops it (its body ends with the
+lost lease). Every run records ``run`` start / end and the lock hold (``acquire`` from
 ``task_prerun``, before the lock is taken; ``granted`` once held, with ``late``: the
 line's reason when the run is out of send order, else None).
 """
@@ -29,7 +31,7 @@ from celery_support.env_app import app_from_env
 import nemesis  # noqa: F401  (sys.path)
 from celery_mutex import MutexTask, current_lease
 from nemesis.body import Steps
-from nemesis.celery_locks import LOCK, QUEUED
+from nemesis.celery_locks import LOCK, QUEUED, REPLACING
 from nemesis.history import Recorder
 
 app = app_from_env(
@@ -44,6 +46,7 @@ app = app_from_env(
 )
 PREFIX: str = app.conf.mutex_prefix
 QUEUED_TASKS = {f"{__name__}.work_queued", f"{__name__}.work_queued_late"}
+REPLACING_TASK = f"{__name__}.work_replacing"
 ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
 _rec: Recorder | None = None
 _steps: Steps | None = None
@@ -71,7 +74,8 @@ def _op(task: Any) -> str:
 
 
 def _lock(task: Any, key: str) -> str:
-    return f"{'q' if task.name in QUEUED_TASKS else 'k'}.{key}"
+    kind = "q" if task.name in QUEUED_TASKS else "r" if task.name == REPLACING_TASK else "k"
+    return f"{kind}.{key}"
 
 
 @signals.task_prerun.connect
@@ -87,7 +91,8 @@ def _prerun(sender: Any = None, task: Any = None, args: Any = (), kwargs: Any = 
     op = f"{task.request.id}:{os.getpid()}:{task.request.retries or 0}:{_arrivals}"
     _ops[task.request.id] = op
     rec("run", task=task.request.id, phase="prerun", pid=os.getpid())
-    rec("acquire", id=op, key=_lock(task, key), timeout=ARRIVAL if queued else LOCK["timeout"],
+    bounded = queued or task.name == REPLACING_TASK  # no wait: a try, then the takeover
+    rec("acquire", id=op, key=_lock(task, key), timeout=ARRIVAL if bounded else LOCK["timeout"],
         lease=2, renew=True, task=task.request.id)  # fmt: skip
 
 
@@ -160,4 +165,10 @@ def work_queued(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: f
 @app.task(base=MutexTask, bind=True, mutex=QUEUED, acks_late=True)
 def work_queued_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
                      ) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=REPLACING)
+def work_replacing(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                   ) -> str:  # fmt: skip
     return _body(self, key, steps, cleanup, pause)

@@ -10,3 +10,5 @@ LOCK: dict[str, Any] = {"key": "k.{key}", "on_busy": "wait", "timeout": 20, "lea
                         "renew": True}  # fmt: skip
 QUEUED: dict[str, Any] = {"key": "q.{key}", "on_busy": "queue", "lease": 2, "renew": True,
                           "queue": {"sweep_every": 0.5, "gap_for": 3}}  # fmt: skip
+REPLACING: dict[str, Any] = {"key": "r.{key}", "on_busy": "replace", "lease": 2,
+                             "renew": True}  # fmt: skip

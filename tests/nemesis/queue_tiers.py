@@ -222,15 +222,18 @@ def _check_queue_run(
     store_prefix: str,
     conn: Any,
     what: str,
+    replacing: tuple[str, ...] = (),
 ) -> Result:
-    """Read and drop the run's fenced store and keys, then check its history."""
+    """Read and drop the run's fenced store and keys, then check its history (keys under
+    the ``replacing`` prefixes: ``on_busy="replace"``)."""
     store = RedisStore(REDIS, store_prefix)
     log = store.log()
     store.drop()
     for name in conn.scan_iter(match=f"*{run_id}*", count=1000):
         conn.delete(name)
     events = history.load(hist)
-    anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
+    anomalies = checker.check(events, log, checker.Spec(replacing=replacing))
+    anomalies += checker.check_tasks(events, replacing)
     anomalies += checker.check_order(events)
     return finish(tier, seed, duration, events, anomalies, workdir,
                   [f"{what}; store log {len(log)} writes"])  # fmt: skip
@@ -275,18 +278,28 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
     rng = random.Random(seed)
     submitted: dict[str, Any] = {}
     keys: dict[str, tuple[bool, str]] = {}  # task id -> (queued, key)
+    replacers: dict[str, bool] = {}  # task id -> sent with on_busy="replace"
 
     def submit(name: str = "work", key: str | None = None, queued: bool | None = None,
                **options: Any) -> str:  # fmt: skip
         """Send a call: ``queued`` (40% of the random ones) through the client's MutexTask
         on ``q.<key>``, taking its ticket at the send (the submit events of one key are in
         send order: this thread sends them one by one, recording each right after)."""
+        replacing = options.pop("replacing", None)
         if queued is None:
             queued = key is None and rng.random() < QUEUED_SHARE
+        if replacing is None:
+            replacing = key is None and not queued and rng.random() < REPLACING_SHARE
         key = key or rng.choice("abc")
         steps = options.pop("steps", rng.randint(2, 8))
         late = name == "work_late" or rng.random() < 0.3
-        if queued:
+        kind = "q" if queued else "r" if replacing else "k"
+        if replacing:
+            # Early ack only: a redelivered older call would replace the newer one.
+            late = False
+            task = "nemesis.celery_app.work_replacing"
+            result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
+        elif queued:
             task = "nemesis.celery_app." + ("work_queued_late" if late else "work_queued")
             if "countdown" not in options and rng.random() < 0.25:
                 # Through the broker (a countdown keeps the ticket from the send): it may
@@ -297,10 +310,11 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             task = "nemesis.celery_app." + ("work_late" if late else "work")
             result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
         limit = options.get("soft_time_limit") or options.get("time_limit")
-        rec("submit", task=result.id, key=f"{'q' if queued else 'k'}.{key}", name=task,
-            limit=limit, late=late, queued=queued)  # fmt: skip
+        rec("submit", task=result.id, key=f"{kind}.{key}", name=task,
+            limit=limit, late=late, queued=queued, replacing=replacing)  # fmt: skip
         submitted[result.id] = result
         keys[result.id] = (queued, key)
+        replacers[result.id] = replacing
         return str(result.id)
 
     def running() -> list[tuple[str, int]]:
@@ -339,7 +353,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         task_id, pid = live[int(pick * len(live))]
         if kind == "revoke":  # a waiter on its key must not enter during its clean-up
             queued, key = keys[task_id]
-            submit(key=key, queued=queued)
+            submit(key=key, queued=queued, replacing=replacers[task_id])
             time.sleep(0.2)
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
@@ -359,12 +373,15 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
                lambda: _outcomes(rec, submitted, timeout=45, hist=hist))  # fmt: skip
     finally:
         mutex_parked.disconnect(parked_at_send)
-    what = f"{len(submitted)} tasks submitted, {sum(q for q, _ in keys.values())} of them queued"
+    what = (f"{len(submitted)} tasks submitted, {sum(q for q, _ in keys.values())} of them "
+            f"queued, {sum(replacers.values())} replacing")  # fmt: skip
     return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
-                            what)  # fmt: skip
+                            what, replacing=REPLACING)  # fmt: skip
 
 
 QUEUED_SHARE = 0.4  # of the random calls: on_busy="queue" on keys of their own (q.<key>)
+REPLACING_SHARE = 0.25  # of the others: on_busy="replace" on keys of their own (r.<key>)
+REPLACING = ("r.",)  # the key prefix of on_busy="replace" (checker.Spec.replacing)
 
 
 def _queued_senders(app: Any) -> None:
