@@ -48,7 +48,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from simple_mutex import Lease, SimpleMutexAcquireTimeoutError, SimpleMutexError
+from simple_mutex import (
+    ConstraintValueError,
+    Lease,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexError,
+)
 
 from ._celery import (
     KombuError,
@@ -69,6 +74,11 @@ ROUNDS = 5
 
 def take(task: Any, cfg: Config, key: str, owner: str, take_once: Callable[[], Lease]) -> Lease:
     """The key's lease for this call (owner ``owner``), taken from its holder if need be."""
+    if cfg.policy.permits != 1:  # a per-call on_busy="replace" (the task's own is checked)
+        raise ConstraintValueError(
+            f"{task.name}: on_busy='replace' stops the one running holder of a key; with "
+            f"permits={cfg.policy.permits} there is no single holder to replace"
+        )
     busy: SimpleMutexAcquireTimeoutError | None = None
     for _ in range(ROUNDS):
         try:
@@ -203,7 +213,10 @@ def _install_handler(**_: Any) -> None:
 
 def _forget_after_fork() -> None:
     global _watch
-    _watch = _Watch()  # the parent's thread does not exist here
+    inherited, _watch = _watch, _Watch()  # the parent's thread does not exist here
+    for fd in inherited.pipe or ():
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

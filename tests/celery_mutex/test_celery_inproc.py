@@ -313,3 +313,11 @@ def test_replace_stops_a_holder_in_a_thread_pool(mutex_worker, order_id):
     assert ("replace_done", (order_id, "old")) not in RUNS
     fences = {r[1][1]: r[1][2] for r in RUNS if r[0] == "replace_task" and r[1][0] == order_id}
     assert fences["new"] > fences["old"]
+
+
+def test_a_per_call_replace_of_a_semaphore_task_fails_naming_why(mutex_worker):
+    """apply_async(mutex={"on_busy": "replace"}) of a permits=3 task: no single holder to
+    replace, so the call fails with ConstraintError instead of freeing one of three."""
+    result = inproc.sem_task.apply_async((1,), mutex={"on_busy": "replace"})
+    with pytest.raises(ConstraintError, match="permits=3 there is no single holder"):
+        result.get(timeout=GET)
