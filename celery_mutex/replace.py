@@ -22,7 +22,9 @@ steps on the lock itself, never by asking the holder. A holder that cannot be re
 worker gone, partitioned, a threads or solo pool, a body deaf to the interrupt) finds its
 lease lost at its next renewal, a third of a lease later at most, and meanwhile writes
 with the older fence: a fenced store refuses it once the new holder has written
-(``simple_mutex.fenced``). Replace is only as safe as the fences downstream.
+(``simple_mutex.fenced``). Replace is only as safe as the fences downstream: it is the one
+place that frees a record while its holder may still act (DESIGN §4 rule 12 waits for the
+holder to be gone), because the user asked for exactly that.
 
 Why not ``revoke(terminate=True)``: Celery's worker then stores REVOKED for the task right
 after its signal, while the stopped child stores its own outcome a moment later; which of
