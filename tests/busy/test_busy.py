@@ -116,6 +116,8 @@ def test_replace_refuses_the_options_it_cannot_honour():
     busy = SimpleMutexAcquireTimeoutError("busy", key="k")
     with pytest.raises(SimpleMutexAcquireTimeoutError):
         policy.after_busy(busy, synchronous=False, busy_retries=0)
+    with pytest.raises(ConstraintValueError, match="'replace' is not available for RQ jobs"):
+        mutex_job(key="k", on_busy="replace")  # RQ has no stop of a replaced job yet
 
 
 def test_the_queue_options_are_checked():
