@@ -353,8 +353,9 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         task_id, pid = live[int(pick * len(live))]
         if kind == "revoke":  # a waiter on its key must not enter during its clean-up
             queued, key = keys[task_id]
-            submit(key=key, queued=queued, replacing=replacers[task_id])
-            time.sleep(0.2)
+            if not replacers[task_id]:  # a waiter of a replacing key would stop it first,
+                submit(key=key, queued=queued)  # and the revoke then finds nothing to end
+                time.sleep(0.2)
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
         elif kind == "sigkill":
