@@ -23,16 +23,21 @@ from celery.signals import (  # type: ignore[import-untyped]
     task_rejected,
     task_revoked,
     task_unknown,
+    worker_process_init,
     worker_ready,
     worker_shutdown,
 )
 from celery.utils import uuid  # type: ignore[import-untyped]
 from celery.utils.dispatch import Signal  # type: ignore[import-untyped]
+from celery.worker import state as worker_state  # type: ignore[import-untyped]
+from celery.worker.control import control_command  # type: ignore[import-untyped]
+from kombu.exceptions import KombuError
 
 __all__ = [
     "DisabledBackend",
     "EagerResult",
     "Ignore",
+    "KombuError",
     "Reject",
     "Retry",
     "Signal",
@@ -40,6 +45,7 @@ __all__ = [
     "Task",
     "TimeLimitExceeded",
     "WorkerLostError",
+    "control_command",
     "current_task",
     "runs_in_children",
     "states",
@@ -50,8 +56,10 @@ __all__ = [
     "task_revoked",
     "task_unknown",
     "uuid",
+    "worker_process_init",
     "worker_ready",
     "worker_shutdown",
+    "worker_state",
 ]
 
 

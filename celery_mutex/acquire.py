@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import RunAgain, Skip, skip_marker, unreachable
 
-from . import line, per_call, signals
+from . import line, per_call, replace, signals
 from ._celery import Retry
 from ._owned import owner_of
 from .config import Config, config_of
@@ -68,6 +68,8 @@ def before_start(
                 _skip(task, found, reason="superseded", holder=None)
                 return
             lease = found
+        elif cfg.policy.on_busy == "replace" and not synchronous:
+            lease = replace.take(task, cfg, key, owner_of(task_id), take)
         else:
             lease = take()
     except SimpleMutexAcquireTimeoutError as busy:
@@ -77,6 +79,8 @@ def before_start(
     request.mutex_started = time.monotonic()
     log.debug("acquired %r for %s[%s] (fence %d)", key, task.name, task_id, lease.fence)
     lease.on_lost(functools.partial(_lost, task, task_id, lease))
+    if not synchronous:  # a newer on_busy="replace" call may take the key and stop us
+        replace.watch(lease)
     waited = request.mutex_started - started
     signals.mutex_acquired.send(
         sender=task, task_id=task_id, key=key, fence=lease.fence, waited=waited

@@ -81,7 +81,22 @@ def check_options(task_name: str, options: object) -> dict[str, Any]:
     checked = dict(check_known(task_name, "mutex option", options, OPTIONS))
     for name, value in checked.items():
         check_value(task_name, name, value)
+    check_combination(task_name, checked)
     return checked
+
+
+def check_combination(where: str, options: dict[str, Any]) -> None:
+    """Options that contradict each other (here, at definition, when the task's own
+    dict has them all; again once merged with the app's settings)."""
+    if options.get("on_busy") != "replace":
+        return
+    BusyPolicy.from_options(where, options)  # permits, timeout
+    if options.get("enqueue") is not None:
+        raise ConstraintValueError(
+            f"{where}: enqueue answers a new call with the one already queued or running, "
+            "and on_busy='replace' makes the new call win: drop enqueue, or choose "
+            "another on_busy"
+        )
 
 
 def check_value(where: str, name: str, value: Any) -> Any:
@@ -154,6 +169,7 @@ def _build(task: Any) -> Config:
         )
     cache = shared_cache(merged["cache"])
     policy = BusyPolicy.from_options(task.name, merged)
+    check_combination(task.name, merged)
     markers = None
     if merged["enqueue"] is not None:
         ttl = positive_seconds(merged["enqueue_ttl"], "enqueue_ttl")

@@ -114,6 +114,13 @@ def mutex_job(
     if debounce is not None:
         options["debounce"] = debounce
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
+    if policy.on_busy == "replace":
+        # Celery's stops the holder with a control command; RQ's stop of a replaced job
+        # (send_stop_job_command) is not built yet, so the choice is refused, not ignored.
+        raise ConstraintValueError(
+            "mutex_job: on_busy='replace' is not available for RQ jobs yet (Celery's "
+            "MutexTask has it); use on_busy='latest' to run the newest job next"
+        )
     if isinstance(cache, str) and "://" not in cache:
         raise ConstraintValueError(
             f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}"

@@ -461,3 +461,44 @@ def test_an_acks_late_task_killed_before_its_ack_may_end_twice() -> None:
     assert check_tasks(twice(1.6)) == []
     assert [a.kind for a in check_tasks(twice(1.6, queued=True))] == ["double-run"]
     assert [a.kind for a in check_tasks(twice(2.8))] == ["double-run"]
+
+
+def _replaced(late_step: float) -> H:
+    """A holds r.k (fence 1, its lease believed until 3.0); B replaces it at 1.5 (fence
+    2) and writes at 1.6; A's steps after 1.5 are refused, the last begins at
+    ``late_step``."""
+    h = H()
+    h.proc(1)
+    h.proc(2)
+    h.hold(1, "r.k", 1, inv=1.0, got=1.1, steps=[1.2, 1.55, 1.7, late_step], deadline=3.0,
+           accepted=[True, True, False, False])  # fmt: skip
+    h.hold(2, "r.k", 2, inv=1.4, got=1.5, steps=[1.6], deadline=3.5)
+    return h
+
+
+def test_a_replaced_holder_is_protected_until_its_takeover() -> None:
+    """on_busy="replace": the holder's steps after the newer call's grant are not
+    protected, so the store refusing them is the fence at work, and the two holds do not
+    overlap (without ``Spec.replacing`` the same history is an overlap and a refused
+    protected write); a step begun more than interrupt_slack after the takeover means
+    the stop did not land (late-interrupt)."""
+    replacing = Spec(replacing=("r.",))
+    assert kinds(_replaced(1.8).sorted(), spec=replacing) == []
+    assert kinds(_replaced(1.8).sorted()) == ["overlap", "refused-while-protected"]
+    assert kinds(_replaced(2.9).sorted(), spec=replacing) == ["late-interrupt"]
+
+
+def test_a_replaced_tasks_lost_lease_is_explained_only_by_a_later_grant() -> None:
+    """A task on a replacing key failing with SimpleMutexLeaseExpiredError is explained
+    when another grant of its key came after its own; with none, it is unexplained."""
+    failed = {"state": "failure", "error": "FAILURE SimpleMutexLeaseExpiredError('lost')"}
+    alone = task_history(
+        ("submit", 0.0, {"task": "a", "key": "r.k"}),
+        ("granted", 1.0, {"task": "a", "id": "a:1", "key": "r.k"}),
+        ("run", 1.0, {"task": "a", "phase": "start", "pid": 5}),
+        ("outcome", 3.0, {"task": "a", **failed}),
+    )
+    assert [a.kind for a in check_tasks(alone, ("r.",))] == ["unexplained-failure"]
+    newer = {"t": 1.5, "pid": 6, "w": "q", "op": "granted", "task": "b", "id": "b:1", "key": "r.k"}
+    assert check_tasks([*alone, newer], ("r.",)) == []
+    assert [a.kind for a in check_tasks([*alone, newer])] == ["unexplained-failure"]

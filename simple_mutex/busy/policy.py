@@ -4,8 +4,10 @@
 (block until free), ``raise``, or ``queue`` (park the call in the key's line and run it
 in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the line),
 ``latest`` (the line keeps one parked call per key besides the running one: a newer call
-takes its place) or ``debounce`` (one parked call per key, run ``period`` after the calls
-stopped, at most ``max_delay`` after the first of them: ``debounce={...}``);
+takes its place), ``debounce`` (one parked call per key, run ``period`` after the calls
+stopped, at most ``max_delay`` after the first of them: ``debounce={...}``), or
+``replace`` (the newest call takes the key from the running holder, with a larger fence,
+and stops it: ``celery_mutex.replace``);
 ``timeout`` bounds the wait before ``on_busy`` applies (``wait``: None = forever; the
 others: one try). A busy retry runs again after
 ``countdown * backoff**n`` seconds, capped at ``cap``, jittered to [0.5, 1.5) of that when
@@ -18,7 +20,8 @@ never more than one ``lease`` (a holder that still has the key after a lease is 
 or is the caller itself one call up), or exactly ``timeout`` when that is set. If the key
 is still busy then, the call fails with ``SimpleMutexAcquireTimeoutError``. ``skip``,
 ``wait`` and ``raise`` behave the same in a worker and synchronously; a synchronous
-``queue`` has no line to park in and waits, as ``wait`` does.
+``queue`` has no line to park in and waits, as ``wait`` does, and so does a synchronous
+``replace`` (it has no worker to stop the holder through).
 
 The policies are a closed type (``OnBusy``) and what a busy key leads to is another
 (``Busy``: ``Skip`` or ``RunAgain``, or the busy error raised): each consumer matches
@@ -37,7 +40,9 @@ from simple_mutex import Mutex, Semaphore, SimpleMutexAcquireTimeoutError
 from simple_mutex._core.durations import positive_seconds, timeout_seconds
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, bad_input
 
-OnBusy: TypeAlias = Literal["skip", "retry", "wait", "raise", "queue", "latest", "debounce"]
+OnBusy: TypeAlias = Literal[
+    "skip", "retry", "wait", "raise", "queue", "latest", "debounce", "replace"
+]
 ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
 IN_LINE: frozenset[OnBusy] = frozenset({"queue", "latest", "debounce"})
 """The policies that park a call in its key's line (``simple_mutex.busy.line``)."""
@@ -175,6 +180,18 @@ class BusyPolicy:
             )
         if policy.on_busy == "debounce":
             _check_debounce(where, policy)
+        if policy.on_busy == "replace" and policy.permits != 1:
+            raise ConstraintValueError(
+                f"{where}: on_busy='replace' stops the one running holder of a key; with "
+                f"permits={policy.permits} there is no single holder to replace: drop "
+                "permits, or choose another on_busy"
+            )
+        if policy.on_busy == "replace" and policy.timeout is not None:
+            raise ConstraintValueError(
+                f"{where}: on_busy='replace' never waits for the holder (it takes the key "
+                "from it), so timeout has no meaning there: drop timeout, or use "
+                "on_busy='wait' with a timeout"
+            )
         return policy
 
     def wait_for(self, synchronous: bool) -> float | None:
@@ -184,9 +201,10 @@ class BusyPolicy:
         match self.on_busy:
             case "wait":
                 return None
-            case "queue" | "latest" | "debounce":
+            case "queue" | "latest" | "debounce" | "replace":
                 # A worker's call consults its line and takes the lock only when its turn
-                # came and the lock is free; a synchronous one has no line: it waits.
+                # came and the lock is free, or (replace) tries once, then takes the key
+                # from its holder; a synchronous one has neither: it waits.
                 return None if synchronous else 0.0
             case "retry":
                 return min(self.lease, self.retry.budget()) if synchronous else 0.0
@@ -213,7 +231,7 @@ class BusyPolicy:
                 ) from busy
             case "retry":
                 return RunAgain(self.retry.next_delay(busy_retries, busy))
-            case "wait" | "raise" | "queue" | "latest" | "debounce":
+            case "wait" | "raise" | "queue" | "latest" | "debounce" | "replace":
                 raise busy
             case _ as unknown:
                 unreachable(unknown)

@@ -91,10 +91,10 @@ def test_wait_before_busy_in_a_worker_and_synchronously(options, in_worker, sync
 
 
 def test_the_busy_policies_are_one_closed_type():
-    """The policies are these seven (what option checks accept, read from the OnBusy
+    """The policies are these eight (what option checks accept, read from the OnBusy
     literal that mypy checks every match against); any other name is refused, and the
     line's three with more than one permit too (a line runs one call of a key at a time)."""
-    names = ("skip", "retry", "wait", "raise", "queue", "latest", "debounce")
+    names = ("skip", "retry", "wait", "raise", "queue", "latest", "debounce", "replace")
     assert typing.get_args(OnBusy) == names
     assert names == ON_BUSY
     with pytest.raises(ConstraintValueError, match="on_busy must be one of skip, retry"):
@@ -139,6 +139,24 @@ def test_the_debounce_options_are_checked_and_name_the_fix():
     ]:  # fmt: skip
         with pytest.raises(ConstraintError, match=fix):
             BusyPolicy.from_options("t", options)
+
+
+def test_replace_refuses_the_options_it_cannot_honour():
+    """on_busy='replace' stops one holder and never waits for it: with permits > 1 or a
+    timeout it raises ConstraintError naming the fix; a worker's call tries once (then
+    takes the key), a synchronous one has no worker to stop through and waits; a busy
+    key it could not take raises."""
+    with pytest.raises(ConstraintValueError, match="permits=3 there is no single holder"):
+        BusyPolicy.from_options("t", {"on_busy": "replace", "permits": 3})
+    with pytest.raises(ConstraintValueError, match="drop timeout"):
+        BusyPolicy.from_options("t", {"on_busy": "replace", "timeout": 5})
+    policy = BusyPolicy.from_options("t", {"on_busy": "replace"})
+    assert (policy.wait_for(synchronous=False), policy.wait_for(synchronous=True)) == (0.0, None)
+    busy = SimpleMutexAcquireTimeoutError("busy", key="k")
+    with pytest.raises(SimpleMutexAcquireTimeoutError):
+        policy.after_busy(busy, synchronous=False, busy_retries=0)
+    with pytest.raises(ConstraintValueError, match="'replace' is not available for RQ jobs"):
+        mutex_job(key="k", on_busy="replace")  # RQ has no stop of a replaced job yet
 
 
 def test_the_queue_options_are_checked():

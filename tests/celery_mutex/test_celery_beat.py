@@ -222,10 +222,10 @@ class Cluster(Processes):
     """One ``celery worker -P prefork -c 2`` and any number of ``celery beat`` processes
     of ``celery_support.beat_app``; every process bounded and killed at the end."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, concurrency: int = 2) -> None:
         super().__init__("celery_support.beat_app", tmp)
         self.beats: list[subprocess.Popen[bytes]] = []
-        self.start_worker("worker", 2, CM_ROLE="worker")
+        self.start_worker("worker", concurrency, CM_ROLE="worker")
         wait_until(lambda: "ready." in self.log_text("worker"), 30, "the worker to be ready")
 
     def start_beats(
@@ -400,3 +400,52 @@ def test_three_guarded_beats_run_a_kolkata_crontab_tick_exactly_once(cluster: Cl
     window = {due(m) for m in range((int(launched) // 60 + 1) * 60, int(stopped) + 1, 60)}
     assert set(slots) <= window, (slots, logs)
     assert max(slots.values()) == 1, (slots, logs)
+
+
+@pytest.fixture(scope="module")
+def roomy_cluster() -> Iterator[Cluster]:
+    """A worker of 4 processes: a tick is judged as it arrives, never behind a busy pool."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(Path(tmp), concurrency=4)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+def _slot_time(slot: str) -> float:
+    return dt.datetime.fromisoformat(slot.partition("@")[2].replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.slow
+def test_overlap_skip_or_buffer_one(roomy_cluster: Cluster) -> None:
+    """Temporal's two overlap choices on a guarded beat: a 2.5 s job (skip) and a 2.2 s
+    job (buffer one) on a 1 s tick, for 12 s. skip (``on_busy="skip"``): every run came
+    from a tick due after the previous run ended (those due meanwhile were skipped).
+    buffer one (``on_busy="queue"``, ``queue={"max": 2, "on_full": "skip"}``): each run
+    starts as its predecessor ends (a tick waited for it: with skip the next tick is
+    0.8 s away), and once the beat stops at most one more run starts (one was buffered,
+    not the dozen ticks of the window). Neither ever overlaps itself."""
+    cluster = roomy_cluster
+    run = "overlap-" + uuid.uuid4().hex[:6]
+    cluster.start_beats(1, "celery_mutex.beat:MutexScheduler", run, CM_OVERLAP="1")
+    time.sleep(12)
+    cluster.stop_beats()
+    stopped = time.time()
+    time.sleep(6)  # the run in progress ends, and the one buffered behind it
+    rows = cluster.runs(run)
+    runs = {
+        entry: sorted((r for r in rows if r["entry"] == entry), key=lambda r: r["start"])
+        for entry in ("slow", "buffered")
+    }
+    for entry, done in runs.items():
+        assert len(done) >= 3, (entry, done)
+        assert all(b["start"] >= a["end"] for a, b in itertools.pairwise(done))  # no overlap
+    skipping = runs["slow"]
+    due = [_slot_time(r["slot"]) for r in skipping]
+    # 0.5 s bounds the beat's and the broker's lag behind a tick's due time.
+    assert all(t > a["end"] - 0.5 for a, t in zip(skipping, due[1:], strict=False)), skipping
+    buffering = runs["buffered"]
+    gaps = [b["start"] - a["end"] for a, b in itertools.pairwise(buffering)]
+    assert all(g < 0.4 for g in gaps), gaps
+    assert len([r for r in buffering if r["start"] > stopped]) <= 1, (stopped, buffering)

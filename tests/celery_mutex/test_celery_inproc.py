@@ -295,3 +295,29 @@ def test_per_call_key_and_on_busy_survive_a_busy_republish(mutex_worker, mutex_l
     assert RUNS.count(("skip_task", order_id)) == 1
     with mutex_locks.acquire(f"order.{order_id}"):  # its template's key is not the one
         assert inproc.skip_task.apply_async((order_id,), mutex={"key": own}).get(GET) == "ran"
+
+
+def test_replace_stops_a_holder_in_a_thread_pool(mutex_worker, order_id):
+    """on_busy='replace' in a threads pool (no child to signal): the worker's own process
+    renews at once on the stop command, the renewal finds the key taken, and the holder's
+    thread is interrupted: it never finishes its 8 s (its renewal alone would come after
+    10 s), ends with SimpleMutexLeaseExpiredError, and the new call ran with a larger
+    fence."""
+    old = inproc.replace_task.delay(order_id, "old", 8)
+    wait_until(lambda: any(r[0] == "replace_task" and r[1][:2] == (order_id, "old")
+                           for r in RUNS), GET, "the holder to run")  # fmt: skip
+    new = inproc.replace_task.delay(order_id, "new", 0.1)
+    assert new.get(timeout=GET) == "new"
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        old.get(timeout=GET)
+    assert ("replace_done", (order_id, "old")) not in RUNS
+    fences = {r[1][1]: r[1][2] for r in RUNS if r[0] == "replace_task" and r[1][0] == order_id}
+    assert fences["new"] > fences["old"]
+
+
+def test_a_per_call_replace_of_a_semaphore_task_fails_naming_why(mutex_worker):
+    """apply_async(mutex={"on_busy": "replace"}) of a permits=3 task: no single holder to
+    replace, so the call fails with ConstraintError instead of freeing one of three."""
+    result = inproc.sem_task.apply_async((1,), mutex={"on_busy": "replace"})
+    with pytest.raises(ConstraintError, match="permits=3 there is no single holder"):
+        result.get(timeout=GET)

@@ -3,12 +3,14 @@
 Configured from the environment: ``CM_BROKER``, ``CM_CACHE`` (lock cache, result backend
 and records), ``CM_PREFIX``, ``CM_QUEUE``, ``CM_RUN`` (a run id, passed to every tick so
 runs of one test never mix with another's), ``CM_PERIOD`` (seconds), ``CM_SLOW`` ("1": add
-a job that outlives its period), ``CM_ROLE`` ("worker" registers ``remote``), ``CM_CRON``
+a job that outlives its period), ``CM_OVERLAP`` ("1": only ``slow`` and ``buffered``, the
+two overlap choices), ``CM_ROLE`` ("worker" registers ``remote``), ``CM_CRON``
 ("1": only the crontab entry ``cron``, whose fields ``CM_CRON_FIELDS`` may give as JSON),
 ``CM_TIMEZONE`` (the app's ``timezone``; UTC when unset).
 
 Entries: ``fast`` (a plain task the beat imports: ``task.apply_async``), ``remote`` (a
-task only the worker registers: beat calls ``send_task``), ``slow``.
+task only the worker registers: beat calls ``send_task``), ``slow`` (skips a tick while it
+runs), ``buffered`` (buffers one).
 Each run is recorded in Redis as JSON under ``<prefix>runs``.
 """
 
@@ -66,6 +68,12 @@ if os.environ.get("CM_CRON") == "1":
             "args": (RUN,),
         }
     }
+if os.environ.get("CM_OVERLAP") == "1":
+    # Only the two overlap choices, 2.5 s and 2.2 s jobs on a 1 s tick: skip, buffer one.
+    app.conf.beat_schedule = {
+        entry: {"task": f"celery_support.beat_app.{entry}", "schedule": PERIOD, "args": (RUN,)}
+        for entry in ("slow", "buffered")
+    }
 if os.environ.get("CM_SLOW") == "1":
     app.conf.beat_schedule["slow"] = {
         "task": "celery_support.beat_app.slow",
@@ -104,6 +112,19 @@ def slow(self: Any, run: str) -> None:
     start = time.time()
     time.sleep(2.5)
     record(self, run, "slow", start)
+
+
+# Temporal's BUFFER_ONE: one run plus one tick parked in the key's line; a tick that
+# finds both places taken is not sent (on_full="skip").
+BUFFER_ONE = {"on_busy": "queue", "queue": {"max": 2, "on_full": "skip"}}
+
+
+@app.task(base=MutexTask, bind=True, mutex={"key": "buffered.{run}", **BUFFER_ONE})
+def buffered(self: Any, run: str) -> None:
+    """Outlives its 1 s period: one tick that finds it running waits and runs next."""
+    start = time.time()
+    time.sleep(2.2)
+    record(self, run, "buffered", start)
 
 
 @app.task(base=MutexTask, bind=True, mutex={"key": "guarded.{n}", "on_busy": "retry"})

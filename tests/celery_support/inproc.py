@@ -153,3 +153,14 @@ def queued_raise(order_id: int) -> str:
 def queued_retry(order_id: int) -> str:
     RUNS.append(("queued_retry", order_id))
     return "ran"
+
+
+@app.task(base=MutexTask, mutex={"key": "replace.{order_id}", "on_busy": "replace", "lease": 30})
+def replace_task(order_id: int, name: str, seconds: float) -> str:
+    """Runs ``seconds`` unless a newer call of its order replaces it."""
+    RUNS.append(("replace_task", (order_id, name, current_lease().fence)))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    RUNS.append(("replace_done", (order_id, name)))
+    return name

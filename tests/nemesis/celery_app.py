@@ -14,8 +14,10 @@ at a time in send order, a call whose turn has not come is parked (its ``task_pr
 its turn. ``work_latest`` (and ``work_latest_late``) is the same body on ``l.<key>``
 with ``on_busy="latest"``, ``work_debounced`` (and ``_late``) on ``d.<key>`` with
 ``on_busy="debounce"``: a call whose place a newer one took never runs (its arrival, if
-it has one, ends in a ``superseded`` event). Every run records ``run`` start / end and
-the lock hold (``acquire`` from
+it has one, ends in a ``superseded`` event). ``work_replacing`` is the same body on
+``r.<key>`` with ``on_busy="replace"``: the newest call takes the key from the running
+one and stops it (its body ends with the lost lease). Every run records ``run`` start /
+end and the lock hold (``acquire`` from
 ``task_prerun``, before the lock is taken; ``granted`` once held, with ``late``: the
 line's reason when the run is out of send order, else None).
 """
@@ -33,7 +35,7 @@ from celery_support.env_app import app_from_env
 import nemesis  # noqa: F401  (sys.path)
 from celery_mutex import MutexTask, current_lease
 from nemesis.body import Steps
-from nemesis.celery_locks import DEBOUNCE, LATEST, LOCK, QUEUED
+from nemesis.celery_locks import DEBOUNCE, LATEST, LOCK, QUEUED, REPLACING
 from nemesis.history import Recorder
 
 app = app_from_env(
@@ -51,6 +53,7 @@ QUEUED_TASKS = {f"{__name__}.work_queued", f"{__name__}.work_queued_late"}
 LATEST_TASKS = {f"{__name__}.work_latest", f"{__name__}.work_latest_late"}
 DEBOUNCED_TASKS = {f"{__name__}.work_debounced", f"{__name__}.work_debounced_late"}
 IN_LINE = QUEUED_TASKS | LATEST_TASKS | DEBOUNCED_TASKS
+REPLACING_TASK = f"{__name__}.work_replacing"
 ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
 _rec: Recorder | None = None
 _steps: Steps | None = None
@@ -81,7 +84,7 @@ def _lock(task: Any, key: str) -> str:
     for kind, names in (("q", QUEUED_TASKS), ("l", LATEST_TASKS), ("d", DEBOUNCED_TASKS)):
         if task.name in names:
             return f"{kind}.{key}"
-    return f"k.{key}"
+    return f"r.{key}" if task.name == REPLACING_TASK else f"k.{key}"
 
 
 @signals.task_prerun.connect
@@ -97,7 +100,8 @@ def _prerun(sender: Any = None, task: Any = None, args: Any = (), kwargs: Any = 
     op = f"{task.request.id}:{os.getpid()}:{task.request.retries or 0}:{_arrivals}"
     _ops[task.request.id] = op
     rec("run", task=task.request.id, phase="prerun", pid=os.getpid())
-    rec("acquire", id=op, key=_lock(task, key), timeout=ARRIVAL if queued else LOCK["timeout"],
+    bounded = queued or task.name == REPLACING_TASK  # no wait: a try, then the takeover
+    rec("acquire", id=op, key=_lock(task, key), timeout=ARRIVAL if bounded else LOCK["timeout"],
         lease=2, renew=True, task=task.request.id)  # fmt: skip
 
 
@@ -203,4 +207,10 @@ def work_debounced(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause
 @app.task(base=MutexTask, bind=True, mutex=DEBOUNCE, acks_late=True)
 def work_debounced_late(self: Any, key: str, steps: int = 6, cleanup: int = 20,
                         pause: float = 0.05) -> str:  # fmt: skip
+    return _body(self, key, steps, cleanup, pause)
+
+
+@app.task(base=MutexTask, bind=True, mutex=REPLACING)
+def work_replacing(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
+                   ) -> str:  # fmt: skip
     return _body(self, key, steps, cleanup, pause)

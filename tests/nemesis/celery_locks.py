@@ -14,3 +14,5 @@ QUEUED: dict[str, Any] = {"key": "q.{key}", "on_busy": "queue", "lease": 2, "ren
 LATEST: dict[str, Any] = {**QUEUED, "key": "l.{key}", "on_busy": "latest"}
 DEBOUNCE: dict[str, Any] = {**QUEUED, "key": "d.{key}", "on_busy": "debounce",
                             "debounce": {"period": 0.5, "max_delay": 2}}  # fmt: skip
+REPLACING: dict[str, Any] = {"key": "r.{key}", "on_busy": "replace", "lease": 2,
+                             "renew": True}  # fmt: skip

@@ -57,6 +57,14 @@ superseded-ran / superseded-by-older / newest-lost
     superseded was granted; or
     it names as the call that took its place one sent before it (or none we sent); or the
     newest call of a key was never granted, with no fault dealt to it.
+
+Keys under ``on_busy="replace"`` (``Spec.replacing``, by key prefix): the newest call takes
+the key from its running holder, so a hold is protected only until the next grant of its
+key (its takeover), whatever deadline its holder believed in: the steps after it are
+unprotected (the store must refuse them once the new holder wrote: stale-write), and one
+that began more than ``interrupt_slack`` of running time after the takeover is a
+late-interrupt (the stop did not land). A replaced task's failure with the lost lease is
+explained (``check_tasks(replacing=...)``) when a grant of its key came during its run.
 """
 
 from __future__ import annotations
@@ -98,6 +106,7 @@ class Spec:
     interrupt_slack: float = 1.0
     signal_slack: float = 5.0
     records_kept: bool = False  # check "vanished" (needs the released event's deadline)
+    replacing: tuple[str, ...] = ()  # key prefixes under on_busy="replace"
 
 
 @dataclass
@@ -180,6 +189,8 @@ def check(events: list[Event], store_log: list[tuple[int, str, int, str]] | None
     """Every anomaly of the lock properties in ``events`` (and the store's own log)."""
     spec = spec or Spec()
     holds = holds_of(events)
+    if spec.replacing:
+        _end_at_takeover(holds, spec.replacing)
     stops = Stops(events)
     found: list[Anomaly] = []
     found += _overlaps(holds, spec)
@@ -194,6 +205,29 @@ def check(events: list[Event], store_log: list[tuple[int, str, int, str]] | None
     if spec.records_kept:
         found += vanished(holds)
     return found
+
+
+def _takeovers(grants: Iterable[Event], replacing: tuple[str, ...]) -> dict[str, float]:
+    """Per grant id on a replacing key: when the next grant of that key came (its
+    takeover; none for the last)."""
+    by_key: dict[str, list[Event]] = defaultdict(list)
+    for g in grants:
+        if g["key"].startswith(replacing):
+            by_key[g["key"]].append(g)
+    ends = {}
+    for rows in by_key.values():
+        rows.sort(key=lambda g: g["t"])
+        for a, b in itertools.pairwise(rows):
+            ends[a["id"]] = b["t"]
+    return ends
+
+
+def _end_at_takeover(holds: dict[str, Hold], replacing: tuple[str, ...]) -> None:
+    """A replaced hold's deadline becomes its takeover, for every step it made."""
+    grants = [h.granted for h in holds.values() if h.granted is not None]
+    for hold_id, end in _takeovers(grants, replacing).items():
+        hold = holds[hold_id]
+        hold.steps = [{**s, "deadline": min(s["deadline"], end)} for s in hold.steps]
 
 
 GONE_AT_RENEWAL = "its record was gone or held by another owner at renewal"
@@ -527,7 +561,14 @@ def gone_with_a_fault(events: list[Event]) -> set[str]:
     }
 
 
-def check_tasks(events: list[Event]) -> list[Anomaly]:
+def _replaced_tasks(events: list[Event], replacing: tuple[str, ...]) -> set[str]:
+    """Tasks whose grant on a replacing key was followed by another grant of that key."""
+    grants = [e for e in events if e["op"] == "granted" and e.get("task")]
+    task_of = {g["id"]: g["task"] for g in grants}
+    return {task_of[hold_id] for hold_id in _takeovers(grants, replacing)}
+
+
+def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[Anomaly]:
     """Every submitted task ran to its end once, was reported skipped, or failed with the
     fault the nemesis dealt it; never two runs at once, never silently lost. An
     ``acks_late`` task whose process was killed after its end, before the ack, may end once
@@ -550,6 +591,7 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
             outcomes[e["task"]] = e
     dealt = _dealt_to_tasks(events)
     gone = gone_with_a_fault(events)
+    replaced = _replaced_tasks(events, replacing) if replacing else set()
     by_pid: dict[Any, list[Event]] = defaultdict(list)  # faults dealt to a process
     for e in events:
         if e["op"] == "fault" and not e.get("task") and isinstance(e.get("target"), int):
@@ -596,7 +638,12 @@ def check_tasks(events: list[Event]) -> list[Anomaly]:
                 f"skipped as busy (faults dealt: {kinds}): its own earlier attempt held it",
                 out["t"], (task,),
             ))  # fmt: skip
-        elif state == "failure" and not faults and not out.get("explained"):
+        elif (
+            state == "failure"
+            and not faults
+            and not out.get("explained")
+            and not (task in replaced and "LeaseExpired" in str(out.get("error")))
+        ):
             found.append(
                 Anomaly(
                     "unexplained-failure",

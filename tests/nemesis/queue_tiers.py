@@ -222,15 +222,18 @@ def _check_queue_run(
     store_prefix: str,
     conn: Any,
     what: str,
+    replacing: tuple[str, ...] = (),
 ) -> Result:
-    """Read and drop the run's fenced store and keys, then check its history."""
+    """Read and drop the run's fenced store and keys, then check its history (keys under
+    the ``replacing`` prefixes: ``on_busy="replace"``)."""
     store = RedisStore(REDIS, store_prefix)
     log = store.log()
     store.drop()
     for name in conn.scan_iter(match=f"*{run_id}*", count=1000):
         conn.delete(name)
     events = history.load(hist)
-    anomalies = checker.check(events, log, checker.Spec()) + checker.check_tasks(events)
+    anomalies = checker.check(events, log, checker.Spec(replacing=replacing))
+    anomalies += checker.check_tasks(events, replacing)
     anomalies += checker.check_order(events) + checker.check_latest(events)
     return finish(tier, seed, duration, events, anomalies, workdir,
                   [f"{what}; store log {len(log)} writes"])  # fmt: skip
@@ -274,24 +277,31 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 
     rng = random.Random(seed)
     submitted: dict[str, Any] = {}
-    keys: dict[str, tuple[str, str]] = {}  # task id -> (its lock's kind: k, q, l or d; key)
+    keys: dict[str, tuple[str, str]] = {}  # task id -> (its lock's kind: k, q, l, d, r; key)
 
     def submit(name: str = "work", key: str | None = None, kind: str | None = None,
                burst: bool = True, **options: Any) -> str:  # fmt: skip
         """Send a call: of the random ones, 40% through the line (``q.<key>``, kind q),
         20% keep latest (``l.<key>``, kind l) and 10% debounced (``d.<key>``, kind d), each
         of the last two followed by a burst of up to four more on its key, each through the
-        client's MutexTask, taking its ticket at the send (the
-        submit events of one key are in send order: this thread sends them one by one,
-        recording each right after)."""
+        client's MutexTask, taking its ticket at the send (the submit events of one key are
+        in send order: this thread sends them one by one, recording each right after); and
+        of the rest, a quarter ``on_busy="replace"`` (``r.<key>``, kind r)."""
         if kind is None:
             roll = rng.random() if key is None else 1.0
             kind = next((k for k, upto in SHARES if roll < upto), "k")
-        queued = kind != "k"
+            if kind == "k" and key is None and rng.random() < REPLACING_SHARE:
+                kind = "r"
+        queued, replacing = kind in ("q", "l", "d"), kind == "r"
         key = key or rng.choice("abc")
         steps = options.pop("steps", rng.randint(2, 8))
         late = name == "work_late" or rng.random() < 0.3
-        if queued:
+        if replacing:
+            # Early ack only: a redelivered older call would replace the newer one.
+            late = False
+            task = "nemesis.celery_app.work_replacing"
+            result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
+        elif queued:
             base = {"q": "work_queued", "l": "work_latest", "d": "work_debounced"}[kind]
             task = "nemesis.celery_app." + (f"{base}_late" if late else base)
             if "countdown" not in options and rng.random() < 0.25:
@@ -304,7 +314,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
         limit = options.get("soft_time_limit") or options.get("time_limit")
         rec("submit", task=result.id, key=f"{kind}.{key}", name=task, limit=limit, late=late,
-            queued=queued, supersedes=kind in ("l", "d"))  # fmt: skip
+            queued=queued, supersedes=kind in ("l", "d"), replacing=replacing)  # fmt: skip
         submitted[result.id] = result
         keys[result.id] = (kind, key)
         if kind in ("l", "d") and burst:
@@ -349,8 +359,9 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         task_id, pid = live[int(pick * len(live))]
         if kind == "revoke":  # a waiter on its key must not enter during its clean-up
             kind_of, key = keys[task_id]
-            submit(key=key, kind=kind_of)
-            time.sleep(0.2)
+            if kind_of != "r":  # a waiter of a replacing key would stop it first,
+                submit(key=key, kind=kind_of)  # and the revoke then finds nothing to end
+                time.sleep(0.2)
             rec("fault", kind="revoke", task=task_id, target=pid)
             app.control.revoke(task_id, terminate=True, signal="SIGTERM")
         elif kind == "sigkill":
@@ -371,14 +382,18 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         mutex_parked.disconnect(parked_at_send)
     lines = [kind for kind, _ in keys.values()]
     what = (f"{len(submitted)} tasks submitted, {lines.count('q')} of them queued, "
-            f"{lines.count('l')} keep latest, {lines.count('d')} debounced")  # fmt: skip
+            f"{lines.count('l')} keep latest, {lines.count('d')} debounced, "
+            f"{lines.count('r')} replacing")  # fmt: skip
     return _check_queue_run("celery", seed, duration, workdir, hist, run_id, store_prefix, conn,
-                            what)  # fmt: skip
+                            what, replacing=REPLACING)  # fmt: skip
 
 
 # Of the random calls, up to each share: on_busy="queue", "latest", "debounce", each on
-# keys of their own (q.<key>, l.<key>, d.<key>); the rest wait (k.<key>).
+# keys of their own (q.<key>, l.<key>, d.<key>); of the rest, REPLACING_SHARE
+# on_busy="replace" (r.<key>); the others wait (k.<key>).
 SHARES = (("q", 0.4), ("l", 0.6), ("d", 0.7))
+REPLACING_SHARE = 0.25
+REPLACING = ("r.",)  # the key prefix of on_busy="replace" (checker.Spec.replacing)
 
 
 def _queued_senders(app: Any) -> None:
