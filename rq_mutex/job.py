@@ -207,9 +207,9 @@ class _Run:
         """``on_busy`` queue, latest or debounce: the body runs in the job's turn, else the
         job parks (or finishes, superseded by a newer one)."""
         lines, queue = self.lines(job.connection), self.policy.queue
-        if job.number_of_retries:
-            # Run before (parked, or RQ's retry after its horse died): a dead attempt's
-            # record is freed at once, as for the other policies.
+        if job.number_of_retries or job.retries_left is not None:
+            # Run before (parked, or RQ's retry after its horse died: that one counts in
+            # retries_left only): a dead attempt's record is freed at once.
             free_ended_attempts(job, self._space(job), key)
         got = line.arrive(
             job, key, lines, self.policy, self.name, lambda: self._acquire(job, key),
@@ -446,6 +446,13 @@ def check_timeouts_when_enqueued() -> None:
             )  # fmt: skip
         return job
 
+    batch = Queue.enqueue_many
+
+    @functools.wraps(batch)
+    def enqueue_many(self: Queue, *args: Any, **kwargs: Any) -> Any:
+        with line.sending_batch():
+            return batch(self, *args, **kwargs)
+
     pushing = Queue._enqueue_job
 
     @functools.wraps(pushing)
@@ -459,6 +466,7 @@ def check_timeouts_when_enqueued() -> None:
     setattr(create_job, _CHECKING, True)
     Queue.create_job = create_job  # type: ignore[method-assign]
     Queue._enqueue_job = _enqueue_job  # type: ignore[method-assign]
+    Queue.enqueue_many = enqueue_many  # type: ignore[method-assign]
 
 
 check_timeouts_when_enqueued()

@@ -32,11 +32,14 @@ RQ's ``RateLimit`` (3.0) was evaluated as the base and not chosen: ``docs/design
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import datetime as dt
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +47,7 @@ from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
+from rq.results import Result
 
 from simple_mutex import Lease, LineFullError, MalfunctionError, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import line as ln
@@ -57,7 +61,7 @@ META_FULL = "rq_mutex_line_full"  # job.meta: its line was full at the send (on_
 ARRIVALS = 8  # decisions one arrival may take before the line is called too contended
 PATIENCE = 2.0  # how long an end waits for the next job's parking horse to finish
 UNLIMITED = 2**31 - 1  # rq.Retry needs a number
-SAVED_WITHIN = 60.0  # a job parked at its send is saved by its producer well within this
+SAVED_WITHIN = 5.0  # a job parked at its send is saved by its producer well within this
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,10 @@ def at_send(
     if not takes_its_place_at_send(job):
         return
     queue, collapse = policy.queue, ln.collapse_for(policy)
-    message = {"id": job.id, "queue": origin}
+    message = message_of(job.id, origin, queue)
     gone: tuple[ln.Superseded, ...] = ()
+    # The caller's meta= dict may be passed to other enqueues: this job gets its own.
+    job.meta = dict(job.meta or {})
     try:
         if collapse is None:
             ticket, parked = lines.send(key, lambda _: message, queue_max=queue.max)
@@ -120,6 +126,9 @@ def at_send(
         job.meta[META_FULL] = True
         return
     job.meta[META] = {"epoch": ticket.epoch, "number": ticket.number}
+    pending = _sending.get()
+    if pending is not None:
+        pending.append((lines, key, ticket))  # undone if the batch fails before its push
     release_superseded(connection, key, gone)
     if parked:
         wake = time.time() + park_interval(queue)
@@ -139,6 +148,47 @@ def release_superseded(connection: Any, key: str, gone: tuple[ln.Superseded, ...
         found = _parked_job(connection, key, call.ticket, call.message, None, 0.0)
         if isinstance(found, Job):
             _enqueue_parked(connection, found)
+
+
+def message_of(job_id: str, origin: str, queue: QueuePolicy) -> dict[str, Any]:
+    """What the line holds for a parked job: its id and queue, and the sweep's bounds of
+    its job function (a worker's sweep has no job code: it reads them here)."""
+    return {"id": job_id, "queue": origin, "gap_for": queue.gap_for, "park_for": queue.park_for}
+
+
+def policy_in(line: ln.Line | None, default: QueuePolicy) -> QueuePolicy:
+    """The sweep's bounds a line's parked jobs carry (``message_of``), else ``default``."""
+    for parked in [] if line is None else line.parked.values():
+        found = parked.message
+        if isinstance(found, Mapping):
+            gap_for, park_for = found.get("gap_for"), found.get("park_for")
+            if isinstance(gap_for, int | float) and isinstance(park_for, int | float):
+                return dataclasses.replace(default, gap_for=gap_for, park_for=park_for)
+    return default
+
+
+# The tickets an enqueue_many took so far, to give back if it fails before it pushes them
+# (a later job's bad key, a full line): else they would stand in the line as gaps.
+_sending: contextvars.ContextVar[list[tuple[ln.Lines, str, ln.Ticket]] | None] = (
+    contextvars.ContextVar("rq_mutex_sending", default=None)
+)
+
+
+@contextlib.contextmanager
+def sending_batch() -> Iterator[None]:
+    """Around ``Queue.enqueue_many``: on failure, the tickets it took are revoked."""
+    token = _sending.set([])
+    try:
+        yield
+    except BaseException:
+        for lines, key, ticket in _sending.get() or []:
+            try:
+                lines.revoke(key, ticket)
+            except MalfunctionError as fault:
+                log.warning("the line of %r keeps a ticket of a failed enqueue: %s", key, fault)
+        raise
+    finally:
+        _sending.reset(token)
 
 
 _PARK_AT_SEND = "_rq_mutex_park_at_send"  # on the Job object its producer just created
@@ -202,7 +252,7 @@ def arrive(
         flag_skipped(job, "line full")
         return Finish(skip_marker("rq_mutex", key, reason="line full"))
     ticket = ticket_from(job) or _take(job, lines, key)
-    message = {"id": job.id, "queue": job.origin}
+    message = message_of(job.id, job.origin, queue)
     for _ in range(ARRIVALS):
         decided = lines.arrive(key, ticket, message, collapse=collapse)
         match decided:
@@ -217,6 +267,11 @@ def arrive(
                     # Woken early (RQ's whole seconds): back to sleep until it is due.
                     return Finish(Retry(max=UNLIMITED, interval=math.ceil(due - time.time()) + 1))
                 return Finish(Retry(max=UNLIMITED, interval=park_interval(queue)))
+            case ln.Duplicate() if _rerun(lines, key, ticket, job):
+                # Its turn is over and it did not succeed: not a copy but a re-run
+                # (job.requeue() of a failed or stopped job, `rq requeue`): a new place.
+                log.info("job %s runs again: it takes a new place in the line of %r", job.id, key)
+                ticket = _take(job, lines, key)
             case ln.Duplicate():
                 log.info("job %s: ticket %d of %r is a duplicate", job.id, ticket.number, key)
                 flag_skipped(job, "duplicate")
@@ -284,6 +339,21 @@ def _superseded(
     return Finish(skip_marker("rq_mutex", key, reason="superseded", by=newer))
 
 
+def _rerun(lines: ln.Lines, key: str, ticket: ln.Ticket, job: Job) -> bool:
+    """Whether a job whose ticket the line says is over (passed, not running) arrives to
+    run again: its last run did not succeed (failed, stopped, killed) or it never ran."""
+    line = lines.read(key)
+    if line is None or line.epoch != ticket.epoch:
+        return False
+    t = ticket.number
+    if line.running is not None and line.running.ticket == t:
+        return False  # a copy of a run still going
+    if not (t < line.turn or t in line.ended) or t in line.parked:
+        return False
+    last = job.latest_result()
+    return last is None or last.type != Result.Type.SUCCESSFUL
+
+
 def _due(lines: ln.Lines, key: str, ticket: ln.Ticket) -> float | None:
     """When ``ticket``'s debounced entry is due (None: not parked, or not debounced)."""
     line = lines.read(key)
@@ -336,8 +406,9 @@ def ending(
     if isinstance(returned, Retry):
         again = Retry.get_interval(count, returned.intervals)
     elif failed is not None and job.retries_left:
-        # RQ runs it again (same job id, same ticket): it keeps its turn.
-        again = Retry.get_interval(count, job.retry_intervals)
+        # RQ runs it again (same job id, same ticket): it keeps its turn, due when RQ
+        # schedules it (RQ's own index into the intervals: by retries left).
+        again = float(job.get_retry_interval())
     return ln.pass_on(
         lines, key, ticket, again_after=again, who=f"job {job.id}", log=log,
         publish=lambda promoted: publish(
@@ -475,6 +546,6 @@ def sweep_all(connection: Any, lines: ln.Lines, queue: QueuePolicy, name: str) -
     found = lines.keys()
     for key in found:
         try:
-            sweep_key(connection, lines, key, queue, name)
+            sweep_key(connection, lines, key, policy_in(lines.read(key), queue), name)
         except Exception as exc:  # a sweep must go on with the next line
             log.warning("sweep: the line of %r: %r", key, exc)

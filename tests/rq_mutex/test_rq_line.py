@@ -370,6 +370,54 @@ def test_debounce_runs_once_per_burst_with_its_last_arguments(conn, run, queue, 
         assert all(is_skipped(job.return_value()) for _, job in burst[:-1])
 
 
+def test_a_failed_job_requeued_runs_again_in_a_new_place(conn, run, queue):
+    """``job.requeue()`` of a job whose run failed (what ``rq requeue`` does): its turn
+    is over, but it is a re-run, not a copy: it takes a new place and its body runs
+    again (it was dropped as a duplicate, its work lost)."""
+    failing = queue.enqueue(jobs.in_line, run, "e", 0, fail=True)
+    after = queue.enqueue(jobs.in_line, run, "e", 1)
+    for _ in range(3):
+        SimpleWorker([queue], connection=conn).work(burst=True)
+    assert [failing.get_status(refresh=True), after.get_status(refresh=True)] == [
+        JobStatus.FAILED, JobStatus.FINISHED,
+    ]  # fmt: skip
+    failing.requeue()
+    SimpleWorker([queue], connection=conn).work(burst=True)
+    assert [r["item"] for r in records(conn, run, "started")] == [0, 1, 0]
+    assert failing.get_status(refresh=True) == JobStatus.FAILED  # it failed again, as told
+
+
+def test_a_failed_enqueue_many_leaves_no_gap_in_the_line(conn, run, queue):
+    """``enqueue_many`` whose fourth job has no key (its template's argument missing)
+    raises before it pushes anything: the three places it took are given back, so the
+    next job of the key runs at once instead of waiting gap_for behind them; and a full
+    line's refusal in a batch does the same."""
+    batch = [Queue.prepare_data(jobs.in_line, (run, "e", i)) for i in range(3)]
+    batch.append(Queue.prepare_data(jobs.in_line, (run,), {"item": 3}))  # no entity
+    with pytest.raises(ConstraintError):
+        queue.enqueue_many(batch)
+    assert queue.count == 0
+    full = [Queue.prepare_data(jobs.in_short_line, (run, "f", i)) for i in range(5)]
+    with pytest.raises(LineFullError):
+        queue.enqueue_many(full)
+    now = [queue.enqueue(jobs.in_line, run, "e", 9), queue.enqueue(jobs.in_short_line, run, "f", 9)]
+    SimpleWorker([queue], connection=conn).work(burst=True)
+    assert [j.get_status(refresh=True) for j in now] == [JobStatus.FINISHED] * 2
+
+
+def test_one_meta_dict_for_several_enqueues_gives_each_its_own_place(conn, run, queue):
+    """The caller's ``meta=`` dict is not written to: passed to two enqueues (the second
+    for later), each job has its own place, and both run."""
+    shared: dict[str, Any] = {"source": "import"}
+    first = queue.enqueue(jobs.in_line, run, "e", 0, meta=shared)
+    second = queue.enqueue(jobs.in_line, run, "e", 1, meta=shared)
+    assert shared == {"source": "import"}
+    assert first.meta[META] != second.meta[META]
+    for _ in range(3):
+        SimpleWorker([queue], connection=conn).work(burst=True)
+    assert [first.return_value(), second.return_value()] == [0, 1]
+
+
 def test_a_full_line_raises_at_the_enqueue_or_skips(conn, run, queue):
     """``queue={"max": 3}``: the fourth enqueue of a key with nothing run yet raises
     LineFullError, naming the fix; with on_full="skip" the
