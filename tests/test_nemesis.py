@@ -33,4 +33,7 @@ def test_nemesis_finds_no_anomaly(tier: str) -> None:
     print(result.report())
     assert result.figures["histories"] >= 2, "the run recorded no client history"
     assert result.anomalies == [], result.report()
+    if tier == "rq":  # its queued jobs went through the line: some reached it and parked
+        assert result.figures["queued"], result.report()
+        assert result.figures["parked"], result.report()
     runner.cleanup(result)

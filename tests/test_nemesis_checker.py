@@ -426,3 +426,44 @@ def test_an_acks_late_task_killed_before_its_ack_may_end_twice() -> None:
     assert check_tasks(twice(1.6)) == []
     assert [a.kind for a in check_tasks(twice(1.6, queued=True))] == ["double-run"]
     assert [a.kind for a in check_tasks(twice(2.8))] == ["double-run"]
+
+
+def test_a_queued_call_is_skipped_only_as_a_duplicate_of_its_run() -> None:
+    """RQ records a duplicate copy's skip marker on the job id: a queued job reported
+    skipped (reason "duplicate") after its body ran is no anomaly; skipped with no run
+    of it begun, or for any other reason (a queued job is never busy), it was lost."""
+
+    def skipped(reason: str | None, ran: bool) -> list[dict[str, Any]]:
+        rows: list[tuple[str, float, dict[str, Any]]] = [
+            ("submit", 0.0, {"task": "a", "key": "q.a", "queued": True}),
+        ]
+        if ran:
+            rows += [("run", 1.1, {"task": "a", "phase": "start", "pid": 5}),
+                     ("run", 1.5, {"task": "a", "phase": "end", "pid": 5})]  # fmt: skip
+        rows.append(("outcome", 3.0, {"task": "a", "state": "skipped", "reason": reason}))
+        return task_history(*rows)
+
+    assert check_tasks(skipped("duplicate", ran=True)) == []
+    assert [a.kind for a in check_tasks(skipped("duplicate", ran=False))] == ["lost-task"]
+    assert [a.kind for a in check_tasks(skipped("busy", ran=True))] == ["lost-task"]
+
+
+def test_an_rq_job_begins_its_body_once_per_attempt_it_was_given() -> None:
+    """RQ runs a job again only for a retry it was given: a horse killed in the body of a
+    job without retries leaves it FAILED, so a second body start is a double run; with
+    one retry, two starts are its due (a park never starts the body)."""
+
+    def killed_and_again(retries: int) -> list[dict[str, Any]]:
+        return task_history(
+            ("submit", 0.0, {"task": "a", "key": "q.a", "queued": True, "retries": retries}),
+            ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+            ("run", 1.1, {"task": "a", "phase": "start", "pid": 5}),
+            ("fault", 1.2, {"kind": "horse-kill", "task": "a", "target": 5}),
+            ("run", 4.0, {"task": "a", "phase": "prerun", "pid": 6}),
+            ("run", 4.1, {"task": "a", "phase": "start", "pid": 6}),
+            ("run", 4.5, {"task": "a", "phase": "end", "pid": 6}),
+            ("outcome", 5.0, {"task": "a", "state": "success"}),
+        )
+
+    assert check_tasks(killed_and_again(1)) == []
+    assert [a.kind for a in check_tasks(killed_and_again(0))] == ["double-run"]

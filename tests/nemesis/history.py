@@ -32,10 +32,15 @@ alarm          ``id``: an alarm (a job timeout) fired in this process
 submit / run / outcome
                task queues: ``task`` (an id), the run's ``fence`` and ``deadline``, and the
                final state the queue reported; ``submit.queued``: sent through the line
-               (``on_busy="queue"``), in send order per key
+               (``on_busy="queue"``), in send order per key; ``submit.retries``: RQ's
+               retries the job was given (``submit.ticket``: its line's ticket);
+               ``outcome.reason``: RQ's skip reason (``job.meta``); ``granted.late``:
+               the line's reason a queued run is out of send order, else None
 parked         ``on_busy="queue"``: ``id``, ``key``, ``task``: an arrival parked (or was
-               dropped as a duplicate) and raised Ignore, its acquire ended with no grant;
-               ``at="send"`` (no ``id``): a call parked at its send, behind a ticket ahead
+               dropped as a duplicate) and raised Ignore (Celery) or returned ``rq.Retry``
+               / the skip marker (RQ: ``reason`` "parked" / "duplicate"), its acquire
+               ended with no grant; ``at="send"`` (no ``id``): a call parked at its send,
+               behind a ticket ahead
 =============  ==========================================================================
 """
 

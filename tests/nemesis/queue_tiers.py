@@ -425,6 +425,9 @@ RQ_FAULTS = {"horse-kill": 1.5, "sigstop": 1.0, "job-timeout": 1.0, "retry-after
 def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from rq import Queue, Retry
 
+    import nemesis.rq_jobs  # noqa: F401  (its queued jobs take their tickets at the enqueue)
+    from rq_mutex.line import META as RQ_TICKET
+
     hist, rec, run_id, store_prefix = _begin(workdir)
     prefix = f"nemrq{run_id}."
     env = {"NEM_HISTORY": str(hist), "NEM_STORE": f"{REDIS}?prefix={store_prefix}",
@@ -449,16 +452,34 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
     jobs: dict[str, Any] = {}
     to_kill: list[str] = []  # retry-after-kill jobs whose first horse is still to die
 
-    def submit(func: str = "work", key: str | None = None, steps: int | None = None,
+    def submit(func: str | None = None, key: str | None = None, steps: int | None = None,
                **options: Any) -> str:  # fmt: skip
+        """Enqueue a job: ``queued`` (40% of the random ones) on ``q.<run>.<key>`` (lines
+        of the run's own: RQ's locks take no prefix), its ticket taken in this enqueue
+        (the submit events of one key are in send order: this thread enqueues them one
+        by one, recording each right after). A random queued job comes in a burst of up
+        to three on its key, so that both workers meet the key and one parks."""
+        burst = 0
+        if func is None:
+            func = "queued" if key is None and rng.random() < QUEUED_SHARE else "work"
+            burst = rng.randint(0, 2) if func == "queued" else 0
         key = key or rng.choice("abc")
+        if func == "queued" and not key.startswith(run_id):
+            key = f"{run_id}.{key}"
         job = queue.enqueue(f"nemesis.rq_jobs.{func}", key,
                             steps=steps or rng.randint(2, 8), **options)  # fmt: skip
         limit = options.get("job_timeout")
-        lock = f"{'u' if func == 'unique' else 'k'}.{key}"
-        rec("submit", task=job.id, key=lock, name=func, limit=limit, unique=func == "unique")
+        lock = f"{RQ_LOCKS[func]}.{key}"
+        retry = options.get("retry")
+        rec("submit", task=job.id, key=lock, name=func, limit=limit, unique=func == "unique",
+            queued=func == "queued", retries=retry.max if retry is not None else 0,
+            ticket=job.meta.get(RQ_TICKET))  # fmt: skip
         jobs[job.id] = job
+        for _ in range(burst):
+            submit("queued", key=key)
         return str(job.id)
+
+    dealt: list[str] = []
 
     def horse_of(job_id: str) -> int | None:
         pid = conn.get(f"{prefix}pid.{job_id}")
@@ -472,9 +493,14 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
             hog("mutex.", f"k.{key}")
             rec("fault", kind=kind, task=submit(key=key, job_timeout=1))
             return
-        if kind == "retry-after-kill":  # its horse is killed once its body runs
-            to_kill.append(submit("unique", key=f"{run_id}-{len(jobs)}", steps=60,
-                                  retry=Retry(max=2)))  # fmt: skip
+        if kind == "retry-after-kill":  # its horse is killed once its body runs; every
+            # other one queued (its retry runs in its turn, before the next job of its key)
+            if sum(f == "retry-after-kill" for f in dealt) % 2:
+                to_kill.append(submit("queued", steps=60, retry=Retry(max=2)))
+            else:
+                to_kill.append(submit("unique", key=f"{run_id}-{len(jobs)}", steps=60,
+                                      retry=Retry(max=2)))  # fmt: skip
+            dealt.append(kind)
             return
         if kind == "worker-kill":
             _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
@@ -500,12 +526,17 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
     _drive(rec, procs, workers, "Listening on", start_worker, seed, duration,
            only(RQ_FAULTS, kinds), rng, submit, deal, stopped,
            lambda: _rq_outcomes(rec, jobs, timeout=45), kill_first_horses)  # fmt: skip
+    queued = sum(job.func_name.endswith(".queued") for job in jobs.values())
     return _check_queue_run("rq", seed, duration, workdir, hist, run_id, store_prefix, conn,
-                            f"{len(jobs)} jobs enqueued")  # fmt: skip
+                            f"{len(jobs)} jobs enqueued, {queued} of them queued")  # fmt: skip
+
+
+RQ_LOCKS = {"work": "k", "unique": "u", "queued": "q"}  # job function -> its key's template
 
 
 def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) -> None:
     from rq_mutex import is_skipped
+    from rq_mutex.job import META_SKIP_REASON
 
     deadline = time.monotonic() + timeout
     pending = dict(jobs)
@@ -514,7 +545,11 @@ def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) ->
             status = job.get_status(refresh=True)
             if status == "finished":
                 value = job.return_value()
-                rec("outcome", task=job_id, state="skipped" if is_skipped(value) else "success")
+                if is_skipped(value):  # why, from its meta: "duplicate" for a queued one
+                    reason = job.get_meta(refresh=True).get(META_SKIP_REASON)
+                    rec("outcome", task=job_id, state="skipped", reason=reason)
+                else:
+                    rec("outcome", task=job_id, state="success")
             elif status in ("failed", "stopped", "canceled"):
                 result = job.latest_result()
                 error = (result.exc_string or "")[-300:] if result is not None else status
