@@ -467,3 +467,22 @@ def test_an_rq_job_begins_its_body_once_per_attempt_it_was_given() -> None:
 
     assert check_tasks(killed_and_again(1)) == []
     assert [a.kind for a in check_tasks(killed_and_again(0))] == ["double-run"]
+
+
+def test_an_rq_job_popped_by_a_worker_killed_before_it_ran_may_have_no_outcome() -> None:
+    """RQ: a job popped by a worker that was SIGKILLed before it started it stays in the
+    queue's intermediate list (``stranded``) until RQ's maintenance fails it, minutes
+    later: no outcome, and no lost task. Stranded with no worker killed after its send, it
+    was lost."""
+
+    def stranded(kill_at: float) -> list[dict[str, Any]]:
+        return task_history(
+            ("submit", 1.0, {"task": "a", "key": "q.a", "queued": True, "retries": 0}),
+            ("fault", kill_at, {"kind": "worker-kill", "target": 7}),
+            ("stranded", 9.0, {"task": "a"}),
+        )
+
+    assert check_tasks(stranded(2.0)) == []
+    assert [a.kind for a in check_tasks(stranded(0.5))] == ["lost-task"]
+    assert [a.kind for a in check_tasks([e for e in stranded(2.0) if e["op"] != "stranded"])
+            ] == ["lost-task"]  # fmt: skip

@@ -510,15 +510,21 @@ def _dealt_to_tasks(events: list[Event]) -> dict[str, list[Event]]:
 
 def gone_with_a_fault(events: list[Event]) -> set[str]:
     """The tasks that may end with no outcome: acked at receipt (not ``late``), then their
-    process was killed. Nothing can bring them back (no message is left), so a wait for
+    process was killed; or (RQ) ``stranded``: popped by a worker, which was killed after
+    the job was sent and before it started it (RQ fails such a job only at its next
+    maintenance). Nothing can bring them back (no message is left), so a wait for
     outcomes need not wait for them."""
     dealt = _dealt_to_tasks(events)
+    stranded = {e["task"] for e in events if e["op"] == "stranded"}
+    kills = [e["t"] for e in events if e["op"] == "fault" and e["kind"] == "worker-kill"]
     return {
         e["task"]
         for e in events
         if e["op"] == "submit"
-        and not e.get("late")
-        and any(f["kind"] in KILLING for f in dealt.get(e["task"], ()))
+        and (
+            (not e.get("late") and any(f["kind"] in KILLING for f in dealt.get(e["task"], ())))
+            or (e["task"] in stranded and any(t > e["t"] for t in kills))
+        )
     }
 
 

@@ -36,6 +36,8 @@ submit / run / outcome
                retries the job was given (``submit.ticket``: its line's ticket);
                ``outcome.reason``: RQ's skip reason (``job.meta``); ``granted.late``:
                the line's reason a queued run is out of send order, else None
+stranded       ``task``: RQ: at the end, the job sat in its queue's intermediate list and in
+               no registry (a worker popped it, then was killed before it started it)
 parked         ``on_busy="queue"``: ``id``, ``key``, ``task``: an arrival parked (or was
                dropped as a duplicate) and raised Ignore (Celery) or returned ``rq.Retry``
                / the skip marker (RQ: ``reason`` "parked" / "duplicate"), its acquire

@@ -161,6 +161,13 @@ def _begin(workdir: Path) -> tuple[Path, history.Recorder, str, str]:
     return hist, rec, run_id, f"nemstore:{run_id}:"
 
 
+def _stop_worker(rec: history.Recorder, stopped: list[tuple[float, int]],
+                 proc: subprocess.Popen[bytes], length: float) -> None:  # fmt: skip
+    """SIGSTOP a whole worker, its main process and each child, for ``length`` s."""
+    for pid in [proc.pid, *children(proc.pid)]:
+        _sigstop(rec, stopped, "", pid, length)
+
+
 def _kill_worker(
     rec: history.Recorder, procs: Procs, name: str, start_worker: Callable[[str], None]
 ) -> None:
@@ -330,9 +337,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             return
         if kind == "worker-stop":  # its prefetched and countdown messages wait with it: a
             # queued one may be stepped over as a gap (gap_for 3 s) and then run late
-            main = procs.procs[workers[int(pick * len(workers))]].pid
-            for pid in [main, *children(main)]:
-                _sigstop(rec, stopped, "", pid, length)
+            _stop_worker(rec, stopped, procs.procs[workers[int(pick * len(workers))]], length)
             return
         if not live:
             return
@@ -419,7 +424,7 @@ QUIET = 5.0  # s with no outcome before a wait for outcomes may end early
 # -- RQ -------------------------------------------------------------------------------
 
 RQ_FAULTS = {"horse-kill": 1.5, "sigstop": 1.0, "job-timeout": 1.0, "retry-after-kill": 1.5,
-             "worker-kill": 0.5}  # fmt: skip
+             "worker-kill": 0.5, "worker-stop": 0.7}  # fmt: skip
 
 
 def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
@@ -481,6 +486,11 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
 
     dealt: list[str] = []
 
+    def every_other(kind: str) -> bool:
+        """Every other fault of ``kind`` (the second, the fourth...) goes to a queued job."""
+        dealt.append(kind)
+        return dealt.count(kind) % 2 == 0
+
     def horse_of(job_id: str) -> int | None:
         pid = conn.get(f"{prefix}pid.{job_id}")
         if pid is None or not Path(f"/proc/{int(pid)}").exists():
@@ -488,6 +498,10 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
         return int(pid)
 
     def deal(kind: str, length: float, pick: float) -> None:
+        if kind == "job-timeout" and every_other(kind):  # lands in a queued job's body, in
+            # its turn: the timeout ends the turn, and the next job of its key runs
+            rec("fault", kind=kind, task=submit("queued", steps=60, job_timeout=1))
+            return
         if kind == "job-timeout":  # lands while acquire waits behind a hog
             key = f"t{len(jobs)}"
             hog("mutex.", f"k.{key}")
@@ -495,15 +509,18 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
             return
         if kind == "retry-after-kill":  # its horse is killed once its body runs; every
             # other one queued (its retry runs in its turn, before the next job of its key)
-            if sum(f == "retry-after-kill" for f in dealt) % 2:
+            if every_other(kind):
                 to_kill.append(submit("queued", steps=60, retry=Retry(max=2)))
             else:
                 to_kill.append(submit("unique", key=f"{run_id}-{len(jobs)}", steps=60,
                                       retry=Retry(max=2)))  # fmt: skip
-            dealt.append(kind)
             return
         if kind == "worker-kill":
             _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
+            return
+        if kind == "worker-stop":  # a job it popped waits with it: a queued one may be
+            # stepped over as a gap (gap_for 3 s) and then run late, said so
+            _stop_worker(rec, stopped, procs.procs[workers[int(pick * len(workers))]], length)
             return
         live = [(j, pid) for j in list(jobs)[-30:] if (pid := horse_of(j)) is not None]
         live = [(j, pid) for j, pid in live if jobs[j].get_status(refresh=True) == "started"]
@@ -525,7 +542,7 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
     stopped: list[tuple[float, int]] = []
     _drive(rec, procs, workers, "Listening on", start_worker, seed, duration,
            only(RQ_FAULTS, kinds), rng, submit, deal, stopped,
-           lambda: _rq_outcomes(rec, jobs, timeout=45), kill_first_horses)  # fmt: skip
+           lambda: _rq_outcomes(rec, jobs, 45, hist, queue), kill_first_horses)  # fmt: skip
     queued = sum(job.func_name.endswith(".queued") for job in jobs.values())
     return _check_queue_run("rq", seed, duration, workdir, hist, run_id, store_prefix, conn,
                             f"{len(jobs)} jobs enqueued, {queued} of them queued")  # fmt: skip
@@ -534,13 +551,30 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
 RQ_LOCKS = {"work": "k", "unique": "u", "queued": "q"}  # job function -> its key's template
 
 
-def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) -> None:
+def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float, hist: Path,
+                 queue: Any) -> None:  # fmt: skip
+    """Wait for every job to end (up to ``timeout`` in all), recording each outcome. A job
+    found in RQ's intermediate queue and in no registry is recorded ``stranded``: a worker
+    popped it and was killed before it started it, and RQ only fails it at its next
+    maintenance (every 10 min: "stuck in intermediate queue"). The wait ends early once
+    every job still pending is gone with a fault (``checker.gone_with_a_fault``) and none
+    ended for ``QUIET`` s."""
     from rq_mutex import is_skipped
     from rq_mutex.job import META_SKIP_REASON
 
     deadline = time.monotonic() + timeout
     pending = dict(jobs)
+    stranded: set[str] = set()
+    last_outcome = time.monotonic()
     while pending and time.monotonic() < deadline:
+        if time.monotonic() - last_outcome >= QUIET:
+            popped = set(queue.intermediate_queue.get_job_ids()) & set(pending)
+            for job_id in sorted(popped - stranded - set(queue.started_job_registry.get_job_ids())):
+                rec("stranded", task=job_id)
+                stranded.add(job_id)
+            if set(pending) <= checker.gone_with_a_fault(history.load(hist)):
+                return
+            last_outcome += 1  # look again in 1 s
         for job_id, job in list(pending.items()):
             status = job.get_status(refresh=True)
             if status == "finished":
@@ -557,6 +591,7 @@ def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) ->
             else:
                 continue
             del pending[job_id]
+            last_outcome = time.monotonic()
         time.sleep(0.2)
 
 
