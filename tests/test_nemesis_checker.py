@@ -486,3 +486,18 @@ def test_an_rq_job_popped_by_a_worker_killed_before_it_ran_may_have_no_outcome()
     assert [a.kind for a in check_tasks(stranded(0.5))] == ["lost-task"]
     assert [a.kind for a in check_tasks([e for e in stranded(2.0) if e["op"] != "stranded"])
             ] == ["lost-task"]  # fmt: skip
+
+
+def test_the_rq_tier_reads_a_late_run_from_rq_mutexs_warning() -> None:
+    """RQ tells a job's body nothing of a run out of order; the tier's horses read the
+    line's reason from ``rq_mutex.line``'s warning, which must stay the one it matches."""
+    import inspect
+    import logging
+
+    from nemesis import rq_jobs
+
+    import rq_mutex.line
+
+    assert f'"{rq_jobs.OUT_OF_ORDER}"' in inspect.getsource(rq_mutex.line)
+    logging.getLogger("rq_mutex").warning(rq_jobs.OUT_OF_ORDER, "j1", 3, "q.a", "skipped")
+    assert rq_jobs._state["late"]["j1"] == "skipped"
