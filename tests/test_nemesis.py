@@ -20,6 +20,10 @@ from nemesis import runner
 SEED = int(os.environ.get("NEMESIS_SEED", "1"))
 DURATION = float(os.environ.get("NEMESIS_DURATION", "15"))
 LONGER = {"celery": 25.0, "rq": 25.0}
+# Anomalies a tier's run may show from a known, reported library bug (tier -> (kind, a
+# phrase of its detail, the bug)): the test then xfails with it, printed, instead of
+# failing CI until the fix lands; anything else still fails. Delete an entry with its fix.
+KNOWN: dict[str, tuple[str, str, str]] = {}
 
 
 @pytest.mark.slow
@@ -32,5 +36,15 @@ def test_nemesis_finds_no_anomaly(tier: str) -> None:
     result = runner.run(tier, SEED, duration)
     print(result.report())
     assert result.figures["histories"] >= 2, "the run recorded no client history"
+    known = KNOWN.get(tier)
+    if (
+        known
+        and result.anomalies
+        and all(a.kind == known[0] and known[1] in a.detail for a in result.anomalies)
+    ):
+        pytest.xfail(f"known bug: {known[2]}\n{result.report()}")
     assert result.anomalies == [], result.report()
+    if tier == "rq":  # its queued jobs went through the line: some reached it and parked
+        assert result.figures["queued"], result.report()
+        assert result.figures["parked"], result.report()
     runner.cleanup(result)

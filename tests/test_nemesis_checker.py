@@ -502,3 +502,78 @@ def test_a_replaced_tasks_lost_lease_is_explained_only_by_a_later_grant() -> Non
     newer = {"t": 1.5, "pid": 6, "w": "q", "op": "granted", "task": "b", "id": "b:1", "key": "r.k"}
     assert check_tasks([*alone, newer], ("r.",)) == []
     assert [a.kind for a in check_tasks([*alone, newer])] == ["unexplained-failure"]
+
+
+def test_a_queued_call_is_skipped_only_as_a_duplicate_of_its_run() -> None:
+    """RQ records a duplicate copy's skip marker on the job id: a queued job reported
+    skipped (reason "duplicate") after its body ran is no anomaly; skipped with no run
+    of it begun, or for any other reason (a queued job is never busy), it was lost."""
+
+    def skipped(reason: str | None, ran: bool) -> list[dict[str, Any]]:
+        rows: list[tuple[str, float, dict[str, Any]]] = [
+            ("submit", 0.0, {"task": "a", "key": "q.a", "queued": True}),
+        ]
+        if ran:
+            rows += [("run", 1.1, {"task": "a", "phase": "start", "pid": 5}),
+                     ("run", 1.5, {"task": "a", "phase": "end", "pid": 5})]  # fmt: skip
+        rows.append(("outcome", 3.0, {"task": "a", "state": "skipped", "reason": reason}))
+        return task_history(*rows)
+
+    assert check_tasks(skipped("duplicate", ran=True)) == []
+    assert [a.kind for a in check_tasks(skipped("duplicate", ran=False))] == ["lost-task"]
+    assert [a.kind for a in check_tasks(skipped("busy", ran=True))] == ["lost-task"]
+
+
+def test_an_rq_job_begins_its_body_once_per_attempt_it_was_given() -> None:
+    """RQ runs a job again only for a retry it was given: a horse killed in the body of a
+    job without retries leaves it FAILED, so a second body start is a double run; with
+    one retry, two starts are its due (a park never starts the body)."""
+
+    def killed_and_again(retries: int) -> list[dict[str, Any]]:
+        return task_history(
+            ("submit", 0.0, {"task": "a", "key": "q.a", "queued": True, "retries": retries}),
+            ("run", 1.0, {"task": "a", "phase": "prerun", "pid": 5}),
+            ("run", 1.1, {"task": "a", "phase": "start", "pid": 5}),
+            ("fault", 1.2, {"kind": "horse-kill", "task": "a", "target": 5}),
+            ("run", 4.0, {"task": "a", "phase": "prerun", "pid": 6}),
+            ("run", 4.1, {"task": "a", "phase": "start", "pid": 6}),
+            ("run", 4.5, {"task": "a", "phase": "end", "pid": 6}),
+            ("outcome", 5.0, {"task": "a", "state": "success"}),
+        )
+
+    assert check_tasks(killed_and_again(1)) == []
+    assert [a.kind for a in check_tasks(killed_and_again(0))] == ["double-run"]
+
+
+def test_an_rq_job_popped_by_a_worker_killed_before_it_ran_may_have_no_outcome() -> None:
+    """RQ: a job popped by a worker that was SIGKILLed before it started it stays in the
+    queue's intermediate list (``stranded``) until RQ's maintenance fails it, minutes
+    later: no outcome, and no lost task. Stranded with no worker killed after its send, it
+    was lost."""
+
+    def stranded(kill_at: float) -> list[dict[str, Any]]:
+        return task_history(
+            ("submit", 1.0, {"task": "a", "key": "q.a", "queued": True, "retries": 0}),
+            ("fault", kill_at, {"kind": "worker-kill", "target": 7}),
+            ("stranded", 9.0, {"task": "a"}),
+        )
+
+    assert check_tasks(stranded(2.0)) == []
+    assert [a.kind for a in check_tasks(stranded(0.5))] == ["lost-task"]
+    assert [a.kind for a in check_tasks([e for e in stranded(2.0) if e["op"] != "stranded"])
+            ] == ["lost-task"]  # fmt: skip
+
+
+def test_the_rq_tier_reads_a_late_run_from_rq_mutexs_warning() -> None:
+    """RQ tells a job's body nothing of a run out of order; the tier's horses read the
+    line's reason from ``rq_mutex.line``'s warning, which must stay the one it matches."""
+    import inspect
+    import logging
+
+    from nemesis import rq_jobs
+
+    import rq_mutex.line
+
+    assert f'"{rq_jobs.OUT_OF_ORDER}"' in inspect.getsource(rq_mutex.line)
+    logging.getLogger("rq_mutex").warning(rq_jobs.OUT_OF_ORDER, "j1", 3, "q.a", "skipped")
+    assert rq_jobs._state["late"]["j1"] == "skipped"

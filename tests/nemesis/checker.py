@@ -549,15 +549,21 @@ def _dealt_to_tasks(events: list[Event]) -> dict[str, list[Event]]:
 
 def gone_with_a_fault(events: list[Event]) -> set[str]:
     """The tasks that may end with no outcome: acked at receipt (not ``late``), then their
-    process was killed. Nothing can bring them back (no message is left), so a wait for
+    process was killed; or (RQ) ``stranded``: popped by a worker, which was killed after
+    the job was sent and before it started it (RQ fails such a job only at its next
+    maintenance). Nothing can bring them back (no message is left), so a wait for
     outcomes need not wait for them."""
     dealt = _dealt_to_tasks(events)
+    stranded = {e["task"] for e in events if e["op"] == "stranded"}
+    kills = [e["t"] for e in events if e["op"] == "fault" and e["kind"] == "worker-kill"]
     return {
         e["task"]
         for e in events
         if e["op"] == "submit"
-        and not e.get("late")
-        and any(f["kind"] in KILLING for f in dealt.get(e["task"], ()))
+        and (
+            (not e.get("late") and any(f["kind"] in KILLING for f in dealt.get(e["task"], ())))
+            or (e["task"] in stranded and any(t > e["t"] for t in kills))
+        )
     }
 
 
@@ -575,7 +581,9 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
     more (its redelivery), unless it was queued (``_redelivered``).
 
     Events: ``submit`` (``task``, ``unique``: its key is its own, so a skip is wrong),
-    ``limit``: a time limit it must not outlive), ``run`` (``task``, ``phase`` "prerun"
+    ``limit``: a time limit it must not outlive, ``queued``: sent through the line, so a
+    skip must be a duplicate of a run of it, ``retries``: RQ's, so its body may begin at
+    most ``1 + retries`` times), ``run`` (``task``, ``phase`` "prerun"
     (it began, before the lock), "start" (the body began), "end", ``pid``), ``fault``
     with a ``task``, ``outcome`` (``task``, ``state``: success / skipped / failure,
     ``error``)."""
@@ -606,37 +614,44 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
         if out is None and task in gone:
             continue  # acked at receipt, then its worker was killed: gone with the fault
         if out is None:
-            found.append(
-                Anomaly(
-                    "lost-task",
-                    sub.get("key"),
-                    f"task {task} ({sub.get('name')}) has no outcome (faults dealt: {kinds})",
-                    sub["t"],
-                    (task,),
-                )
-            )
+            found.append(_of_task("lost-task", sub, f"task {task} ({sub.get('name')}) has "
+                                  f"no outcome (faults dealt: {kinds})", sub["t"]))  # fmt: skip
             continue
         state = out["state"]
         if len(ends) - _redelivered(sub, ends, by_pid) > 1:
-            found.append(Anomaly("double-run", sub.get("key"), f"task {task} ran to its end "
-                                 f"{len(ends)} times", ends[1]["t"], (task,)))  # fmt: skip
+            found.append(_of_task("double-run", sub, f"task {task} ran to its end "
+                                  f"{len(ends)} times", ends[1]["t"]))  # fmt: skip
         found += _concurrent_runs(task, sub, starts, ends, faults)
+        if "retries" in sub and len(starts) > sub["retries"] + 1:
+            # RQ runs a job once, and again only for a retry it was given (a killed horse
+            # of a job without retries leaves it FAILED); a park or a duplicate copy
+            # returns before the body.
+            found.append(_of_task("double-run", sub, f"task {task} began its body "
+                                  f"{len(starts)} times with {sub['retries']} retries "
+                                  f"(faults dealt: {kinds})", starts[-1]["t"]))  # fmt: skip
         if state == "success" and not ends:
-            found.append(
-                Anomaly(
-                    "lost-task",
-                    sub.get("key"),
-                    f"task {task} reported success but its body never reached its end",
-                    out["t"],
-                    (task,),
-                )
-            )
+            found.append(_of_task("lost-task", sub, f"task {task} reported success but its "
+                                  "body never reached its end", out["t"]))  # fmt: skip
         elif state == "skipped" and sub.get("unique"):
-            found.append(Anomaly(
-                "lost-task", sub.get("key"),
+            found.append(_of_task(
+                "lost-task", sub,
                 f"task {task} ({sub.get('name')}) has a key of its own, yet was reported "
                 f"skipped as busy (faults dealt: {kinds}): its own earlier attempt held it",
-                out["t"], (task,),
+                out["t"],
+            ))  # fmt: skip
+        elif (
+            state == "skipped"
+            and sub.get("queued")
+            and (out.get("reason") not in (None, "duplicate") or not starts)
+        ):
+            # A queued call is never busy: a skip is a copy of its ticket dropped as a
+            # duplicate, which needs a run of it that began (RQ records the copy's result
+            # on the job id; Celery's copy is ignored and reports nothing).
+            found.append(_of_task(
+                "lost-task", sub,
+                f"task {task} ({sub.get('name')}) was queued, yet was reported skipped "
+                f"(reason {out.get('reason')!r}) with {len(starts)} runs begun "
+                f"(faults dealt: {kinds})", out["t"],
             ))  # fmt: skip
         elif (
             state == "failure"
@@ -644,15 +659,8 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
             and not out.get("explained")
             and not (task in replaced and "LeaseExpired" in str(out.get("error")))
         ):
-            found.append(
-                Anomaly(
-                    "unexplained-failure",
-                    sub.get("key"),
-                    f"task {task} failed with no fault dealt: {out.get('error')}",
-                    out["t"],
-                    (task,),
-                )
-            )
+            found.append(_of_task("unexplained-failure", sub, f"task {task} failed with no "
+                                  f"fault dealt: {out.get('error')}", out["t"]))  # fmt: skip
         limit = sub.get("limit")
         if limit is not None and not any(f["kind"] == "sigstop" for f in faults):
             for end in ends:
@@ -661,13 +669,18 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
                     if r["phase"] == "prerun" and r["pid"] == end["pid"] and r["t"] <= end["t"]
                 ]  # fmt: skip
                 if began and end["t"] - max(began) > limit + LIMIT_SLACK:
-                    found.append(Anomaly(
-                        "swallowed-interrupt", sub.get("key"),
+                    found.append(_of_task(
+                        "swallowed-interrupt", sub,
                         f"task {task} had a time limit of {limit} s ({kinds}) and its body "
                         f"ran to its end {end['t'] - max(began):.3f} s after it started "
-                        f"(state {state})", end["t"], (task,),
+                        f"(state {state})", end["t"],
                     ))  # fmt: skip
     return found
+
+
+def _of_task(kind: str, sub: Event, detail: str, at: float) -> Anomaly:
+    """An anomaly of the task ``sub`` submitted, on its key."""
+    return Anomaly(kind, sub.get("key"), detail, at, (sub["task"],))
 
 
 def _redelivered(sub: Event, ends: list[Event], by_pid: dict[Any, list[Event]]) -> int:
@@ -813,6 +826,8 @@ def figures(events: list[Event], anomalies: list[Anomaly]) -> dict[str, Any]:
         "events": len(events),
         "operations": sum(e["op"] in ("acquire", "submit", "tick") for e in events),
         "grants": sum(e["op"] == "granted" for e in events),
+        "queued": sum(e["op"] == "submit" and bool(e.get("queued")) for e in events),
+        "parked": sum(e["op"] == "parked" for e in events),
         "steps": len(steps),
         "unprotected_steps": sum(not _protected(s) for s in steps),
         "unprotected_refused": sum(not _protected(s) and not s["accepted"] for s in steps),

@@ -32,10 +32,17 @@ alarm          ``id``: an alarm (a job timeout) fired in this process
 submit / run / outcome
                task queues: ``task`` (an id), the run's ``fence`` and ``deadline``, and the
                final state the queue reported; ``submit.queued``: sent through the line
-               (``on_busy="queue"``), in send order per key
+               (``on_busy="queue"``), in send order per key; ``submit.retries``: RQ's
+               retries the job was given (``submit.ticket``: its line's ticket);
+               ``outcome.reason``: RQ's skip reason (``job.meta``); ``granted.late``:
+               the line's reason a queued run is out of send order, else None
+stranded       ``task``: RQ: at the end, the job sat in its queue's intermediate list and in
+               no registry (a worker popped it, then was killed before it started it)
 parked         ``on_busy="queue"``: ``id``, ``key``, ``task``: an arrival parked (or was
-               dropped as a duplicate) and raised Ignore, its acquire ended with no grant;
-               ``at="send"`` (no ``id``): a call parked at its send, behind a ticket ahead
+               dropped as a duplicate) and raised Ignore (Celery) or returned ``rq.Retry``
+               / the skip marker (RQ: ``reason`` "parked" / "duplicate"), its acquire
+               ended with no grant; ``at="send"`` (no ``id``): a call parked at its send,
+               behind a ticket ahead
 superseded     ``on_busy="latest"`` / ``"debounce"``: ``id``, ``key``, ``task``, ``by``: an
                arrival found a newer call waiting and returned the skip marker, its
                acquire with no grant; ``submit.supersedes`` marks such calls,

@@ -161,6 +161,13 @@ def _begin(workdir: Path) -> tuple[Path, history.Recorder, str, str]:
     return hist, rec, run_id, f"nemstore:{run_id}:"
 
 
+def _stop_worker(rec: history.Recorder, stopped: list[tuple[float, int]],
+                 proc: subprocess.Popen[bytes], length: float) -> None:  # fmt: skip
+    """SIGSTOP a whole worker, its main process and each child, for ``length`` s."""
+    for pid in [proc.pid, *children(proc.pid)]:
+        _sigstop(rec, stopped, "", pid, length)
+
+
 def _kill_worker(
     rec: history.Recorder, procs: Procs, name: str, start_worker: Callable[[str], None]
 ) -> None:
@@ -350,9 +357,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             return
         if kind == "worker-stop":  # its prefetched and countdown messages wait with it: a
             # queued one may be stepped over as a gap (gap_for 3 s) and then run late
-            main = procs.procs[workers[int(pick * len(workers))]].pid
-            for pid in [main, *children(main)]:
-                _sigstop(rec, stopped, "", pid, length)
+            _stop_worker(rec, stopped, procs.procs[workers[int(pick * len(workers))]], length)
             return
         if not live:
             return
@@ -452,11 +457,14 @@ QUIET = 5.0  # s with no outcome before a wait for outcomes may end early
 # -- RQ -------------------------------------------------------------------------------
 
 RQ_FAULTS = {"horse-kill": 1.5, "sigstop": 1.0, "job-timeout": 1.0, "retry-after-kill": 1.5,
-             "worker-kill": 0.5}  # fmt: skip
+             "worker-kill": 0.5, "worker-stop": 0.7}  # fmt: skip
 
 
 def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
     from rq import Queue, Retry
+
+    import nemesis.rq_jobs  # noqa: F401  (its queued jobs take their tickets at the enqueue)
+    from rq_mutex.line import META as RQ_TICKET
 
     hist, rec, run_id, store_prefix = _begin(workdir)
     prefix = f"nemrq{run_id}."
@@ -482,16 +490,39 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
     jobs: dict[str, Any] = {}
     to_kill: list[str] = []  # retry-after-kill jobs whose first horse is still to die
 
-    def submit(func: str = "work", key: str | None = None, steps: int | None = None,
+    def submit(func: str | None = None, key: str | None = None, steps: int | None = None,
                **options: Any) -> str:  # fmt: skip
+        """Enqueue a job: ``queued`` (40% of the random ones) on ``q.<run>.<key>`` (lines
+        of the run's own: RQ's locks take no prefix), its ticket taken in this enqueue
+        (the submit events of one key are in send order: this thread enqueues them one
+        by one, recording each right after). A random queued job comes in a burst of up
+        to three on its key, so that both workers meet the key and one parks."""
+        burst = 0
+        if func is None:
+            func = "queued" if key is None and rng.random() < QUEUED_SHARE else "work"
+            burst = rng.randint(0, 2) if func == "queued" else 0
         key = key or rng.choice("abc")
+        if func == "queued" and not key.startswith(run_id):
+            key = f"{run_id}.{key}"
         job = queue.enqueue(f"nemesis.rq_jobs.{func}", key,
                             steps=steps or rng.randint(2, 8), **options)  # fmt: skip
         limit = options.get("job_timeout")
-        lock = f"{'u' if func == 'unique' else 'k'}.{key}"
-        rec("submit", task=job.id, key=lock, name=func, limit=limit, unique=func == "unique")
+        lock = f"{RQ_LOCKS[func]}.{key}"
+        retry = options.get("retry")
+        rec("submit", task=job.id, key=lock, name=func, limit=limit, unique=func == "unique",
+            queued=func == "queued", retries=retry.max if retry is not None else 0,
+            ticket=job.meta.get(RQ_TICKET))  # fmt: skip
         jobs[job.id] = job
+        for _ in range(burst):
+            submit("queued", key=key)
         return str(job.id)
+
+    dealt: list[str] = []
+
+    def every_other(kind: str) -> bool:
+        """Every other fault of ``kind`` (the second, the fourth...) goes to a queued job."""
+        dealt.append(kind)
+        return dealt.count(kind) % 2 == 0
 
     def horse_of(job_id: str) -> int | None:
         pid = conn.get(f"{prefix}pid.{job_id}")
@@ -500,17 +531,29 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
         return int(pid)
 
     def deal(kind: str, length: float, pick: float) -> None:
+        if kind == "job-timeout" and every_other(kind):  # lands in a queued job's body, in
+            # its turn: the timeout ends the turn, and the next job of its key runs
+            rec("fault", kind=kind, task=submit("queued", steps=60, job_timeout=1))
+            return
         if kind == "job-timeout":  # lands while acquire waits behind a hog
             key = f"t{len(jobs)}"
             hog("mutex.", f"k.{key}")
             rec("fault", kind=kind, task=submit(key=key, job_timeout=1))
             return
-        if kind == "retry-after-kill":  # its horse is killed once its body runs
-            to_kill.append(submit("unique", key=f"{run_id}-{len(jobs)}", steps=60,
-                                  retry=Retry(max=2)))  # fmt: skip
+        if kind == "retry-after-kill":  # its horse is killed once its body runs; every
+            # other one queued (its retry runs in its turn, before the next job of its key)
+            if every_other(kind):
+                to_kill.append(submit("queued", steps=60, retry=Retry(max=2)))
+            else:
+                to_kill.append(submit("unique", key=f"{run_id}-{len(jobs)}", steps=60,
+                                      retry=Retry(max=2)))  # fmt: skip
             return
         if kind == "worker-kill":
             _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
+            return
+        if kind == "worker-stop":  # a job it popped waits with it: a queued one may be
+            # stepped over as a gap (gap_for 3 s) and then run late, said so
+            _stop_worker(rec, stopped, procs.procs[workers[int(pick * len(workers))]], length)
             return
         live = [(j, pid) for j in list(jobs)[-30:] if (pid := horse_of(j)) is not None]
         live = [(j, pid) for j, pid in live if jobs[j].get_status(refresh=True) == "started"]
@@ -532,22 +575,48 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
     stopped: list[tuple[float, int]] = []
     _drive(rec, procs, workers, "Listening on", start_worker, seed, duration,
            only(RQ_FAULTS, kinds), rng, submit, deal, stopped,
-           lambda: _rq_outcomes(rec, jobs, timeout=45), kill_first_horses)  # fmt: skip
+           lambda: _rq_outcomes(rec, jobs, 45, hist, queue), kill_first_horses)  # fmt: skip
+    queued = sum(job.func_name.endswith(".queued") for job in jobs.values())
     return _check_queue_run("rq", seed, duration, workdir, hist, run_id, store_prefix, conn,
-                            f"{len(jobs)} jobs enqueued")  # fmt: skip
+                            f"{len(jobs)} jobs enqueued, {queued} of them queued")  # fmt: skip
 
 
-def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) -> None:
+RQ_LOCKS = {"work": "k", "unique": "u", "queued": "q"}  # job function -> its key's template
+
+
+def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float, hist: Path,
+                 queue: Any) -> None:  # fmt: skip
+    """Wait for every job to end (up to ``timeout`` in all), recording each outcome. A job
+    found in RQ's intermediate queue and in no registry is recorded ``stranded``: a worker
+    popped it and was killed before it started it, and RQ only fails it at its next
+    maintenance (every 10 min: "stuck in intermediate queue"). The wait ends early once
+    every job still pending is gone with a fault (``checker.gone_with_a_fault``) and none
+    ended for ``QUIET`` s."""
     from rq_mutex import is_skipped
+    from rq_mutex.job import META_SKIP_REASON
 
     deadline = time.monotonic() + timeout
     pending = dict(jobs)
+    stranded: set[str] = set()
+    last_outcome = time.monotonic()
     while pending and time.monotonic() < deadline:
+        if time.monotonic() - last_outcome >= QUIET:
+            popped = set(queue.intermediate_queue.get_job_ids()) & set(pending)
+            for job_id in sorted(popped - stranded - set(queue.started_job_registry.get_job_ids())):
+                rec("stranded", task=job_id)
+                stranded.add(job_id)
+            if set(pending) <= checker.gone_with_a_fault(history.load(hist)):
+                return
+            last_outcome += 1  # look again in 1 s
         for job_id, job in list(pending.items()):
             status = job.get_status(refresh=True)
             if status == "finished":
                 value = job.return_value()
-                rec("outcome", task=job_id, state="skipped" if is_skipped(value) else "success")
+                if is_skipped(value):  # why, from its meta: "duplicate" for a queued one
+                    reason = job.get_meta(refresh=True).get(META_SKIP_REASON)
+                    rec("outcome", task=job_id, state="skipped", reason=reason)
+                else:
+                    rec("outcome", task=job_id, state="success")
             elif status in ("failed", "stopped", "canceled"):
                 result = job.latest_result()
                 error = (result.exc_string or "")[-300:] if result is not None else status
@@ -555,6 +624,7 @@ def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float) ->
             else:
                 continue
             del pending[job_id]
+            last_outcome = time.monotonic()
         time.sleep(0.2)
 
 

@@ -5,26 +5,52 @@ Configured from the environment of the worker (its work horses inherit it):
 lease, ``on_busy="wait"``) and writes its fence to the store ``steps`` times; ``unique``
 takes a key of its own (``u.<key>``, ``on_busy="skip"``): nobody else ever holds it, so a
 skip can only be its own dead attempt turning its retry away (issue 21, item 3).
-Each run records ``run`` prerun (before the lock) / start / end and its hold.
+``queued`` is the same body on ``q.<key>`` with ``on_busy="queue"`` (``QUEUED``): its jobs
+run one at a time in enqueue order, each taking its ticket in the nemesis's own
+``Queue.create_job`` (it imports this module, so ``rq_mutex.job`` knows the function). An
+arrival whose turn has not come returns ``rq.Retry`` (parked: its horse ends, RQ keeps the
+job SCHEDULED), and a copy of a ticket that ran finishes with the skip marker (reason
+"duplicate"): either way its ``acquire`` ends in a ``parked`` event (``reason``), with no
+grant. Each run records ``run`` prerun (before the lock) / start / end (/ parked) and its
+hold; a queued grant records ``late``, the line's reason when it runs out of order (RQ
+tells only its log: ``_Late`` reads it there).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from rq import get_current_job
+from rq import Retry, get_current_job
 
 import nemesis  # noqa: F401  (sys.path)
 from nemesis.body import Steps
 from nemesis.history import Recorder
-from rq_mutex import current_lease, mutex_job
+from rq_mutex import current_lease, is_skipped, mutex_job
+from rq_mutex.job import META_SKIP_REASON as SKIP_REASON
 
 PREFIX = os.environ.get("NEM_PREFIX", "nemrq.")
 _state: dict[str, Any] = {}
+ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
+QUEUED: dict[str, Any] = {"key": "q.{key}", "on_busy": "queue", "lease": 2, "renew": True,
+                          "queue": {"sweep_every": 0.5, "gap_for": 3}}  # fmt: skip
+OUT_OF_ORDER = "job %s runs out of order: ticket %d of %r was %s"  # rq_mutex.line's warning
+
+
+class _Late(logging.Handler):
+    """The line's reason a job runs out of order, from ``rq_mutex``'s warning (job id ->
+    why): the only place RQ's queue says it (Celery's is ``request.mutex_late``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == OUT_OF_ORDER and isinstance(record.args, tuple):
+            _state.setdefault("late", {})[record.args[0]] = record.args[3]
+
+
+logging.getLogger("rq_mutex").addHandler(_Late(logging.WARNING))
 
 
 def _recorder() -> tuple[Recorder, Steps]:
@@ -49,7 +75,15 @@ def recorded(template: str, timeout: float | None) -> Callable[[Callable[..., An
             rec("run", task=job.id, phase="prerun", pid=os.getpid())
             rec("acquire", id=_state["op"], key=template.format(key=key), timeout=timeout,
                 lease=2, renew=True, task=job.id)  # fmt: skip
-            return fn(key, **kwargs)
+            value = fn(key, **kwargs)
+            if isinstance(value, Retry) or (is_skipped(value) and template == QUEUED["key"]):
+                # Parked (its horse ends; its turn publishes it again) or a duplicate copy
+                # dropped: the arrival's acquire ended without a grant.
+                reason = "parked" if isinstance(value, Retry) else job.meta.get(SKIP_REASON)
+                rec("parked", id=_state["op"], key=template.format(key=key), task=job.id,
+                    reason=reason)  # fmt: skip
+                rec("run", task=job.id, phase="parked", pid=os.getpid())
+            return value
 
         return run
 
@@ -63,7 +97,7 @@ def _body(template: str, key: str, steps: int = 6, pause: float = 0.05) -> str:
     assert lease is not None
     op, name = _state["op"], template.format(key=key)
     rec("granted", id=op, key=name, fence=lease.fence, slot=lease.slot,
-        deadline=lease._deadline, task=job.id)  # fmt: skip
+        deadline=lease._deadline, task=job.id, late=_state.get("late", {}).get(job.id))  # fmt: skip
     rec("run", task=job.id, phase="start", pid=os.getpid())
     job.connection.set(f"{PREFIX}pid.{job.id}", os.getpid(), ex=600)
     try:
@@ -89,3 +123,9 @@ def work(key: str, steps: int = 6, pause: float = 0.05) -> str:
 @mutex_job(key="u.{key}", on_busy="skip", lease=10, renew=True)
 def unique(key: str, steps: int = 6, pause: float = 0.05) -> str:
     return _body("u.{key}", key, steps, pause)
+
+
+@recorded(QUEUED["key"], ARRIVAL)
+@mutex_job(**QUEUED)
+def queued(key: str, steps: int = 6, pause: float = 0.05) -> str:
+    return _body(QUEUED["key"], key, steps, pause)

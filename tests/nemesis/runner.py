@@ -62,7 +62,8 @@ class Result:
             f"(history in {self.workdir})",
             f"  histories {f['histories']}, operations {f['operations']}, grants "
             f"{f['grants']}, body steps {f['steps']} ({f['unprotected_steps']} unprotected, "
-            f"{f['unprotected_refused']} of them refused by the store), events {f['events']}",
+            f"{f['unprotected_refused']} of them refused by the store), events {f['events']}"
+            + (f", queued {f['queued']} (parked {f['parked']})" if f.get("queued") else ""),
             f"  faults: {json.dumps(f['faults'], sort_keys=True)}",
             f"  anomalies: {len(self.anomalies)} {json.dumps(f['anomalies'], sort_keys=True)}",
             *(f"  note: {n}" for n in self.notes),
