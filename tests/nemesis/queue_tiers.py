@@ -399,6 +399,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
 SHARES = (("q", 0.4), ("l", 0.6), ("d", 0.7))
 REPLACING_SHARE = 0.25
 REPLACING = ("r.",)  # the key prefix of on_busy="replace" (checker.Spec.replacing)
+QUEUED_SHARE = 0.4  # of the RQ tier's random jobs: on_busy="queue" (q.<run>.<key>)
 
 
 def _queued_senders(app: Any) -> None:
