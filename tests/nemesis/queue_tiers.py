@@ -513,6 +513,8 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
         rec("submit", task=job.id, key=lock, name=func, limit=limit, unique=func == "unique",
             queued=func == "queued", retries=retry.max if retry is not None else 0,
             ticket=job.meta.get(RQ_TICKET))  # fmt: skip
+        if func == "queued" and job.get_status(refresh=False) == "scheduled":
+            rec("parked", task=job.id, key=lock, at="send")  # behind a ticket ahead: no horse
         jobs[job.id] = job
         for _ in range(burst):
             submit("queued", key=key)
