@@ -221,7 +221,7 @@ class _Run:
         try:  # nothing runs between the grant and this try (a job timeout's alarm)
             with running(held), held:
                 try:
-                    value = self.fn(*args, **kwargs)
+                    value = line.own_retry(job, self.fn(*args, **kwargs))
                 except BaseException as exc:
                     then = line.ending(job, key, got, lines, queue, self.name, failed=exc)
                     raise

@@ -57,6 +57,7 @@ from simple_mutex.busy.policy import BusyPolicy, QueuePolicy
 log = logging.getLogger("rq_mutex")
 
 META = "rq_mutex_line"  # job.meta: its ticket, {"epoch", "number"}
+META_PARKS = "rq_mutex_parks"  # job.meta: how often it parked at a worker
 META_FULL = "rq_mutex_line_full"  # job.meta: its line was full at the send (on_full="skip")
 ARRIVALS = 8  # decisions one arrival may take before the line is called too contended
 PATIENCE = 2.0  # how long an end waits for the next job's parking horse to finish
@@ -265,8 +266,8 @@ def arrive(
                 due = _due(lines, key, ticket)
                 if due is not None and due > time.time():
                     # Woken early (RQ's whole seconds): back to sleep until it is due.
-                    return Finish(Retry(max=UNLIMITED, interval=math.ceil(due - time.time()) + 1))
-                return Finish(Retry(max=UNLIMITED, interval=park_interval(queue)))
+                    return _park(job, math.ceil(due - time.time()) + 1)
+                return _park(job, park_interval(queue))
             case ln.Duplicate() if _rerun(lines, key, ticket, job):
                 # Its turn is over and it did not succeed: not a copy but a re-run
                 # (job.requeue() of a failed or stopped job, `rq requeue`): a new place.
@@ -290,7 +291,7 @@ def arrive(
                     # Its holder ended since, and handed it the turn while this horse
                     # still runs (its promoter waits for it to park): it runs instead.
                     continue
-                return Finish(Retry(max=UNLIMITED, interval=park_interval(queue)))
+                return _park(job, park_interval(queue))
             case ln.RunLate(why="stranger"):
                 # Its line's record is gone (expired, or lost in a failover): it takes a
                 # place in the line as it is now.
@@ -326,6 +327,24 @@ def arrive(
         f"job {job.id}: the line of {key!r} changed under each of {ARRIVALS} arrivals in a row",
         key=key,
     )
+
+
+def _park(job: Job, interval: int) -> Finish:
+    """Park the job at this worker: it returns ``rq.Retry``, and RQ keeps it SCHEDULED.
+    RQ counts that as one of its retries (``number_of_retries``): the parks are counted
+    in the job's meta too (saved with it as RQ schedules it), so that a retry the body
+    asks for itself is not refused for retries it never made (``own_retry``)."""
+    job.meta[META_PARKS] = int(job.meta.get(META_PARKS, 0)) + 1
+    return Finish(Retry(max=UNLIMITED, interval=interval))
+
+
+def own_retry(job: Job, value: Any) -> Any:
+    """The body's own ``rq.Retry``, its ``max`` raised by the job's parks (RQ compares
+    ``number_of_retries``, which counts them, with it)."""
+    parks = int((job.meta or {}).get(META_PARKS, 0))
+    if isinstance(value, Retry) and parks:
+        value.max += parks
+    return value
 
 
 def _superseded(
@@ -403,7 +422,8 @@ def ending(
     Returns what to do once it is released: enqueue the next parked job."""
     ticket, count = turn.ticket, job.number_of_retries or 0
     again: float | None = None
-    if isinstance(returned, Retry):
+    if isinstance(returned, Retry) and not (count and count >= returned.max):
+        # RQ runs it again, unless its retries are used up (then RQ fails it: an end).
         again = Retry.get_interval(count, returned.intervals)
     elif failed is not None and job.retries_left:
         # RQ runs it again (same job id, same ticket): it keeps its turn, due when RQ

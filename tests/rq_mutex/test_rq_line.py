@@ -418,6 +418,25 @@ def test_one_meta_dict_for_several_enqueues_gives_each_its_own_place(conn, run, 
     assert [first.return_value(), second.return_value()] == [0, 1]
 
 
+def test_a_job_parked_at_a_worker_keeps_its_own_retries(conn, run, queue, rq_workers):
+    """A job that parked at a worker (it took its place there: made with ``Job.create``)
+    and then returns its own ``rq.Retry(max=1)`` is run once more: its park, which RQ
+    counts as a retry, is not held against it (it failed, and the line then waited
+    gap_for for a retry RQ would never make)."""
+    rq_workers(*WORKER, "--with-scheduler")
+    rq_workers(*WORKER)
+    holder = queue.enqueue(jobs.in_line, run, "e", 0, hold=2.0)
+    started(conn, run, 0)
+    asks = Job.create(jobs.in_line_asks_again, args=(run, "e", 1), connection=conn)
+    queue.enqueue_job(asks)
+    wait_until(lambda: asks.get_status(refresh=True) == JobStatus.SCHEDULED, 30, "it to park")
+    after = queue.enqueue(jobs.in_line, run, "e", 2)  # behind it (its place is taken)
+    wait_until(lambda: ended([holder, asks, after]), 60, "the line")
+    assert asks.get_status() == JobStatus.FINISHED
+    assert asks.return_value() == 1
+    assert [r["item"] for r in sorted(records(conn, run), key=lambda r: r["start"])] == [0, 1, 1, 2]
+
+
 def test_a_full_line_raises_at_the_enqueue_or_skips(conn, run, queue):
     """``queue={"max": 3}``: the fourth enqueue of a key with nothing run yet raises
     LineFullError, naming the fix; with on_full="skip" the

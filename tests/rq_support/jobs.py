@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import redis
-from rq import get_current_job
+from rq import Retry, get_current_job
 from rq.decorators import job
 
 from rq_mutex import current_lease, mutex_job
@@ -338,3 +338,12 @@ def debounced(run: str, entity: str, item: int, hold: float = 0.05) -> int:
     _record(run, "started", name=entity, item=item, at=time.monotonic(), wall=time.time())
     _section(run, entity, hold, item=item)
     return item
+
+
+@mutex_job(key="line.{run}.{entity}", on_busy="queue", lease=6, queue=LINE)
+def in_line_asks_again(run: str, entity: str, item: int, hold: float = 0.05) -> Any:
+    """Returns ``rq.Retry(max=1)`` from its first attempt (RQ runs it once more), then
+    its item."""
+    attempt = _redis().incr(f"rqt:{run}:attempt:{entity}:{item}")
+    _section(run, entity, hold, item=item, attempt=attempt)
+    return Retry(max=1, interval=1) if attempt == 1 else item
