@@ -48,6 +48,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 from rq.results import Result
+from rq.utils import now as rq_now
 
 from simple_mutex import Lease, LineFullError, MalfunctionError, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import line as ln
@@ -203,6 +204,8 @@ def divert(queue: Queue, job: Job, pipeline: Any) -> bool:
     if wake is None:
         return False
     delattr(job, _PARK_AT_SEND)
+    # Enqueued as far as its caller can tell (rq cron asserts the stamp a push sets).
+    job.enqueued_at = rq_now()
     queue.schedule_job(job, dt.datetime.fromtimestamp(wake, dt.timezone.utc), pipeline=pipeline)
     return True
 

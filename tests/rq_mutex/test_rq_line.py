@@ -437,6 +437,38 @@ def test_a_job_parked_at_a_worker_keeps_its_own_retries(conn, run, queue, rq_wor
     assert [r["item"] for r in sorted(records(conn, run), key=lambda r: r["start"])] == [0, 1, 1, 2]
 
 
+@pytest.mark.parametrize("overlap", ["skip", "buffer"])
+def test_rq_cron_overlap_skip_or_buffer_one(conn, run, queue, rq_workers, overlap):
+    """``rq cron`` enqueues a 2.5 s job every second. ``on_busy="skip"`` (Temporal's SKIP):
+    the ticks that find it running are skipped (reason busy), so runs have gaps.
+    ``on_busy="latest"`` (BUFFER_ONE): one tick waits and runs as soon as the last run
+    ends, the ticks beyond it superseded. Never two runs at once either way."""
+    rq_workers(*WORKER)
+    rq_workers(*WORKER)
+    env = {"RQT_GUARD": "1", "RQT_OVERLAP": overlap, "RQT_QUEUE": queue.name, "RQT_NAME": run}
+    test_rq.run_rq_cron(7, env, started=lambda: bool(records(conn, run, "started")))
+
+    def settled() -> bool:
+        registries = (queue.started_job_registry, queue.scheduled_job_registry)
+        return queue.count == 0 and not any(r.get_job_ids() for r in registries)
+
+    wait_until(settled, 30, "the ticks' jobs to end")
+    ticks = [Job.fetch(i, connection=conn) for i in queue.finished_job_registry.get_job_ids()]
+    results = [t.return_value() for t in ticks]
+    reasons = Counter(r.get("reason", "busy") for r in results if is_skipped(r))
+    sections = sorted(records(conn, run), key=lambda r: r["start"])
+    assert len(sections) >= 2
+    assert len(sections) + sum(reasons.values()) == len(ticks)  # each tick ran or said why
+    assert_one_at_a_time(conn, run)
+    gaps = [b["start"] - a["end"] for a, b in itertools.pairwise(sections)]
+    if overlap == "buffer":
+        assert "busy" not in reasons  # none dropped as busy: one waits, newer replace it
+        assert max(gaps) < 1.5, f"a buffered tick waited {max(gaps):.2f} s after a run"
+    else:
+        assert reasons["busy"] >= 1  # the ticks during a run were skipped
+        assert "superseded" not in reasons
+
+
 def test_a_full_line_raises_at_the_enqueue_or_skips(conn, run, queue):
     """``queue={"max": 3}``: the fourth enqueue of a key with nothing run yet raises
     LineFullError, naming the fix; with on_full="skip" the

@@ -1,7 +1,10 @@
 """An ``rq cron`` config: one job every second on queue ``$RQT_QUEUE``, named
 ``$RQT_NAME``; with ``RQT_GUARD=1`` the once-per-tick guard is on (the one line).
 
-``RQT_SHARED=1`` registers instead four ``cleanup`` jobs under that one name (RQ allows
+``RQT_OVERLAP=skip|buffer`` registers instead one job every second that holds its key
+2.5 s: ``on_busy="skip"`` (a tick while the last still runs is skipped) or
+``on_busy="latest"`` (one tick is buffered and runs when the last ends: Temporal's
+BUFFER_ONE). ``RQT_SHARED=1`` registers instead four ``cleanup`` jobs under that one name (RQ allows
 it: a name defaults to the function's): tables ``users`` and ``orders`` every second
 (cron), ``sessions`` and ``carts`` every 2 s (interval)."""
 
@@ -20,7 +23,11 @@ if os.environ.get("RQT_GUARD") == "1":
 
 QUEUE, NAME = os.environ["RQT_QUEUE"], os.environ["RQT_NAME"]
 
-if os.environ.get("RQT_SHARED") == "1":
+OVERLAP = {"skip": jobs.tick_or_skip, "buffer": jobs.tick_or_buffer}
+if os.environ.get("RQT_OVERLAP") in OVERLAP:
+    job = OVERLAP[os.environ["RQT_OVERLAP"]]
+    cron.register(job, QUEUE, args=(NAME,), cron="* * * * * *", name=NAME)
+elif os.environ.get("RQT_SHARED") == "1":
     for table in ("users", "orders"):
         cron.register(jobs.cleanup, QUEUE, args=(NAME, table), cron="* * * * * *", name=NAME)
     for table in ("sessions", "carts"):

@@ -347,3 +347,24 @@ def in_line_asks_again(run: str, entity: str, item: int, hold: float = 0.05) -> 
     attempt = _redis().incr(f"rqt:{run}:attempt:{entity}:{item}")
     _section(run, entity, hold, item=item, attempt=attempt)
     return Retry(max=1, interval=1) if attempt == 1 else item
+
+
+# -- rq cron's overlap choice (tests/rq_mutex/test_rq_line.py) ----------------------------
+
+
+def _tick_section(run: str) -> str:
+    _record(run, "started", name="tick", item=0, at=time.monotonic())
+    _section(run, "tick", 2.5, item=0)
+    return "ran"
+
+
+@mutex_job(key="overlap.{run}", on_busy="skip", lease=10)
+def tick_or_skip(run: str) -> str:
+    """A periodic job longer than its period: a tick while it runs is skipped."""
+    return _tick_section(run)
+
+
+@mutex_job(key="overlap.{run}", on_busy="latest", lease=10, queue=LINE)
+def tick_or_buffer(run: str) -> str:
+    """The same, buffering one tick (keep latest): it runs as soon as the last ends."""
+    return _tick_section(run)
