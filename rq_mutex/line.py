@@ -1,6 +1,6 @@
 """``on_busy="queue"`` for RQ: a job whose turn has not come is parked in its key's line
 (``simple_mutex.busy.line``; ``docs/design/queue.md``) and its work horse ends at once;
-the job is enqueued again, at the front of its queue, when its turn comes::
+the job is enqueued again, at the back of its queue, when its turn comes::
 
     enqueue   ``Queue.create_job`` (every enqueue path goes through it; wrapped in
               ``rq_mutex.job``) takes the job's ticket into ``job.meta["rq_mutex_line"]``;
@@ -18,7 +18,7 @@ the job is enqueued again, at the front of its queue, when its turn comes::
               A second copy of a ticket that ran or runs finishes with the skip marker
               (reason "duplicate").
     end       one write passes the turn on, the lock is released, then the next parked
-              job is enqueued at the front of its queue and taken out of the registry
+              job is enqueued (at the back of its queue) and taken out of the registry
               (publish-then-forget: a crash in between leaves a duplicate, which the line
               drops, never a loss). RQ's own retries (``retry=Retry(...)`` with retries
               left, or a returned ``rq.Retry``) keep the turn instead.
@@ -149,7 +149,7 @@ def release_superseded(connection: Any, key: str, gone: tuple[ln.Superseded, ...
     for call in gone:
         found = _parked_job(connection, key, call.ticket, call.message, None, 0.0)
         if isinstance(found, Job):
-            _enqueue_parked(connection, found)
+            _enqueue_parked(connection, found, at_front=True)  # it only finishes, at once
 
 
 def message_of(job_id: str, origin: str, queue: QueuePolicy) -> dict[str, Any]:
@@ -454,7 +454,7 @@ def publish(
     by: str,
     patience: float = 0.0,
 ) -> bool:
-    """Enqueue a parked job for its turn, at the front of its queue, then take it out of
+    """Enqueue a parked job for its turn, at the back of its queue, then take it out of
     the ScheduledJobRegistry. Only a job still in that registry is enqueued: one already
     out was published (and is queued or running), so a second promoter adds no copy. A
     job whose parking horse has not finished yet is waited for up to ``patience``
@@ -485,9 +485,11 @@ def publish(
     return False
 
 
-def _enqueue_parked(connection: Any, job: Job) -> None:
-    """Publish-then-forget: on its queue's front first, then out of the registry."""
-    Queue(job.origin, connection=connection).enqueue_job(job, at_front=True)
+def _enqueue_parked(connection: Any, job: Job, *, at_front: bool = False) -> None:
+    """Publish-then-forget: onto its queue first, then out of the registry. At the back,
+    as any enqueue: at the front, promotions under load kept jumping the first job of
+    other keys, which waited past gap_for and were stepped over (run out of order)."""
+    Queue(job.origin, connection=connection).enqueue_job(job, at_front=at_front)
     ScheduledJobRegistry(job.origin, connection=connection).remove(job)  # type: ignore[no-untyped-call]
 
 
