@@ -642,8 +642,11 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
         elif (
             state == "skipped"
             and sub.get("queued")
+            and not (sub.get("supersedes") and out.get("reason") == "superseded")
             and (out.get("reason") not in (None, "duplicate") or not starts)
         ):
+            # (A keep-latest or debounced call superseded by a newer one never runs:
+            # check_latest holds it to that.)
             # A queued call is never busy: a skip is a copy of its ticket dropped as a
             # duplicate, which needs a run of it that began (RQ records the copy's result
             # on the job id; Celery's copy is ignored and reports nothing).
