@@ -376,17 +376,21 @@ def _rerun(lines: ln.Lines, key: str, ticket: ln.Ticket, job: Job) -> bool:
     return last is None or last.type != Result.Type.SUCCESSFUL
 
 
+def _parked_entry(lines: ln.Lines, key: str, ticket: ln.Ticket) -> ln.Parked | None:
+    """``ticket``'s parked entry in the line as it is now (None: not parked there)."""
+    line = lines.read(key)
+    return None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+
+
 def _due(lines: ln.Lines, key: str, ticket: ln.Ticket) -> float | None:
     """When ``ticket``'s debounced entry is due (None: not parked, or not debounced)."""
-    line = lines.read(key)
-    parked = None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+    parked = _parked_entry(lines, key, ticket)
     return None if parked is None else parked.due
 
 
 def _parked_here(lines: ln.Lines, key: str, ticket: ln.Ticket, job_id: str) -> bool:
     """Whether the line holds ``job_id`` itself parked at ``ticket``, not yet promoted."""
-    line = lines.read(key)
-    parked = None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+    parked = _parked_entry(lines, key, ticket)
     return (
         parked is not None
         and parked.promoted is None
@@ -397,8 +401,7 @@ def _parked_here(lines: ln.Lines, key: str, ticket: ln.Ticket, job_id: str) -> b
 
 def _promoted(lines: ln.Lines, key: str, ticket: ln.Ticket) -> bool:
     """Whether ``ticket`` is parked and was handed the turn."""
-    line = lines.read(key)
-    parked = None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
+    parked = _parked_entry(lines, key, ticket)
     return parked is not None and parked.promoted is not None
 
 
