@@ -15,11 +15,11 @@ from . import line, per_call, replace, signals
 from ._celery import Retry
 from ._owned import owner_of
 from .config import Config, config_of
+from .slots import BEAT_SLOT
 
 log = logging.getLogger("celery_mutex")
 
 BUSY_HEADER = "mutex_busy_retries"  # busy re-publishes so far; Task.retry's count stays
-BEAT_SLOT = "mutex_beat_slot"  # the header a guarded beat stamps (beat.HEADER)
 
 
 def before_start(
@@ -45,7 +45,11 @@ def before_start(
     if slot is not None:
         from .beat import drop_duplicate_tick
 
-        dropped = drop_duplicate_tick(task, cfg.locks.space.cache, cfg.locks.space.prefix, task_id)
+        space = cfg.locks.space
+        in_line = cfg.policy.in_line and line.ticket_from(request) is not None
+        dropped = drop_duplicate_tick(
+            task, space.cache, space.prefix, task_id, line_decides=in_line
+        )
         if dropped is not None:  # this tick already started: run nothing
             reason = f"{dropped.get('reason', 'duplicate')} tick"  # duplicate | redelivered
             _skip(task, dropped, reason=reason, holder=dropped.get("holder"))

@@ -41,7 +41,6 @@ from simple_mutex.busy import positive_seconds, shared_cache, skip_marker
 
 from ._celery import Signal
 from ._owned import OwnedLocks, owner_of
-from .acquire import BEAT_SLOT
 from .config import beside
 
 # isort: split
@@ -52,7 +51,7 @@ from celery.beat import (  # type: ignore[import-untyped]
 )
 from celery.schedules import schedule as interval_schedule  # type: ignore[import-untyped]
 
-from .slots import cron_slot, tick_slot
+from .slots import BEAT_SLOT, cron_slot, tick_slot
 
 log = logging.getLogger("celery_mutex")
 
@@ -158,7 +157,9 @@ class MutexScheduler(MutexSchedulerMixin, PersistentScheduler):  # type: ignore[
 # -- the worker side ----------------------------------------------------------------------
 
 
-def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dict[str, Any] | None:
+def drop_duplicate_tick(
+    task: Any, cache: Any, prefix: str, task_id: str, *, line_decides: bool = False
+) -> dict[str, Any] | None:
     """Called by ``MutexTask.before_start`` for a message stamped by a guarded beat.
 
     Records ``"<entry>@<slot>"`` as started, owned by the task id, for
@@ -169,6 +170,12 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
     ``reason``. A retry of the tick itself (``Task.retry``, a busy retry) carries a higher
     attempt and goes on. A tick whose worker died is thus not re-run while the record
     lives; set ``mutex_beat_run_ttl`` below your broker's redelivery delay to re-run it.
+
+    ``line_decides``: the message carries its place in the key's line (an ``on_busy``
+    that parks, ``celery_mutex.line``). The same task id then goes on: it is either the
+    tick that parked here and is sent again in its turn, or a redelivery, which the line
+    itself knows from its ticket and drops. Only a copy with another task id is dropped
+    here.
     """
     request = task.request
     tick = str(getattr(request, HEADER))
@@ -190,6 +197,8 @@ def drop_duplicate_tick(task: Any, cache: Any, prefix: str, task_id: str) -> dic
     except SimpleMutexAcquireTimeoutError:
         holder = runs.holder_label(tick)
         same = holder is not None and holder.endswith(f"[{task_id}]")
+        if same and line_decides:
+            return None
         reason = "redelivered" if same else "duplicate"
         log.warning(
             "dropped %s[%s]: beat tick %s already started by %s (%s)",

@@ -71,6 +71,7 @@ from ._celery import (
     uuid,
 )
 from .config import Config, config_of
+from .slots import BEAT_SLOT
 
 log = logging.getLogger("celery_mutex")
 
@@ -323,6 +324,9 @@ def message_of(task: Any, args: Any, kwargs: Any, ticket: Ticket) -> dict[str, A
     call = per_call.of_request(request)
     if call:
         headers[per_call.HEADER] = call
+    slot = getattr(request, "mutex_beat_slot", None)
+    if slot is not None:  # a beat's tick buffered in the line is still that tick
+        headers[BEAT_SLOT] = slot
     message = {
         "task": task.name,
         "id": request.id,

@@ -32,6 +32,9 @@ from typing import Any
 from celery.schedules import crontab, solar  # type: ignore[import-untyped]
 from celery.schedules import schedule as interval_schedule
 
+# The header a guarded beat stamps on a tick's message, naming its slot. A call the
+# key's line parks and sends again keeps it (celery_mutex.line.message_of).
+BEAT_SLOT = "mutex_beat_slot"
 MIN_CLAIM = 10.0  # seconds a claim lives at least (the clock-skew tolerance floor)
 MAX_CLAIM = 7 * 24 * 3600.0
 _UTC = dt.timezone.utc

@@ -419,13 +419,16 @@ def _slot_time(slot: str) -> float:
 
 @pytest.mark.slow
 def test_overlap_skip_or_buffer_one(roomy_cluster: Cluster) -> None:
-    """Temporal's two overlap choices on a guarded beat: a 2.5 s job (skip) and a 2.2 s
-    job (buffer one) on a 1 s tick, for 12 s. skip (``on_busy="skip"``): every run came
-    from a tick due after the previous run ended (those due meanwhile were skipped).
-    buffer one (``on_busy="queue"``, ``queue={"max": 2, "on_full": "skip"}``): each run
-    starts as its predecessor ends (a tick waited for it: with skip the next tick is
-    0.8 s away), and once the beat stops at most one more run starts (one was buffered,
-    not the dozen ticks of the window). Neither ever overlaps itself."""
+    """Temporal's two overlap choices on a guarded beat: a 2.5 s job (skip) and 2.2 s
+    jobs (buffer one, two ways) on a 1 s tick, for 12 s. skip (``on_busy="skip"``): every
+    run came from a tick due after the previous run ended (those due meanwhile were
+    skipped). buffer one (``on_busy="queue"``, ``queue={"max": 2, "on_full": "skip"}``,
+    or ``on_busy="latest"``): each run starts as its predecessor ends (a tick waited for
+    it: with skip the next tick is 0.8 s away), and once the beat stops at most one more
+    run starts (one was buffered, not the dozen ticks of the window). A buffered run is
+    still its tick: it sees the tick's slot (``mutex_beat_slot``), each run its own, due
+    before it started; with latest, the newest tick that was waiting. None ever overlaps
+    itself."""
     cluster = roomy_cluster
     run = "overlap-" + uuid.uuid4().hex[:6]
     cluster.start_beats(1, "celery_mutex.beat:MutexScheduler", run, CM_OVERLAP="1")
@@ -436,7 +439,7 @@ def test_overlap_skip_or_buffer_one(roomy_cluster: Cluster) -> None:
     rows = cluster.runs(run)
     runs = {
         entry: sorted((r for r in rows if r["entry"] == entry), key=lambda r: r["start"])
-        for entry in ("slow", "buffered")
+        for entry in ("slow", "buffered", "newest")
     }
     for entry, done in runs.items():
         assert len(done) >= 3, (entry, done)
@@ -445,7 +448,15 @@ def test_overlap_skip_or_buffer_one(roomy_cluster: Cluster) -> None:
     due = [_slot_time(r["slot"]) for r in skipping]
     # 0.5 s bounds the beat's and the broker's lag behind a tick's due time.
     assert all(t > a["end"] - 0.5 for a, t in zip(skipping, due[1:], strict=False)), skipping
-    buffering = runs["buffered"]
-    gaps = [b["start"] - a["end"] for a, b in itertools.pairwise(buffering)]
-    assert all(g < 0.4 for g in gaps), gaps
-    assert len([r for r in buffering if r["start"] > stopped]) <= 1, (stopped, buffering)
+    for entry in ("buffered", "newest"):
+        buffering = runs[entry]
+        gaps = [b["start"] - a["end"] for a, b in itertools.pairwise(buffering)]
+        assert all(g < 0.4 for g in gaps), (entry, gaps)
+        assert len([r for r in buffering if r["start"] > stopped]) <= 1, (stopped, buffering)
+        slots = [r["slot"] for r in buffering]
+        assert None not in slots, (entry, slots)
+        assert len(set(slots)) == len(slots), (entry, slots)
+        assert all(_slot_time(r["slot"]) <= r["start"] for r in buffering), (entry, buffering)
+    # latest keeps the newest tick: the one a run ran for came due during the run before.
+    newest = runs["newest"]
+    assert all(_slot_time(b["slot"]) > a["start"] for a, b in itertools.pairwise(newest)), newest

@@ -72,7 +72,7 @@ if os.environ.get("CM_OVERLAP") == "1":
     # Only the two overlap choices, 2.5 s and 2.2 s jobs on a 1 s tick: skip, buffer one.
     app.conf.beat_schedule = {
         entry: {"task": f"celery_support.beat_app.{entry}", "schedule": PERIOD, "args": (RUN,)}
-        for entry in ("slow", "buffered")
+        for entry in ("slow", "buffered", "newest")
     }
 if os.environ.get("CM_SLOW") == "1":
     app.conf.beat_schedule["slow"] = {
@@ -125,6 +125,14 @@ def buffered(self: Any, run: str) -> None:
     start = time.time()
     time.sleep(2.2)
     record(self, run, "buffered", start)
+
+
+@app.task(base=MutexTask, bind=True, mutex={"key": "newest.{run}", "on_busy": "latest"})
+def newest(self: Any, run: str) -> None:
+    """Buffer one the other way: the newest tick waits, replacing an older waiting one."""
+    start = time.time()
+    time.sleep(2.2)
+    record(self, run, "newest", start)
 
 
 @app.task(base=MutexTask, bind=True, mutex={"key": "guarded.{n}", "on_busy": "retry"})
