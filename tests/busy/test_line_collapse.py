@@ -227,14 +227,28 @@ def test_a_debounced_call_waits_for_its_quiet_time_and_each_newer_one_pushes_it_
     line, (_, _, gone) = sent(line, "b", 11.0, DEBOUNCE)
     assert [(g.message["id"], g.by_message["id"]) for g in gone] == [("a", "b")]
     assert (line.parked[1].at, line.parked[1].due) == (10.0, 13.0)  # the burst began at 10
-    line, (_, _, _) = sent(line, "c", 14.0, DEBOUNCE)
+    line, (_, _, _) = sent(line, "c", 12.9, DEBOUNCE)
+    assert line.parked[1].due == 14.9
+    line, (_, _, _) = sent(line, "d", 14.0, DEBOUNCE)
     assert line.parked[1].due == 15.0  # max_delay: 10 + 5, not 14 + 2
     line = roundtrip(line)
     line, s = sweep(line, 14.9, lock_free=True, **KNOBS)
     assert s.publish == ()
     line, s = sweep(line, 15.0, lock_free=True, **KNOBS)
-    assert s.publish == (Publish(1, msg("c", T(1))),)
-    assert arrive(line, T(1), lock_free=True, collapse=DEBOUNCE, message=msg("c")) == Run(1)
+    assert s.publish == (Publish(1, msg("d", T(1))),)
+    assert arrive(line, T(1), lock_free=True, collapse=DEBOUNCE, message=msg("d")) == Run(1)
+
+
+def test_a_debounced_call_past_due_is_not_taken_by_a_new_burst():
+    """Its quiet time passed, so it runs, however late the sweep (or RQ's scheduler) is
+    to publish it; a call after that begins a burst of its own behind it."""
+    line, _ = sent(new_line(K, E), "a", 10.0, DEBOUNCE)
+    assert line.parked[1].due == 12.0
+    line, (ticket, parked, gone) = sent(line, "b", 12.5, DEBOUNCE)  # nothing swept yet
+    assert (ticket, parked, gone) == (T(2), True, ())
+    assert (line.parked[1].message["id"], line.parked[2].due) == ("a", 14.5)
+    line, s = sweep(line, 12.5, lock_free=True, **KNOBS)
+    assert s.publish == (Publish(1, msg("a", T(1))),)
 
 
 def test_the_end_of_a_run_publishes_a_debounced_call_only_when_it_is_due():
@@ -325,7 +339,7 @@ class World:
             self.flight.append((ticket.number, msg(call, ticket)))
         if self.rng.random() < 0.1 and not parked:
             self.flight.append((ticket.number, msg(call, ticket)))  # a doubled delivery
-        waiting = ln.decisions._waiting(self.line, None)
+        waiting = ln.decisions._waiting(self.line, None, self.now)  # a due one aside
         assert len(waiting) <= 1, f"{len(waiting)} calls wait besides the running one"
 
     def send_broker(self) -> None:

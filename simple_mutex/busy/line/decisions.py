@@ -222,11 +222,17 @@ def arrival(
     return line, decided
 
 
-def _waiting(line: Line, but: int | None) -> dict[int, Parked]:
+def _waiting(line: Line, but: int | None, now: float) -> dict[int, Parked]:
     """The parked calls a newer call may take the place of: not promoted (nobody
-    published them for their turn) and not a copy of the running ticket."""
+    published them for their turn), not a copy of the running ticket, and not a
+    debounced call already due (its burst ended; a late scheduler or sweep has not
+    published it yet, and a new burst must not take its run away)."""
     held = line.running.ticket if line.running is not None else None
-    return {u: p for u, p in line.parked.items() if p.promoted is None and u != held and u != but}
+    return {
+        u: p
+        for u, p in line.parked.items()
+        if p.promoted is None and u != held and u != but and (p.due is None or p.due > now)
+    }
 
 
 def _park_collapsed(
@@ -237,7 +243,7 @@ def _park_collapsed(
     if ticket.epoch != line.epoch or ticket.number >= line.next:
         raise ConstraintValueError(f"line {line.key!r}: ticket {ticket} is not of this line")
     t = ticket.number
-    waiting = _waiting(line, t)
+    waiting = _waiting(line, t, now)
     newer = [u for u in waiting if u > t]
     if newer:
         by = max(newer)
@@ -285,7 +291,7 @@ def send_collapsed(
     Else it takes a ticket and parks behind a ticket ahead (``Latest``; with nobody ahead
     it is published now) or always (``Debounce``: due ``period`` from now). Returns the
     ticket, whether it was parked, and the calls it superseded."""
-    waiting = {} if collapse is None else _waiting(line, None)
+    waiting = {} if collapse is None else _waiting(line, None, now)
     if not waiting and not isinstance(collapse, Debounce):
         line, (ticket, was_parked) = send(line, now, message_for, queue_max=queue_max)
         return line, (ticket, was_parked, ())
