@@ -251,6 +251,17 @@ def test_a_debounced_call_past_due_is_not_taken_by_a_new_burst():
     assert s.publish == (Publish(1, msg("a", T(1))),)
 
 
+def test_an_older_arrival_is_superseded_by_a_newer_debounced_call_even_past_due():
+    """A call that went through the broker arrives after a newer call, sent later and
+    parked at its send, came due: the newer one holds the newer arguments and runs; the
+    older one does not run after it."""
+    line, ticket = take(new_line(K, E), 0.0)
+    line, _ = sent(line, "new", 1.0, DEBOUNCE)  # due at 3
+    line, decided = arrival(line, ticket, msg("old"), 4.0, lock_free=True, collapse=DEBOUNCE)
+    assert decided == Superseded(1, msg("old"), 2, msg("new", T(2)))
+    assert set(line.parked) == {2}
+
+
 def test_the_end_of_a_run_publishes_a_debounced_call_only_when_it_is_due():
     line, _ = sent(new_line(K, E), "a", 0.0, DEBOUNCE)
     line, s = sweep(line, 2.0, lock_free=True, **KNOBS)

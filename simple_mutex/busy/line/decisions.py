@@ -222,16 +222,18 @@ def arrival(
     return line, decided
 
 
-def _waiting(line: Line, but: int | None, now: float) -> dict[int, Parked]:
-    """The parked calls a newer call may take the place of: not promoted (nobody
-    published them for their turn), not a copy of the running ticket, and not a
-    debounced call already due (its burst ended; a late scheduler or sweep has not
-    published it yet, and a new burst must not take its run away)."""
+def _waiting(line: Line, but: int | None, now: float | None = None) -> dict[int, Parked]:
+    """The parked calls that wait: not promoted (nobody published them for their turn)
+    and not a copy of the running ticket. With ``now``, only those a newer call may take
+    the place of: not a debounced call already due (its burst ended; a late scheduler
+    or sweep has not published it yet, and a new burst must not take its run away)."""
     held = line.running.ticket if line.running is not None else None
     return {
         u: p
         for u, p in line.parked.items()
-        if p.promoted is None and u != held and u != but and (p.due is None or p.due > now)
+        if p.promoted is None
+        and u not in (held, but)
+        and (now is None or p.due is None or p.due > now)
     }
 
 
@@ -243,11 +245,13 @@ def _park_collapsed(
     if ticket.epoch != line.epoch or ticket.number >= line.next:
         raise ConstraintValueError(f"line {line.key!r}: ticket {ticket} is not of this line")
     t = ticket.number
-    waiting = _waiting(line, t, now)
-    newer = [u for u in waiting if u > t]
+    # A newer call waiting, due or not, was sent after this one: this one is superseded.
+    every = _waiting(line, t)
+    newer = [u for u in every if u > t]
     if newer:
         by = max(newer)
-        return _forget(line, t), Superseded(t, message, by, waiting[by].message)
+        return _forget(line, t), Superseded(t, message, by, every[by].message)
+    waiting = _waiting(line, t, now)
     line, first = _replaced(line, waiting, now, collapse)
     line = replace(
         line,
