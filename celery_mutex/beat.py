@@ -174,8 +174,8 @@ def drop_duplicate_tick(
     ``line_decides``: the message carries its place in the key's line (an ``on_busy``
     that parks, ``celery_mutex.line``). The same task id then goes on: it is either the
     tick that parked here and is sent again in its turn, or a redelivery, which the line
-    itself knows from its ticket and drops. Only a copy with another task id is dropped
-    here.
+    judges by its ticket as it does any call's. Only a copy with another task id is
+    dropped here.
     """
     request = task.request
     tick = str(getattr(request, HEADER))

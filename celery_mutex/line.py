@@ -324,7 +324,7 @@ def message_of(task: Any, args: Any, kwargs: Any, ticket: Ticket) -> dict[str, A
     call = per_call.of_request(request)
     if call:
         headers[per_call.HEADER] = call
-    slot = getattr(request, "mutex_beat_slot", None)
+    slot = getattr(request, BEAT_SLOT, None)  # set by before_start
     if slot is not None:  # a beat's tick buffered in the line is still that tick
         headers[BEAT_SLOT] = slot
     message = {

@@ -427,8 +427,8 @@ def test_overlap_skip_or_buffer_one(roomy_cluster: Cluster) -> None:
     it: with skip the next tick is 0.8 s away), and once the beat stops at most one more
     run starts (one was buffered, not the dozen ticks of the window). A buffered run is
     still its tick: it sees the tick's slot (``mutex_beat_slot``), each run its own, due
-    before it started; with latest, the newest tick that was waiting. None ever overlaps
-    itself."""
+    before it started; with latest, a tick that came due during the run before. None
+    ever overlaps itself."""
     cluster = roomy_cluster
     run = "overlap-" + uuid.uuid4().hex[:6]
     cluster.start_beats(1, "celery_mutex.beat:MutexScheduler", run, CM_OVERLAP="1")
