@@ -76,6 +76,11 @@ def before_start(
             lease = replace.take(task, cfg, key, owner_of(task_id), take)
         else:
             lease = take()
+    except replace.NewerCall as newer:  # a retry of a replaced call: the newest one won
+        log.info("skipped %s[%s]: %s", task.name, task_id, newer)
+        marker = skip_marker("celery_mutex", key, holder=newer.label, reason="superseded")
+        _skip(task, marker, reason="superseded", holder=newer.label)
+        return
     except SimpleMutexAcquireTimeoutError as busy:
         _busy(task, cfg, key, busy, args, kwargs, synchronous)
         return

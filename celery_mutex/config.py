@@ -39,12 +39,12 @@ DEFAULTS: dict[str, Any] = {  # of the options only Celery has; the shared ones:
 # prefix ("queued.mutex.<key>"), never under it: no user key can then equal one (a key
 # "queued.x" under "mutex." stays a task lock), and listing "mutex." shows task locks only.
 # A prefix that begins one of these names (or is begun by one) could still meet them.
-BESIDE = ("queued.", "beat.", "ticks.", "line.")
+BESIDE = ("queued.", "beat.", "ticks.", "line.", "taken.")
 
 
 def beside(kind: str, prefix: str) -> str:
-    """The prefix of ``kind``'s records ("queued.", "beat.", "ticks." or "line.") beside
-    ``prefix``."""
+    """The prefix of ``kind``'s records ("queued.", "beat.", "ticks.", "line." or
+    "taken.") beside ``prefix``."""
     assert kind in BESIDE
     return kind + prefix
 
@@ -52,7 +52,7 @@ def beside(kind: str, prefix: str) -> str:
 def acl_prefixes(prefix: str = "mutex.") -> tuple[str, ...]:
     """Every lock prefix celery_mutex writes under for ``mutex_prefix = prefix``: the task
     locks and the records beside them (enqueue markers, beat claims, beat-run ticks, the
-    lines of ``on_busy="queue"``). For
+    lines of ``on_busy="queue"``, the calls ``on_busy="replace"`` replaced). For
     ``RedisCache.acl_rules(prefixes=acl_prefixes())``, the words of a least-privileged
     Redis user for a Celery app."""
     return (check_prefix(prefix), *(beside(kind, prefix) for kind in BESIDE))

@@ -207,7 +207,7 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
                 signals.mutex_parked.send(
                     sender=task, task_id=task_id, key=key, ticket=ticket.number
                 )
-                line_event(task, "parked", key, ticket.number)
+                config_of(task).lines.event("parked", key, task.name, ticket.number)
                 return task.AsyncResult(task_id)
             options["task_id"] = task_id
         else:
@@ -372,20 +372,7 @@ def publish(task: Any, key: str, what: Publish | None, *, by: str) -> None:
         sender=task, task_id=message["id"], key=key, ticket=what.ticket, by=by
     )
     waited = None if what.parked_at is None else max(0.0, time.time() - what.parked_at)
-    line_event(task, "promoted", key, what.ticket, waited=waited, by=by)
-
-
-def line_event(
-    task: Any,
-    kind: str,
-    key: str,
-    ticket: int,
-    *,
-    waited: float | None = None,
-    by: str | None = None,
-) -> None:
-    """A ``parked`` or ``promoted`` lock event of this task (``Lines.event``)."""
-    config_of(task).lines.event(kind, key, task.name, ticket, waited=waited, by=by)
+    config_of(task).lines.event("promoted", key, task.name, what.ticket, waited=waited, by=by)
 
 
 # -- a worker's arrival ------------------------------------------------------------------------
@@ -459,7 +446,7 @@ def arrive(
                 signals.mutex_parked.send(
                     sender=task, task_id=task_id, key=key, ticket=ticket.number
                 )
-                line_event(task, "parked", key, ticket.number)
+                config_of(task).lines.event("parked", key, task.name, ticket.number)
                 log.info(
                     "%s[%s] parked in the line of %r (ticket %d)",
                     task.name,

@@ -82,6 +82,12 @@ def token_for(job: Job) -> str:
     return f"rq.{_owner(job.id)}.{_my_attempt()}.{secrets.token_hex(16)}"
 
 
+def attempts_of(job_id: str) -> Callable[[str], bool]:
+    """Whether a lock token is one an attempt of ``job_id`` took (``token_for``)."""
+    prefix = f"rq.{_owner(job_id)}."
+    return lambda token: token.startswith(prefix)
+
+
 def free_ended_attempts(job: Job, space: Mutex | Semaphore, key: str) -> bool:
     """Free the records of ``key`` that earlier attempts of ``job`` hold whose horses
     their worker reaped; True if any was freed. One read when none ever died."""

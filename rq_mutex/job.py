@@ -66,7 +66,7 @@ from simple_mutex.busy.line import Lines
 from simple_mutex.contract import is_async
 from simple_mutex.decorator import key_function
 
-from . import line
+from . import line, replace
 from .connection import cache_on
 from .cron import META_TICK, first_run_of_tick
 from .horses import free_ended_attempts, token_for
@@ -114,13 +114,6 @@ def mutex_job(
     if debounce is not None:
         options["debounce"] = debounce
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
-    if policy.on_busy == "replace":
-        # Celery's stops the holder with a control command; RQ's stop of a replaced job
-        # (send_stop_job_command) is not built yet, so the choice is refused, not ignored.
-        raise ConstraintValueError(
-            "mutex_job: on_busy='replace' is not available for RQ jobs yet (Celery's "
-            "MutexTask has it); use on_busy='latest' to run the newest job next"
-        )
     if isinstance(cache, str) and "://" not in cache:
         raise ConstraintValueError(
             f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}"
@@ -134,7 +127,7 @@ def mutex_job(
                 f"mutex_job cannot guard the generator function {fn.__qualname__}: its body "
                 "runs after the job returns; return a list, or lock inside the generator"
             )
-        if policy.in_line and inspect.iscoroutinefunction(fn):
+        if (policy.in_line or policy.on_busy == "replace") and inspect.iscoroutinefunction(fn):
             raise ConstraintValueError(
                 f"mutex_job: on_busy={policy.on_busy!r} is not available for the async job "
                 f"function {fn.__qualname__} yet; make it a plain def, or use on_busy='wait'"
@@ -193,10 +186,16 @@ class _Run:
         if self.policy.in_line and job.worker_name != SYNC_WORKER:
             return self._in_line(job, key, args, kwargs)
         try:
-            held = self._acquire(job, key)
+            held = self._take(job, key)
+        except replace.NewerCall as newer:  # on_busy="replace": the newest job wins
+            log.info("job %s superseded: %s", job.id, newer)
+            flag_skipped(job, "superseded", newer.label)
+            return skip_marker("rq_mutex", key, reason="superseded")
         except SimpleMutexAcquireTimeoutError as busy:
             return self._busy(job, key, busy)
         try:  # nothing runs between the grant and this try (a job timeout's alarm)
+            if job.worker_name != SYNC_WORKER:  # a newer on_busy="replace" job may take
+                replace.watch(held)  # the key and have this one stopped
             with running(held), held:
                 return self.fn(*args, **kwargs)
         except BaseException:
@@ -246,6 +245,13 @@ class _Run:
         with running(held):
             async with held:
                 return await self.fn(*args, **kwargs)
+
+    def _take(self, job: Job, key: str) -> Lease:
+        """Acquire, or (``on_busy="replace"``, a worker's run) take the key from its
+        holder and have that one stopped (``rq_mutex.replace``)."""
+        if self.policy.on_busy == "replace" and job.worker_name != SYNC_WORKER:
+            return replace.take(job, self._space(job), key, lambda: self._acquire(job, key))
+        return self._acquire(job, key)
 
     def _acquire(self, job: Job, key: str) -> Lease:
         """Acquire as the policy says; a record of an earlier attempt of this job whose

@@ -1,11 +1,13 @@
 """``rq_mutex.Worker``: RQ's forking ``Worker``, named so that ``rq worker -w
 rq_mutex.Worker`` imports ``rq_mutex`` in the worker's main process (``rq worker`` alone
-imports job code only in the work horses). There it does two things RQ's own worker
-cannot know to do:
+imports job code only in the work horses). There it does three things RQ's own
+worker cannot know to do:
 
 * records the horses it reaps, so the next run of a job id whose horse died frees what
   that horse held (``rq_mutex.horses``; importing ``rq_mutex`` in the main process any
   other way does this for every worker class);
+* answers the stop of ``on_busy="replace"``: a newer job took the key of the one its
+  horse runs, and the horse is told to renew now, which fails it (``rq_mutex.replace``);
 * sweeps the lines of ``on_busy="queue"`` on its own connection (the default cache) every
   ``line_sweep_every`` seconds, in its main loop (no thread: the worker forks), between
   jobs, while idle and while a horse runs: a head nobody ran is published, a dead horse's
@@ -23,12 +25,14 @@ import os
 import time
 from typing import Any
 
+from rq.command import handle_command, parse_payload
 from rq.worker import Worker as RQWorker
 
 from simple_mutex.busy import shared_cache
 from simple_mutex.busy.line import Lines
 from simple_mutex.busy.policy import QueuePolicy
 
+from . import replace
 from .connection import cache_on
 from .line import sweep_all
 
@@ -57,6 +61,22 @@ class Worker(RQWorker):
     def connection_timeout(self) -> int:
         # The socket timeout RQ gives the connection stays what it was (RQ's own sum).
         return int(RQWorker.dequeue_timeout.fget(self)) + 10  # type: ignore[attr-defined]
+
+    def handle_payload(self, message: Any) -> None:
+        """RQ's pubsub commands, and ``on_busy="replace"``'s stop (``rq_mutex.replace``)."""
+        payload = parse_payload(message)
+        if payload.get("command") == replace.COMMAND:
+            replace.stop_here(self, payload.get("job_id"))
+        else:
+            handle_command(self, payload)
+
+    def _install_signal_handlers(self) -> None:
+        super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        replace.ignore_stop_signal()  # a horse inherits it until it answers the stop
+
+    def setup_work_horse_signals(self) -> None:
+        super().setup_work_horse_signals()  # type: ignore[no-untyped-call]
+        replace.answer_stop_signal()  # its default action would end the horse
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         super().heartbeat(timeout, pipeline)

@@ -66,6 +66,18 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     store's marked rows). Shown by ``simple-mutex watch``; a cache that cannot tell has
     no such method.
 
+``wait_then_put(keys, timeout, key, value, ttl=...)`` (optional; blocking caches)
+    ``wait(keys, timeout)``, then ``put_if_absent(key, value, ttl=...)`` in the cache's
+    next step with no round trip between them, returning the entry or raising as
+    ``put_if_absent`` does. A cache that can fuse them (Redis on its own connections:
+    the put is pipelined behind the ``BLPOP``, which the server holds until the
+    ``BLPOP`` returns) has it; one that cannot has no such attribute, or sets it to
+    None. The engine then waits a single-slot acquire this way: the waiter a release
+    wakes holds the key before its releaser can ask again, so it needs no courtesy, and
+    a section costs no wake-up plus round trip with the key free. The lease of a grant
+    it returns runs from before the wait, so the engine blocks for a quarter of the
+    lease at most (``_core.timing.hand_over_block``).
+
 Faults of the driver (connection refused, corrupt file, timeouts) must be raised as
 ``MalfunctionError`` naming the cache and the operation, never as the driver's own error.
 A cache names its driver's error classes in ``driver_errors`` (default: the builtin

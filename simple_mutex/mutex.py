@@ -85,6 +85,8 @@ class _LockSpace:
         self._handoffs = Handoffs()
         self._encoded: dict[str, list[str]] = {}
         self._aio = is_async(self.cache)  # an asyncio cache: only the *_async methods
+        # The cache can wait and put in one step (contract: ``wait_then_put``).
+        self._hands_over = callable(getattr(self.cache, "wait_then_put", None))
 
     def _slot_keys(self, key: str) -> list[str]:
         # Hot keys recur (a worker locks the same few entities): remember their encoding.
@@ -113,7 +115,9 @@ class _LockSpace:
         ``token`` is for integrations that need an owner another process can recognize
         (a task id); by default it is 128 random bits."""
         self._sync("acquire")
-        claim, flow = self._acquiring(key, timeout, interval, renew, label, token)
+        claim, flow = self._acquiring(
+            key, timeout, interval, renew, label, token, hand_over=self._hands_over
+        )
         try:
             lease = claim.granted(run(self.cache, flow))
         except SimpleMutexAcquireTimeoutError as busy:
@@ -323,6 +327,8 @@ class _LockSpace:
         renew: bool,
         label: str | None,
         token: str | None,
+        *,
+        hand_over: bool = False,
     ) -> tuple[_Claim, Flow[Grant]]:
         """What both faces of ``acquire`` run: the claim, and the flow that waits for it."""
         claim = self._claim(key, renew, label, token)
@@ -337,6 +343,7 @@ class _LockSpace:
             now=time.monotonic,
             rng=_rng,
             courtesy=self._handoffs.courtesy(claim.slot_keys),
+            hand_over=hand_over,
         )
 
     def _unclear(self, claim: _Claim, fault: MalfunctionError) -> None:

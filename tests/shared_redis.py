@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -37,3 +38,20 @@ def shared_client(url: str, *patterns: str) -> Iterator[redis.Redis]:
         for key in conn.scan_iter(match=pattern, count=1000):
             conn.delete(key)
     conn.close()
+
+
+def ids_named(client: redis.Redis, name: str) -> set[int]:
+    """The server's ids of the connections open under the client name ``name`` (the
+    client list also shows every other test's and process's connections)."""
+    return {int(c["id"]) for c in client.client_list() if c["name"] == name}
+
+
+def still_listed(client: redis.Redis, name: str, ids: set[int], within: float = 3.0) -> set[int]:
+    """Which of ``ids`` the server still lists after ``within`` seconds. A closed socket
+    leaves the list when the server reads its end, and that read can come after a CLIENT
+    LIST another connection sent meanwhile (CI saw one, on redis-py 4.6): a connection
+    that was disconnected is gone within a few event-loop turns, one that was kept stays."""
+    deadline = time.monotonic() + within
+    while (left := ids & ids_named(client, name)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left

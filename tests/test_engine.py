@@ -34,6 +34,7 @@ from simple_mutex._core.flows import (
     PutIfAbsent,
     Released,
     Wait,
+    WaitThenPut,
 )
 from simple_mutex._core.timing import poll_pause
 from simple_mutex._runtime import drivers
@@ -103,8 +104,10 @@ class Driver:
         *,
         write_cost: float = 0.0,
         wait_errors: Sequence[MalfunctionError] = (),
+        wait_error_cost: float = 0.0,
     ) -> None:
         self.clock = clock
+        self.wait_error_cost = wait_error_cost  # what a failed wait took (a socket timeout)
         self.answer = answer
         self.write_cost = write_cost
         self.wait_errors = list(wait_errors)  # raised by the first Waits, in order
@@ -118,12 +121,16 @@ class Driver:
             self.ops.append(op)
             self.issued_at.append(self.clock.t)
             if type(op) is Wait and self.wait_errors:
+                self.clock.t += self.wait_error_cost
                 result, error = None, self.wait_errors.pop(0)
             elif type(op) in (Wait, Pause):
                 assert op.seconds > 0, f"non-positive wait {op}"
                 self.clock.t += op.seconds
                 result, error = None, None
             else:
+                if type(op) is WaitThenPut:  # the wait runs its course, then the put
+                    assert op.seconds > 0, f"non-positive wait {op}"
+                    self.clock.t += op.seconds
                 self.clock.t += self.write_cost
                 try:
                     result, error = self.answer(op), None
@@ -148,10 +155,12 @@ def acquire_flow(
     courtesy: float = 0.0,
     value: str = VALUE,
     now: FakeClock | None = None,
+    hand_over: bool = False,
 ) -> Any:
     """An acquire flow of key "k" (our VALUE, a 30 s lease, a 10 s timeout by default)."""
     return flows.acquire(
         courtesy=courtesy,
+        hand_over=hand_over,
         key="k",
         slot_keys=list(slot_keys),
         value=value,
@@ -168,12 +177,16 @@ def acquire(
     *,
     write_cost: float = 0.0,
     wait_errors: Sequence[MalfunctionError] = (),
+    wait_error_cost: float = 0.0,
     **options: Any,
 ) -> tuple[Driver, Any]:
     """Drive ``acquire_flow(**options)`` from START; the driver (its ops and clock) and the
     grant, or the SimpleMutexAcquireTimeoutError or MalfunctionError it raised."""
     clock = FakeClock()
-    runner = Driver(clock, answer, write_cost=write_cost, wait_errors=wait_errors)
+    runner = Driver(
+        clock, answer, write_cost=write_cost, wait_errors=wait_errors,
+        wait_error_cost=wait_error_cost,
+    )  # fmt: skip
     try:
         return runner, runner.drive(acquire_flow(now=clock, **options))
     except (SimpleMutexAcquireTimeoutError, MalfunctionError) as error:
@@ -379,6 +392,75 @@ def test_courtesy_never_outlasts_the_timeout_and_try_once_skips_it():
     assert capped.ops[0] == Pause(0.001)
     once, _ = acquire(entry_for, courtesy=0.004, timeout=0)
     assert [type(op) for op in once.ops] == [PutIfAbsent]
+
+
+# -- a fused wait (a cache with wait_then_put) ------------------------------------------
+
+
+def fault(*, unsent: bool = False) -> MalfunctionError:
+    return MalfunctionError("redis cache failed during wait_then_put", unsent=unsent)
+
+
+def test_a_fused_wait_follows_a_failed_put_and_never_sends_the_put_again():
+    """One plain put; then each try is a fused wait whose put the cache runs itself (a
+    plain put after it would double a waiter's requests). The lease runs from before the
+    fused wait that won, not from its end: the cache's own start is later still."""
+    answer = scripted(held(), held(), held(), entry_for)
+    driver, grant = acquire(answer, hand_over=True)
+    assert [type(op) for op in driver.ops] == [PutIfAbsent, WaitThenPut, WaitThenPut, WaitThenPut]
+    last = driver.ops[-1]
+    assert (last.keys, last.key, last.value, last.ttl) == (("mutex.k",), "mutex.k", VALUE, 30.0)
+    assert grant.started == driver.issued_at[-1] < driver.clock.t
+    assert grant.entry.value == VALUE
+
+
+def test_a_fused_wait_blocks_for_a_quarter_of_the_lease_at_most():
+    """A lease of 2 s and a 5 s poll: each fused wait blocks 0.5 s at most, so a grant
+    at the end of one still leaves the holder three quarters of its lease."""
+    driver = timed_out(scripted(*[held()] * 200), hand_over=True, lease=2.0, interval=5.0)
+    fused = [op for op in driver.ops if type(op) is WaitThenPut]
+    assert fused
+    assert max(op.seconds for op in fused) <= timing.hand_over_block(2.0) == 0.5
+
+
+def test_fused_waits_keep_the_deadline():
+    """All held: the fused waits add up to the timeout, and the acquire times out."""
+    driver = timed_out(scripted(*[held()] * 200), hand_over=True, timeout=3.0)
+    assert driver.clock.t - START == pytest.approx(3.0)
+
+
+def test_a_fused_wait_needs_no_courtesy_and_a_semaphore_never_fuses():
+    """The waiter a release woke already holds the key, so the releaser asks at once;
+    several slots wait the plain way (a fused put names one slot)."""
+    driver, _ = acquire(entry_for, courtesy=0.004, hand_over=True)
+    assert [type(op) for op in driver.ops] == [PutIfAbsent]
+    semaphore, _ = acquire(
+        scripted(held(), held(), entry_for), slot_keys=("s#0", "s#1"), hand_over=True
+    )
+    assert [type(op) for op in semaphore.ops] == [PutIfAbsent, PutIfAbsent, Wait, PutIfAbsent]
+
+
+def test_a_fused_fault_whose_put_landed_is_our_grant():
+    """The reply was lost but the put landed: one read finds our value, and that is the
+    grant (from before the fused wait)."""
+    driver, grant = acquire(scripted(held(), fault(), OURS), hand_over=True)
+    assert [type(op) for op in driver.ops] == [PutIfAbsent, WaitThenPut, Get]
+    assert grant.entry == OURS
+    assert grant.started == driver.issued_at[1]
+
+
+@pytest.mark.parametrize("unsent", [False, True], ids=["sent", "unsent"])
+def test_a_fused_fault_falls_back_to_a_plain_wait_once(unsent):
+    """A fused wait that failed, its put not ours (or never sent: no read): a plain put
+    and a plain wait, which tell a broken wake-up channel from a server that is gone;
+    once a plain wait works, fused waits again."""
+    answers = [held(), fault(unsent=unsent), *([] if unsent else [None]), held(), held(),
+               entry_for]  # fmt: skip
+    driver, grant = acquire(scripted(*answers), hand_over=True)
+    kinds = [type(op) for op in driver.ops]
+    assert kinds == [PutIfAbsent, WaitThenPut, *([] if unsent else [Get]), PutIfAbsent, Wait,
+                     PutIfAbsent, WaitThenPut]  # fmt: skip
+    assert grant.entry.value == VALUE
 
 
 # -- renew, release, take-over, release-where, abandon: the same unclear-outcome rule -----
@@ -674,6 +756,25 @@ def test_a_failed_wait_retries_at_once_then_falls_back_to_pauses():
     kinds = [type(op) for op in driver.ops]
     assert kinds == [PutIfAbsent, Wait, PutIfAbsent, Wait, Pause, PutIfAbsent]
     assert driver.ops[4].seconds == driver.ops[3].seconds
+
+
+@pytest.mark.parametrize("timeout", [1.0, 1.1, 1.25, 1.4])
+def test_a_wait_that_fails_past_the_deadline_ends_the_acquire_at_once(timeout):
+    """A frozen server: each failed wait costs a 0.3 s socket timeout. No poll pause runs
+    past the deadline, and a wait that failed past it is the acquire's last operation
+    (it raises that fault: one more put would cost another socket timeout), so the
+    acquire takes at most its timeout plus one socket timeout."""
+    frozen = [MalfunctionError("frozen") for _ in range(20)]
+    driver, error = acquire(busy, timeout=timeout, wait_errors=frozen, wait_error_cost=0.3)
+    deadline = START + timeout
+    assert isinstance(error, SimpleMutexAcquireTimeoutError | MalfunctionError)
+    assert driver.clock.t <= deadline + 0.3
+    for n, (op, at) in enumerate(zip(driver.ops, driver.issued_at, strict=True)):
+        if type(op) is Pause:
+            assert at + op.seconds <= deadline
+        if type(op) is Wait and at + 0.3 >= deadline:
+            assert n == len(driver.ops) - 1, driver.ops[n:]
+            assert str(error) == "frozen"
 
 
 class AnswersNonsense(InMemoryCache):

@@ -33,19 +33,15 @@ from faults import FaultProxy
 from procs import FORK, hold_with_writer, taken_from_paused
 from servers import EtcdCluster, RedisServer, free_port, own_redis, scripts
 
-from simple_mutex import (
-    ConstraintError,
-    DiskCache,
-    Lease,
-    MalfunctionError,
-    Mutex,
-    Semaphore,
-    SimpleMutexAcquireTimeoutError,
-    SimpleMutexLeaseExpiredError,
-    cache_from_url,
-)
+from simple_mutex import DiskCache, Lease, Mutex, Semaphore, cache_from_url
 from simple_mutex._runtime.interrupt import LeaseInterrupt
 from simple_mutex.caches import AsyncRedisCache, RedisCache
+from simple_mutex.errors import (
+    ConstraintError,
+    MalfunctionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
+)
 
 LEASE = 2.0
 ON_TIME = 0.05  # the bound: interrupted at most this long after the holder's deadline

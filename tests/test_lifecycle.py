@@ -6,16 +6,8 @@ from __future__ import annotations
 import pytest
 
 from simple_mutex import InMemoryCache, MalfunctionError, Mutex
-from simple_mutex._core.lifecycle import (
-    HELD,
-    RELEASING,
-    Held,
-    Lost,
-    Released,
-    Releasing,
-    State,
-    step,
-)
+from simple_mutex._core import lifecycle
+from simple_mutex._core.lifecycle import HELD, RELEASING, Lost, Released, State, step
 from simple_mutex.testing import FaultyCache
 
 ALL: list[State] = [
@@ -34,7 +26,7 @@ def test_a_held_lease_may_move_to_any_ending(to: State) -> None:
     assert step(HELD, to) == to
 
 
-@pytest.mark.parametrize("to", [HELD, Held()], ids=repr)
+@pytest.mark.parametrize("to", [HELD, lifecycle.Held()], ids=repr)
 @pytest.mark.parametrize("state", ALL[1:], ids=repr)
 def test_nothing_goes_back_to_held(state: State, to: State) -> None:
     """A lease never becomes held again, whatever it met."""
@@ -76,7 +68,7 @@ def test_releasing_may_end_either_way() -> None:
     """A release in flight (or failed on a fault) ends released, or lost at its deadline."""
     assert step(RELEASING, Released(in_time=True)) == Released(in_time=True)
     assert step(RELEASING, Lost("it lapsed")) == Lost("it lapsed")
-    assert isinstance(step(RELEASING, RELEASING), Releasing)
+    assert isinstance(step(RELEASING, RELEASING), lifecycle.Releasing)
 
 
 def test_live_and_loss_of_each_state() -> None:

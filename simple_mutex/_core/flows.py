@@ -31,7 +31,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from simple_mutex._core.timing import poll_pause
+from simple_mutex._core.timing import hand_over_block, poll_pause
 from simple_mutex.contract import AnyCache, AsyncConditionalCache, ConditionalCache, Entry
 from simple_mutex.errors import (
     MalfunctionError,
@@ -57,14 +57,16 @@ def _found(cache: AnyCache, op: Get, found: object) -> Entry | None:
     raise _broke_contract(cache, op, found)
 
 
-def _written(cache: AnyCache, op: PutIfAbsent | CompareAndSet, entry: object) -> Entry:
+def _written(
+    cache: AnyCache, op: PutIfAbsent | CompareAndSet | WaitThenPut, entry: object
+) -> Entry:
     if isinstance(entry, Entry) and entry.value == op.value:
         return entry
     raise _broke_contract(cache, op, entry)
 
 
 def _broke_contract(
-    cache: AnyCache, op: Get | PutIfAbsent | CompareAndSet, answer: object
+    cache: AnyCache, op: Get | PutIfAbsent | CompareAndSet | WaitThenPut, answer: object
 ) -> MalfunctionError:
     what = "an Entry or None" if isinstance(op, Get) else "the Entry it wrote"
     shown = type(answer).__name__ if isinstance(answer, Entry) else repr(answer)[:80]
@@ -143,6 +145,33 @@ class Wait:
 
 
 @dataclass(slots=True)
+class WaitThenPut:
+    """A wait, then a put-if-absent of ``key`` in the cache's next step, with no round
+    trip between them (the optional ``wait_then_put``: Redis runs the put the moment its
+    BLPOP returns). The waiter a release wakes has the key before the releaser's reply
+    is even read: nobody can barge in, and no wake-up plus round trip is spent with the
+    key free."""
+
+    keys: tuple[str, ...]
+    seconds: float
+    key: str
+    value: str
+    ttl: float
+
+    def apply(self, cache: ConditionalCache) -> Entry:
+        entry = cache.wait_then_put(  # type: ignore[attr-defined]
+            self.keys, self.seconds, self.key, self.value, ttl=self.ttl
+        )
+        return _written(cache, self, entry)
+
+    async def apply_async(self, cache: AsyncConditionalCache) -> Entry:
+        entry = await cache.wait_then_put(  # type: ignore[attr-defined]
+            self.keys, self.seconds, self.key, self.value, ttl=self.ttl
+        )
+        return _written(cache, self, entry)
+
+
+@dataclass(slots=True)
 class Pause:
     """Sleep without asking the cache anything (the hand-off courtesy, a broken wake-up
     channel's poll): the drivers sleep, blocking or on the loop."""
@@ -150,7 +179,7 @@ class Pause:
     seconds: float
 
 
-Call = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait
+Call = Get | PutIfAbsent | CompareAndSet | CompareAndDelete | Wait | WaitThenPut
 """An operation that asks the cache; a driver runs it."""
 Op = Call | Pause
 T = TypeVar("T")
@@ -200,21 +229,28 @@ def acquire(
     now: Callable[[], float],
     rng: random.Random,
     courtesy: float = 0.0,
+    hand_over: bool = False,
 ) -> Flow[Grant]:
     """Put-if-absent on each slot, starting at a random one; when all are held, wait for a
     release notification (at most a jittered poll interval) until the deadline. Whether
     the grant took over from a holder that never freed the slot is the cache's to say
-    (``Entry.took_over``): a clock cannot tell a lapse from a release."""
+    (``Entry.took_over``): a clock cannot tell a lapse from a release.
+
+    ``hand_over``: the cache fuses a wait with the put after it (``WaitThenPut``); a
+    single slot then waits that way, and the courtesy is not needed: the waiter a release
+    wakes holds the key before its releaser can ask again."""
     deadline = None if timeout is None else now() + timeout
     count = len(slot_keys)
+    fused = hand_over and count == 1
     wait_failed = False
-    if courtesy > 0 and timeout != 0:
+    put_tried = False  # the last fused wait already tried the put
+    if courtesy > 0 and timeout != 0 and not fused:
         # We just handed this key to a waiter we woke: let it go first.
         yield Pause(courtesy if timeout is None else min(courtesy, timeout))
     while True:
         # A random first slot spreads semaphore holders instead of piling on slot 0.
         first = rng.randrange(count) if count > 1 else 0
-        for step in range(count):
+        for step in range(count if not put_tried else 0):
             slot = (first + step) % count
             started = now()
             try:
@@ -222,15 +258,12 @@ def acquire(
             except SimpleCacheConditionError:
                 continue
             except MalfunctionError as fault:
-                # Settle an unclear write, unless it was never sent or the wait is over (a
-                # read-back may cost another socket timeout): the caller then frees what
-                # may have landed, in the background (Mutex.acquire).
-                if fault.unsent or fault.withheld or (deadline is not None and now() >= deadline):
+                found = yield from _unclear_put(slot_keys[slot], value, fault, deadline, now)
+                if found is None:
                     raise
-                entry = yield from settle(slot_keys[slot], value)
-                if entry is None:
-                    raise
+                entry = found
             return Grant(slot, entry, started)
+        put_tried = False
         remaining = None if deadline is None else deadline - now()
         if remaining is not None and remaining <= 0:
             raise SimpleMutexAcquireTimeoutError(
@@ -240,16 +273,60 @@ def acquire(
             )
         pause = poll_pause(interval, rng)
         pause = pause if remaining is None else min(pause, remaining)
+        if fused and not wait_failed:
+            # The lease runs from before the wait: block for a share of it at most.
+            started = now()
+            try:
+                entry = yield WaitThenPut(
+                    tuple(slot_keys), min(pause, hand_over_block(lease)), slot_keys[0], value,
+                    lease,
+                )  # fmt: skip
+            except SimpleCacheConditionError:
+                put_tried = True
+                continue
+            except MalfunctionError as fault:
+                # The wait or the put failed; the put may have landed all the same. Not
+                # ours: wait the plain way once, which tells a broken wake-up channel
+                # (poll) from a server that is gone (the put raises).
+                found = None
+                if not fault.unsent:
+                    found = yield from _unclear_put(slot_keys[0], value, fault, deadline, now)
+                if found is None:
+                    wait_failed = True
+                    continue
+                entry = found
+            return Grant(0, entry, started)
         try:
             yield Wait(tuple(slot_keys), pause)
             wait_failed = False
         except MalfunctionError:
             # Waking is only a shortcut (a LISTEN session the server ended, a failed
             # BLPOP). Put again at once: that tells whether the server itself is gone. If
-            # waiting fails again, poll instead, so a broken channel cannot spin.
+            # waiting fails again, poll instead, so a broken channel cannot spin. A wait
+            # that failed past the deadline (a frozen server: it took a socket timeout)
+            # ends the acquire: one more put would cost another.
+            left = None if deadline is None else deadline - now()
+            if left is not None and left <= 0:
+                raise
             if wait_failed:
-                yield Pause(pause)
+                yield Pause(pause if left is None else min(pause, left))
             wait_failed = True
+
+
+def _unclear_put(
+    cache_key: str,
+    value: str,
+    fault: MalfunctionError,
+    deadline: float | None,
+    now: Callable[[], float],
+) -> Flow[Entry | None]:
+    """A put that failed may have landed (its reply lost): our entry if it did, None if
+    not. Raises ``fault`` without settling when the put was never sent, or the wait is
+    over (a read-back may cost another socket timeout): the caller then frees what may
+    have landed, in the background (Mutex.acquire)."""
+    if fault.unsent or fault.withheld or (deadline is not None and now() >= deadline):
+        raise fault
+    return (yield from settle(cache_key, value))
 
 
 class Renewed(NamedTuple):

@@ -43,8 +43,17 @@ def poll_pause(interval: float, rng: random.Random) -> float:
     return interval * (0.5 + rng.random())
 
 
+def hand_over_block(length: float) -> float:
+    """The longest one fused wait (``WaitThenPut``) may block, for a lease of ``length``:
+    the grant's lease runs from before the wait on the holder's side, so a wait that
+    ends in a grant takes up to this much off the first renewal's head start."""
+    return length / 4.0
+
+
 HANDOFF_COURTESY = 0.005
 """How long a holder that just woke a waiter by releasing a key holds back from taking
 that key again. The releaser is already running while the woken waiter still has to be
 scheduled, so without it a worker looping on one key wins nearly every race and starves
-the others (measured on Redis: fairness 0.52-0.79 of the mean without, 1.00 with)."""
+the others (measured on Redis: fairness 0.52-0.79 of the mean without, 1.00 with). A
+single-slot acquire on a cache with a fused wait (``wait_then_put``: Redis) skips it:
+there the woken waiter holds the key before the releaser's reply is read."""

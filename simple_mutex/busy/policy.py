@@ -7,7 +7,7 @@ in its turn, in send order: ``docs/design/queue.md``; ``queue={...}`` bounds the
 takes its place), ``debounce`` (one parked call per key, run ``period`` after the calls
 stopped, at most ``max_delay`` after the first of them: ``debounce={...}``), or
 ``replace`` (the newest call takes the key from the running holder, with a larger fence,
-and stops it: ``celery_mutex.replace``);
+and has it stopped: ``simple_mutex.busy.replace``);
 ``timeout`` bounds the wait before ``on_busy`` applies (``wait``: None = forever; the
 others: one try). A busy retry runs again after
 ``countdown * backoff**n`` seconds, capped at ``cap``, jittered to [0.5, 1.5) of that when
@@ -180,19 +180,31 @@ class BusyPolicy:
             )
         if policy.on_busy == "debounce":
             _check_debounce(where, policy)
-        if policy.on_busy == "replace" and policy.permits != 1:
+        if policy.on_busy == "replace":
+            policy.check_replace(where)
+        return policy
+
+    def check_replace(self, where: str) -> None:
+        """Refuse what ``on_busy="replace"`` cannot honour (at definition, and for a
+        per-call ``on_busy="replace"`` once the task's options are known)."""
+        if self.permits != 1:
             raise ConstraintValueError(
                 f"{where}: on_busy='replace' stops the one running holder of a key; with "
-                f"permits={policy.permits} there is no single holder to replace: drop "
+                f"permits={self.permits} there is no single holder to replace: drop "
                 "permits, or choose another on_busy"
             )
-        if policy.on_busy == "replace" and policy.timeout is not None:
+        if not self.renew:
+            raise ConstraintValueError(
+                f"{where}: on_busy='replace' with renew=False: a holder the stop cannot "
+                "reach (its worker gone or unreachable) learns it lost the key only at a "
+                "renewal, and a fixed lease has none; drop renew=False"
+            )
+        if self.timeout is not None:
             raise ConstraintValueError(
                 f"{where}: on_busy='replace' never waits for the holder (it takes the key "
                 "from it), so timeout has no meaning there: drop timeout, or use "
                 "on_busy='wait' with a timeout"
             )
-        return policy
 
     def wait_for(self, synchronous: bool) -> float | None:
         """How long an acquire waits before the key counts as busy (None: forever)."""

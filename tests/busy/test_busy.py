@@ -150,13 +150,15 @@ def test_replace_refuses_the_options_it_cannot_honour():
         BusyPolicy.from_options("t", {"on_busy": "replace", "permits": 3})
     with pytest.raises(ConstraintValueError, match="drop timeout"):
         BusyPolicy.from_options("t", {"on_busy": "replace", "timeout": 5})
+    with pytest.raises(ConstraintValueError, match="drop renew=False"):
+        BusyPolicy.from_options("t", {"on_busy": "replace", "renew": False})
     policy = BusyPolicy.from_options("t", {"on_busy": "replace"})
     assert (policy.wait_for(synchronous=False), policy.wait_for(synchronous=True)) == (0.0, None)
     busy = SimpleMutexAcquireTimeoutError("busy", key="k")
     with pytest.raises(SimpleMutexAcquireTimeoutError):
         policy.after_busy(busy, synchronous=False, busy_retries=0)
-    with pytest.raises(ConstraintValueError, match="'replace' is not available for RQ jobs"):
-        mutex_job(key="k", on_busy="replace")  # RQ has no stop of a replaced job yet
+    with pytest.raises(ConstraintValueError, match="drop timeout"):
+        mutex_job(key="k", on_busy="replace", timeout=1)  # RQ's checks are the same
 
 
 def test_the_queue_options_are_checked():

@@ -30,7 +30,6 @@ from simple_mutex.busy.line import (
     Park,
     Publish,
     Run,
-    RunLate,
     Superseded,
     Ticket,
     arrival,
@@ -70,7 +69,7 @@ def roundtrip(line: Line) -> Line:
 
 def running(line: Line, n: int, call: str, now: float = 0.0, collapse: Any = LATEST) -> Line:
     line, decided = start(line, T(n), now, redelivers=False, collapse=collapse, message=msg(call))
-    assert isinstance(decided, Run | RunLate), decided
+    assert isinstance(decided, Run | ln.RunLate), decided
     return line
 
 
@@ -377,13 +376,13 @@ class World:
                 self.seen.add("arrival superseded")
             case Duplicate():
                 self.seen.add("duplicate")
-            case Run() | RunLate():
+            case Run() | ln.RunLate():
                 assert free, "ran while the lock was held"
                 self.line, again = start(
                     self.line, T(n), self.now, redelivers=self.redelivers,
                     collapse=self.collapse, message=message,
                 )  # fmt: skip
-                if not isinstance(again, Run | RunLate):
+                if not isinstance(again, Run | ln.RunLate):
                     return
                 if call in self.again:
                     self.again.remove(call)  # its broker's copy, after its holder died

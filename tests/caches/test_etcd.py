@@ -384,3 +384,24 @@ def test_a_release_before_a_wait_in_another_thread_is_not_lost(cache: EtcdCache)
     start = time.monotonic()
     cache.wait([key], 5)
     assert time.monotonic() - start < 0.5
+
+
+def test_opening_the_watch_counts_against_the_waits_timeout(
+    cache: EtcdCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch stream slow to open (a loaded member) eats into the wait, not past it:
+    ``wait(keys, 0.5)`` behind a 0.5 s open comes back about when its timeout ends, not
+    a full timeout after the stream opened (CI once saw the contract's 0.2 s wait run over
+    its slack that way)."""
+    key = unique_key()
+    cache.put_if_absent(key, "holder", ttl=30)
+    on_a_member = cache._on_a_member
+
+    def slowly(call: Any) -> Any:
+        time.sleep(0.5)
+        return on_a_member(call)
+
+    monkeypatch.setattr(cache, "_on_a_member", slowly)
+    start = time.monotonic()
+    cache.wait([key], 0.5)
+    assert time.monotonic() - start < 0.85  # 1.0 s or more when the open is not counted

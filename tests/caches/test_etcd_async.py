@@ -11,8 +11,10 @@ A missing ``etcd`` binary fails the tests (scripts/lib.sh ``ensure_etcd``); noth
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,7 +205,9 @@ def test_a_client_is_bound_to_its_first_loop_and_others_are_refused_at_once(
     """A gRPC channel belongs to the event loop it was opened on. Another loop using the
     cache (a second asyncio.run once the first closed, or a thread running its own loop
     while the first still runs) fails at once with a ConstraintError naming the fix,
-    never hangs, and leaves nothing held."""
+    never hangs, and leaves nothing held. It is refused before a call is made: gRPC
+    would refuse it too, but only after making a coroutine it never awaits (CI's log
+    showed its RuntimeWarning)."""
     key = unique_key("bound")
 
     def bound() -> Mutex:
@@ -213,8 +217,12 @@ def test_a_client_is_bound_to_its_first_loop_and_others_are_refused_at_once(
         await (await mutex.acquire_async(key, timeout=2)).release_async()
 
     def refused(mutex: Mutex) -> None:
-        with pytest.raises(ConstraintError, match="build the client and the cache inside each"):
-            run(cycle(mutex))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(ConstraintError, match="build the client and the cache inside each"):
+                run(cycle(mutex))
+            gc.collect()
+        assert not [str(w.message) for w in seen if "never awaited" in str(w.message)]
 
     first = bound()
     run(cycle(first))  # binds the client to this loop, now closed
@@ -227,6 +235,21 @@ def test_a_client_is_bound_to_its_first_loop_and_others_are_refused_at_once(
     refused(running)  # this thread's loop, while the other one runs
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
+    assert EtcdCache(raw(cluster), prefix=RUN).get(f"mutex.{key}") is None
+
+
+def test_a_factory_cache_closed_on_one_loop_serves_the_next(cluster: EtcdCluster) -> None:
+    """A cache given a factory and closed at the end of each asyncio.run makes new
+    clients on the next loop, bound to that one: the refusal is for clients still open."""
+    mutex = Mutex(AsyncEtcdCache(lambda: connect(cluster.endpoints[0]), prefix=RUN), lease=30)
+    key = unique_key("next-loop")
+
+    async def cycle_then_close() -> None:
+        await (await mutex.acquire_async(key, timeout=2)).release_async()
+        await mutex.cache.close()
+
+    for _ in range(3):
+        run(cycle_then_close())
     assert EtcdCache(raw(cluster), prefix=RUN).get(f"mutex.{key}") is None
 
 
@@ -263,3 +286,27 @@ def test_every_operation_on_a_dead_cluster_is_a_malfunction() -> None:
         with pytest.raises(MalfunctionError, match=f"etcd cache failed during {operation} on 'k'"):
             call()
     face.close()
+
+
+def test_opening_the_watch_counts_against_the_waits_timeout(cluster: EtcdCluster) -> None:
+    """The asyncio face's twin of test_etcd's: a 0.5 s open eats into ``wait(keys, 0.5)``."""
+
+    async def main() -> float:
+        cache = AsyncEtcdCache(connect(cluster.endpoints[0]), prefix=RUN, close_clients=True)
+        try:
+            key = unique_key()
+            await cache.put_if_absent(key, "holder", ttl=30)
+            on_a_member = cache._on_a_member
+
+            async def slowly(call: Any) -> Any:
+                await asyncio.sleep(0.5)
+                return await on_a_member(call)
+
+            cache._on_a_member = slowly  # type: ignore[method-assign]
+            start = asyncio.get_running_loop().time()
+            await cache.wait([key], 0.5)
+            return asyncio.get_running_loop().time() - start
+        finally:
+            await cache.close()
+
+    assert run(main()) < 0.85  # 1.0 s or more when the open is not counted

@@ -33,7 +33,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_acl import lock_user, url_as
 from servers import RedisServer, free_port, own_cluster, own_redis
-from shared_redis import REDIS_URL, shared_client
+from shared_redis import REDIS_URL, ids_named, shared_client, still_listed
 from workers import ReleaseLater
 
 from simple_mutex import (
@@ -42,9 +42,12 @@ from simple_mutex import (
     Mutex,
     Semaphore,
     SimpleCacheConditionError,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
+from simple_mutex.contract import Entry
 
 PREFIX = f"t{uuid.uuid4().hex[:8]}:"  # every key of this run starts with it
 # A notified waiter is running again within about two round trips; a poll would take its
@@ -374,6 +377,229 @@ def test_one_release_wakes_exactly_one_waiter(cache: RedisCache):
     assert len(woke) == 3  # the others came back at their own timeout
 
 
+# -- a fused wait: the put runs the moment the BLPOP returns ------------------------------
+
+
+def _blocked_in_blpop(name: str, timeout: float = 5) -> None:
+    """Until a connection named ``name`` is blocked in BLPOP (the server's client list;
+    the cache's own connections carry their client's name)."""
+    admin = new_client()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if any(c["name"] == name and c["cmd"] == "blpop" for c in admin.client_list()):
+                return
+            time.sleep(0.005)
+    finally:
+        admin.close()
+    raise AssertionError(f"no waiter named {name} reached BLPOP")
+
+
+def _gone(name: str, timeout: float = 5) -> None:
+    """Until the server has dropped every connection named ``name``."""
+    admin = new_client()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(c["name"] == name for c in admin.client_list()):
+            assert time.monotonic() < deadline, f"{name}'s connections outlived it"
+            time.sleep(0.005)
+    finally:
+        admin.close()
+
+
+def _named_cache() -> tuple[RedisCache, str]:
+    name = f"w-{uuid.uuid4().hex[:8]}"
+    return RedisCache(new_client(client_name=name), prefix=PREFIX), name
+
+
+def test_a_fused_waiter_holds_the_key_before_its_releaser_can_ask_again(
+    cache: RedisCache, client: redis.Redis
+):
+    """The put is pipelined behind the BLPOP, so the server runs it as the release's
+    token wakes the waiter: 20 times in a row, the releaser's put at once after its
+    release finds the key held by the waiter. (A plain wait then put loses nearly every
+    one of these races: the waiter must be scheduled and send its put first.)"""
+    waiter, name = _named_cache()
+    assert waiter.wait_then_put is not None
+    won: list[Entry] = []
+    for _ in range(20):
+        key = unique_key()
+        entry = cache.put_if_absent(key, "releaser", ttl=30)
+        with pytest.raises(SimpleCacheConditionError):
+            waiter.put_if_absent(key, "waiter", ttl=30)  # marks the waiter
+        thread = threading.Thread(
+            target=lambda k=key: won.append(waiter.wait_then_put([k], 5, k, "waiter", ttl=30))
+        )
+        thread.start()
+        _blocked_in_blpop(name)
+        assert cache.compare_and_delete(key, version=entry.version) is True  # woke one
+        with pytest.raises(SimpleCacheConditionError):
+            cache.put_if_absent(key, "releaser", ttl=30)
+        thread.join(5)
+        assert won[-1].value == "waiter"
+        assert won[-1].fence > entry.fence
+        assert cache.get(key) == won[-1]
+
+
+def _wait_in_a_child(key: str, name: str, lease: float, log: str) -> None:
+    """Child: acquire ``key`` (a fused wait, a 5 s poll), log what happened to it."""
+    conn = new_client(client_name=name)
+    mutex = Mutex(RedisCache(conn, prefix=PREFIX), lease=lease, interval=5)
+    try:
+        with mutex.acquire(key, timeout=30):
+            conn.rpush(log, f"{name} in {time.time()}")
+            time.sleep(0.2)
+            conn.rpush(log, f"{name} out")
+    except SimpleMutexLeaseExpiredError:
+        conn.rpush(log, f"{name} lapsed")
+
+
+def _start_waiter(key: str, lease: float, log: str) -> tuple[Any, str]:
+    name = f"w-{uuid.uuid4().hex[:8]}"
+    proc = FORK.Process(target=_wait_in_a_child, args=(key, name, lease, log))
+    proc.start()
+    _blocked_in_blpop(name)
+    return proc, name
+
+
+def _held_with_two_waiters(mutex: Mutex, lease: float) -> tuple[Any, str, Any, Any]:
+    """A key held here, the log the waiters write, and two waiter children blocked on
+    it in that order (each its process and name)."""
+    key, log = unique_key(), f"{PREFIX}log.{uuid.uuid4().hex[:6]}"
+    held = mutex.acquire(key, timeout=0)
+    return held, log, _start_waiter(key, lease, log), _start_waiter(key, lease, log)
+
+
+def _first_in(client: redis.Redis, log: str) -> tuple[str, float]:
+    """The first waiter to enter, and when (Unix time), from the children's log."""
+    first = client.blpop([log], timeout=10)
+    assert first is not None
+    who, _, at = first[1].decode().split(" ")
+    return who, float(at)
+
+
+def test_a_sigkilled_waiter_is_never_handed_the_key(mutex: Mutex, client: redis.Redis):
+    """A waiter killed in its fused wait (SIGKILL, a hard time limit, revoke with
+    terminate) closes its connection, and the server drops its BLPOP with it: the
+    release wakes the live waiter behind it at once (well inside its 2 s block), and
+    the dead one's put never runs."""
+    lease, log, (dead, dead_name), (live, live_name) = _held_with_two_waiters(mutex, 30)
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(5)
+        _gone(dead_name)
+        released = time.time()
+        assert lease.release()
+        who, at = _first_in(client, log)
+        assert who == live_name
+        assert at - released < 0.5
+        live.join(10)
+        assert live.exitcode == 0
+        assert client.lrange(log, 0, -1) == [f"{live_name} out".encode()]
+    finally:
+        for proc in (dead, live):
+            proc.kill()
+        client.delete(log)
+
+
+def test_a_paused_waiter_handed_the_key_never_runs_beside_the_next(
+    mutex: Mutex, client: redis.Redis
+):
+    """The trade of a fused wait: a waiter paused inside it (SIGSTOP, a frozen VM) is
+    still blocked on a live connection, so a release hands it the key, which it then
+    holds, asleep, until its lease runs out (2 s here); only then does the waiter behind
+    it get in. Resumed later, the paused one finds its lease lapsed before its work
+    began and never enters: its lease ran from before its wait."""
+    lease, log, (paused, paused_name), (behind, behind_name) = _held_with_two_waiters(mutex, 2)
+    try:
+        os.kill(paused.pid, signal.SIGSTOP)
+        released = time.time()
+        assert lease.release()
+        who, at = _first_in(client, log)
+        assert who == behind_name
+        assert at - released >= 1.5  # the paused waiter's 2 s record ran out first
+        behind.join(10)
+        os.kill(paused.pid, signal.SIGCONT)
+        paused.join(10)
+        assert (paused.exitcode, behind.exitcode) == (0, 0)
+        assert client.lrange(log, 0, -1) == [
+            f"{behind_name} out".encode(),
+            f"{paused_name} lapsed".encode(),
+        ]
+    finally:
+        for proc in (paused, behind):
+            proc.kill()
+        client.delete(log)
+
+
+def test_a_fused_wait_on_a_key_held_throughout_is_busy_by_its_timeout(cache: RedisCache):
+    """No release: the BLPOP runs out, the put finds the key held (and marks the waiter
+    again, so the holder's release still wakes someone)."""
+    key = unique_key()
+    cache.put_if_absent(key, "holder", ttl=30)
+    start = time.monotonic()
+    with pytest.raises(SimpleCacheConditionError):
+        cache.wait_then_put([key], 0.3, key, "waiter", ttl=30)
+    assert 0.25 <= time.monotonic() - start < 0.3 + 0.25
+    assert cache.waited_on(key)
+
+
+def test_a_fused_wait_after_the_server_forgot_the_script_loads_it(
+    cache: RedisCache, client: redis.Redis
+):
+    """SCRIPT FLUSH (a restart, a failover) while a waiter blocks: its put is refused as
+    NOSCRIPT behind the BLPOP, then loaded and sent again, and wins."""
+    key = unique_key()
+    entry = cache.put_if_absent(key, "holder", ttl=30)
+    waiter, name = _named_cache()
+    with pytest.raises(SimpleCacheConditionError):
+        waiter.put_if_absent(key, "w", ttl=30)  # marks the waiter
+    won: list[Entry] = []
+    thread = threading.Thread(
+        target=lambda: won.append(waiter.wait_then_put([key], 5, key, "w", ttl=30))
+    )
+    thread.start()
+    _blocked_in_blpop(name)
+    client.script_flush()
+    cache.compare_and_delete(key, version=entry.version)
+    thread.join(5)
+    assert won
+    assert won[0].value == "w"
+    assert cache.get(key) == won[0]
+
+
+def test_a_fused_wait_that_fails_still_reports_a_put_that_landed(
+    cache: RedisCache, client: redis.Redis
+):
+    """The BLPOP refused (its signal key of another type) while the put ran: a free key
+    is ours all the same; a held one is a MalfunctionError naming the fused wait, which
+    the engine answers with a plain wait."""
+    first = cache.put_if_absent(unique_key(), "v", ttl=30)  # the eviction check, done
+    assert first.value == "v"
+    key = unique_key()
+    client.set(f"{PREFIX}{{{key}}}:signal", "not a list")
+    entry = cache.wait_then_put([key], 1, key, "w", ttl=30)
+    assert cache.get(key) == entry
+    with pytest.raises(MalfunctionError, match="wait_then_put"):
+        cache.wait_then_put([key], 1, key, "other", ttl=30)
+    client.delete(f"{PREFIX}{{{key}}}:signal")
+
+
+def test_only_the_caches_own_connections_fuse_a_wait(client):
+    """An instrumented or single-connection client keeps its path, and ``replicas=N``
+    must follow a grant with WAIT: none of them has a fused wait, so the engine waits
+    the plain way (and keeps the courtesy)."""
+
+    class Traced(redis.Redis):
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            return super().execute_command(*args, **options)
+
+    assert RedisCache(Traced.from_url(REDIS_URL)).wait_then_put is None
+    assert RedisCache(new_client(single_connection_client=True)).wait_then_put is None
+    assert RedisCache(new_client(), replicas=1).wait_then_put is None
+    assert Mutex(RedisCache(client))._hands_over
+
+
 def test_wait_stays_inside_a_short_socket_timeout():
     """A BLPOP longer than the client's socket timeout would look like a dead server:
     wait() blocks at most 80 % of it and returns early instead of raising."""
@@ -383,7 +609,29 @@ def test_wait_stays_inside_a_short_socket_timeout():
     cache.put_if_absent(key, "holder", ttl=30)
     start = time.monotonic()
     cache.wait([key], 2.0)
-    assert 0.2 <= time.monotonic() - start < 0.3
+    assert 0.1 <= time.monotonic() - start < 0.3
+    conn.close()
+
+
+def test_a_short_socket_timeout_never_turns_a_busy_key_into_a_fault():
+    """Redis ends a timed-out BLPOP on its next timer tick (up to 100 ms late at hz 10):
+    with ``socket_timeout=0.3`` a block of 80 % of it read a TimeoutError 19 times in 20,
+    a busy key reported as a Redis fault. The block leaves 150 ms of the timeout free:
+    fused waits on a held key are busy, and a timed acquire times out."""
+    conn = new_client(socket_timeout=0.3)
+    cache = RedisCache(conn, prefix=PREFIX)
+    key = unique_key()
+    cache.put_if_absent(key, "holder", ttl=30)
+    for _ in range(12):
+        with pytest.raises(SimpleCacheConditionError):
+            cache.wait_then_put([key], 2.0, key, "waiter", ttl=30)
+    mutex = Mutex(cache, lease=30)
+    held = mutex.acquire(key, timeout=0)
+    waiter = Mutex(RedisCache(new_client(socket_timeout=0.3), prefix=PREFIX), lease=30)
+    for _ in range(4):
+        with pytest.raises(SimpleMutexAcquireTimeoutError):
+            waiter.acquire(key, timeout=0.5)
+    assert held.release()
     conn.close()
 
 
@@ -477,6 +725,32 @@ def test_a_frozen_server_does_not_hang_acquire(redis_servers: list[RedisServer],
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("frozen_at", [0.3, 0.65, 0.85])
+def test_a_server_frozen_mid_wait_ends_the_acquire_by_its_timeout_and_one_socket_timeout(
+    redis_servers: list[RedisServer], tmp_path: Path, frozen_at: float
+):
+    """The server SIGSTOPped while a timed acquire waits on a held key: it raises
+    MalfunctionError within its timeout plus one socket timeout (docs/guides/redis.md). A
+    wait that failed past the deadline ends it; before, a poll pause sized before the
+    wait and one more put carried it to 1.6 s for a 1 s timeout."""
+    server = own_redis(redis_servers, tmp_path, free_port())
+    holder = Mutex(RedisCache(fragile_client(server.port, 5)), lease=60).acquire("k")
+    mutex = Mutex(RedisCache(fragile_client(server.port, 0.3)), lease=60)
+    freeze = threading.Timer(frozen_at, os.kill, (server.pid, signal.SIGSTOP))
+    start = time.monotonic()
+    freeze.start()
+    try:
+        with pytest.raises(MalfunctionError):
+            mutex.acquire("k", timeout=1.0)
+        elapsed = time.monotonic() - start
+    finally:
+        freeze.join()
+        os.kill(server.pid, signal.SIGCONT)
+    assert elapsed <= 1.0 + 0.3 + 0.15
+    assert holder.release()
+
+
+@pytest.mark.slow
 def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_path: Path):
     """redis+sentinel:// asks a real Sentinel for the master, and locks work through it."""
     master = own_redis(redis_servers, tmp_path, free_port())
@@ -554,8 +828,8 @@ def test_a_releaser_that_woke_a_waiter_lets_it_go_first(mutex: Mutex, client: re
     assert proc.exitcode == 0
     turns = client.lrange(order, 0, -1)
     assert sorted(turns) == sorted([b"waiter", b"worker"] * rounds)
-    # Without the courtesy the worker wins every round here; one late wake-up on a
-    # loaded machine is tolerated.
+    # Without the fused wait (whose put the server runs as the token wakes it) the
+    # worker wins every round here; one late wake-up on a loaded machine is tolerated.
     assert turns[0::2].count(b"waiter") >= rounds - 1, turns
 
 
@@ -595,8 +869,11 @@ def _named_client() -> redis.Redis:
 def _client_ids(client: redis.Redis) -> set[int]:
     """The server's ids of the connections open under ``client``'s name (the cache's own
     connections are built with its settings, so they carry it too)."""
-    name = client.connection_pool.connection_kwargs["client_name"]
-    return {int(c["id"]) for c in client.client_list() if c["name"] == name}
+    return ids_named(client, client.connection_pool.connection_kwargs["client_name"])
+
+
+def _still_open(client: redis.Redis, ids: set[int]) -> set[int]:
+    return still_listed(client, client.connection_pool.connection_kwargs["client_name"], ids)
 
 
 def test_close_disconnects_the_caches_own_connections_and_keeps_the_client() -> None:
@@ -609,7 +886,7 @@ def test_close_disconnects_the_caches_own_connections_and_keeps_the_client() -> 
     opened = _client_ids(client) - before
     assert opened, "the cache opened no connection of its own"
     cache.close()
-    assert not opened & _client_ids(client)
+    assert not _still_open(client, opened)
     assert client.ping()
     Mutex(cache).acquire(unique_key(), timeout=0).release()  # opens a new one
 
@@ -632,4 +909,4 @@ def test_close_also_disconnects_a_connection_lent_out_when_it_comes_back() -> No
     cache.close()
     held.release()
     waiter.join(10)
-    assert not opened & _client_ids(client), "a connection lent out at close() stayed open"
+    assert not _still_open(client, opened), "a connection lent out at close() stayed open"

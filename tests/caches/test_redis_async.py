@@ -32,7 +32,7 @@ from contract import CacheContract, NotifyContract, unique_key
 from procs import FORK
 from redis_acl import lock_user, url_as
 from servers import free_port, own_cluster, own_redis
-from shared_redis import REDIS_URL, shared_client
+from shared_redis import REDIS_URL, ids_named, shared_client, still_listed
 
 from simple_mutex import (
     ConstraintError,
@@ -742,9 +742,7 @@ def test_close_and_waited_on_on_the_asyncio_cache(client: redis.Redis) -> None:
     # Only connections under this test's own name count: the server's client list also
     # shows every other test's and process's connections, which come and go meanwhile.
     name = f"aio-close-{uuid.uuid4().hex[:8]}"
-    ids = lambda: {  # noqa: E731
-        int(c["id"]) for c in client.client_list() if c["name"] == name
-    }
+    ids = lambda: ids_named(client, name)  # noqa: E731
 
     async def main() -> None:
         aio = redis.asyncio.Redis.from_url(REDIS_URL, client_name=name)
@@ -764,7 +762,7 @@ def test_close_and_waited_on_on_the_asyncio_cache(client: redis.Redis) -> None:
         opened = ids() - before
         assert opened, "the cache opened no connection of its own"
         await cache.close()
-        assert not opened & ids()
+        assert not still_listed(client, name, opened)
         assert cache.aclose == cache.close
         await aio.aclose()
 

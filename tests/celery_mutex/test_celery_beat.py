@@ -228,15 +228,9 @@ class Cluster(Processes):
         self.start_worker("worker", concurrency, CM_ROLE="worker")
         wait_until(lambda: "ready." in self.log_text("worker"), 30, "the worker to be ready")
 
-    def start_beats(
-        self,
-        count: int,
-        scheduler: str,
-        run: str,
-        slow: bool = False,
-        cron: bool = False,
-        **env: str,
-    ) -> None:
+    def start_beats(self, count: int, scheduler: str, run: str, **env: str) -> None:
+        """``count`` beats of ``scheduler`` for ``run``; ``env``: beat_app's knobs (e.g.
+        ``CM_SLOW="1"``, ``CM_CRON="1"``, ``CM_OVERLAP="1"``), each off unless given."""
         for i in range(count):
             beat = f"beat-{run}-{i}"
             self.beats.append(
@@ -248,9 +242,7 @@ class Cluster(Processes):
                     ],
                     CM_ROLE="beat",
                     CM_RUN=run,
-                    CM_SLOW="1" if slow else "0",
-                    CM_CRON="1" if cron else "0",
-                    **env,
+                    **{"CM_SLOW": "0", "CM_CRON": "0", **env},
                 )
             )
 
@@ -286,7 +278,7 @@ def test_three_guarded_beats_run_every_slot_exactly_once(cluster: Cluster) -> No
     counted."""
     run = "guarded-" + uuid.uuid4().hex[:6]
     started = time.time()
-    cluster.start_beats(3, "celery_mutex.beat:MutexScheduler", run, slow=True)
+    cluster.start_beats(3, "celery_mutex.beat:MutexScheduler", run, CM_SLOW="1")
     time.sleep(10 - time.time() % 1 + 0.5)  # mid-period: no send in flight (see README)
     claims = [cluster.log_text(f"beat-{run}-{i}").count(" claimed ") for i in range(3)]
     busiest = claims.index(max(claims))
@@ -376,7 +368,7 @@ def test_three_guarded_beats_run_a_kolkata_crontab_tick_exactly_once(cluster: Cl
     hours = sorted({dt.datetime.fromtimestamp(launched + s, kolkata).hour for s in (0, 180)})
     fields = {"minute": "*", "hour": ",".join(map(str, hours))}
     cluster.start_beats(
-        3, "celery_mutex.beat:MutexScheduler", run, cron=True,
+        3, "celery_mutex.beat:MutexScheduler", run, CM_CRON="1",
         CM_TIMEZONE="Asia/Kolkata", CM_CRON_FIELDS=json.dumps(fields),
     )  # fmt: skip
     names = [f"beat-{run}-{i}" for i in range(3)]

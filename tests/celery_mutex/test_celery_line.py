@@ -256,6 +256,16 @@ def amqp_line() -> Iterator[Line]:
     yield from _line(AMQP_URL, workers=0)
 
 
+def _running_on_w0(line: Line, task: Any, run: str, what: str) -> Any:
+    """w0 starts and runs ``what``, the first call of ``task`` (6 s); once it started, w1
+    starts too. The first call's result."""
+    line.start_worker("w0", 2)
+    first = task.apply_async((run, 0, 0, 6.0))
+    wait_until(lambda: line.starts(run).get(0), 30, f"{what} to start on w0")
+    line.start_worker("w1", 2)
+    return first
+
+
 def test_a_whole_worker_killed_while_holding_keeps_the_line(amqp_line: Line, run: str) -> None:
     """acks_late + reject_on_worker_lost: the head's worker is SIGKILLed (main process and
     children) mid-run. Its message comes back to the other worker, waits parked until the
@@ -263,10 +273,7 @@ def test_a_whole_worker_killed_while_holding_keeps_the_line(amqp_line: Line, run
     follower runs once, in order, and no two runs of the key overlap."""
     line = amqp_line
     redelivered = line.task("step_redelivered")
-    line.start_worker("w0", 2)
-    head = redelivered.apply_async((run, 0, 0, 6.0))
-    wait_until(lambda: line.starts(run).get(0), 30, "the head to start on w0")
-    line.start_worker("w1", 2)
+    head = _running_on_w0(line, redelivered, run, "the head")
     followers = [redelivered.apply_async((run, 0, n)) for n in range(1, 5)]
     time.sleep(1.0)  # the followers arrive and park behind the running head
     killed_at = time.time()
@@ -289,10 +296,7 @@ def test_a_whole_worker_killed_with_early_ack_passes_the_turn_on(amqp_line: Line
     plus a sweep of the kill, and every follower runs once, in order."""
     line = amqp_line
     step = line.task("step")
-    line.start_worker("w0", 2)
-    step.apply_async((run, 0, 0, 6.0))
-    wait_until(lambda: line.starts(run).get(0), 30, "the head to start on w0")
-    line.start_worker("w1", 2)
+    _running_on_w0(line, step, run, "the head")
     followers = [step.apply_async((run, 0, n)) for n in range(1, 5)]
     time.sleep(1.0)  # w1 is up and sweeping; the followers wait in the line
     killed_at = time.time()
@@ -318,6 +322,16 @@ def _superseded_in_a_chain(results: list[Any]) -> None:
         marker = result.get(timeout=GET)
         assert is_skipped(marker), marker
         assert (marker["reason"], marker["by"]) == ("superseded", newer.id)
+
+
+def _fifty_behind_a_holder_on_w0(line: Line, task: Any, run: str) -> list[Any]:
+    """The first call of keep-latest ``task`` runs (6 s) on w0, then 49 more are sent (w1
+    up): the 48 between resolve superseded, each by the next, and the last waits in the
+    line. The 50 results."""
+    first = _running_on_w0(line, task, run, "the first call")
+    results = [first, *(task.apply_async((run, 0, n)) for n in range(1, 50))]
+    _superseded_in_a_chain(results[1:49])
+    return results
 
 
 @pytest.mark.parametrize("die", [False, True], ids=["finishes", "killed"])
@@ -449,13 +463,7 @@ def test_keep_latest_loses_nothing_to_a_whole_worker_killed_while_holding(
     the first ran at most once). The waiting call is in the lock cache, not in w0: w1's
     sweep finds the dead holder's lock lapsed and publishes it; it runs once."""
     line = redis_line
-    latest = line.task("latest")
-    line.start_worker("w0", 2)
-    first = latest.apply_async((run, 0, 0, 6.0))
-    wait_until(lambda: line.starts(run).get(0), 30, "the first call to start on w0")
-    line.start_worker("w1", 2)
-    results = [first, *(latest.apply_async((run, 0, n)) for n in range(1, 50))]
-    _superseded_in_a_chain(results[1:49])
+    results = _fifty_behind_a_holder_on_w0(line, line.task("latest"), run)
     killed_at = time.time()
     _kill_tree(line.procs[0].pid)
     assert results[49].get(timeout=GET) == 49
@@ -492,13 +500,7 @@ def test_keep_latest_reruns_a_redelivered_holder_before_the_waiting_call(
     other worker and runs again once its dead lease lapsed, in its own turn; then the
     50th runs, once. Nothing lost, no two runs of the key at once."""
     line = amqp_line
-    redelivered = line.task("latest_redelivered")
-    line.start_worker("w0", 2)
-    first = redelivered.apply_async((run, 0, 0, 6.0))
-    wait_until(lambda: line.starts(run).get(0), 30, "the first call to start on w0")
-    line.start_worker("w1", 2)
-    results = [first, *(redelivered.apply_async((run, 0, n)) for n in range(1, 50))]
-    _superseded_in_a_chain(results[1:49])
+    results = _fifty_behind_a_holder_on_w0(line, line.task("latest_redelivered"), run)
     time.sleep(1.0)  # w1 is up and sweeping
     _kill_tree(line.procs[0].pid)
     assert results[0].get(timeout=GET) == 0

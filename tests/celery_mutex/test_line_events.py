@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from celery import Celery
@@ -22,16 +21,8 @@ from simple_mutex.journal import parse_line, to_json
 URL = "redis://127.0.0.1:6379/9"
 
 
-@pytest.fixture
-def seen() -> Iterator[list[events.LockEvent]]:
-    found: list[events.LockEvent] = []
-    stop = events.subscribe(found.append)
-    yield found
-    stop()
-
-
 def test_parked_and_promoted_events_carry_the_ticket_and_the_wait(
-    seen: list[events.LockEvent],
+    mutex_events: list[events.LockEvent],
 ) -> None:
     app = Celery("line_events", set_as_current=False)
     prefix = f"lineevents.{uuid.uuid4().hex[:10]}."
@@ -45,7 +36,7 @@ def test_parked_and_promoted_events_carry_the_ticket_and_the_wait(
     for n in (1, 2, 3):
         step.apply_async(args=(run, n))
     lines = config_of(step).lines
-    parked = [e for e in seen if e.kind == "parked"]
+    parked = [e for e in mutex_events if e.kind == "parked"]
     assert [(e.key, e.ticket, e.name) for e in parked] == [(key, 2, step.name), (key, 3, step.name)]
     assert parked[0].cache == "redis"
 
@@ -55,7 +46,7 @@ def test_parked_and_promoted_events_carry_the_ticket_and_the_wait(
     first = line.ticket(1)
     assert type(lines.start(key, first)).__name__ == "Run"
     celery_line.publish(step, key, lines.end(key, first), by="end")
-    promoted = [e for e in seen if e.kind == "promoted"]
+    promoted = [e for e in mutex_events if e.kind == "promoted"]
     assert [(e.key, e.ticket, e.reason) for e in promoted] == [(key, 2, "end")]
     waited = promoted[0].waited
     assert waited is not None
@@ -71,7 +62,7 @@ def test_parked_and_promoted_events_carry_the_ticket_and_the_wait(
             before_start(step, "t4", (run, 4), {})
     finally:
         step.pop_request()
-    assert [(e.ticket, e.kind) for e in seen if e.ticket == 4] == [(4, "parked")]
+    assert [(e.ticket, e.kind) for e in mutex_events if e.ticket == 4] == [(4, "parked")]
     now = lines.read(key)
     assert now is not None
     assert 4 in now.parked

@@ -34,6 +34,9 @@ LINE: dict[str, Any] = {
     "queue": {"sweep_every": 0.5, "gap_for": 3},
 }
 
+# A whole worker SIGKILLed mid-run gets such a task's message delivered again.
+REDELIVERED: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True}
+
 
 def _mark(run: str, entity: int, n: int, what: str) -> None:
     entry = json.dumps([entity, n, what, time.time(), os.getpid()])
@@ -89,12 +92,7 @@ def step_or_die(run: str, entity: int, n: int, die_at: int) -> int:
     return n
 
 
-@app.task(
-    base=MutexTask,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    mutex={"key": "e.{run}.{entity}", **LINE},
-)
+@app.task(base=MutexTask, mutex={"key": "e.{run}.{entity}", **LINE}, **REDELIVERED)
 def step_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
     """acks_late with reject_on_worker_lost: a whole worker SIGKILLed mid-run gets its
     message delivered again, and the line waits for that copy."""
@@ -148,12 +146,7 @@ def debounced(run: str, entity: int, n: int, seconds: float = SECTION, die_at: i
     return _work_or_die(run, entity, n, seconds, die_at)
 
 
-@app.task(
-    base=MutexTask,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    mutex={"key": "l.{run}.{entity}", **LATEST},
-)
+@app.task(base=MutexTask, mutex={"key": "l.{run}.{entity}", **LATEST}, **REDELIVERED)
 def latest_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
     """Keep latest with acks_late and reject_on_worker_lost: a whole worker SIGKILLed
     mid-run gets its message delivered again, and it runs before the waiting call."""

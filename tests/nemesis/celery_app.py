@@ -164,53 +164,23 @@ def _redis() -> redis.Redis:
     return _client
 
 
-@app.task(base=MutexTask, bind=True, mutex=LOCK)
-def work(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> str:
-    return _body(self, key, steps, cleanup, pause)
+def _work(name: str, mutex: dict[str, Any], **options: Any) -> Any:
+    """The task ``name`` of this module: ``_body`` under ``mutex`` (``options``: Celery's,
+    e.g. ``acks_late``)."""
+
+    def run(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> str:
+        return _body(self, key, steps, cleanup, pause)
+
+    task = app.task(base=MutexTask, bind=True, mutex=mutex, name=f"{__name__}.{name}", **options)
+    return task(run)
 
 
-@app.task(base=MutexTask, bind=True, mutex=LOCK, acks_late=True)
-def work_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05) -> str:
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=QUEUED)
-def work_queued(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
-                ) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=QUEUED, acks_late=True)
-def work_queued_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
-                     ) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=LATEST)
-def work_latest(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
-                ) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=LATEST, acks_late=True)
-def work_latest_late(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
-                     ) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=DEBOUNCE)
-def work_debounced(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
-                   ) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=DEBOUNCE, acks_late=True)
-def work_debounced_late(self: Any, key: str, steps: int = 6, cleanup: int = 20,
-                        pause: float = 0.05) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
-
-
-@app.task(base=MutexTask, bind=True, mutex=REPLACING)
-def work_replacing(self: Any, key: str, steps: int = 6, cleanup: int = 20, pause: float = 0.05
-                   ) -> str:  # fmt: skip
-    return _body(self, key, steps, cleanup, pause)
+work = _work("work", LOCK)
+work_late = _work("work_late", LOCK, acks_late=True)
+work_queued = _work("work_queued", QUEUED)
+work_queued_late = _work("work_queued_late", QUEUED, acks_late=True)
+work_latest = _work("work_latest", LATEST)
+work_latest_late = _work("work_latest_late", LATEST, acks_late=True)
+work_debounced = _work("work_debounced", DEBOUNCE)
+work_debounced_late = _work("work_debounced_late", DEBOUNCE, acks_late=True)
+work_replacing = _work("work_replacing", REPLACING)

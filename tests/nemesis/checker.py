@@ -244,11 +244,9 @@ def vanished(holds: dict[str, Hold]) -> list[Anomaly]:
         loss = r.get("loss")
         if loss == GONE_AT_RENEWAL or (loss == TAKEN_OVER and r["t0"] < r["deadline"]):
             fence = hold.granted["fence"] if hold.granted else "?"
-            found.append(Anomaly(
-                "vanished", hold.key,
-                f"{hold.id} (pid {hold.pid}, fence {fence}): {loss} at {r['t0']:.3f}, "
-                f"its deadline {r['deadline']:.3f}", r["t0"], (hold.id,),
-            ))  # fmt: skip
+            found.append(_of_hold("vanished", hold, f"{hold.id} (pid {hold.pid}, fence {fence}): "
+                                  f"{loss} at {r['t0']:.3f}, its deadline {r['deadline']:.3f}",
+                                  r["t0"]))  # fmt: skip
     return found
 
 
@@ -299,7 +297,7 @@ def _first_bad_step(
         for step in hold.steps:
             said = bad(hold, step)
             if said is not None:
-                found.append(Anomaly(kind, hold.key, said, step[at], (hold.id,)))
+                found.append(_of_hold(kind, hold, said, step[at]))
                 break
     return found
 
@@ -409,16 +407,14 @@ def _hangs(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: Spec
         if timeout is not None and end is not None:
             took = stops.running(hold.os, hold.acquire["t"], end["t"])
             if took > timeout + spec.acquire_slack:
-                found.append(Anomaly(
-                    "hang", hold.key,
-                    f"{hold.id} (pid {hold.pid}): acquire(timeout={timeout}) returned after "
-                    f"{took:.3f} s of running time ({end['op']})", end["t"], (hold.id,),
-                ))  # fmt: skip
+                found.append(_of_hold("hang", hold, f"{hold.id} (pid {hold.pid}): acquire("
+                                      f"timeout={timeout}) returned after {took:.3f} s of "
+                                      f"running time ({end['op']})", end["t"]))  # fmt: skip
         if hold.released is not None:
             took = stops.running(hold.os, hold.released["t0"], hold.released["t"])
             if took > spec.release_slack:
-                found.append(Anomaly("hang", hold.key, f"{hold.id}: release took {took:.3f} s",
-                                     hold.released["t"], (hold.id,)))  # fmt: skip
+                found.append(_of_hold("hang", hold, f"{hold.id}: release took {took:.3f} s",
+                                      hold.released["t"]))  # fmt: skip
     for e in events:
         if e["op"] == "unended":
             found.append(Anomaly("hang", None, f"process {e['target']} ({e.get('name')}) did "
@@ -451,21 +447,17 @@ def _swallowed(events: list[Event], holds: dict[str, Hold], stops: Stops, spec: 
         if hold is None:
             continue
         if hold.granted is not None and hold.granted["t"] >= e["t"]:
-            found.append(Anomaly(
-                "swallowed-interrupt", hold.key,
-                f"{hold.id} (pid {hold.pid}): an alarm fired at {e['t']:.3f} while acquire "
-                f"waited, and the lease was granted at {hold.granted['t']:.3f} anyway "
-                f"({len(hold.steps)} body steps ran)", e["t"], (hold.id,),
-            ))  # fmt: skip
+            found.append(_of_hold("swallowed-interrupt", hold, f"{hold.id} (pid {hold.pid}): an "
+                                  f"alarm fired at {e['t']:.3f} while acquire waited, and the "
+                                  f"lease was granted at {hold.granted['t']:.3f} anyway "
+                                  f"({len(hold.steps)} body steps ran)", e["t"]))  # fmt: skip
             continue
         late = [s for s in hold.steps
                 if stops.running(hold.os, e["t"], s["t0"]) > spec.interrupt_slack]  # fmt: skip
         if late:
-            found.append(Anomaly(
-                "swallowed-interrupt", hold.key,
-                f"{hold.id} (pid {hold.pid}): an alarm fired at {e['t']:.3f} in the body and "
-                f"{len(late)} steps ran after it", e["t"], (hold.id,),
-            ))  # fmt: skip
+            found.append(_of_hold("swallowed-interrupt", hold, f"{hold.id} (pid {hold.pid}): an "
+                                  f"alarm fired at {e['t']:.3f} in the body and {len(late)} "
+                                  "steps ran after it", e["t"]))  # fmt: skip
     return found
 
 
@@ -514,9 +506,9 @@ def _lost_ops(events: list[Event], holds: dict[str, Hold]) -> list[Anomaly]:
         ended = hold.outcome or hold.done or (hold.granted and (hold.lost or hold.released))
         if ended or hold.pid not in exited:
             continue  # a process killed mid-op; a crash is reported above
-        found.append(Anomaly("lost-op", hold.key, f"{hold.id} (pid {hold.pid}) never ended "
-                             "although its process exited normally", hold.acquire["t"],
-                             (hold.id,)))  # fmt: skip
+        found.append(_of_hold("lost-op", hold, f"{hold.id} (pid {hold.pid}) never ended "
+                              "although its process exited normally",
+                              hold.acquire["t"]))  # fmt: skip
     return found
 
 
@@ -567,7 +559,7 @@ def gone_with_a_fault(events: list[Event]) -> set[str]:
     }
 
 
-def _replaced_tasks(events: list[Event], replacing: tuple[str, ...]) -> set[str]:
+def replaced_tasks(events: list[Event], replacing: tuple[str, ...]) -> set[str]:
     """Tasks whose grant on a replacing key was followed by another grant of that key."""
     grants = [e for e in events if e["op"] == "granted" and e.get("task")]
     task_of = {g["id"]: g["task"] for g in grants}
@@ -599,7 +591,7 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
             outcomes[e["task"]] = e
     dealt = _dealt_to_tasks(events)
     gone = gone_with_a_fault(events)
-    replaced = _replaced_tasks(events, replacing) if replacing else set()
+    replaced = replaced_tasks(events, replacing) if replacing else set()
     by_pid: dict[Any, list[Event]] = defaultdict(list)  # faults dealt to a process
     for e in events:
         if e["op"] == "fault" and not e.get("task") and isinstance(e.get("target"), int):
@@ -679,6 +671,11 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
                         f"(state {state})", end["t"],
                     ))  # fmt: skip
     return found
+
+
+def _of_hold(kind: str, hold: Hold, detail: str, at: float) -> Anomaly:
+    """An anomaly of ``hold``, on its key."""
+    return Anomaly(kind, hold.key, detail, at, (hold.id,))
 
 
 def _of_task(kind: str, sub: Event, detail: str, at: float) -> Anomaly:

@@ -239,6 +239,8 @@ def _check_queue_run(
     for name in conn.scan_iter(match=f"*{run_id}*", count=1000):
         conn.delete(name)
     events = history.load(hist)
+    if replacing:  # how many holds a newer call took over: the feature under test ran
+        what += f", {len(checker.replaced_tasks(events, replacing))} replaced"
     anomalies = checker.check(events, log, checker.Spec(replacing=replacing))
     anomalies += checker.check_tasks(events, replacing)
     anomalies += checker.check_order(events) + checker.check_latest(events)
@@ -497,13 +499,19 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
         of the run's own: RQ's locks take no prefix), its ticket taken in this enqueue
         (the submit events of one key are in send order: this thread enqueues them one
         by one, recording each right after). A random queued job comes in a burst of up
-        to three on its key, so that both workers meet the key and one parks."""
+        to three on its key, so that both workers meet the key and one parks. Of the
+        other random jobs, a quarter ``replacing`` (``r.<run>.<key>``), half of them
+        followed by a second on their key."""
         burst = 0
         if func is None:
             func = "queued" if key is None and rng.random() < QUEUED_SHARE else "work"
-            burst = rng.randint(0, 2) if func == "queued" else 0
+            if func == "work" and key is None and rng.random() < REPLACING_SHARE:
+                func = "replacing"
+            # A replacing job is followed by one more on its key half the time: it meets
+            # the first one running (or about to) and takes its key.
+            burst = {"queued": rng.randint(0, 2), "replacing": rng.randint(0, 1)}.get(func, 0)
         key = key or rng.choice("abc")
-        if func == "queued" and not key.startswith(run_id):
+        if func in ("queued", "replacing") and not key.startswith(run_id):
             key = f"{run_id}.{key}"
         job = queue.enqueue(f"nemesis.rq_jobs.{func}", key,
                             steps=steps or rng.randint(2, 8), **options)  # fmt: skip
@@ -511,13 +519,14 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
         lock = f"{RQ_LOCKS[func]}.{key}"
         retry = options.get("retry")
         rec("submit", task=job.id, key=lock, name=func, limit=limit, unique=func == "unique",
-            queued=func == "queued", retries=retry.max if retry is not None else 0,
+            queued=func == "queued", replacing=func == "replacing",
+            retries=retry.max if retry is not None else 0,
             ticket=job.meta.get(RQ_TICKET))  # fmt: skip
         if func == "queued" and job.get_status(refresh=False) == "scheduled":
             rec("parked", task=job.id, key=lock, at="send")  # behind a ticket ahead: no horse
         jobs[job.id] = job
         for _ in range(burst):
-            submit("queued", key=key)
+            submit(func, key=key)
         return str(job.id)
 
     dealt: list[str] = []
@@ -580,11 +589,18 @@ def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) ->
            only(RQ_FAULTS, kinds), rng, submit, deal, stopped,
            lambda: _rq_outcomes(rec, jobs, 45, hist, queue), kill_first_horses)  # fmt: skip
     queued = sum(job.func_name.endswith(".queued") for job in jobs.values())
+    replaced = sum(job.func_name.endswith(".replacing") for job in jobs.values())
     return _check_queue_run("rq", seed, duration, workdir, hist, run_id, store_prefix, conn,
-                            f"{len(jobs)} jobs enqueued, {queued} of them queued")  # fmt: skip
+                            f"{len(jobs)} jobs enqueued, {queued} of them queued, "
+                            f"{replaced} replacing", replacing=REPLACING)  # fmt: skip
 
 
-RQ_LOCKS = {"work": "k", "unique": "u", "queued": "q"}  # job function -> its key's template
+RQ_LOCKS = {
+    "work": "k",
+    "unique": "u",
+    "queued": "q",
+    "replacing": "r",
+}  # job function -> its key's template
 
 
 def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float, hist: Path,
@@ -592,9 +608,10 @@ def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float, hi
     """Wait for every job to end (up to ``timeout`` in all), recording each outcome. A job
     found in RQ's intermediate queue and in no registry is recorded ``stranded``: a worker
     popped it and was killed before it started it, and RQ only fails it at its next
-    maintenance (every 10 min: "stuck in intermediate queue"). The wait ends early once
-    every job still pending is gone with a fault (``checker.gone_with_a_fault``) and none
-    ended for ``QUIET`` s."""
+    maintenance (every 10 min: "stuck in intermediate queue"); so is a job in the started
+    registry whose body no horse ever began (its worker was killed before the fork). The
+    wait ends early once every job still pending is gone with a fault
+    (``checker.gone_with_a_fault``) and none ended for ``QUIET`` s."""
     from rq_mutex import is_skipped
     from rq_mutex.job import META_SKIP_REASON
 
@@ -605,7 +622,12 @@ def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float, hi
     while pending and time.monotonic() < deadline:
         if time.monotonic() - last_outcome >= QUIET:
             popped = set(queue.intermediate_queue.get_job_ids()) & set(pending)
-            for job_id in sorted(popped - stranded - set(queue.started_job_registry.get_job_ids())):
+            started = set(queue.started_job_registry.get_job_ids()) & set(pending)
+            # Started, yet no horse of it ever ran a line of the job: its worker took it
+            # and was killed before it forked one (RQ fails it only when it cleans the
+            # registry of abandoned jobs, minutes later).
+            began = {e.get("task") for e in history.load(hist) if e["op"] == "run"}
+            for job_id in sorted((popped - started) | (started - began) - stranded):
                 rec("stranded", task=job_id)
                 stranded.add(job_id)
             if set(pending) <= checker.gone_with_a_fault(history.load(hist)):

@@ -12,8 +12,10 @@ arrival whose turn has not come returns ``rq.Retry`` (parked: its horse ends, RQ
 job SCHEDULED), and a copy of a ticket that ran finishes with the skip marker (reason
 "duplicate"): either way its ``acquire`` ends in a ``parked`` event (``reason``), with no
 grant. Each run records ``run`` prerun (before the lock) / start / end (/ parked) and its
-hold; a queued grant records ``late``, the line's reason when it runs out of order (RQ
-tells only its log: ``_Late`` reads it there).
+hold; ``replacing`` is the same body on ``r.<key>`` with ``on_busy="replace"``: the
+newest job takes the key from the running one and has it stopped (its body ends with the
+lost lease, the ``lost`` event). A queued grant records ``late``, the line's reason when
+it runs out of order (RQ tells only its log: ``_Late`` reads it there).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _state: dict[str, Any] = {}
 ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park or run)
 QUEUED: dict[str, Any] = {"key": "q.{key}", "on_busy": "queue", "lease": 2, "renew": True,
                           "queue": {"sweep_every": 0.5, "gap_for": 3}}  # fmt: skip
+REPLACING: dict[str, Any] = {"key": "r.{key}", "on_busy": "replace", "lease": 2, "renew": True}
 OUT_OF_ORDER = "job %s runs out of order: ticket %d of %r was %s"  # rq_mutex.line's warning
 
 
@@ -129,3 +132,9 @@ def unique(key: str, steps: int = 6, pause: float = 0.05) -> str:
 @mutex_job(**QUEUED)
 def queued(key: str, steps: int = 6, pause: float = 0.05) -> str:
     return _body(QUEUED["key"], key, steps, pause)
+
+
+@recorded(REPLACING["key"], 0)
+@mutex_job(**REPLACING)
+def replacing(key: str, steps: int = 6, pause: float = 0.05) -> str:
+    return _body(REPLACING["key"], key, steps, pause)

@@ -17,13 +17,15 @@ writes ``start``, which decides again (and may tell it to park).
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from simple_mutex import events
 from simple_mutex._core.durations import Duration, positive_seconds
@@ -168,6 +170,36 @@ def report(swept: Swept, key: str, log: logging.Logger) -> None:
 # -- the two faces -----------------------------------------------------------------------------
 
 _rng = random.Random()
+
+P = ParamSpec("P")
+
+
+def faces(
+    name: str, build: Callable[Concatenate[Lines, P], Flow[R]]
+) -> tuple[Callable[Concatenate[Lines, P], R], Callable[Concatenate[Lines, P], Awaitable[R]]]:
+    """The blocking and the asyncio method of one step of ``Lines``, from the one method
+    that builds its flow: both faces run the same flow, so neither can drift from the
+    other (the shape of tenacity's one state machine and two loops)."""
+
+    def blocking(self: Lines, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(name, build(self, *args, **kwargs))
+
+    async def awaiting(self: Lines, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await run_async(self.cache, build(self, *args, **kwargs))
+
+    # help() and the docs show the step's parameters and what it returns (not its flow).
+    shown = inspect.signature(build)
+    returns = str(shown.return_annotation).removeprefix("Flow[").removesuffix("]")
+    named: tuple[tuple[Any, str], ...] = ((blocking, name), (awaiting, f"{name}_async"))
+    for face, face_name in named:
+        functools.update_wrapper(face, build)
+        del face.__wrapped__
+        face.__signature__ = shown.replace(return_annotation=returns)
+        face.__name__, face.__qualname__ = face_name, f"Lines.{face_name}"
+    awaiting.__doc__ = f"``{name}`` for asyncio."
+    return blocking, awaiting
+
+
 os.register_at_fork(after_in_child=_rng.seed)  # forked workers must not back off in step
 
 DEFAULT_PARK_FOR = 86_400.0
@@ -249,7 +281,7 @@ class Lines:
             )
         return run(self.cache, flow)  # type: ignore[arg-type]
 
-    # Each step: its change (built once), then its two faces.
+    # Each step: the flow its change makes, and its two faces (``faces``).
 
     def keys(self) -> list[str]:
         """The keys that have a line now, sorted: what a sweep goes through. Needs a
@@ -291,60 +323,46 @@ class Lines:
         return sorted(keys)
 
     def _read(self, key: str) -> Flow[Line | None]:
+        """The line of ``key`` as it is now (None: no line)."""
         cache_key = self.cache_key(key)
         name = getattr(self.cache, "name", type(self.cache).__name__)
         entry: Entry | None = yield Get(cache_key)
         return None if entry is None else decode(entry.value, key, name)
 
-    def read(self, key: str) -> Line | None:
-        """The line of ``key`` as it is now (None: no line)."""
-        return self._run("read", self._read(key))
+    read, read_async = faces("read", _read)
 
-    async def read_async(self, key: str) -> Line | None:
-        return await run_async(self.cache, self._read(key))
-
-    def _take(self, key: str, queue_max: int | None, after: float) -> Flow[Ticket]:
+    def _take(self, key: str, *, queue_max: int | None = None, after: float = 0.0) -> Flow[Ticket]:
+        """A send's ticket; raises LineFullError when ``queue_max`` are waiting."""
         return self._flow(
             key,
             lambda line, _: decisions.take(line, self.clock(), queue_max=queue_max, after=after),
         )
 
-    def take(self, key: str, *, queue_max: int | None = None, after: float = 0.0) -> Ticket:
-        """A send's ticket; raises LineFullError when ``queue_max`` are waiting."""
-        return self._run("take", self._take(key, queue_max, after))
-
-    async def take_async(
-        self, key: str, *, queue_max: int | None = None, after: float = 0.0
-    ) -> Ticket:
-        return await run_async(self.cache, self._take(key, queue_max, after))
+    take, take_async = faces("take", _take)
 
     def _send(
-        self, key: str, message_for: Callable[[Ticket], Message], queue_max: int | None
+        self, key: str, message_for: Callable[[Ticket], Message], *, queue_max: int | None = None
     ) -> Flow[tuple[Ticket, bool]]:
+        """A send's ticket, its message parked at once when a ticket is ahead of it
+        (True: parked, publish nothing; False: publish it now). See ``send()``."""
         return self._flow(
             key,
             lambda line, _: decisions.send(line, self.clock(), message_for, queue_max=queue_max),
         )
 
-    def send(
-        self, key: str, message_for: Callable[[Ticket], Message], *, queue_max: int | None = None
-    ) -> tuple[Ticket, bool]:
-        """A send's ticket, its message parked at once when a ticket is ahead of it
-        (True: parked, publish nothing; False: publish it now). See ``send()``."""
-        return self._run("send", self._send(key, message_for, queue_max))
-
-    async def send_async(
-        self, key: str, message_for: Callable[[Ticket], Message], *, queue_max: int | None = None
-    ) -> tuple[Ticket, bool]:
-        return await run_async(self.cache, self._send(key, message_for, queue_max))
+    send, send_async = faces("send", _send)
 
     def _send_collapsed(
         self,
         key: str,
         message_for: Callable[[Ticket], Message],
         collapse: Collapse,
-        queue_max: int | None,
+        *,
+        queue_max: int | None = None,
     ) -> Flow[tuple[Ticket, bool, tuple[Superseded, ...]]]:
+        """A send of keep latest or debounce: it takes the waiting call's place, or
+        parks (or, for ``Latest`` with nobody ahead, is to be published: False); the
+        calls it superseded come back. See ``send_collapsed()``."""
         return self._flow(
             key,
             lambda line, _: decisions.send_collapsed(
@@ -352,36 +370,13 @@ class Lines:
             ),
         )
 
-    def send_collapsed(
-        self,
-        key: str,
-        message_for: Callable[[Ticket], Message],
-        collapse: Collapse,
-        *,
-        queue_max: int | None = None,
-    ) -> tuple[Ticket, bool, tuple[Superseded, ...]]:
-        """A send of keep latest or debounce: it takes the waiting call's place, or
-        parks (or, for ``Latest`` with nobody ahead, is to be published: False); the
-        calls it superseded come back. See ``send_collapsed()``."""
-        return self._run(
-            "send_collapsed", self._send_collapsed(key, message_for, collapse, queue_max)
-        )
-
-    async def send_collapsed_async(
-        self,
-        key: str,
-        message_for: Callable[[Ticket], Message],
-        collapse: Collapse,
-        *,
-        queue_max: int | None = None,
-    ) -> tuple[Ticket, bool, tuple[Superseded, ...]]:
-        return await run_async(
-            self.cache, self._send_collapsed(key, message_for, collapse, queue_max)
-        )
+    send_collapsed, send_collapsed_async = faces("send_collapsed", _send_collapsed)
 
     def _arrive(
-        self, key: str, ticket: Ticket, message: Message, collapse: Collapse
+        self, key: str, ticket: Ticket, message: Message, *, collapse: Collapse = None
     ) -> Flow[Arrival]:
+        """What to do with ``ticket``'s message; a ``Park`` is written before this
+        returns (acknowledge the message only after)."""
         return self._flow(
             key,
             lambda line, free: decisions.arrival(
@@ -390,21 +385,18 @@ class Lines:
             with_lock=True,
         )
 
-    def arrive(
-        self, key: str, ticket: Ticket, message: Message, *, collapse: Collapse = None
-    ) -> Arrival:
-        """What to do with ``ticket``'s message; a ``Park`` is written before this
-        returns (acknowledge the message only after)."""
-        return self._run("arrive", self._arrive(key, ticket, message, collapse))
-
-    async def arrive_async(
-        self, key: str, ticket: Ticket, message: Message, *, collapse: Collapse = None
-    ) -> Arrival:
-        return await run_async(self.cache, self._arrive(key, ticket, message, collapse))
+    arrive, arrive_async = faces("arrive", _arrive)
 
     def _start(
-        self, key: str, ticket: Ticket, redelivers: bool, collapse: Collapse, message: Message
+        self,
+        key: str,
+        ticket: Ticket,
+        *,
+        redelivers: bool = False,
+        collapse: Collapse = None,
+        message: Message = None,
     ) -> Flow[Arrival]:
+        """Mark ``ticket`` running (call it holding the lock); see ``start()``."""
         return self._flow(
             key,
             lambda line, _: decisions.start(
@@ -417,79 +409,42 @@ class Lines:
             ),
         )
 
-    def start(
-        self,
-        key: str,
-        ticket: Ticket,
-        *,
-        redelivers: bool = False,
-        collapse: Collapse = None,
-        message: Message = None,
-    ) -> Arrival:
-        """Mark ``ticket`` running (call it holding the lock); see ``start()``."""
-        return self._run("start", self._start(key, ticket, redelivers, collapse, message))
-
-    async def start_async(
-        self,
-        key: str,
-        ticket: Ticket,
-        *,
-        redelivers: bool = False,
-        collapse: Collapse = None,
-        message: Message = None,
-    ) -> Arrival:
-        return await run_async(self.cache, self._start(key, ticket, redelivers, collapse, message))
+    start, start_async = faces("start", _start)
 
     def _end(self, key: str, ticket: Ticket) -> Flow[Publish | None]:
+        """``ticket`` ended: the message to publish once the lock is released, if any."""
         return self._flow(key, lambda line, _: decisions.end(line, ticket, self.clock()))
 
-    def end(self, key: str, ticket: Ticket) -> Publish | None:
-        """``ticket`` ended: the message to publish once the lock is released, if any."""
-        return self._run("end", self._end(key, ticket))
+    end, end_async = faces("end", _end)
 
-    async def end_async(self, key: str, ticket: Ticket) -> Publish | None:
-        return await run_async(self.cache, self._end(key, ticket))
-
-    def over(self, key: str, ticket: Ticket, *, again_after: float | None) -> Publish | None:
+    def _over(self, key: str, ticket: Ticket, *, again_after: float | None) -> Flow[Publish | None]:
         """A run of ``ticket`` is over. ``again_after`` set: it will run again (its task
         queue's own retry, due in that many seconds) and keeps its turn (``retry``); None:
         it ended (``end``: the message to publish once the lock is released, if any)."""
         if again_after is None:
-            return self.end(key, ticket)
-        self.retry(key, ticket, after=again_after)
+            return (yield from self._end(key, ticket))
+        yield from self._retry(key, ticket, after=again_after)
         return None
 
-    async def over_async(
-        self, key: str, ticket: Ticket, *, again_after: float | None
-    ) -> Publish | None:
-        if again_after is None:
-            return await self.end_async(key, ticket)
-        await self.retry_async(key, ticket, after=again_after)
-        return None
+    over, over_async = faces("over", _over)
 
-    def _retry(self, key: str, ticket: Ticket, after: float) -> Flow[None]:
+    def _retry(self, key: str, ticket: Ticket, *, after: float = 0.0) -> Flow[None]:
+        """The task retries itself: its ticket keeps the turn."""
         return self._flow(
             key, lambda line, _: (decisions.retry(line, ticket, self.clock(), after=after), None)
         )
 
-    def retry(self, key: str, ticket: Ticket, *, after: float = 0.0) -> None:
-        """The task retries itself: its ticket keeps the turn."""
-        self._run("retry", self._retry(key, ticket, after))
-
-    async def retry_async(self, key: str, ticket: Ticket, *, after: float = 0.0) -> None:
-        await run_async(self.cache, self._retry(key, ticket, after))
+    retry, retry_async = faces("retry", _retry)
 
     def _revoke(self, key: str, ticket: Ticket) -> Flow[Publish | None]:
+        """``ticket`` will never run: the message to publish next, if its turn passed on."""
         return self._flow(key, lambda line, _: decisions.revoke(line, ticket, self.clock()))
 
-    def revoke(self, key: str, ticket: Ticket) -> Publish | None:
-        """``ticket`` will never run: the message to publish next, if its turn passed on."""
-        return self._run("revoke", self._revoke(key, ticket))
+    revoke, revoke_async = faces("revoke", _revoke)
 
-    async def revoke_async(self, key: str, ticket: Ticket) -> Publish | None:
-        return await run_async(self.cache, self._revoke(key, ticket))
+    def _sweep(self, key: str, *, promote_grace: float, gap_for: float) -> Flow[Swept]:
+        """One sweep of ``key``'s line: what to publish, what was skipped or expired."""
 
-    def _sweep(self, key: str, promote_grace: float, gap_for: float) -> Flow[Swept]:
         def change(line: Line, free: bool) -> tuple[Line, Swept]:
             return decisions.sweep(
                 line,
@@ -502,9 +457,4 @@ class Lines:
 
         return self._flow(key, change, with_lock=True)
 
-    def sweep(self, key: str, *, promote_grace: float, gap_for: float) -> Swept:
-        """One sweep of ``key``'s line: what to publish, what was skipped or expired."""
-        return self._run("sweep", self._sweep(key, promote_grace, gap_for))
-
-    async def sweep_async(self, key: str, *, promote_grace: float, gap_for: float) -> Swept:
-        return await run_async(self.cache, self._sweep(key, promote_grace, gap_for))
+    sweep, sweep_async = faces("sweep", _sweep)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,22 +37,8 @@ from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, ConstraintTypeError, ConstraintValueError
 
-from .core import (
-    DEFAULT_PREFIX,
-    KV,
-    Delete,
-    EtcdCore,
-    Flow,
-    Get,
-    Grant,
-    Put,
-    Range,
-    Revoke,
-    Step,
-    Txn,
-    TxnReply,
-    Watch,
-)
+from . import core
+from .core import DEFAULT_PREFIX, KV, EtcdCore, Flow, Step, Watch
 
 with driver_imports("etcd"):
     import aetcd  # type: ignore[import-untyped, unused-ignore]
@@ -92,6 +80,10 @@ class AsyncEtcdCache(EtcdCore):
         self._clients: list[Any] | None = None if factory else _clients_of(client)
         self._owned = close_clients or factory is not None
         self._given_to_parent = False  # given clients, and this is a forked child
+        # The loop the clients were first used on (weakly: a closed loop may go). Another
+        # loop is refused before a call: gRPC would fail it too, but only after making
+        # a coroutine it never awaits.
+        self._first_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
 
     def __repr__(self) -> str:
         return f"AsyncEtcdCache(prefix={self.prefix!r})"
@@ -131,7 +123,9 @@ class AsyncEtcdCache(EtcdCore):
                 "forked children, never in the parent before it forks"
             )
         _Grpc.used_in = os.getpid()
-        clients = self._clients
+        clients, loop = self._clients, asyncio.get_running_loop()
+        if clients is not None and self._first_loop is not None and self._first_loop() is not loop:
+            raise self._bound_elsewhere(f"now used on {loop!r}")
         if clients is None:
             assert self._connect is not None  # else the clients were given
             made = self._connect()
@@ -142,7 +136,9 @@ class AsyncEtcdCache(EtcdCore):
                     f"aetcd Client or a list of them, got {type(made).__name__}; pass a "
                     "plain function (it is called, not awaited)"
                 )
-            self._clients = clients
+            self._clients, self._first_loop = clients, None
+        if self._first_loop is None:
+            self._first_loop = weakref.ref(loop)
         return clients
 
     # -- I/O -----------------------------------------------------------------------------
@@ -163,16 +159,16 @@ class AsyncEtcdCache(EtcdCore):
         return reply
 
     async def _perform(self, step: Step) -> Any:
-        if isinstance(step, Grant):
+        if isinstance(step, core.Grant):
             lease = await self._on_a_member(lambda client: client.lease(step.ttl))
             return int(lease.id), step.ttl
-        if isinstance(step, Revoke):
+        if isinstance(step, core.Revoke):
             return await self._on_a_member(lambda client: client.revoke_lease(step.lease))
-        if isinstance(step, Range):
+        if isinstance(step, core.Range):
             ranged = transactions.Get(step.start, step.end)
             reply = await self._on_a_member(lambda client: client.transaction([], [ranged], []))
             return _txn_reply(reply).ranges[0]
-        if isinstance(step, Txn):
+        if isinstance(step, core.Txn):
             compare = _compare(step)
             success, failure = [_op(op) for op in step.success], [_op(op) for op in step.failure]
             reply = await self._on_a_member(
@@ -209,17 +205,18 @@ class AsyncEtcdCache(EtcdCore):
         next grant goes to a member that answers."""
         if timeout <= 0 or not keys:
             return
+        # The deadline counts from the call: opening the watch stream is part of the wait.
+        deadline = time.monotonic() + timeout
         watch = self._watch(keys)
-        step = Range("wait", keys[0], watch.start)
+        step = core.Range("wait", keys[0], watch.start)
         try:
             watching = await self._on_a_member(lambda client: _deletions(client, watch))
         except Exception as exc:
-            error = self._failed(step, exc)
-            if error is None:
+            if (error := self._failed(step, exc)) is None:
                 raise
             raise error from exc
         try:
-            await asyncio.wait_for(_first_event(watching), timeout)
+            await asyncio.wait_for(_first_event(watching), max(0.0, deadline - time.monotonic()))
         except (asyncio.TimeoutError, grpc_errors.ClientError):
             pass  # the timeout, or a broken stream: either way the engine looks again
         finally:
@@ -259,25 +256,25 @@ def _clients_of(obj: Any) -> list[Any] | None:
     return None
 
 
-def _compare(txn: Txn) -> Any:
+def _compare(txn: core.Txn) -> Any:
     target = transactions.Create if txn.target == "CREATE" else transactions.Mod
     return target(txn.subject) == txn.revision
 
 
-def _op(op: Put | Get | Delete) -> Any:
-    if isinstance(op, Put):
+def _op(op: core.Put | core.Get | core.Delete) -> Any:
+    if isinstance(op, core.Put):
         return transactions.Put(op.key, op.value, lease=op.lease)
-    if isinstance(op, Get):
+    if isinstance(op, core.Get):
         return transactions.Get(op.key)
     return transactions.Delete(op.key)
 
 
-def _txn_reply(reply: tuple[bool, list[Any]]) -> TxnReply:
+def _txn_reply(reply: tuple[bool, list[Any]]) -> core.TxnReply:
     """A TxnReply from aetcd's ``(succeeded, responses)``: each ``Get``'s a list of
     ``(value, rtypes.Get)`` pairs, each write's a protobuf response (skipped)."""
     succeeded, responses = reply
     ranges = [[_kv(kv) for _, kv in found] for found in responses if isinstance(found, list)]
-    return TxnReply(bool(succeeded), ranges)
+    return core.TxnReply(bool(succeeded), ranges)
 
 
 def _kv(kv: Any) -> KV:

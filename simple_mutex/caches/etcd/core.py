@@ -192,16 +192,20 @@ class EtcdCore(CacheBase):
         the one it was opened on (the asyncio face's) fails at once, before sending: the
         caller's to fix, not a fault."""
         if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OTHER_LOOP):
-            return ConstraintTypeError(
-                f"{type(self).__name__}: its aetcd client is bound to the event loop it was "
-                f"first used on ({str(exc)[:120]}); build the client and the cache inside "
-                "each event loop (each asyncio.run, each thread running a loop)"
-            )
+            return self._bound_elsewhere(str(exc)[:120])
         if not isinstance(exc, self.driver_errors):
             return None
         error = fault(self.name, step.operation, step.key, exc)
         error.__cause__ = exc
         return error
+
+    def _bound_elsewhere(self, detail: str) -> ConstraintTypeError:
+        """The error for a client used on another event loop than its first."""
+        return ConstraintTypeError(
+            f"{type(self).__name__}: its aetcd client is bound to the event loop it was "
+            f"first used on ({detail}); build the client and the cache inside each event "
+            "loop (each asyncio.run, each thread running a loop)"
+        )
 
     def _members(self, count: int) -> list[int]:
         """The order to try ``count`` members in: the one that answered last first. A

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -185,6 +186,8 @@ class EtcdCache(EtcdCore):
         ``timeout`` seconds (``EtcdCore._watch``: from the revision a grant saw it held)."""
         if timeout <= 0 or not keys:
             return
+        # The deadline counts from the call: opening the watch stream is part of the wait.
+        deadline = time.monotonic() + timeout
         watch = self._watch(keys)
         woken = threading.Event()
         options: dict[str, Any] = {"filters": ["NOPUT"]}
@@ -196,12 +199,11 @@ class EtcdCache(EtcdCore):
         try:
             watcher = self._on_a_member(lambda client: _watch(client, watch.start, woken, options))
         except Exception as exc:
-            error = self._failed(step, exc)
-            if error is None:
+            if (error := self._failed(step, exc)) is None:
                 raise
             raise error from exc
         try:
-            woken.wait(timeout)
+            woken.wait(max(0.0, deadline - time.monotonic()))
         finally:
             watcher.stop()
 

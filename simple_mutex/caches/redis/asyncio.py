@@ -191,6 +191,13 @@ class AsyncRedisCache(RedisLayout):
                 # signals.
                 await self._listeners_here().wait(self._signals(keys), timeout)
 
+    @property
+    def wait_then_put(self) -> None:
+        """The contract's optional fused wait: none on this face. Its waiters share one
+        BLPOP per key and loop (``_Listeners``), and a put pipelined behind it would be
+        one waiter's, chosen before the token says which local waiter is first."""
+        return None
+
     def _listeners_here(self) -> _Listeners:
         """The listeners of the running loop (and of this process)."""
         assert self._own is not None

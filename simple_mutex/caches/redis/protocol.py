@@ -219,12 +219,7 @@ class RedisLayout:
             s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
             for s in (PUT, CAS, DELETE)
         }
-        # A BLPOP must finish inside the socket timeout, or redis-py would call it a
-        # dead connection: block for at most 80 % of it.
-        socket_timeout = connection_kwargs(client).get("socket_timeout")
-        self._max_block = (
-            MAX_BLOCK_S if not socket_timeout else min(MAX_BLOCK_S, 0.8 * float(socket_timeout))
-        )
+        self._max_block = max_block(connection_kwargs(client).get("socket_timeout"))
 
     acl_rules = staticmethod(acl_rules)
 
@@ -477,6 +472,23 @@ class _Faults(tuple[Any, ...]):
             error = map_error(operation, key, exc)
             error.unsent = error.unsent or unsent
             raise error from exc
+
+
+BLPOP_LATE_S = 0.15
+"""How late Redis may end a BLPOP that timed out: on its next timer tick, 1/hz s (100 ms
+at the default ``hz 10``), plus a margin."""
+
+
+def max_block(socket_timeout: float | None) -> float:
+    """The longest one BLPOP may block on a client with this socket timeout. Its reply
+    (and, in a fused wait, the put's right behind it) must arrive inside the timeout, or
+    redis-py calls the connection dead and a busy key reads as a fault: so the block
+    leaves room for Redis ending it up to ``BLPOP_LATE_S`` late, and at most 80 % of the
+    timeout (half of a timeout too short for that room)."""
+    if not socket_timeout:
+        return MAX_BLOCK_S
+    timeout = float(socket_timeout)
+    return min(MAX_BLOCK_S, 0.8 * timeout, max(timeout - BLPOP_LATE_S, timeout / 2))
 
 
 def load_command(script: str) -> Command:

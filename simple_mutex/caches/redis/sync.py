@@ -181,6 +181,38 @@ class RedisCache(RedisLayout):
         with self._faults("wait", keys[0]):
             self._execute(*self._blpop_command(keys, block))
 
+    @property
+    def wait_then_put(self) -> Callable[..., Entry] | None:
+        """The contract's optional fused wait: on the cache's own connections (no
+        ``replicas``: a grant's ``WAIT`` would follow the put), else None."""
+        return self._wait_then_put if self._own is not None and not self.replicas else None
+
+    def _wait_then_put(
+        self, keys: Sequence[str], timeout: float, key: str, value: str, *, ttl: float
+    ) -> Entry:
+        """``wait(keys, timeout)``, then ``put_if_absent(key, value)``: the PUT script is
+        pipelined behind the BLPOP, and Redis holds a blocked client's next command until
+        the BLPOP returns, so the put runs the moment a release's token wakes us, before
+        the releaser (or anyone whose request was not already in) can ask again."""
+        assert self._own is not None
+        block = self._block(timeout)
+        if block < 0.001 or not keys or not self._checked:
+            self.wait(keys, timeout)
+            return self.put_if_absent(key, value, ttl=ttl)
+        request, expires = self._put_request(key, value, ttl)
+        with self._faults("wait_then_put", key):
+            woken, reply = self._own.pair(
+                self._blpop_command(keys, block), self._script_command(PUT, request)
+            )
+            if isinstance(reply, NoScriptError):
+                self._loaded(PUT, self._own(*load_command(PUT)))
+                reply = self._own(*self._script_command(PUT, request))
+            if isinstance(reply, RedisError):
+                raise reply
+        if reply is None and isinstance(woken, RedisError):
+            raise self._fault("wait_then_put", key, woken)  # the wait failed, not the put
+        return self._put_reply(key, value, expires, reply)
+
 
 def _own_connections(client: Any) -> _OwnConnections | None:
     """The cache's own connections for a plain pooled ``redis.Redis`` (Sentinel masters
@@ -236,6 +268,15 @@ class _OwnConnections:
         finally:
             self.give(conn)
 
+    def pair(self, first: tuple[Any, ...], second: tuple[Any, ...]) -> tuple[Any, Any]:
+        """Two commands sent together, and their replies; an error reply is returned in
+        its place (the other reply is still read: the connection stays in step)."""
+        conn = self.take()
+        try:
+            return _run(conn, (first, second), _send_two_and_read)  # type: ignore[no-any-return]
+        finally:
+            self.give(conn)
+
     @contextlib.contextmanager
     def lent(self) -> Iterator[Callable[..., Any]]:
         """One connection for several commands in a row (a write and its ``WAIT``)."""
@@ -281,18 +322,22 @@ def _close_all(idle: list[Any], pid: int) -> None:
             idle.pop().disconnect()
 
 
-def _run(conn: Any, args: tuple[Any, ...]) -> Any:
-    """One command on ``conn``. Not the client's retry policy (its backoff sleeps would
-    make a refused connection cost seconds): a connection error is retried once, at
-    once, for the pooled connection the server closed while it sat idle."""
+def _run(
+    conn: Any, args: tuple[Any, ...], exchange: Callable[[Any, Any], Any] | None = None
+) -> Any:
+    """One command on ``conn`` (or what ``exchange`` sends and reads). Not the client's
+    retry policy (its backoff sleeps would make a refused connection cost seconds): a
+    connection error is retried once, at once, for the pooled connection the server
+    closed while it sat idle (a retried write finds its own value)."""
+    send = _send_and_read if exchange is None else exchange
     try:
         try:
-            reply = _send_and_read(conn, args)
+            reply = send(conn, args)
         except ConnectionError as exc:
             conn.disconnect()
             if refused(exc):
                 raise
-            reply = _send_and_read(conn, args)
+            reply = send(conn, args)
     except ResponseError:
         raise  # a whole reply, read to its end: the connection is in step
     except BaseException:
@@ -314,6 +359,20 @@ def _send_and_read(conn: Any, args: tuple[Any, ...]) -> Any:
         conn.connect()
     conn.send_command(*args)
     return conn.read_response()
+
+
+def _send_two_and_read(conn: Any, commands: tuple[Any, ...]) -> tuple[Any, Any]:
+    if not getattr(conn, "is_connected", False):
+        conn.connect()  # as _send_and_read does
+    conn.send_packed_command(conn.pack_commands(commands))
+    return _reply_or_error(conn), _reply_or_error(conn)
+
+
+def _reply_or_error(conn: Any) -> Any:
+    try:
+        return conn.read_response()
+    except ResponseError as exc:
+        return exc  # a whole reply, read to its end
 
 
 _OWN_OPTIONS = {"allow_eviction", "replicas", "replica_timeout", "asyncio"}
