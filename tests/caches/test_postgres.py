@@ -9,6 +9,7 @@ never skip. The restart test stops and starts a cluster of its own, never the sh
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -381,6 +382,30 @@ def test_a_release_wakes_only_waiters_of_that_key_and_nobody_listens_after(
     listening = cache._listener.execute("SELECT count(*) FROM pg_listening_channels()")
     assert listening.fetchone() == (0,)
     other.close()
+
+
+def test_the_driver_keeps_a_notification_that_arrives_during_a_query():
+    """Why psycopg>=3.2.4: ``wait`` LISTENs, then runs its is-a-key-free-already check,
+    then reads notifications. A release that commits after the check's snapshot sends its
+    notification while the check's reply is still being read; psycopg before 3.2.4 dropped
+    such a notification (psycopg#962), and the waiter slept to its timeout with the key
+    free (CI on the lower bound: a woken wait took over 0.5 s). Here the notification comes
+    from the listening session itself, inside its own query, so the timing is certain."""
+
+    def during_a_query(conn: psycopg.Connection[Any]) -> list[str]:
+        conn.execute('LISTEN "during_a_query"')
+        conn.execute("SELECT pg_notify('during_a_query', '')").fetchone()
+        return [note.channel for note in conn.notifies(timeout=1.0, stop_after=1)]
+
+    async def during_an_async_query() -> list[str]:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
+            await conn.execute('LISTEN "during_a_query"')
+            await (await conn.execute("SELECT pg_notify('during_a_query', '')")).fetchone()
+            return [note.channel async for note in conn.notifies(timeout=1.0, stop_after=1)]
+
+    with connect() as conn:
+        assert during_a_query(conn) == ["during_a_query"], psycopg.__version__
+    assert asyncio.run(during_an_async_query()) == ["during_a_query"], psycopg.__version__
 
 
 # -- processes and the server going away (slow) ---------------------------------------------
