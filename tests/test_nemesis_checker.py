@@ -8,6 +8,7 @@ from typing import Any
 
 import nemesis  # noqa: F401  (puts tests/ on sys.path for the nemesis.* imports)
 from nemesis.checker import (
+    BEHIND_STRANDED,
     GONE_AT_RENEWAL,
     TAKEN_OVER,
     Spec,
@@ -562,6 +563,35 @@ def test_an_rq_job_popped_by_a_worker_killed_before_it_ran_may_have_no_outcome()
     assert [a.kind for a in check_tasks(stranded(0.5))] == ["lost-task"]
     assert [a.kind for a in check_tasks([e for e in stranded(2.0) if e["op"] != "stranded"])
             ] == ["lost-task"]  # fmt: skip
+
+
+def test_a_queued_job_behind_a_stranded_head_of_its_line_is_named_so() -> None:
+    """The calls a stranded head holds back (its line waits for RQ to call it abandoned)
+    are lost-task anomalies that say so, which ``KNOWN`` can then tell from any other
+    loss: only a later ticket of the same line and epoch is behind it."""
+
+    def ticket(n: int, epoch: str = "e1") -> dict[str, Any]:
+        return {"epoch": epoch, "number": n}
+
+    def queued(task: str, t: float, n: int, key: str = "q.a", epoch: str = "e1") -> Any:
+        return ("submit", t, {"task": task, "key": key, "queued": True, "retries": 0,
+                              "ticket": ticket(n, epoch)})  # fmt: skip
+
+    events = task_history(
+        queued("ahead", 0.5, 1),
+        queued("head", 1.0, 2),
+        queued("behind", 1.1, 3),
+        queued("elsewhere", 1.2, 4, key="q.b"),
+        queued("new-epoch", 1.3, 5, epoch="e2"),
+        ("fault", 2.0, {"kind": "worker-kill", "target": 7}),
+        ("stranded", 9.0, {"task": "head"}),
+    )
+    found = {a.ids[0]: a.detail for a in check_tasks(events)}
+    assert set(found) == {"ahead", "behind", "elsewhere", "new-epoch"}  # the head is gone
+    assert [t for t, d in found.items() if BEHIND_STRANDED in d] == ["behind"]
+    assert "head" in found["behind"]
+    unstranded = [e for e in events if e["op"] != "stranded"]
+    assert not any(BEHIND_STRANDED in a.detail for a in check_tasks(unstranded))
 
 
 def test_the_rq_tier_reads_a_late_run_from_rq_mutexs_warning() -> None:

@@ -591,6 +591,7 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
             outcomes[e["task"]] = e
     dealt = _dealt_to_tasks(events)
     gone = gone_with_a_fault(events)
+    stranded = gone & {e["task"] for e in events if e["op"] == "stranded"}
     replaced = replaced_tasks(events, replacing) if replacing else set()
     by_pid: dict[Any, list[Event]] = defaultdict(list)  # faults dealt to a process
     for e in events:
@@ -606,8 +607,10 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
         if out is None and task in gone:
             continue  # acked at receipt, then its worker was killed: gone with the fault
         if out is None:
-            found.append(_of_task("lost-task", sub, f"task {task} ({sub.get('name')}) has "
-                                  f"no outcome (faults dealt: {kinds})", sub["t"]))  # fmt: skip
+            ahead = _stranded_ahead(sub, submitted, stranded)
+            why = f", queued {BEHIND_STRANDED} {ahead}" if ahead else ""
+            found.append(_of_task("lost-task", sub, f"task {task} ({sub.get('name')}) has no "
+                                  f"outcome{why} (faults dealt: {kinds})", sub["t"]))  # fmt: skip
             continue
         state = out["state"]
         if len(ends) - _redelivered(sub, ends, by_pid) > 1:
@@ -676,6 +679,30 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
 def _of_hold(kind: str, hold: Hold, detail: str, at: float) -> Anomaly:
     """An anomaly of ``hold``, on its key."""
     return Anomaly(kind, hold.key, detail, at, (hold.id,))
+
+
+BEHIND_STRANDED = "behind the stranded head"
+
+
+def _stranded_ahead(sub: Event, submitted: dict[str, Event], stranded: set[str]) -> str | None:
+    """RQ: the stranded task (popped by a worker killed before it forked a horse) that
+    holds an earlier ticket of ``sub``'s line, if any. Such a head stays STARTED until RQ
+    calls it abandoned, and the line waits for it: the calls behind it are delayed past
+    the run, not lost (a known limit, ``KNOWN`` in tests/test_nemesis.py)."""
+    mine = sub.get("ticket")
+    if not sub.get("queued") or not isinstance(mine, dict):
+        return None
+    for task in sorted(stranded):
+        other = submitted.get(task, {})
+        theirs = other.get("ticket")
+        if (
+            other.get("key") == sub.get("key")
+            and isinstance(theirs, dict)
+            and theirs.get("epoch") == mine.get("epoch")
+            and theirs.get("number", 0) < mine.get("number", 0)
+        ):
+            return task
+    return None
 
 
 def _of_task(kind: str, sub: Event, detail: str, at: float) -> Anomaly:
