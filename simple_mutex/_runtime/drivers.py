@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from simple_mutex._core.flows import Call, Flow, Pause, PutIfAbsent, T, Wait, abandon
 from simple_mutex._core.timing import HANDOFF_COURTESY
+from simple_mutex._runtime.interrupt import swallowed_by_driver
 from simple_mutex.contract import DRIVER_ERRORS, AnyCache, ConditionalCache, is_async
 from simple_mutex.errors import MalfunctionError, SimpleCacheConditionError, SimpleMutexError
 
@@ -78,7 +79,17 @@ def attempt(cache: ConditionalCache, op: Call) -> Outcome:
     try:
         return Outcome(execute(cache, op))
     except (SimpleCacheConditionError, MalfunctionError) as exc:
-        return Outcome(error=exc)
+        return Outcome(error=_not_swallowed(exc))
+
+
+def _not_swallowed(error: SimpleMutexError) -> SimpleMutexError:
+    """``error``, unless it is a backend fault standing for a job timeout (or a lease's
+    interrupt) that the driver caught and replaced: that one is raised instead."""
+    if isinstance(error, MalfunctionError):
+        swallowed = swallowed_by_driver(error)
+        if swallowed is not None:
+            raise swallowed
+    return error
 
 
 def run(cache: ConditionalCache, flow: Flow[T]) -> T:
@@ -97,7 +108,7 @@ def run(cache: ConditionalCache, flow: Flow[T]) -> T:
         try:
             result, error = op.apply(cache), None
         except (SimpleCacheConditionError, MalfunctionError) as exc:
-            result, error = None, exc
+            result, error = None, _not_swallowed(exc)
         except SimpleMutexError:
             raise
         except Exception as exc:
@@ -134,7 +145,7 @@ async def attempt_native(cache: Any, op: Call) -> Outcome:
     try:
         return Outcome(await op.apply_async(cache))
     except (SimpleCacheConditionError, MalfunctionError) as exc:
-        return Outcome(error=exc)
+        return Outcome(error=_not_swallowed(exc))
     except SimpleMutexError:
         raise
     except asyncio.CancelledError:

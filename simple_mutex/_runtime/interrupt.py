@@ -133,6 +133,25 @@ def not_theirs(exc: BaseException) -> bool:
     return False
 
 
+def swallowed_by_driver(fault: BaseException) -> BaseException | None:
+    """The signal handler's exception (a job timeout) or lease interrupt that a driver
+    turned into an error of its own, if ``fault`` (a backend fault) stands for one.
+
+    A driver's broad ``except Exception`` (psycopg's, around parsing a connection string)
+    may catch what a signal handler raised while it ran and raise its own error instead:
+    the caller's job timeout would become a backend fault, which a waiting acquire treats
+    as passing trouble and retries. The exception is still there, as the driver error's
+    context; it goes to the caller instead."""
+    seen = fault.__cause__ or fault.__context__
+    for _ in range(8):  # the chain, bounded
+        if seen is None:
+            return None
+        if isinstance(seen, Exception) and not_theirs(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _first_instruction(code: CodeType) -> int:
     """The offset at which a frame of ``code`` first checks for pending exceptions: its
     RESUME (3.11 on), or before its first instruction (3.10 reports -2 there)."""

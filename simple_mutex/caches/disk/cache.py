@@ -76,6 +76,14 @@ CREATE TABLE IF NOT EXISTS sweep (
 """
 _SWEEP_ROWS = 1024  # rows one pass looks at: 16 per grant on average
 
+
+def numbered(params: Sequence[object]) -> dict[str, object]:
+    """The statements' parameters by number (``?1`` is ``params[0]``): a statement reads
+    one more than once. sqlite3 counts ``?NNN`` as named, so they are given as a mapping
+    (a sequence for them is deprecated in Python 3.12 and refused from 3.14)."""
+    return {str(number): value for number, value in enumerate(params, start=1)}
+
+
 # Insert, or take over a freed or expired row; the fence is max(fence + 1, the clock in
 # µs: clock_fence, in SQL), and the waiters marked for the last holder must mark again.
 # Over a row its holder never freed (value not NULL: it lapsed) the version gets the
@@ -86,6 +94,7 @@ _SWEEP_ROWS = 1024  # rows one pass looks at: 16 per grant on average
 # (DESIGN §4 rule 16). Registered as not deterministic (its value changes from call to
 # call): SQLite calls it on every execution, never once for a prepared statement.
 _CLOCK_FUNCTION = "simple_mutex_clock"
+
 _PUT = f"""
 INSERT INTO entries (key, value, version, fence, expires_at)
 VALUES (?1, ?2, ?3, CAST({_CLOCK_FUNCTION}() * 1000000 AS INTEGER), ?4)
@@ -130,8 +139,8 @@ SELECT max(key), count(*), coalesce(sum(expires_at < ?4), 0) FROM (
 _COLLECT = "DELETE FROM entries WHERE key > ?1 AND key <= ?2 AND expires_at < ?3"
 # Mark the keys that are held as waited for; each one's expiry.
 _MARK = """
-UPDATE entries SET waiting = ?
-WHERE key IN ({keys}) AND value IS NOT NULL AND expires_at > ?
+UPDATE entries SET waiting = ?1
+WHERE key IN ({keys}) AND value IS NOT NULL AND expires_at > ?{now}
 RETURNING expires_at
 """
 
@@ -209,7 +218,7 @@ class DiskCache(CacheBase):
             try:
                 if self._conn is None:
                     self._conn = self._connect()
-                cursor = self._conn.execute(sql, params)
+                cursor = self._conn.execute(sql, numbered(params))
                 return cursor.fetchall() if rows else cursor.fetchone()
             except sqlite3.Error as exc:
                 raise fault(self.name, operation, key, exc, self._place) from exc
@@ -296,7 +305,8 @@ class DiskCache(CacheBase):
         # the counter (gate.py); one before it left the key free, which the mark finds.
         distinct = tuple(dict.fromkeys(keys))
         now = self._clock()
-        sql = _MARK.format(keys=",".join("?" * len(distinct)))
+        numbers = range(2, len(distinct) + 2)
+        sql = _MARK.format(keys=",".join(f"?{n}" for n in numbers), now=len(distinct) + 2)
         params = (now + timeout + 1.0, *distinct, now)
         held = self._run("wait", keys[0], sql, params, rows=True)
         if len(held) < len(distinct):
@@ -319,7 +329,9 @@ def _sweep(conn: sqlite3.Connection, before: float) -> int:
     conn.execute("BEGIN IMMEDIATE")
     try:
         slices, _, cursor, after = _slices(conn, before)
-        deleted = sum(conn.execute(_COLLECT, (*bounds, before)).rowcount for bounds in slices)
+        deleted = sum(
+            conn.execute(_COLLECT, numbered((*bounds, before))).rowcount for bounds in slices
+        )
         if cursor != after:
             conn.execute("INSERT OR REPLACE INTO sweep (id, after) VALUES (0, ?)", (cursor,))
         conn.execute("COMMIT")
@@ -338,7 +350,7 @@ def _slices(conn: sqlite3.Connection, before: float) -> tuple[list[tuple[str, st
     after = row[0] if row is not None else ""
     slices, found, budget = [], 0, _SWEEP_ROWS
     for start, end in ((after, None), ("", after or None)):
-        last, seen, old = conn.execute(_SLICE, (start, budget, end, before)).fetchone()
+        last, seen, old = conn.execute(_SLICE, numbered((start, budget, end, before))).fetchone()
         if seen:
             slices.append((start, last))
             found, budget = found + old, budget - seen
