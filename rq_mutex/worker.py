@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -69,6 +70,24 @@ class Worker(RQWorker):
             replace.stop_here(self, payload.get("job_id"))
         else:
             handle_command(self, payload)
+
+    def unsubscribe(self) -> None:
+        """RQ's, without a wait of up to a minute at shutdown.
+
+        RQ's pubsub thread waits up to 60 s for a message, and since redis-py 8.2 the
+        thread's ``stop()`` waits for it to end: a worker whose thread read the
+        unsubscribe's reply before the stop took a minute to shut down, warm or cold.
+        Here the stop runs on a helper thread and the worker waits a second at most, as RQ
+        meant to; a thread still waiting then has been told to stop, and closes its
+        connection itself when its wait ends (a daemon: it never holds the process)."""
+        thread = self.pubsub_thread
+        if not thread:
+            return
+        self.pubsub.unsubscribe()
+        threading.Thread(target=thread.stop, name="rq-mutex-unsubscribe", daemon=True).start()
+        thread.join(timeout=1)
+        if not thread.is_alive():
+            self.pubsub.close()
 
     def _install_signal_handlers(self) -> None:
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]

@@ -22,21 +22,25 @@ from typing import Any
 
 import pytest
 import redis
-from rq import Queue, Retry, SimpleWorker, Worker
+from rq import Queue, Retry
 from rq.command import send_stop_job_command
 from rq.cron import CronJob
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 from rq_support import jobs
+from rq_support.workers import SimpleWorker, Worker  # RQ's, but a shutdown never waits a minute
 from workers import BIN, ENV, ROOT, ReleaseLater, start, stop, wait_until
 
 # isort: split
+from rq_mutex import Worker as RQMutexWorker
 from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
 from rq_mutex.cron import _registration
 from rq_mutex.job import NO_SCHEDULER_FLAG
 from simple_mutex import ConstraintError, Mutex, Semaphore
 from simple_mutex.admin import live_locks
 from simple_mutex.caches import RedisCache
+
+pytestmark = pytest.mark.integrations
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +104,8 @@ def test_retry_twenty_jobs_two_keys_never_overlap(conn, run, queue, rq_workers, 
     every job finishes with its own result, the critical sections of a key never
     overlap, fences grow in run order, and busy jobs were retried under their own id
     (contention really happened)."""
-    simple = rq_workers("--with-scheduler", "-w", "rq.worker.SimpleWorker")
-    rq_workers("--with-scheduler")
+    simple = rq_workers("--with-scheduler", "-w", "rq_support.workers.SimpleWorker")
+    rq_workers("--with-scheduler", "-w", "rq_support.workers.Worker")
     enqueued = []
     for item in range(20):
         entity = "a" if (item // 2) % 2 == 0 else "b"  # a a b b a a ...: neighbours clash
@@ -571,3 +575,19 @@ def test_a_registration_is_named_alike_in_every_process():
         {**base, "kwargs": {"dry_run": True}},
     ]
     assert len({_registration(CronJob(**v)) for v in variants}) == len(variants)
+
+
+def test_a_worker_shuts_down_at_once_whatever_its_pubsub_thread_was_doing(conn, run):
+    """Every shutdown, warm or cold, unsubscribes from the worker's command channel: RQ's
+    pubsub thread waits up to 60 s for a message, and redis-py 8.2's ``stop()`` waits for
+    the thread. rq_mutex.Worker waits a second at most, here in the case that took a
+    minute: the thread had read the last reply and waited again before the stop came."""
+    worker = RQMutexWorker([Queue(f"rqt-{run}", connection=conn)], connection=conn)
+    for _ in range(3):
+        worker.subscribe()
+        wait_until(lambda: worker.pubsub.subscribed, 5, "the subscription")
+        worker.pubsub.unsubscribe()  # its reply reaches the thread, which waits again
+        wait_until(lambda: not worker.pubsub.subscribed, 5, "the unsubscribe's reply")
+        started = time.monotonic()
+        worker.unsubscribe()
+        assert time.monotonic() - started < 5, "the shutdown waited for the pubsub thread"

@@ -21,18 +21,19 @@ from typing import Any
 import pytest
 import redis
 import test_rq
-from rq import Retry, Worker
+from rq import Retry
 from rq.command import send_stop_job_command
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq_support import jobs
+from rq_support.workers import Worker  # RQ's, but a shutdown never waits a minute
 from test_rq import burst, records
 from workers import start, stop, wait_until
 
 # isort: split
 from rq_mutex import is_skipped
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 # test_rq's fixtures: its Redis (db 12), a run id, the run's queue, real `rq worker`s.
 conn, run, queue, rq_workers = test_rq.conn, test_rq.run, test_rq.queue, test_rq.rq_workers

@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 import redis
 import test_rq
-from rq import Queue, Retry, SimpleWorker
+from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq_support import jobs
+from rq_support.workers import SimpleWorker  # RQ's, but a shutdown never waits a minute
 from test_rq import records
 from workers import start, stop, wait_until
 
@@ -35,7 +36,7 @@ from simple_mutex import ConstraintError, LineFullError
 from simple_mutex.busy.line import Lines
 from simple_mutex.caches import RedisCache
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 # test_rq's fixtures: its Redis (db 12), a run id, the run's queue, real `rq worker`s.
 conn, run, queue, rq_workers = test_rq.conn, test_rq.run, test_rq.queue, test_rq.rq_workers

@@ -30,7 +30,7 @@ from rq_mutex import mutex_job
 from simple_mutex import ConstraintError, Mutex
 from simple_mutex.caches import RedisCache
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 conn, run, queue, rq_workers = test_rq.conn, test_rq.run, test_rq.queue, test_rq.rq_workers
 

@@ -23,7 +23,7 @@ from rq_mutex import is_skipped
 from rq_mutex.job import META_HOLDER, META_SKIP_REASON
 from simple_mutex.busy.replace import STOP_SIGNAL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 conn, run, queue, rq_workers = test_rq.conn, test_rq.run, test_rq.queue, test_rq.rq_workers
 

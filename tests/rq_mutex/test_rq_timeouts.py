@@ -11,14 +11,18 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
 import redis
-from rq import Queue, Worker
+from rq import Queue
 from rq.job import JobStatus
 from rq_support import timeouts
+from rq_support.workers import Worker  # RQ's, but a shutdown never waits a minute
 from workers import ReleaseLater
 
 from simple_mutex import Mutex
 from simple_mutex.caches import RedisCache
+
+pytestmark = pytest.mark.integrations
 
 
 def test_a_job_timeout_while_waiting_fails_the_job_and_skips_its_body():
