@@ -94,6 +94,30 @@ def join_all(procs: list[Any], timeout: float) -> None:
     assert not failed, f"child processes failed (pid: exit code): {failed}"
 
 
+def stopped(pid: int) -> bool:
+    """Has the kernel stopped process ``pid`` (state T in /proc)? A SIGSTOP sent is not yet
+    a process stopped: it may run on for a moment on the other core."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+
+
+def pause(pid: int, writing: Callable[[], bool]) -> None:
+    """SIGSTOP ``pid`` at a moment when ``writing()`` is false, resuming and stopping it
+    again until it is. A holder stopped inside a database transaction keeps its row locks
+    while it sleeps, so the next holder's write would wait for it to resume: a test that
+    resumes it only after that write would wait forever. Stopped between two writes it
+    holds nothing but its lease, which is the scenario these tests mean."""
+    for _ in range(2000):
+        os.kill(pid, signal.SIGSTOP)
+        while not stopped(pid):
+            time.sleep(0.001)
+        if not writing():
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002 * random.random())
+    raise AssertionError(f"process {pid} was writing every time it was stopped")
+
+
 @contextlib.contextmanager
 def taken_from_paused(
     holder: multiprocessing.process.BaseProcess,
@@ -102,21 +126,26 @@ def taken_from_paused(
     held_at: Callable[[], int],
     *,
     join: float,
+    writing: Callable[[], bool] = lambda: False,
 ) -> Iterator[Lease]:
     """Start ``holder``; once ``held_at()`` (which waits for it to hold ``key``) returns
-    its fence, SIGSTOP it and take ``key`` on ``url`` when its lease lapses: the block
-    runs holding that lease. After the block, still holding, the holder is resumed and
-    waited for ``join`` s; a holder still alive then (or after an error) is killed."""
+    its fence, SIGSTOP it (between two writes: see ``pause``) and take ``key`` on ``url``
+    when its lease lapses: the block runs holding that lease. After the block, still
+    holding, the holder is resumed and waited for ``join`` s; a holder still alive then
+    (or after an error) is killed."""
     holder.start()
     try:
         old_fence = held_at()
-        os.kill(holder.pid, signal.SIGSTOP)
+        pause(holder.pid, writing)
         taker = Mutex(cache_from_url(url), lease=10)
-        with taker.acquire(key, timeout=5) as lease:  # granted once the paused lease lapses
-            assert lease.fence > old_fence
+        # Renewed: on a loaded machine the resumed holder may take a while to end, and the
+        # taker must still hold while it does (its late writes are what is tested).
+        with taker.acquire(key, timeout=5, renew=True) as lease:
+            assert lease.fence > old_fence  # granted once the paused lease lapsed
             yield lease
             os.kill(holder.pid, signal.SIGCONT)
             holder.join(join)
+            assert not holder.is_alive(), f"the holder still ran {join} s after it resumed"
     finally:
         if holder.is_alive():
             os.kill(holder.pid, signal.SIGCONT)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from async_crowds import LIMIT
 from async_memory import AsyncMemory
 
 from simple_mutex import (
@@ -20,9 +21,13 @@ from simple_mutex import (
 )
 from simple_mutex.contract import is_async
 
+pytestmark = pytest.mark.fast
+
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
+    # A hang guard, not a bound: a thousand hand-offs take 9 s alone and more than 20 s
+    # under coverage beside a loaded tier.
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
 
 
 @pytest.fixture

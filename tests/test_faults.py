@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 import psycopg
 import pytest
 import redis
 import redis.asyncio
 from faults import FaultProxy
 from procs import FORK, hold_with_writer, taken_from_paused
-from servers import EtcdCluster, RedisServer, free_port, own_redis, scripts
+from servers import EtcdCluster, RedisServer, free_port, own_redis, s3_bucket, scripts
 
 from simple_mutex import DiskCache, Lease, Mutex, Semaphore, cache_from_url
 from simple_mutex._runtime.interrupt import LeaseInterrupt
@@ -43,8 +42,14 @@ from simple_mutex.errors import (
     SimpleMutexLeaseExpiredError,
 )
 
+pytestmark = pytest.mark.backends
+
 LEASE = 2.0
-ON_TIME = 0.05  # the bound: interrupted at most this long after the holder's deadline
+# The bound on how late past the holder's deadline the interrupt may land. On a quiet
+# machine it lands within 20 ms (printed); the bound holds on a loaded 2-core machine
+# (another suite beside this one) and still fails an interrupt that waits for the link: a
+# renewal stuck there holds its caller for the client's 1 s timeout, or for good.
+ON_TIME = 0.5
 GUARD = 15.0  # a broken interrupt spins this long and fails the test
 
 
@@ -60,37 +65,29 @@ def _port(url: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def mongo_tier() -> Iterator[Tier]:
-    with scripts.mongo_server() as url:
-        yield Tier(
-            "mongo", _port(url),
-            lambda port: f"mongodb://127.0.0.1:{port}/?directConnection=true"
-            "&serverSelectionTimeoutMS=1000&connectTimeoutMS=1000&socketTimeoutMS=1000",
-        )  # fmt: skip
+def mongo_tier(mongo_url: str) -> Tier:
+    return Tier(
+        "mongo", _port(mongo_url),
+        lambda port: f"mongodb://127.0.0.1:{port}/?directConnection=true"
+        "&serverSelectionTimeoutMS=1000&connectTimeoutMS=1000&socketTimeoutMS=1000",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def s3_tier() -> Iterator[Tier]:
-    with scripts.s3_server() as endpoint:
-        boto3.client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id=scripts.S3_ACCESS_KEY,
-            aws_secret_access_key=scripts.S3_SECRET_KEY,
-        ).create_bucket(Bucket="faults")  # fmt: skip
-        yield Tier(
-            "s3", _port(endpoint),
-            lambda port: f"s3://faults/locks/?endpoint_url=http://127.0.0.1:{port}&region=us-east-1",
-        )  # fmt: skip
+def s3_tier(seaweed: str) -> Tier:
+    s3_bucket(seaweed, "faults")
+    return Tier(
+        "s3", _port(seaweed),
+        lambda port: f"s3://faults/locks/?endpoint_url=http://127.0.0.1:{port}&region=us-east-1",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def etcd_tier() -> Iterator[Tier]:
-    cluster = EtcdCluster(size=1).start()
-    yield Tier(
-        "etcd", cluster.members[0].client_port,
+def etcd_tier(etcd_cluster: EtcdCluster) -> Tier:
+    return Tier(
+        "etcd", etcd_cluster.members[0].client_port,
         lambda port: f"etcd://127.0.0.1:{port}/faults?timeout=1",
     )  # fmt: skip
-    cluster.stop()
 
 
 TIERS = [
@@ -168,13 +165,13 @@ def spin_until_interrupted(heal: Callable[[], None]) -> float:
     raise AssertionError(f"the work ran {GUARD} s without being interrupted")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "delay"), [("blackhole", 0), ("delay", 1.5), ("reset", 0), ("refuse", 0)]
 )
 def test_a_broken_link_cannot_postpone_the_lapse_interrupt(tier, key, taker_for, mode, delay):
     """The link breaks just after the grant; renewals hang or fail. The holder is
-    interrupted within 50 ms after its deadline, before anyone else holds the key."""
+    interrupted at its deadline, not when the link answers (within ON_TIME of it; a few
+    ms on a quiet machine, printed), and nobody else holds the key before that deadline."""
     with FaultProxy(tier.port) as proxy:
         mutex = Mutex(cache_from_url(tier.url(proxy.port)), lease=LEASE)
         lease = mutex.acquire(key, renew=True)
@@ -188,7 +185,13 @@ def test_a_broken_link_cannot_postpone_the_lapse_interrupt(tier, key, taker_for,
     print(f"{tier.name} {mode}: interrupted {late * 1000:+.1f} ms after the deadline")
     assert 0 <= late <= ON_TIME, f"interrupted {late:.3f} s after the deadline"
     assert taker.granted_at is not None, "the key was never taken over"
-    assert taker.granted_at > interrupted_at, "another holder got the key before the interrupt"
+    # The server frees the key only past the holder's deadline (the deadline is set short
+    # of the record's expiry by a margin). Whether the holder's thread was running again
+    # by then is the scheduler's to say: on a loaded machine it may not be, which is why
+    # fences exist. So the taker is held to the deadline, and the interrupt's lead printed.
+    assert taker.granted_at > deadline, "another holder got the key before the deadline"
+    lead = taker.granted_at - interrupted_at
+    print(f"{tier.name} {mode}: the taker got the key {lead * 1000:+.1f} ms after the interrupt")
 
 
 # -- a paused holder (SIGSTOP): the fence recipe keeps its late writes out ----------------
@@ -225,7 +228,6 @@ def _paused_holder(url: str, key: str, ledger: str, report: str) -> None:
     hold_with_writer(Mutex(cache_from_url(url), lease=1.0), key, report, write_until)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tier_url", ["redis", "postgres", "disk"])
 def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, tmp_path):
     """A holder SIGSTOPped past its lease is taken over; once resumed it is interrupted,
@@ -240,7 +242,7 @@ def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, 
             time.sleep(0.01)
         return int(Path(report).read_text())
 
-    with taken_from_paused(holder, url, key, held_at, join=10) as lease:
+    with taken_from_paused(holder, url, key, held_at, join=30) as lease:
         assert ledger_write(ledger, lease.fence, "taker")
     assert Path(report + ".done").read_text() == "interrupted"
     store = redis.Redis(decode_responses=True)
@@ -316,7 +318,6 @@ def redis_mutex(port: int, **options: Any) -> Mutex:
     return Mutex(RedisCache(client, **options), lease=30)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["kill -9 and restart", "FLUSHALL"])
 def test_redis_fences_never_go_back_when_the_server_forgets(redis_servers, tmp_path, key, loss):
     """A server without persistence killed and restarted, or flushed, forgets every
@@ -338,7 +339,6 @@ def test_redis_fences_never_go_back_when_the_server_forgets(redis_servers, tmp_p
     assert fences == sorted(set(fences))
 
 
-@pytest.mark.slow
 def test_redis_acquire_ends_within_its_timeout_plus_one_socket_timeout(key):
     """With the README's client (socket_timeout=1, default retries), a timed acquire on a
     refused connection fails at once (nothing read back), and on a blackholed link within
@@ -362,7 +362,6 @@ def test_redis_acquire_ends_within_its_timeout_plus_one_socket_timeout(key):
     assert took["blackhole"] < 1 + 1 + 0.3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("face", ["RedisCache", "AsyncRedisCache"])
 def test_redis_acquire_on_a_client_with_no_connection_yet_ends_within_its_bound(key, face):
     """A worker starting while Redis is down: a default ``redis.Redis(socket_timeout=1)``
@@ -417,7 +416,6 @@ def _cold_redis(face: str, port: int) -> tuple[Any, Callable[[str], None]]:
     return aio, lambda key: asyncio.run(once(key))
 
 
-@pytest.mark.slow
 def test_a_redis_that_may_evict_lock_keys_is_refused_unless_allowed(redis_servers, tmp_path, key):
     """maxmemory with an evicting policy could drop a held lock: refused at first use,
     with the fix named; allow_eviction=True proceeds."""
@@ -469,7 +467,6 @@ def replicated(redis_servers, tmp_path) -> Iterator[tuple[RedisServer, RedisServ
         yield primary, replica, link
 
 
-@pytest.mark.slow
 def test_with_replicas_a_grant_survives_a_failover_and_without_it_may_not(replicated, key):
     """replicas=1: a grant counts once the replica has it, so it survives the primary's
     death; with the link to the replica cut, the grant is withdrawn instead of given.
@@ -508,7 +505,6 @@ def terminate_sessions(application_name: str) -> int:
     return int(row[0]) if row else 0
 
 
-@pytest.mark.slow
 def test_terminated_postgres_sessions_cost_neither_the_lease_nor_the_waiter(key):
     """A renewing holder and a waiter blocked in LISTEN both lose their sessions: the
     lease is renewed on a new one, and the waiter still takes the key on release."""

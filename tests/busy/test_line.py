@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import itertools
 import json
@@ -68,6 +69,8 @@ from simple_mutex.busy.line import (
 )
 from simple_mutex.busy.line import sweep as sweep
 from simple_mutex.testing import FaultyCache
+
+pytestmark = pytest.mark.fast
 
 E = "0123456789abcdef"  # the epoch of the lines built here
 K = "order.42"
@@ -732,6 +735,7 @@ def new_key() -> str:
     return f"order/{uuid.uuid4().hex[:10]} *{{x}}"  # a / a * and braces: encoded
 
 
+@pytest.mark.backends
 def test_a_line_cycle_on_each_tier(tier):
     """Take, park, start, end, publish, sweep through the real cache, the record's ttl
     restarted to park_for + lease on each write."""
@@ -762,6 +766,7 @@ def test_a_line_cycle_on_each_tier(tier):
     assert lines.read(key) == replace(line, turn=3, parked={})
 
 
+@pytest.mark.backends
 def test_the_asyncio_face_runs_the_same_flow(tier):
     lines = lines_of(tier)
     key = new_key()
@@ -787,6 +792,7 @@ def test_the_asyncio_face_runs_the_same_flow(tier):
     assert (line.turn, line.next, dict(line.parked)) == (3, 3, {})
 
 
+@pytest.mark.backends
 def test_keep_latest_and_debounce_on_each_tier_and_both_faces(tier):
     """Issue 25 through the real cache: a burst replaces the waiting call in place (one
     entry, one ticket), the replaced ones reported; a debounced call's due time survives
@@ -825,6 +831,7 @@ def test_keep_latest_and_debounce_on_each_tier_and_both_faces(tier):
     assert line.parked[1].due == pytest.approx(line.parked[1].at + 600)
 
 
+@pytest.mark.backends
 def test_the_lines_of_a_cache_are_listed_by_key(tier):
     """What a sweep goes through: every key with a line, a hashed long key by the name
     its record carries; the locks beside them are not lines."""
@@ -899,6 +906,7 @@ def test_a_line_contended_past_the_bound_is_named_not_spun_on():
         lines.take("hot")
 
 
+@pytest.mark.backends
 def test_a_blocking_step_on_an_asyncio_cache_names_its_twin(redis_client):
     import redis.asyncio
 
@@ -916,7 +924,7 @@ def take_tickets(url: str, key: str, count: int, out: str) -> None:
     write_json(out, [lines.take(key).number for _ in range(count)])
 
 
-@pytest.mark.slow
+@pytest.mark.backends
 def test_processes_taking_tickets_on_one_key_get_exactly_one_to_n(shared_tier, tmp_path):
     """4 processes x 50 tickets at once: 1..200, no duplicate, no gap, each process's
     own in increasing order (send order is the order the writes landed)."""
@@ -939,6 +947,10 @@ def test_processes_taking_tickets_on_one_key_get_exactly_one_to_n(shared_tier, t
 def work_the_line(url: str, key: str, total: int, inbox: Any, out: str) -> None:
     """A worker: take messages from the shared queue (the broker), run each under the
     lock when its turn came, park it otherwise; sweep when idle."""
+    # Stuck past the parent's patience, the worker writes every thread's stack next to
+    # its log and exits, so the failure says where it was.
+    stack = open(out + ".stack", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(120, exit=True, file=stack)
     lines = lines_of(url)
     mutex = Mutex(lines.cache, lease=30, prefix=lines.lock_prefix, interval=0.01)
     log: list[list[float]] = []
@@ -973,7 +985,7 @@ def work_the_line(url: str, key: str, total: int, inbox: Any, out: str) -> None:
     write_json(out, log)
 
 
-@pytest.mark.slow
+@pytest.mark.backends
 def test_processes_parking_and_ending_run_the_tickets_in_order_one_at_a_time(shared_tier, tmp_path):
     """40 tickets sent in order, their messages shuffled onto a queue 4 worker processes
     share: most arrive before their turn and park; each end publishes the next. They
@@ -994,9 +1006,10 @@ def test_processes_parking_and_ending_run_the_tickets_in_order_one_at_a_time(sha
     ]
     for proc in procs:
         proc.start()
-    for proc in procs:
+    for proc, out in zip(procs, outs, strict=True):
         proc.join(180)
-        assert proc.exitcode == 0
+        stack = Path(out + ".stack")
+        assert proc.exitcode == 0, stack.read_text() if stack.exists() else "no stack"
     runs = sorted((row for o in outs for row in read_json(o)), key=lambda row: row[1])
     assert [int(row[0]) for row in runs] == list(range(1, total + 1))
     assert all(a[2] <= b[1] for a, b in itertools.pairwise(runs)), "two ran at once"

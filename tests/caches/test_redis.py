@@ -27,7 +27,7 @@ import pytest
 import redis
 from behaviour import PREFIX as BEHAVIOUR_PREFIX
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
-from contract import CacheContract, NotifyContract, unique_key
+from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from procs import FORK
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -48,6 +48,8 @@ from simple_mutex import (
 )
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
 from simple_mutex.contract import Entry
+
+pytestmark = pytest.mark.backends
 
 PREFIX = f"t{uuid.uuid4().hex[:8]}:"  # every key of this run starts with it
 # A notified waiter is running again within about two round trips; a poll would take its
@@ -88,7 +90,7 @@ class TestRedisCacheContract(NotifyContract, CacheContract):
     wake_bound = 0.2
 
 
-class TestRedisCacheContractDecodedResponses(NotifyContract, CacheContract):
+class TestRedisCacheContractDecodedResponses(NotifySmoke, ContractSmoke):
     """...and with a client that decodes replies to str (decode_responses=True)."""
 
     wake_bound = 0.2
@@ -114,7 +116,7 @@ def lock_url(client: redis.Redis) -> Iterator[str]:
         yield url_as(REDIS_URL, user, password)
 
 
-class TestRedisCacheContractAsLockUser(NotifyContract, CacheContract):
+class TestRedisCacheContractAsLockUser(NotifySmoke, ContractSmoke):
     """The shared contract, hand-off included, as the least-privileged lock user."""
 
     wake_bound = 0.2
@@ -380,10 +382,10 @@ def test_one_release_wakes_exactly_one_waiter(cache: RedisCache):
 # -- a fused wait: the put runs the moment the BLPOP returns ------------------------------
 
 
-def _blocked_in_blpop(name: str, timeout: float = 5) -> None:
+def _blocked_in_blpop(name: str, timeout: float = 5, url: str = REDIS_URL) -> None:
     """Until a connection named ``name`` is blocked in BLPOP (the server's client list;
     the cache's own connections carry their client's name)."""
-    admin = new_client()
+    admin = new_client(url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -407,9 +409,9 @@ def _gone(name: str, timeout: float = 5) -> None:
         admin.close()
 
 
-def _named_cache() -> tuple[RedisCache, str]:
+def _named_cache(url: str = REDIS_URL) -> tuple[RedisCache, str]:
     name = f"w-{uuid.uuid4().hex[:8]}"
-    return RedisCache(new_client(client_name=name), prefix=PREFIX), name
+    return RedisCache(new_client(url, client_name=name), prefix=PREFIX), name
 
 
 def test_a_fused_waiter_holds_the_key_before_its_releaser_can_ask_again(
@@ -544,14 +546,16 @@ def test_a_fused_wait_on_a_key_held_throughout_is_busy_by_its_timeout(cache: Red
     assert cache.waited_on(key)
 
 
-def test_a_fused_wait_after_the_server_forgot_the_script_loads_it(
-    cache: RedisCache, client: redis.Redis
-):
+def test_a_fused_wait_after_the_server_forgot_the_script_loads_it(redis_servers, tmp_path):
     """SCRIPT FLUSH (a restart, a failover) while a waiter blocks: its put is refused as
-    NOSCRIPT behind the BLPOP, then loaded and sent again, and wins."""
+    NOSCRIPT behind the BLPOP, then loaded and sent again, and wins. (On a server of the
+    test's own: SCRIPT FLUSH is server-wide.)"""
+    url = f"redis://127.0.0.1:{own_redis(redis_servers, tmp_path, free_port()).port}/0"
+    client = new_client(url)
+    cache = RedisCache(client, prefix=PREFIX)
     key = unique_key()
     entry = cache.put_if_absent(key, "holder", ttl=30)
-    waiter, name = _named_cache()
+    waiter, name = _named_cache(url)
     with pytest.raises(SimpleCacheConditionError):
         waiter.put_if_absent(key, "w", ttl=30)  # marks the waiter
     won: list[Entry] = []
@@ -559,7 +563,7 @@ def test_a_fused_wait_after_the_server_forgot_the_script_loads_it(
         target=lambda: won.append(waiter.wait_then_put([key], 5, key, "w", ttl=30))
     )
     thread.start()
-    _blocked_in_blpop(name)
+    _blocked_in_blpop(name, url=url)
     client.script_flush()
     cache.compare_and_delete(key, version=entry.version)
     thread.join(5)
@@ -660,7 +664,6 @@ def fragile_client(port: int, socket_timeout: float = 0.5) -> redis.Redis:
     )
 
 
-@pytest.mark.slow
 def test_server_shutdown_and_restart(redis_servers: list[RedisServer], tmp_path: Path):
     """Redis goes away mid-test: every operation raises MalfunctionError (never a redis
     error), a waiter and a timed acquire end by their deadline plus one socket timeout,
@@ -706,7 +709,6 @@ def test_server_shutdown_and_restart(redis_servers: list[RedisServer], tmp_path:
     server.shutdown()
 
 
-@pytest.mark.slow
 def test_a_frozen_server_does_not_hang_acquire(redis_servers: list[RedisServer], tmp_path: Path):
     """SIGSTOP: the server accepts nothing and answers nothing. A timed acquire still
     raises MalfunctionError within its socket timeouts (one try, one retry, then the
@@ -724,7 +726,6 @@ def test_a_frozen_server_does_not_hang_acquire(redis_servers: list[RedisServer],
     assert time.monotonic() - start < 0.5 + 4 * 0.3 + 0.5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("frozen_at", [0.3, 0.65, 0.85])
 def test_a_server_frozen_mid_wait_ends_the_acquire_by_its_timeout_and_one_socket_timeout(
     redis_servers: list[RedisServer], tmp_path: Path, frozen_at: float
@@ -750,7 +751,6 @@ def test_a_server_frozen_mid_wait_ends_the_acquire_by_its_timeout_and_one_socket
     assert holder.release()
 
 
-@pytest.mark.slow
 def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_path: Path):
     """redis+sentinel:// asks a real Sentinel for the master, and locks work through it."""
     master = own_redis(redis_servers, tmp_path, free_port())
@@ -770,7 +770,6 @@ def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_pat
     assert lease.release()
 
 
-@pytest.mark.slow
 def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[RedisServer], tmp_path: Path):
     """A three-master Redis Cluster: scripts and BLPOP run (hash tags keep each lock's
     keys in one slot), a semaphore spans its slots, a waiter wakes on release."""
@@ -807,7 +806,6 @@ def _loop_on_one_key(url: str, key: str, rounds: int, ready: str, order: str) ->
             conn.rpush(order, "worker")
 
 
-@pytest.mark.slow
 def test_a_releaser_that_woke_a_waiter_lets_it_go_first(mutex: Mutex, client: redis.Redis):
     """Hand-off, not barging: a worker (another process) that releases a key someone
     waits for and asks for it again at once gets it only after the woken waiter; else a
@@ -833,7 +831,7 @@ def test_a_releaser_that_woke_a_waiter_lets_it_go_first(mutex: Mutex, client: re
     assert turns[0::2].count(b"waiter") >= rounds - 1, turns
 
 
-class TestRedisCacheContractOnFakeRedis(CacheContract):
+class TestRedisCacheContractOnFakeRedis(ContractSmoke):
     """The same scripts on fakeredis (Lua through lupa): a quick check that they use
     nothing beyond portable Redis commands. The real server above is the proof."""
 
@@ -844,7 +842,6 @@ class TestRedisCacheContractOnFakeRedis(CacheContract):
         return RedisCache(fakeredis.FakeRedis(), prefix=PREFIX)
 
 
-@pytest.mark.slow
 def test_unix_socket_urls_in_redis_pys_and_celery_onces_spelling(redis_servers, tmp_path):
     """``unix:///path?db=2`` (redis-py's form) and ``redis+socket:///path?virtual_host=2``
     (celery-once's) reach a server on its Unix socket, in the database named; RedisCache's

@@ -39,6 +39,8 @@ from simple_mutex import (
 from simple_mutex.caches import AsyncRedisCache, RedisCache
 from simple_mutex.caches.redis.protocol import CAS, DELETE, PUT
 
+pytestmark = pytest.mark.backends
+
 RUN = uuid.uuid4().hex[:8]
 
 
@@ -186,7 +188,8 @@ def test_celery_records_work_under_acl_prefixes(admin) -> None:
         app = Celery(set_as_current=False)
         app.conf.update(mutex_cache=url, mutex_prefix=prefix)
         sent: list[str] = []
-        entry = ScheduleEntry(name="r", task="not.imported.r", schedule=schedule(1.0), app=app)
+        # Hourly: both beats send in one slot (a 1 s slot ended between them once, under load).
+        entry = ScheduleEntry(name="r", task="not.imported.r", schedule=schedule(3600.0), app=app)
         for beat in (_Recording(app, sent), _Recording(app, sent)):
             beat.apply_async(entry, producer=object(), advance=False)
         assert sent == ["not.imported.r"]

@@ -8,8 +8,8 @@ import multiprocessing
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -25,19 +25,19 @@ from fenced_support import (
     writer,
 )
 from procs import FORK, hold_with_writer, taken_from_paused
-from servers import scripts
+from servers import s3_bucket
 
 from simple_mutex import FencedOutError, Lease, Mutex, cache_from_url
 from simple_mutex.fenced import fenced_put, fenced_set, fenced_update
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.backends
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    with scripts.s3_server() as endpoint:
-        s3_client(endpoint).create_bucket(Bucket=S3_BUCKET)
-        yield endpoint
+def s3_endpoint(seaweed: str) -> str:
+    """The session's SeaweedFS, with the fenced suites' bucket."""
+    s3_bucket(seaweed, S3_BUCKET)
+    return seaweed
 
 
 def target_for(kind: str, request: pytest.FixtureRequest) -> str:
@@ -56,20 +56,24 @@ def target_for(kind: str, request: pytest.FixtureRequest) -> str:
 # -- a holder paused past its lease --------------------------------------------------------
 
 
-def _paused_holder(kind: str, target: str, lock_key: str, report: str) -> None:
+def _paused_holder(kind: str, target: str, lock_key: str, report: str, writing: Any) -> None:
     """Holds ``lock_key`` (lease 1 s, renewed) while a helper thread writes under its
     fence every 10 ms, logging "<monotonic start> <1 accepted | 0 refused | error>"; once
-    the lease is lost the helper writes once more, as a worker pool's thread would."""
+    the lease is lost the helper writes once more, as a worker pool's thread would.
+    ``writing.value`` is 1 while a write is under way (the parent pauses it between two)."""
     write = writer(kind, target)
     log = open(report + ".attempts", "a", buffering=1)  # noqa: SIM115 (lives with the thread)
 
     def write_until(lease: Lease, stop: threading.Event) -> None:
         def attempt() -> None:
+            writing.value = 1
             started = time.monotonic()
             try:
                 verdict = "1" if write(lease.fence, "paused") else "0"
             except Exception as exc:  # reported, so the test fails on it
                 verdict = f"error:{exc!r}".replace(" ", "_")
+            finally:
+                writing.value = 0
             log.write(f"{started} {verdict}\n")
 
         while not stop.is_set():
@@ -84,7 +88,8 @@ def paused_holder_scenario(kind: str, target: str, tmp_path: Path) -> tuple[list
     """Run the scenario; returns the verdicts of the writes the paused holder began after
     the taker's write landed, and the taker's fence."""
     lock_key, report = f"fenced.lock.{uuid.uuid4().hex[:8]}", str(tmp_path / "holder")
-    holder = FORK.Process(target=_paused_holder, args=(kind, target, lock_key, report))
+    writing = FORK.RawValue("b", 0)  # shared with the forked holder
+    holder = FORK.Process(target=_paused_holder, args=(kind, target, lock_key, report, writing))
 
     def held_at() -> int:
         deadline = time.monotonic() + 10
@@ -95,7 +100,10 @@ def paused_holder_scenario(kind: str, target: str, tmp_path: Path) -> tuple[list
             time.sleep(0.01)  # the rightful holder's writes land first
         return int(Path(report).read_text())
 
-    with taken_from_paused(holder, REDIS_URL, lock_key, held_at, join=15) as lease:
+    paused = taken_from_paused(
+        holder, REDIS_URL, lock_key, held_at, join=15, writing=lambda: bool(writing.value)
+    )
+    with paused as lease:
         assert writer(kind, target)(lease.fence, "taker"), "the new holder was refused"
         taken_at = time.monotonic()
     assert Path(report + ".done").read_text() == "interrupted"
