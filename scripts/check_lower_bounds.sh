@@ -16,18 +16,29 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
 USER_EXTRAS="redis,postgres,mongo,etcd,s3,sqlalchemy,django,celery,rq,prometheus,otel"
-# One file per tier and integration; the slowest process tests are left to the main run.
-# The beat guard's slots depend on Celery's own date arithmetic, which changed in 5.7: its
-# simulated-clock tests (every zone, Kolkata's +05:30 among them, through Celery's own
-# is_due) run on the lowest Celery too. The real beats in Kolkata wait for a minute
-# boundary (up to 75 s) and stay in the main run.
-INTEGRATION_TESTS=(
-    tests/caches/test_redis.py tests/caches/test_postgres.py tests/caches/test_mongo.py tests/caches/test_s3.py
-    tests/caches/test_etcd.py tests/caches/test_etcd_async.py
-    tests/celery_mutex/test_celery_inproc.py tests/celery_mutex/test_celery_prefork.py tests/rq_mutex/test_rq.py
-    tests/rq_mutex/test_rq_dead_horse.py tests/celery_mutex/test_celery_enqueue.py
-    tests/contrib/test_prometheus.py tests/contrib/test_opentelemetry.py tests/contrib/test_observe_workers.py
-    tests/celery_mutex/test_beat_slots.py tests/fenced/test_fenced.py tests/fenced/test_fenced_django.py
+# A smoke run, each backend and integration once on its oldest claimed driver: the full
+# contract once per cache and face (its construction variants make the same driver calls
+# and run in the main tests), and each integration's suites that reach into the host
+# library (Celery's signals, prefork pool and date arithmetic: the beat guard's slots,
+# Kolkata's +05:30 among them, through Celery's own is_due; RQ's worker, its retries and
+# the dead horses it reaps; the metrics and spans a real worker reports; the fenced
+# writes of every driver and ORM). The slowest process tests stay in the main run.
+LOWER_TESTS=(
+    tests/caches/test_redis.py::TestRedisCacheContract
+    tests/caches/test_redis_async.py::TestAsyncRedisCacheContract
+    tests/caches/test_postgres.py::TestPostgresCacheContract
+    tests/caches/test_postgres_async.py::TestAsyncPostgresContract
+    tests/caches/test_mongo.py::TestMongoContractServerClock
+    tests/caches/test_mongo_async.py::TestAsyncMongoContractServerClock
+    tests/caches/test_etcd.py::TestEtcdCacheContract
+    tests/caches/test_etcd_async.py::TestAsyncEtcdContract
+    tests/caches/test_s3.py::TestS3CacheContractSeaweedFS
+    tests/celery_mutex/test_celery_inproc.py tests/celery_mutex/test_celery_prefork.py
+    tests/celery_mutex/test_celery_enqueue.py tests/celery_mutex/test_beat_slots.py
+    tests/rq_mutex/test_rq.py tests/rq_mutex/test_rq_dead_horse.py
+    tests/contrib/test_prometheus.py tests/contrib/test_opentelemetry.py
+    tests/contrib/test_observe_workers.py
+    tests/fenced/test_fenced.py tests/fenced/test_fenced_django.py
 )
 
 python="${PYTHON:-$(python_for 3.10)}" \
@@ -68,14 +79,6 @@ say "installed: $("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
 
 ensure_services
 ensure_etcd
-# The restricted-user and DML-role runs of the Redis and PostgreSQL suites repeat the
-# same calls under other credentials; the drivers' lower bounds change nothing there.
-# Nor in these reruns of a contract: etcd through every member (its behaviour suite takes
-# that URL) and on a client the caller made (a test of its own wraps one), MongoDB judging
-# expiry by the client's clock (the same driver calls, other filters), and the test
-# stand-ins mongomock and fakeredis (no claim of pyproject.toml). About 75 s.
-SKIPPED="not AsLockUser and not AsDmlRole and not OnEveryMember and not OnGivenClient"
-SKIPPED+=" and not ClientClock and not Mongomock and not OnFakeRedis"
-if [[ $# -eq 0 ]]; then set -- -k "$SKIPPED" "${INTEGRATION_TESTS[@]}"; fi
+if [[ $# -eq 0 ]]; then set -- -n 3 --dist loadfile "${LOWER_TESTS[@]}"; fi
 say "pytest $* (on the lower bounds)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -81,10 +81,10 @@ def _http_answers(url: str) -> bool:
     return True
 
 
-def stop(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``grace`` seconds."""
+def stop(proc: subprocess.Popen[bytes], grace: float = 20, signal: int = 15) -> None:
+    """``signal`` (SIGTERM), then SIGKILL if it has not exited within ``grace`` seconds."""
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(signal)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -94,9 +94,14 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
 
 @contextlib.contextmanager
 def _running(
-    args: list[str], ready: Callable[[], bool], workdir: Path, env: dict[str, str] | None = None
+    args: list[str],
+    ready: Callable[[], bool],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    stop_signal: int = 15,
 ) -> Iterator[None]:
-    """Run ``args`` until the block ends; wait up to 30 s for ``ready()`` first."""
+    """Run ``args`` until the block ends (then ``stop_signal``, SIGTERM by default); wait
+    up to 30 s for ``ready()`` first."""
     log = workdir / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -111,7 +116,7 @@ def _running(
             time.sleep(0.05)
         yield
     finally:
-        stop(proc)
+        stop(proc, signal=stop_signal)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -122,7 +127,9 @@ def mongo_server() -> Iterator[str]:
     port = free_port()
     args = [_binary("secantusd-py", "secantusdb"), "--host", "127.0.0.1", "--port", str(port),
             "--storage-path", str(workdir / "data")]  # fmt: skip
-    with _running(args, lambda: _tcp_answers(port), workdir):
+    # SIGKILL: secantusd-py does not exit on SIGTERM (it would wait out the 20 s grace),
+    # and its data directory, all it has, is removed next.
+    with _running(args, lambda: _tcp_answers(port), workdir, stop_signal=9):
         yield f"mongodb://127.0.0.1:{port}/"
 
 

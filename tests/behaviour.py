@@ -181,6 +181,7 @@ class LockBehaviour:
         for lease in [leases[0], leases[2], fourth]:
             assert lease.release() is True
 
+    @pytest.mark.backends
     def test_only_the_tiers_own_driver_is_imported(self, url: str) -> None:
         """``import simple_mutex`` imports no driver; building this tier's cache imports its
         own driver and no other backend's."""
@@ -281,7 +282,7 @@ class SharedBehaviour(LockBehaviour):
         assert len({row.pid for row in rows}) == PROCESSES
         return rows
 
-    @pytest.mark.slow
+    @pytest.mark.backends
     def test_processes_exclude_each_other(self, url: str, tmp_path: Path, children) -> None:
         """4 processes x 30 read-modify-writes of one counter file under one mutex: no
         increment lost, no two sections overlap, each read the count the one before wrote,
@@ -295,7 +296,7 @@ class SharedBehaviour(LockBehaviour):
         fences = [row.fence for row in rows]
         assert all(a < b for a, b in itertools.pairwise(fences)), fences
 
-    @pytest.mark.slow
+    @pytest.mark.backends
     def test_a_semaphore_admits_two_processes_at_most(
         self, url: str, tmp_path: Path, children
     ) -> None:
@@ -322,7 +323,7 @@ class SharedBehaviour(LockBehaviour):
         holder_proc.join(5)
         return held
 
-    @pytest.mark.slow
+    @pytest.mark.backends
     def test_a_sigkilled_holders_lock_is_taken_over_after_its_lease(
         self, url: str, cache: ConditionalCache, tmp_path: Path, children
     ) -> None:
@@ -346,7 +347,7 @@ class SharedBehaviour(LockBehaviour):
         assert taken.release() is True
         assert not mutex.locked(key)
 
-    @pytest.mark.slow
+    @pytest.mark.backends
     def test_an_acquire_after_a_sigkilled_holder_reports_that_it_took_over(
         self, url: str, cache: ConditionalCache, tmp_path: Path, children
     ) -> None:

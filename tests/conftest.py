@@ -13,8 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiers
 from alarms import Alarm
-from servers import RedisServer
+from servers import (  # the servers a session starts once: fixtures for every suite
+    RedisServer,
+    etcd_cluster,  # noqa: F401
+    mongo_url,  # noqa: F401
+    moto,  # noqa: F401
+    seaweed,  # noqa: F401
+)
 
 from simple_mutex import DiskCache, InMemoryCache
 
@@ -78,3 +85,19 @@ def redis_servers() -> Iterator[list[RedisServer]]:
         if server.proc is not None and server.proc.poll() is None:
             os.kill(server.pid, signal.SIGCONT)  # a frozen one ignores SIGTERM
         server.stop()
+
+
+# -- tiers (tests/tiers.py): every test has one; the fast tier is guarded -----------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    tiers.addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.configure(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers.modify_items(config, items)
+
+
+pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = tiers.guarded

@@ -45,6 +45,11 @@ def scannable(cache: ConditionalCache) -> Scannable:
     return cache
 
 
+# A test whose premise is a step taken within a short TTL tries again when the machine was
+# slower than that (measured, not assumed), up to this many times.
+LATE_TRIES = 5
+
+
 def unique_key(name: str = "k") -> str:
     return f"contract.{name}.{uuid.uuid4().hex}"
 
@@ -154,10 +159,18 @@ class CacheContract:
         assert entry.value == "v2"
 
     def test_get_returns_none_for_an_expired_entry(self, cache: ConditionalCache) -> None:
-        """An entry past its TTL is not returned, though nobody deleted it."""
-        key = unique_key()
-        cache.put_if_absent(key, "v1", ttl=self.short_ttl)
-        assert cache.get(key) is not None
+        """An entry past its TTL is not returned, though nobody deleted it (and one within
+        it is: judged by the clock, as a loaded machine may take longer than the TTL
+        between the put and the get)."""
+        for _ in range(LATE_TRIES):
+            key, started = unique_key(), time.monotonic()
+            cache.put_if_absent(key, "v1", ttl=self.short_ttl)
+            seen = cache.get(key)
+            if time.monotonic() - started < self.short_ttl:
+                break
+        else:
+            pytest.fail(f"the get came {self.short_ttl} s after its put {LATE_TRIES} times")
+        assert seen is not None
         self.let_expire()
         assert cache.get(key) is None
 
@@ -306,9 +319,21 @@ class CacheContract:
 
     def test_compare_and_set_restarts_expiry(self, cache: ConditionalCache) -> None:
         """After a CAS with a fresh TTL the entry outlives its original expiry."""
-        key, first = held(cache, "v1", self.short_ttl)
-        time.sleep(self.short_ttl * 0.6)
-        second = cache.compare_and_set(key, "v2", ttl=self.short_ttl * 4, version=first.version)
+        for _ in range(LATE_TRIES):
+            started = time.monotonic()
+            key, first = held(cache, "v1", self.short_ttl)
+            time.sleep(self.short_ttl * 0.6)
+            try:
+                second = cache.compare_and_set(
+                    key, "v2", ttl=self.short_ttl * 4, version=first.version
+                )
+                break
+            except SimpleCacheConditionError:
+                if time.monotonic() - started < self.short_ttl:
+                    raise  # refused while the entry was live: a real failure
+                # the machine took longer than the TTL to get here: not what is tested
+        else:
+            pytest.fail(f"the renewal came {self.short_ttl} s after its put {LATE_TRIES} times")
         assert second.expires_at > first.expires_at
         time.sleep(self.short_ttl * 0.6 + self.expiry_slack)  # past the first expiry
         assert cache.get(key) == second
@@ -401,6 +426,7 @@ class CacheContract:
         cache.wait([base, base + "#1", base + "#2"], 0.2)
         assert time.monotonic() - start <= 0.2 + self.wait_slack
 
+    @pytest.mark.backends
     def test_a_forked_child_uses_the_cache_on_its_own(self, cache: ConditionalCache) -> None:
         """A cache inherited through fork() (Celery prefork, RQ work horses) works in the
         child, and the parent's keeps answering in step: no shared connection, no lock
@@ -507,3 +533,56 @@ class NotifyContract:
         start = time.monotonic()
         cache.wait([key], self.long_wait)
         assert time.monotonic() - start < self.wake_bound
+
+
+# -- the smoke run of a construction variant -----------------------------------------------
+
+# A cache built another way (a pool, a connection or client the caller passes, a factory,
+# decoded replies, a restricted user, the client's clock, a fake of the server) runs the
+# same driver calls as the cache its backend's full contract runs on. What the variant can
+# break is its wiring: replies decoded otherwise, a privilege missing, its own expiry
+# filter, a connection in the wrong mode. These tests touch each method, each reply shape,
+# expiry and fences, a refused condition of each kind, scan, and a wait; the full contract
+# runs once per backend and face.
+SMOKE = (
+    "test_cache_has_a_name_and_the_five_methods",
+    "test_put_if_absent_then_get_returns_the_entry",
+    "test_values_round_trip_byte_for_byte",
+    "test_second_put_if_absent_loses",
+    "test_entry_fields_have_the_documented_types",
+    "test_put_if_absent_on_an_expired_key_wins",
+    "test_get_returns_none_for_an_expired_entry",
+    "test_a_grant_after_a_lapse_took_over",
+    "test_fence_strictly_increases_across_put_delete_put",
+    "test_fence_strictly_increases_across_expiry_and_put",
+    "test_compare_and_set_keeps_fence_and_changes_version",
+    "test_a_wrong_version_misses",
+    "test_an_expired_entrys_own_version_misses",
+    "test_stale_holder_cannot_delete_the_new_holders_entry",
+    "test_wait_returns_within_its_timeout_on_a_held_key",
+    "test_a_forked_child_uses_the_cache_on_its_own",
+    "test_scan_lists_exactly_the_live_entries_under_the_prefix",
+)
+NOTIFY_SMOKE = ("test_wait_is_woken_by_a_release_in_another_thread",)
+
+
+class ContractSmoke(CacheContract):
+    """The smoke run of the contract (``SMOKE``), for a construction variant of a cache
+    whose full contract runs elsewhere: subclass it as you would ``CacheContract``."""
+
+
+class NotifySmoke(NotifyContract):
+    """The wake-up of ``NotifyContract`` (``NOTIFY_SMOKE``), for a variant of a cache that
+    notifies: mix in with ``ContractSmoke``."""
+
+
+def _keep_only(suite: type, kept: tuple[str, ...], full: type) -> None:
+    tests = {name for base in full.__mro__ for name in vars(base) if name.startswith("test_")}
+    unknown = set(kept) - tests
+    assert not unknown, f"not tests of {full.__name__}: {sorted(unknown)}"
+    for name in tests - set(kept):
+        setattr(suite, name, None)  # pytest collects no test under a name set to None
+
+
+_keep_only(ContractSmoke, SMOKE, CacheContract)
+_keep_only(NotifySmoke, NOTIFY_SMOKE, NotifyContract)

@@ -11,11 +11,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import redis
@@ -294,3 +296,98 @@ class EtcdCluster:
         for member in self.members:
             member.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- servers a test session starts once ------------------------------------------------
+#
+# Every suite that needs one of these asks for the session's (conftest.py imports them),
+# so a session starts each at most once, however many modules use it; under pytest-xdist
+# each worker is a session of its own, with servers of its own. A suite whose test breaks
+# its server (kills a member, fills its disk) starts one of its own instead.
+
+
+@contextlib.contextmanager
+def _given_or_started(variable: str, start: Callable[[], Any]) -> Iterator[str]:
+    """The server ``variable`` names (a real one: ``MONGODB_URL``, ...), else one of our
+    own that ``start`` runs for the session."""
+    given = os.environ.get(variable)
+    with contextlib.nullcontext(given) if given else start() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def mongo_url() -> Iterator[str]:
+    """MONGODB_URL, or a secantusd-py of the session's; fails (never skips) if none
+    answers. Each suite writes into a database named for its run."""
+    import pymongo
+
+    with _given_or_started("MONGODB_URL", scripts.mongo_server) as url:
+        with pymongo.MongoClient(url, serverSelectionTimeoutMS=3000) as probe:
+            try:
+                probe.admin.command("ping")
+            except pymongo.errors.PyMongoError as exc:
+                pytest.fail(f"no MongoDB answers at {url}: {exc!r}")
+        yield url
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[str]:
+    """S3_SEAWEED_ENDPOINT, or a SeaweedFS (``weed mini``) of the session's: its S3
+    endpoint. Each suite makes its own bucket (``s3_bucket``)."""
+    with _given_or_started("S3_SEAWEED_ENDPOINT", scripts.s3_server) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """``moto_server`` on a free loopback port; yields its endpoint."""
+    binary = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    binary = binary or shutil.which("moto_server")
+    if binary is None:
+        pytest.fail("no `moto_server` binary: pip install moto")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="simple-mutex-moto-") as workdir:
+        args = [binary, "-H", "127.0.0.1", "-p", str(port)]
+        server = OwnServer(args, Path(workdir), lambda: scripts._http_answers(endpoint + "/"))
+        server.start()
+        try:
+            yield endpoint
+        finally:
+            server.stop(grace=10)
+
+
+@pytest.fixture(scope="session")
+def moto() -> Iterator[str]:
+    """S3_MOTO_ENDPOINT, or moto's server of the session's (AWS's own error codes)."""
+    with _given_or_started("S3_MOTO_ENDPOINT", moto_server) as endpoint:
+        yield endpoint
+
+
+def s3_bucket(endpoint: str, bucket: str) -> str:
+    """Make ``bucket`` on the S3 server at ``endpoint`` unless it is there; fails the test
+    (never skips it) when the server does not answer."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id=scripts.S3_ACCESS_KEY, aws_secret_access_key=scripts.S3_SECRET_KEY,
+    )  # fmt: skip
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as exc:
+        if "BucketAlready" not in str(exc):
+            raise
+    except Exception as exc:
+        pytest.fail(f"no S3 server answers at {endpoint}: {exc!r}")
+    return bucket
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A three-member etcd cluster of the session's. Suites keep to prefixes of their own;
+    a test that kills a member starts a cluster of its own."""
+    started = EtcdCluster().start()
+    yield started
+    started.stop()

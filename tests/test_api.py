@@ -25,6 +25,8 @@ from simple_mutex import (
 )
 from simple_mutex._core.keys import encode_key
 
+pytestmark = pytest.mark.fast
+
 # -- keys, prefixes, timeouts (grant, busy, release, fences: tests/behaviour.py) ------
 
 

@@ -21,6 +21,8 @@ from simple_mutex import (
 )
 from simple_mutex.caches import InMemoryCache
 
+pytestmark = pytest.mark.fast
+
 LIMIT = 10.0  # no test here should come near it; a broken release fails instead of hanging
 
 

@@ -35,6 +35,8 @@ from simple_mutex import (
 from simple_mutex._core.durations import MAX_SECONDS
 from simple_mutex.contract import Entry
 
+pytestmark = pytest.mark.fast
+
 
 class SpyCache(InMemoryCache):
     """An InMemoryCache that logs every contract call."""

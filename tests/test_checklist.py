@@ -20,6 +20,8 @@ import simple_mutex.caches
 from simple_mutex.caches import registry
 from simple_mutex.caches.registry import Backend
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTRIBUTING = ROOT / "docs" / "contributing.md"
 WITH_DRIVER = [backend for backend in registry.BACKENDS if backend.drivers]

@@ -26,6 +26,8 @@ from simple_mutex import (
     with_simple_mutex,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def held_keys(mutex: Mutex, candidates: list[str]) -> list[str]:
     return [k for k in candidates if mutex.locked(k)]

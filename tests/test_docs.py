@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from servers import ROOT, load_module, scripts
 
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("docs")]  # its servers, once
+
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -95,7 +97,6 @@ def s3_env() -> Iterator[dict[str, str]]:
         yield env
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run(page: Path, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The page's python blocks, run in order as one script, exit 0 against real servers."""

@@ -41,6 +41,8 @@ from simple_mutex._runtime import drivers
 from simple_mutex._runtime.drivers import execute, run, run_async
 from simple_mutex.contract import Entry
 
+pytestmark = pytest.mark.fast
+
 VALUE = '{"token":"ours"}'
 OTHER = '{"token":"theirs"}'
 START = 1000.0  # the fake clock's reading when a flow starts

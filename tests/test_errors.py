@@ -22,6 +22,8 @@ from simple_mutex import (
 )
 from simple_mutex._runtime.interrupt import LeaseInterrupt
 
+pytestmark = pytest.mark.fast
+
 ERRORS = [
     SimpleMutexError,
     ConstraintError,

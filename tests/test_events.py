@@ -28,6 +28,8 @@ from simple_mutex import (
 )
 from simple_mutex.events import LockEvent
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def seen() -> Iterator[list[LockEvent]]:
@@ -276,6 +278,7 @@ def test_log_records_carry_the_events_fields(caplog):
     assert records[-1].levelno == logging.WARNING
 
 
+@pytest.mark.backends
 def test_unsubscribed_nothing_is_built():
     """With nobody listening, a lease takes no event state at all (the hot path)."""
     assert events.subscribers == ()

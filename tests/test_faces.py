@@ -18,6 +18,8 @@ from simple_mutex.caches.mongo import AsyncMongoCache, MongoCache
 from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
 from simple_mutex.caches.redis import AsyncRedisCache, RedisCache
 
+pytestmark = pytest.mark.fast
+
 CACHES = [
     (RedisCache, AsyncRedisCache),
     (PostgresCache, AsyncPostgresCache),

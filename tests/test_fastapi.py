@@ -19,6 +19,8 @@ import pytest
 import redis
 from servers import free_port
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 ORDERS = 5
 PER_ORDER = 30
@@ -55,7 +57,6 @@ def service():
             store.delete(key)
 
 
-@pytest.mark.slow
 def test_concurrent_requests_for_one_order_never_overlap(service):
     """150 requests over 5 orders at once: every order's balance is exact, its critical
     sections never overlap, and each one's fence is larger than the one before."""

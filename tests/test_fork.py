@@ -15,6 +15,8 @@ import pytest
 from simple_mutex import ConstraintError, DiskCache, Mutex, cache_from_url
 from simple_mutex._core.lifecycle import Released
 
+pytestmark = pytest.mark.backends
+
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 

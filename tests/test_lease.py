@@ -25,6 +25,8 @@ from simple_mutex import (
 )
 from simple_mutex._core.timing import lapse_margin
 
+pytestmark = pytest.mark.fast
+
 # An interrupted loop ends soon after the lease; a broken interrupt runs to spin's guard.
 PROMPT = 1.5
 
@@ -859,6 +861,7 @@ def test_async_with_whose_release_outlasts_the_deadline_ends_as_the_release_says
             asyncio.run(main())
 
 
+@pytest.mark.backends
 def test_exiting_with_a_renewed_lease_held_logs_no_keeper_error(tmp_path):
     """A process that ends holding a renew=True lease while an atexit handler takes a
     moment: the keeper's next renewal finds the pools shut; it is dropped, not logged as

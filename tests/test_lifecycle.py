@@ -10,6 +10,8 @@ from simple_mutex._core import lifecycle
 from simple_mutex._core.lifecycle import HELD, RELEASING, Lost, Released, State, step
 from simple_mutex.testing import FaultyCache
 
+pytestmark = pytest.mark.fast
+
 ALL: list[State] = [
     HELD,
     RELEASING,

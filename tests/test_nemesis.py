@@ -17,6 +17,8 @@ import nemesis  # noqa: F401  (sys.path)
 import pytest
 from nemesis import checker, runner
 
+pytestmark = pytest.mark.system
+
 SEED = int(os.environ.get("NEMESIS_SEED", "1"))
 DURATION = float(os.environ.get("NEMESIS_DURATION", "15"))
 LONGER = {"celery": 25.0, "rq": 25.0}
@@ -34,7 +36,6 @@ KNOWN: dict[str, tuple[str, str, str]] = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tier", [*runner.LIB_TIERS, "celery", "rq", "beat", "cron"])
 def test_nemesis_finds_no_anomaly(tier: str) -> None:
     """A bounded run of ``tier`` under its faults: no anomaly in its history."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import nemesis  # noqa: F401  (puts tests/ on sys.path for the nemesis.* imports)
+import pytest
 from nemesis.checker import (
     BEHIND_STRANDED,
     GONE_AT_RENEWAL,
@@ -18,6 +19,8 @@ from nemesis.checker import (
     check_tasks,
     check_ticks,
 )
+
+pytestmark = pytest.mark.fast
 
 
 class H:

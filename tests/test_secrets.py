@@ -27,6 +27,8 @@ from redis_acl import lock_user, url_as
 from simple_mutex import Mutex, SimpleMutexError, cache_from_url, events, journal
 from simple_mutex.caches import RedisCache
 
+pytestmark = pytest.mark.backends
+
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 BIN = Path(sys.executable).parent

@@ -17,6 +17,8 @@ from simple_mutex._runtime.steps import StepFlow, drive, drive_async
 from simple_mutex.caches.mongo import AsyncMongoCache, MongoCache
 from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
 
+pytestmark = pytest.mark.fast
+
 
 class Mapped(Exception):
     pass

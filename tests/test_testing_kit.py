@@ -17,6 +17,8 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
 )
 
+pytestmark = pytest.mark.fast
+
 pytest_plugins = ["pytester"]
 
 
@@ -83,6 +85,7 @@ def test_bad_fault_plans_are_refused(faulty_cache):
         faulty_cache.lose_reply("get")
 
 
+@pytest.mark.backends
 def test_the_plugin_runs_a_users_suite_on_a_real_cache_url(pytester):
     """--mutex-cache-url puts mutex_cache on that server, a prefix per test: two tests
     taking the same key both get it."""

@@ -6,6 +6,7 @@ Every wait is bounded in time; a process that does not stop is killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,7 +29,8 @@ ENV = {
 
 def start(argv: list[str], log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
     """``BIN/argv[0] argv[1:]`` with the test support importable; stderr to ``log`` (a
-    file, not a pipe: a full pipe would block the process)."""
+    file, not a pipe: a full pipe would block the process). It leads a process group of
+    its own (its horses, pool children and scheduler with it), which ``stop`` ends whole."""
     with open(log or os.devnull, "wb") as err:
         return subprocess.Popen(
             [str(BIN / argv[0]), *argv[1:]],
@@ -36,21 +38,40 @@ def start(argv: list[str], log: Path | None = None, **env: str) -> subprocess.Po
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
+            start_new_session=True,
         )
 
 
-def stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM (a warm shutdown) to the live ones, then wait; kill what lingers."""
+# The second signal of a shutdown: a cold one, which ends the job under way (a warm one
+# waits for it: a test's last job may hold its lock for seconds yet). RQ takes a second
+# SIGTERM (at least 1 s after the first: sooner it is dropped as a duplicate), Celery a
+# SIGQUIT.
+COLD = {"celery": signal.SIGQUIT}
+
+
+def stop(procs: Iterable[subprocess.Popen[bytes]], warm: float = 3.0) -> None:
+    """End the worker processes a test started: SIGTERM (a warm shutdown) to the live
+    ones; those still running after ``warm`` seconds get the cold one; what lingers 5 s
+    more is SIGKILLed. Then whatever is left of each one's process group (a scheduler or
+    a pool child a killed parent left behind) is SIGKILLed, so nothing outlives the test."""
     procs = list(procs)
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     for proc in procs:
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=warm)
+        except subprocess.TimeoutExpired:
+            name = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
+            proc.send_signal(COLD.get(name, signal.SIGTERM))
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:

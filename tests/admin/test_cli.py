@@ -33,7 +33,7 @@ BIN = Path(sys.executable).parent
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 class Holders:

@@ -12,6 +12,8 @@ from simple_mutex import InMemoryCache, MalfunctionError, Mutex
 from simple_mutex.admin.commands import release_lock, watch_locks
 from simple_mutex.contract import Entry
 
+pytestmark = pytest.mark.fast
+
 
 class Flaky(InMemoryCache):
     """An InMemoryCache whose scans fail on the calls listed in ``failing`` (1-based)."""

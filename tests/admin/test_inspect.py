@@ -13,6 +13,8 @@ from simple_mutex import ConstraintError, DiskCache, InMemoryCache, Mutex, Semap
 from simple_mutex._core.keys import MAX_KEY_CHARS, decode_key, encode_key
 from simple_mutex.admin import live_locks, locks_of, release, waited_on
 
+pytestmark = pytest.mark.fast
+
 ODD_KEYS = [
     "report.daily",
     "a#b",  # the slot separator, inside a key

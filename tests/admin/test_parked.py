@@ -27,6 +27,8 @@ from simple_mutex.busy.line import Lines
 from simple_mutex.caches import RedisCache
 from simple_mutex.contrib import prometheus
 
+pytestmark = pytest.mark.integrations
+
 URL = "redis://127.0.0.1:6379/9"
 BIN = Path(sys.executable).parent
 

@@ -37,6 +37,8 @@ from simple_mutex.busy import (
 )
 from simple_mutex.busy.policy import ON_BUSY, RetryPolicy, retry_policy
 
+pytestmark = pytest.mark.fast
+
 # -- the retry schedule -----------------------------------------------------------------
 
 
@@ -317,6 +319,7 @@ def test_per_process_builds_once_per_key_even_under_threads():
     assert memo.get("b") is not values[0]
 
 
+@pytest.mark.backends
 def test_a_forked_child_builds_its_own_values():
     """The parent's values (clients, sockets) stay behind in a forked child, even if a
     thread held the memo's lock at the fork."""

@@ -42,6 +42,8 @@ from simple_mutex.busy.line import (
     take,
 )
 
+pytestmark = pytest.mark.fast
+
 E = "0123456789abcdef"
 K = "doc.7"
 KNOBS = {"promote_grace": 5.0, "gap_for": 60.0, "park_for": 3600.0}

@@ -4,6 +4,8 @@ the line's decisions compare as before."""
 
 from __future__ import annotations
 
+import pytest
+
 from simple_mutex.busy.line import (
     Duplicate,
     Publish,
@@ -15,6 +17,8 @@ from simple_mutex.busy.line import (
     sweep,
     take,
 )
+
+pytestmark = pytest.mark.fast
 
 
 def test_end_and_sweep_publish_with_the_entrys_first_park_time() -> None:

@@ -13,6 +13,8 @@ from simple_mutex import InMemoryCache, Mutex, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import replace
 from simple_mutex.busy.replace import Takeover, call_in_brackets
 
+pytestmark = pytest.mark.fast
+
 
 def _over(locks: Mutex, key: str, stopped: list[str], **changes: object) -> Takeover:
     fields: dict[str, object] = {

@@ -20,6 +20,8 @@ from workers import ReleaseLater
 from simple_mutex import DiskCache, InMemoryCache, SimpleCacheConditionError
 from simple_mutex.caches.disk import FILENAME
 
+pytestmark = pytest.mark.fast
+
 # How soon after a release a notified waiter must be running again. A poll would take the
 # whole wait timeout (5 s below); a notification takes microseconds. 50 ms leaves room for
 # a loaded 2-core machine while still telling the two apart by two orders of magnitude.

@@ -27,6 +27,8 @@ from servers import TESTS
 from simple_mutex import DiskCache, Mutex
 from simple_mutex.caches.disk import FILENAME, GATE_FILENAME
 
+pytestmark = pytest.mark.backends
+
 HERE = TESTS  # procs.py
 
 
@@ -83,7 +85,6 @@ def test_a_release_wakes_a_waiter_in_another_process_with_default_settings(tmp_p
     assert gate.stat().st_size == 4096
 
 
-@pytest.mark.slow
 def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path: Path, children):
     """Processes that open one fresh directory at the same instant race to set the store
     up (SQLite answers "locked" at once to all but one): each still gets its lock."""
@@ -94,7 +95,6 @@ def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path: Path, child
         procs.join_all(started, timeout=60)
 
 
-@pytest.mark.slow
 def test_sigkill_at_random_moments_never_corrupts_the_store(tmp_path, children):
     """Processes hammering acquire/release are SIGKILLed at random moments (often mid
     SQLite write). Afterwards the file passes ``PRAGMA integrity_check``, no fence was

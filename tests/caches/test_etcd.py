@@ -1,7 +1,7 @@
-"""EtcdCache against a real three-member etcd cluster of this module's own, on free
-loopback ports (tests/servers.py: EtcdCluster): the contract and the behaviour suites
+"""EtcdCache against a real three-member etcd cluster the test session starts once, on
+free loopback ports (tests/servers.py: etcd_cluster): the contract and the behaviour suites
 through one member and through a URL naming all three, processes contending, and a
-leader SIGKILLed while a lock is held and others wait.
+leader SIGKILLed while a lock is held and others wait (on a cluster of that test's own).
 
 A missing ``etcd`` binary fails the tests (apt-get install -y etcd-server; scripts/lib.sh
 ``ensure_etcd`` installs it); nothing here skips.
@@ -21,7 +21,7 @@ import etcd3gw
 import procs
 import pytest
 from behaviour import PREFIX, NotifyBehaviour, SharedBehaviour, assert_each_fails
-from contract import CacheContract, NotifyContract, unique_key
+from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from servers import EtcdCluster, free_port
 
 from simple_mutex import (
@@ -35,14 +35,15 @@ from simple_mutex.caches import as_cache
 from simple_mutex.caches.etcd import EtcdCache, from_url
 from simple_mutex.caches.etcd.core import lease_seconds
 
+pytestmark = pytest.mark.backends
+
 RUN = f"e{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[EtcdCluster]:
-    started = EtcdCluster().start()
-    yield started
-    started.stop()
+def cluster(etcd_cluster: EtcdCluster) -> EtcdCluster:
+    """The session's three members (tests/servers.py); this suite keeps to prefix RUN."""
+    return etcd_cluster
 
 
 def raw(cluster: EtcdCluster, member: int = 0) -> Any:
@@ -79,7 +80,7 @@ class TestEtcdCacheContract(EtcdTimings, NotifyContract, CacheContract):
     """The shared contract (a watch wakes waiters), through one member."""
 
 
-class TestEtcdCacheContractOnEveryMember(EtcdTimings, NotifyContract, CacheContract):
+class TestEtcdCacheContractOnEveryMember(EtcdTimings, NotifySmoke, ContractSmoke):
     """...through a URL naming all three members."""
 
     @pytest.fixture
@@ -89,7 +90,7 @@ class TestEtcdCacheContractOnEveryMember(EtcdTimings, NotifyContract, CacheContr
         cache.close()
 
 
-class TestEtcdCacheContractOnGivenClient(EtcdTimings, NotifyContract, CacheContract):
+class TestEtcdCacheContractOnGivenClient(EtcdTimings, NotifySmoke, ContractSmoke):
     """...on an etcd3gw client the caller made (``Mutex(client)`` wraps it so)."""
 
     @pytest.fixture
@@ -249,7 +250,6 @@ def counted(counter: Path, at_least: int, timeout: float = 60) -> int:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
 def test_a_sigkilled_leader_never_lets_two_hold(tmp_path: Path, children: list[Any]) -> None:
     """Three processes take one lock in turn through every member while the leader is
     SIGKILLed, a lock held and the others waiting: no two sections overlap, each read the

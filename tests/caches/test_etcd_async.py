@@ -23,7 +23,7 @@ import pytest
 import test_etcd
 from async_crowds import LIMIT, contend, count_under_lock
 from async_facade import BlockingFace, refused_in_forked_children
-from contract import CacheContract, NotifyContract, unique_key
+from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from procs import CTX, forked
 from servers import EtcdCluster, free_port
 from test_etcd import RUN, EtcdTimings, raw
@@ -33,7 +33,9 @@ from simple_mutex.caches import as_cache
 from simple_mutex.caches.etcd import AsyncEtcdCache, EtcdCache
 from simple_mutex.contract import AsyncConditionalCache, is_async
 
-cluster = test_etcd.cluster  # the same fixture: a three-member cluster of this module's own
+pytestmark = pytest.mark.backends
+
+cluster = test_etcd.cluster  # the same fixture: the session's three members
 
 
 def run(coro: Any) -> Any:
@@ -85,7 +87,7 @@ class TestAsyncEtcdContract(EtcdTimings, NotifyContract, CacheContract):
         refused_in_children(cache, GIVEN)
 
 
-class TestAsyncEtcdContractFactory(EtcdTimings, NotifyContract, CacheContract):
+class TestAsyncEtcdContractFactory(EtcdTimings, NotifySmoke, ContractSmoke):
     """...on clients for all three members, made by a factory in each process."""
 
     @pytest.fixture

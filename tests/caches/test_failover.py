@@ -22,13 +22,14 @@ import nemesis  # noqa: F401  (puts tests/ on sys.path for the nemesis.* imports
 import pytest
 from nemesis import failover
 
+pytestmark = pytest.mark.system
+
 TRIALS = int(os.environ.get("FAILOVER_TRIALS", "3"))
 CLIENTS = 5
 FENCES = ("fence-order", "fence-repeat", "stale-write")
 TWO_HOLDERS = ("overlap", "refused-while-protected", "vanished")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tier", "option", "promised"),
     [

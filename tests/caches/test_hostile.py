@@ -31,9 +31,8 @@ import pytest
 import redis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from servers import EtcdCluster, scripts
+from servers import s3_bucket
 from test_s3 import BUCKET as S3_BUCKET
-from test_s3 import moto_server
 from test_s3 import new_client as new_s3_client
 
 from simple_mutex import ConditionalCache, DiskCache, InMemoryCache, MalfunctionError, Mutex
@@ -47,7 +46,10 @@ POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5
 RUN = uuid.uuid4().hex[:8]
 PREFIX = f"h{RUN}."  # the Mutex prefix of every lock here
 TABLE = f"hostile_{RUN}"
-pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
+pytestmark = [
+    pytest.mark.backends,
+    pytest.mark.filterwarnings("ignore:Generating overly large repr"),
+]
 HOSTILE = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -127,25 +129,23 @@ def check_mutex_on(cache: ConditionalCache, key: str) -> None:
     scope="module", params=["memory", "disk", "redis", "postgres", "mongo", "s3", "etcd"]
 )
 def tier(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Each tier's cache, one per module (Hypothesis runs many examples on it): MongoDB on
-    a secantusd-py, S3 on a moto server and etcd on a one-member cluster of this module's
-    own."""
+    """Each tier's cache, one per module (Hypothesis runs many examples on it): MongoDB,
+    S3 (moto) and etcd on the session's servers, under names of this module's own."""
     if request.param == "mongo":
-        with scripts.mongo_server() as url:
-            client: Any = pymongo.MongoClient(url, serverSelectionTimeoutMS=5000)
-            yield MongoCache(client[f"hostile_{RUN}"]["locks"])
-            client.close()
+        client: Any = pymongo.MongoClient(
+            request.getfixturevalue("mongo_url"), serverSelectionTimeoutMS=5000
+        )
+        yield MongoCache(client[f"hostile_{RUN}"]["locks"])
+        client.drop_database(f"hostile_{RUN}")
+        client.close()
     elif request.param == "s3":
-        with moto_server() as endpoint:
-            s3 = new_s3_client(endpoint)
-            s3.create_bucket(Bucket=S3_BUCKET)
-            yield S3Cache(s3, S3_BUCKET, f"h{RUN}/")
+        endpoint = request.getfixturevalue("moto")
+        yield S3Cache(new_s3_client(endpoint), s3_bucket(endpoint, S3_BUCKET), f"h{RUN}/")
     elif request.param == "etcd":
-        cluster = EtcdCluster(size=1).start()
+        cluster = request.getfixturevalue("etcd_cluster")
         etcd = etcd_from_url(f"etcd://{cluster.endpoints[0]}/h{RUN}")
         yield etcd
         etcd.close()
-        cluster.stop()
     elif request.param == "memory":
         yield InMemoryCache()
     elif request.param == "disk":

@@ -1,8 +1,8 @@
 """MongoCache over the MongoDB wire protocol, and on mongomock.
 
 * The server: ``MONGODB_URL`` when set (a real ``mongod``); otherwise a ``secantusd-py``
-  (the PyPI package ``secantusdb``, a MongoDB wire-protocol server, test-only) that this
-  module starts as scripts/servers.py does, on a free loopback port, and stops at the end.
+  (the PyPI package ``secantusdb``, a MongoDB wire-protocol server, test-only) that the
+  test session starts once (tests/servers.py: ``mongo_url``), on a free loopback port.
   If neither answers, the tests FAIL: a proof is never skipped. Every test of this
   module writes into one database named for this run, dropped at the end.
 * Against that server: the shared contract with the server's clock (the default) and
@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -27,30 +26,25 @@ import mongomock
 import pymongo
 import pytest
 from behaviour import SharedBehaviour
-from contract import CacheContract, unique_key
+from contract import CacheContract, ContractSmoke, unique_key
 from procs import FORK
-from servers import free_port, scripts
+from servers import free_port
 
 from simple_mutex import ConstraintError, MalfunctionError, Mutex, SimpleCacheConditionError
 from simple_mutex.caches.mongo import MongoCache, from_url
 from simple_mutex.caches.mongo import core as mongo_core
 from simple_mutex.errors import ConstraintTypeError
 
+pytestmark = pytest.mark.backends
+
 DB = f"smx_test_{uuid.uuid4().hex[:8]}"
 HOUR = timedelta(hours=1)
 
 
 @pytest.fixture(scope="session")
-def server_url() -> Iterator[str]:
-    """MONGODB_URL, or a secantusd-py of our own; fails (never skips) if none answers."""
-    given = os.environ.get("MONGODB_URL")
-    with contextlib.nullcontext(given) if given else scripts.mongo_server() as url:
-        with pymongo.MongoClient(url, serverSelectionTimeoutMS=3000) as probe:
-            try:
-                probe.admin.command("ping")
-            except pymongo.errors.PyMongoError as exc:
-                pytest.fail(f"no MongoDB answers at {url}: {exc!r}")
-        yield url
+def server_url(mongo_url: str) -> str:
+    """The session's MongoDB (tests/servers.py: MONGODB_URL or a secantusd-py)."""
+    return mongo_url
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,7 @@ class TestMongoContractServerClock(CacheContract):
     expiry_slack = 0.15
 
 
-class TestMongoContractClientClock(CacheContract):
+class TestMongoContractClientClock(ContractSmoke):
     """...and with clock="client" (servers without $$NOW in filters)."""
 
     expiry_slack = 0.15
@@ -87,7 +81,7 @@ class TestMongoContractClientClock(CacheContract):
         return MongoCache(client, database=DB, collection="locks_client", clock="client")
 
 
-class TestMongoContractFactory(CacheContract):
+class TestMongoContractFactory(ContractSmoke):
     """...and on a client its factory makes in each process (the forked children too)."""
 
     expiry_slack = 0.15
@@ -102,7 +96,7 @@ class TestMongoContractFactory(CacheContract):
         made.close()
 
 
-class TestMongomockContract(CacheContract):
+class TestMongomockContract(ContractSmoke):
     """The client-clock statements on a mongomock collection (fast, no server)."""
 
     @pytest.fixture

@@ -25,7 +25,7 @@ import psycopg
 import pytest
 from alarms import Alarm
 from behaviour import NotifyBehaviour, SharedBehaviour, assert_each_fails
-from contract import CacheContract, NotifyContract, unique_key
+from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from psycopg_pool import ConnectionPool
 from servers import PostgresServer, free_port
 
@@ -36,6 +36,8 @@ from simple_mutex import (
     SimpleCacheConditionError,
 )
 from simple_mutex.caches.postgres import PostgresCache, from_url
+
+pytestmark = pytest.mark.backends
 
 POSTGRES_URL = os.environ.get("POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 RUN = f"t{uuid.uuid4().hex[:8]}"
@@ -89,7 +91,7 @@ class TestPostgresCacheContract(NotifyContract, CacheContract):
     wake_bound = 0.5
 
 
-class TestPostgresCacheContractOnGivenConnection(NotifyContract, CacheContract):
+class TestPostgresCacheContractOnGivenConnection(NotifySmoke, ContractSmoke):
     """...on an autocommit psycopg connection the caller passes."""
 
     wake_bound = 0.5
@@ -103,7 +105,7 @@ class TestPostgresCacheContractOnGivenConnection(NotifyContract, CacheContract):
         conn.close()
 
 
-class TestPostgresCacheContractOnPool(NotifyContract, CacheContract):
+class TestPostgresCacheContractOnPool(NotifySmoke, ContractSmoke):
     """...on a psycopg_pool ConnectionPool (transactional connections, a new table)."""
 
     wake_bound = 0.5
@@ -186,7 +188,7 @@ def test_the_hostile_search_path_would_bite_an_unqualified_statement(dml_url: st
             conn.execute("CREATE TABLE public.nope (x int)")
 
 
-class TestPostgresCacheContractAsDmlRole(NotifyContract, CacheContract):
+class TestPostgresCacheContractAsDmlRole(NotifySmoke, ContractSmoke):
     """The shared contract as the DML-only role behind the hostile search_path."""
 
     wake_bound = 0.5
@@ -409,9 +411,6 @@ def test_the_driver_keeps_a_notification_that_arrives_during_a_query():
 
 
 # -- processes and the server going away (slow) ---------------------------------------------
-
-
-@pytest.mark.slow
 def test_processes_creating_the_table_at_once_all_succeed(admin, children):
     """CREATE TABLE IF NOT EXISTS racing in several sessions can fail on pg_type's unique
     index; the loser carries on with the winner's table."""
@@ -430,7 +429,6 @@ def own_server() -> Iterator[PostgresServer]:
     server.remove()
 
 
-@pytest.mark.slow
 def test_server_restart_mid_test(own_server: PostgresServer):
     """PostgreSQL (our own) stops while a lock is held and a waiter blocks: every operation raises
     MalfunctionError (never a psycopg error) by its deadline, and once the server is back

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from async_crowds import LIMIT, contend, count_under_lock, os_threads
 from async_facade import BlockingFace
-from contract import CacheContract, NotifyContract, unique_key
+from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from psycopg_pool import AsyncConnectionPool
 from test_postgres import POSTGRES_URL, admin_of
 
@@ -29,6 +29,8 @@ from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
 from simple_mutex.caches import as_cache
 from simple_mutex.caches.postgres import AsyncPostgresCache, PostgresCache
 from simple_mutex.contract import AsyncConditionalCache, is_async
+
+pytestmark = pytest.mark.backends
 
 RUN = f"a{uuid.uuid4().hex[:8]}"
 TABLE = f"{RUN}_locks"
@@ -54,7 +56,7 @@ class TestAsyncPostgresContract(NotifyContract, CacheContract):
     wake_bound = 0.5
 
 
-class TestAsyncPostgresContractOnGivenConnection(NotifyContract, CacheContract):
+class TestAsyncPostgresContractOnGivenConnection(NotifySmoke, ContractSmoke):
     """...on an autocommit psycopg AsyncConnection the caller opened on the same loop."""
 
     wake_bound = 0.5
@@ -72,7 +74,7 @@ class TestAsyncPostgresContractOnGivenConnection(NotifyContract, CacheContract):
         face.close(*given)
 
 
-class TestAsyncPostgresContractOnPool(NotifyContract, CacheContract):
+class TestAsyncPostgresContractOnPool(NotifySmoke, ContractSmoke):
     """...on a psycopg_pool AsyncConnectionPool (transactional connections, a new table)."""
 
     wake_bound = 0.5

@@ -28,7 +28,7 @@ import pytest
 import redis
 import redis.asyncio
 from async_facade import BlockingFace
-from contract import CacheContract, NotifyContract, unique_key
+from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from procs import FORK
 from redis_acl import lock_user, url_as
 from servers import free_port, own_cluster, own_redis
@@ -45,6 +45,8 @@ from simple_mutex import (
 )
 from simple_mutex.caches import AsyncRedisCache, RedisCache, as_cache
 from simple_mutex.contract import Entry, is_async
+
+pytestmark = pytest.mark.backends
 
 PREFIX = f"ta{uuid.uuid4().hex[:8]}:"  # every key of this run starts with it
 POLL = 5.0  # waiters' poll interval: a hand-off by poll would take seconds
@@ -91,7 +93,7 @@ class TestAsyncRedisCacheContract(NotifyContract, CacheContract):
         return face
 
 
-class TestAsyncRedisCacheContractAsLockUser(NotifyContract, CacheContract):
+class TestAsyncRedisCacheContractAsLockUser(NotifySmoke, ContractSmoke):
     """...and as a user made from nothing but ``RedisCache.acl_rules()`` plus
     ``resetchannels``: the loop's wake-up listener (its own SET, LPUSH, PEXPIRE, BLPOP)
     and every script stay inside the rules."""
@@ -108,7 +110,7 @@ class TestAsyncRedisCacheContractAsLockUser(NotifyContract, CacheContract):
             yield face
 
 
-class TestAsyncRedisCacheContractDecodedResponses(NotifyContract, CacheContract):
+class TestAsyncRedisCacheContractDecodedResponses(NotifySmoke, ContractSmoke):
     """...and with a client that decodes replies to str (decode_responses=True)."""
 
     wake_bound = 0.2

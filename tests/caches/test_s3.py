@@ -15,16 +15,9 @@ never skip. Every object lives under one random prefix per run.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import os
-import shutil
 import sys
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
@@ -33,9 +26,9 @@ import boto3
 import pytest
 from behaviour import SharedBehaviour
 from botocore.exceptions import ClientError
-from contract import CacheContract, assert_refused, unique_key
+from contract import CacheContract, ContractSmoke, assert_refused, unique_key
 from procs import FORK
-from servers import OwnServer, free_port, scripts
+from servers import free_port, s3_bucket, scripts
 
 from simple_mutex import (
     ConstraintError,
@@ -44,6 +37,8 @@ from simple_mutex import (
     SimpleCacheConditionError,
 )
 from simple_mutex.caches.s3 import S3Cache, client_config, from_url
+
+pytestmark = pytest.mark.backends
 
 ACCESS_KEY, SECRET_KEY = scripts.S3_ACCESS_KEY, scripts.S3_SECRET_KEY
 BUCKET = "simple-mutex-test"
@@ -62,49 +57,18 @@ def new_client(endpoint: str) -> Any:
     )
 
 
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """``moto_server`` on a free loopback port; yields its endpoint."""
-    binary = shutil.which("moto_server", path=str(BIN)) or shutil.which("moto_server")
-    if binary is None:
-        pytest.fail("no `moto_server` binary: pip install moto")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    answers = functools.partial(scripts._http_answers, endpoint + "/")
-    with tempfile.TemporaryDirectory(prefix="simple-mutex-moto-") as workdir:
-        args = [binary, "-H", "127.0.0.1", "-p", str(port)]
-        server = OwnServer(args, Path(workdir), answers).start()
-        try:
-            yield endpoint
-        finally:
-            server.stop(grace=10)
+@pytest.fixture(scope="module")
+def seaweed(seaweed: str) -> str:
+    """The session's SeaweedFS, with this suite's bucket."""
+    s3_bucket(seaweed, BUCKET)
+    return seaweed
 
 
-@contextlib.contextmanager
-def _endpoint(variable: str, start: Callable[[], ContextManager[str]]) -> Iterator[str]:
-    """The server ``variable`` names, else one ``start`` runs; with the test bucket."""
-    given = os.environ.get(variable)
-    with contextlib.nullcontext(given) if given else start() as endpoint:
-        try:
-            new_client(endpoint).create_bucket(Bucket=BUCKET)
-        except ClientError as exc:
-            if "BucketAlready" not in str(exc):
-                raise
-        except Exception as exc:
-            pytest.fail(f"no S3 server answers at {endpoint} ({variable}): {exc!r}")
-        yield endpoint
-
-
-@pytest.fixture(scope="session")
-def seaweed() -> Iterator[str]:
-    with _endpoint("S3_SEAWEED_ENDPOINT", scripts.s3_server) as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(scope="session")
-def moto() -> Iterator[str]:
-    with _endpoint("S3_MOTO_ENDPOINT", moto_server) as endpoint:
-        yield endpoint
+@pytest.fixture(scope="module")
+def moto(moto: str) -> str:
+    """The session's moto server, with this suite's bucket."""
+    s3_bucket(moto, BUCKET)
+    return moto
 
 
 @pytest.fixture
@@ -132,7 +96,7 @@ class TestS3CacheContractSeaweedFS(CacheContract):
     foreign_key_chars = "\\"  # SeaweedFS does not keep a backslash in an object name as written
 
 
-class TestS3CacheContractMoto(CacheContract):
+class TestS3CacheContractMoto(ContractSmoke):
     """...and against moto's server (AWS's error codes)."""
 
     @pytest.fixture
@@ -440,7 +404,6 @@ def _read_inherited(cache: S3Cache, keys: list[str], failures: str) -> None:
         f.write(f"{bad}\n")
 
 
-@pytest.mark.slow
 def test_a_forked_child_never_shares_the_parents_connections(seaweed: str, tmp_path: Path):
     """A cache inherited through fork() (Celery prefork) must not read replies meant for
     another process: each child drops the client's pooled connections it inherited

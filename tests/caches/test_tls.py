@@ -18,6 +18,8 @@ from tls import make_ca
 
 from simple_mutex import MalfunctionError, Mutex, cache_from_url
 
+pytestmark = pytest.mark.backends
+
 PASSWORD = "tls-s3cret-pw"
 
 

@@ -31,6 +31,8 @@ from celery.schedules import BaseSchedule, crontab, schedule, solar
 from celery_mutex.beat import MutexScheduler, MutexSchedulerMixin, tick_slot
 from simple_mutex import InMemoryCache
 
+pytestmark = pytest.mark.fast
+
 UTC = dt.timezone.utc
 ZONES = ["Europe/Berlin", "America/New_York", "Asia/Kolkata", "Australia/Lord_Howe", "UTC"]
 ORDINARY_DAY = dt.date(2026, 6, 10)

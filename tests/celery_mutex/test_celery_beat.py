@@ -41,6 +41,8 @@ from celery_mutex.beat import (
 )
 from simple_mutex import ConstraintError, InMemoryCache, cache_from_url
 
+pytestmark = pytest.mark.integrations
+
 UTC = dt.timezone.utc
 
 
@@ -269,7 +271,6 @@ def _per_slot(rows: list[dict[str, Any]], entry: str) -> Counter[str]:
     return Counter(row["slot"] for row in rows if row["entry"] == entry)
 
 
-@pytest.mark.slow
 def test_three_guarded_beats_run_every_slot_exactly_once(cluster: Cluster) -> None:
     """3 beats with MutexScheduler, 1 s entries (one sent by task.apply_async, one by
     send_task), a 2-process prefork worker, 20 s; the beat that sent most ticks is
@@ -310,7 +311,6 @@ def test_three_guarded_beats_run_every_slot_exactly_once(cluster: Cluster) -> No
     assert skipped >= len(slow)  # a 2.5 s job on a 1 s tick: most ticks are skipped
 
 
-@pytest.mark.slow
 def test_three_plain_beats_send_duplicates(cluster: Cluster) -> None:
     """The same setup with Celery's own PersistentScheduler: every tick goes out about
     three times (so the guarded test above can fail)."""
@@ -333,7 +333,6 @@ def test_three_plain_beats_send_duplicates(cluster: Cluster) -> None:
     assert max(per_second.values()) >= 2
 
 
-@pytest.mark.slow
 def test_worker_drops_a_second_copy_of_a_tick_and_keeps_its_retries(cluster: Cluster) -> None:
     """Two messages of one tick to a real worker: one runs, one is dropped and counted;
     a stamped task that retries itself still runs."""
@@ -354,7 +353,6 @@ def test_worker_drops_a_second_copy_of_a_tick_and_keeps_its_retries(cluster: Clu
     assert retried.get(timeout=20) == 1  # the retry carries the slot and still runs
 
 
-@pytest.mark.slow
 def test_three_guarded_beats_run_a_kolkata_crontab_tick_exactly_once(cluster: Cluster) -> None:
     """3 real beats with MutexScheduler, the app in Asia/Kolkata (UTC+05:30), a crontab
     every minute of the local hours the test runs in, across a minute boundary: that
@@ -409,7 +407,6 @@ def _slot_time(slot: str) -> float:
     return dt.datetime.fromisoformat(slot.partition("@")[2].replace("Z", "+00:00")).timestamp()
 
 
-@pytest.mark.slow
 def test_overlap_skip_or_buffer_one(roomy_cluster: Cluster) -> None:
     """Temporal's two overlap choices on a guarded beat: a 2.5 s job (skip) and 2.2 s
     jobs (buffer one, two ways) on a 1 s tick, for 12 s. skip (``on_busy="skip"``): every

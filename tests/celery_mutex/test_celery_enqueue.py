@@ -33,7 +33,7 @@ from workers import wait_until
 from celery_mutex import AlreadyQueuedError, MutexTask, is_skipped
 from simple_mutex import Mutex, cache_from_url
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 GET = 20
 

@@ -22,6 +22,8 @@ from workers import wait_until
 from celery_mutex import exits, parent
 from celery_mutex.exits import ExitWatch, exit_watch
 
+pytestmark = pytest.mark.integrations
+
 
 class Holder:
     """A child process that runs until ``end()`` (its stdin closes); not reaped until

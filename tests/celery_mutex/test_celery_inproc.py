@@ -30,6 +30,8 @@ from simple_mutex import (
     cache_from_url,
 )
 
+pytestmark = pytest.mark.integrations
+
 GET = 10  # seconds any single result may take
 
 

@@ -37,7 +37,7 @@ from celery_mutex import is_skipped
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 GET = 60
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 MODULE = "celery_support.line_app"
 

@@ -20,6 +20,8 @@ from celery_mutex.keys import stable_encoding
 from rq_mutex import mutex_job
 from simple_mutex import ConstraintError, InMemoryCache, Mutex, SimpleMutexAcquireTimeoutError
 
+pytestmark = pytest.mark.fast
+
 
 def _app(**conf: Any) -> Celery:
     app = Celery("opts", set_as_current=False, broker="memory://", backend="cache+memory://")
@@ -157,6 +159,7 @@ def test_settings_come_from_app_conf_or_django_and_task_options_win():
         _task(_app(broker_url="redis://127.0.0.1:6379/11"))._mutex_config()
 
 
+@pytest.mark.integrations
 def test_cache_clients_are_rebuilt_after_fork():
     """A forked child (Celery prefork) builds its own cache client, not the parent's."""
     task = _task()

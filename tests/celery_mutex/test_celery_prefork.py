@@ -28,7 +28,7 @@ from simple_mutex import Mutex, cache_from_url
 
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 
 class Workers(Processes):

@@ -31,7 +31,7 @@ from celery import Celery
 from celery_mutex import MutexTask
 from simple_mutex import ConstraintError, InMemoryCache, Mutex, cache_from_url
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 
 class Workers(Processes, Checks):

@@ -15,7 +15,7 @@ from workers import wait_until
 # isort: split
 from celery_mutex import is_skipped
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 
 workers = test_celery_replace.workers  # its two prefork workers, for this module

@@ -19,7 +19,7 @@ from workers import ReleaseLater
 # isort: split
 from simple_mutex import Mutex, cache_from_url
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 
 def test_a_soft_time_limit_while_waiting_fails_the_task_and_skips_its_body():

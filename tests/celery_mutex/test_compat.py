@@ -40,7 +40,10 @@ GET = 10  # seconds any single result may take
 
 # The worker's app is configured by the peers' settings on purpose; their deprecation is
 # asserted by the settings tests below.
-pytestmark = pytest.mark.filterwarnings("ignore:app.conf.*celery_mutex.compat:DeprecationWarning")
+pytestmark = [
+    pytest.mark.integrations,
+    pytest.mark.filterwarnings("ignore:app.conf.*celery_mutex.compat:DeprecationWarning"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from celery_mutex.config import config_of
 from simple_mutex import events
 from simple_mutex.journal import parse_line, to_json
 
+pytestmark = pytest.mark.integrations
+
 URL = "redis://127.0.0.1:6379/9"
 
 

@@ -27,6 +27,8 @@ from simple_mutex import InMemoryCache, Mutex
 from simple_mutex.contrib import _common, opentelemetry
 from simple_mutex.contrib._common import WAIT_BUCKETS
 
+pytestmark = pytest.mark.fast
+
 
 @dataclass
 class Telemetry:

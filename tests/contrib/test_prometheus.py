@@ -19,6 +19,8 @@ from workers import spin, wait_until
 from simple_mutex import ConstraintError, InMemoryCache, Mutex, SimpleMutexLeaseExpiredError
 from simple_mutex.contrib import _common, prometheus
 
+pytestmark = pytest.mark.fast
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -55,6 +57,7 @@ def endpoint() -> Iterator[tuple[CollectorRegistry, int]]:
     uninstrument()
 
 
+@pytest.mark.backends
 def test_scraped_counts_equal_what_the_contention_run_saw(endpoint):
     """N acquired, M busy, one timed out, K lost: acquires_total by outcome, lost_total,
     the wait histogram's count (every acquire) and the hold histogram's count (every

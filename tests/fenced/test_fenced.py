@@ -23,7 +23,7 @@ from fenced_support import (
     new_table,
     s3_client,
 )
-from servers import scripts
+from servers import s3_bucket
 from sqlalchemy import orm
 
 from simple_mutex import (
@@ -40,6 +40,8 @@ from simple_mutex.fenced import (
     fenced_update,
     fenced_upsert,
 )
+
+pytestmark = pytest.mark.backends
 
 
 @pytest.fixture
@@ -374,10 +376,10 @@ def test_redis_bad_input_and_wrong_type(rkey):
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    with scripts.s3_server() as endpoint:
-        s3_client(endpoint).create_bucket(Bucket=S3_BUCKET)
-        yield endpoint
+def s3_endpoint(seaweed: str) -> str:
+    """The session's SeaweedFS, with the fenced suites' bucket."""
+    s3_bucket(seaweed, S3_BUCKET)
+    return seaweed
 
 
 def test_s3_put_new_equal_stale_and_an_object_from_before_fences(s3_endpoint):
@@ -434,7 +436,6 @@ def test_s3_a_lost_race_is_retried_and_judged_again(s3_endpoint):
     assert real.get_object(Bucket=S3_BUCKET, Key=key)["Body"].read() == b"ours"
 
 
-@pytest.mark.slow
 def test_redis_cluster_runs_the_script_on_whichever_master_holds_the_key(redis_servers, tmp_path):
     """A three-master Redis Cluster: keys spread over several masters are each written,
     read back and guarded (the value and its fence share one key, so one slot)."""

@@ -13,7 +13,7 @@ from fenced_support import POSTGRES_URL, drop_table, new_table, pg_row
 
 from simple_mutex import FencedOutError
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integrations
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ from fenced_support import POSTGRES_URL, django_model, drop_table, new_table
 from simple_mutex import ConstraintTypeError, ConstraintValueError, FencedOutError
 from simple_mutex.fenced.django import fenced_update_queryset, fenced_upsert_model
 
+pytestmark = pytest.mark.backends
+
 
 @pytest.fixture
 def table() -> Iterator[str]:
