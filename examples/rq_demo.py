@@ -3,8 +3,10 @@
 Needs Redis at ``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``). Enqueues 12 charges
 over 3 orders (``on_busy="retry"``: a busy charge returns ``rq.Retry`` and runs again
 later under the same job id) and 4 copies of a nightly report (``on_busy="skip"``), then
-runs two ``rq worker --burst --with-scheduler`` processes side by side, in rounds until
-every job has ended (each round's scheduler pass re-enqueues the retries that are due).
+runs two ``rq worker -w rq_mutex.Worker --burst --with-scheduler`` processes side by side,
+in rounds until every job has ended (each round's scheduler pass re-enqueues the retries
+that are due). ``rq_mutex.Worker`` is RQ's worker that also reaps a dead job's lock and,
+with redis-py 8.2, exits at once (RQ's own may wait a minute for its pubsub thread).
 Prints runs, skips, retries and overlaps; exits non-zero if a check fails.
 
     python examples/rq_demo.py
@@ -92,7 +94,8 @@ def main() -> int:
     everything = jobs + reports
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     rq = str(Path(sys.executable).parent / "rq")
-    command = [rq, "worker", "--burst", "--with-scheduler", "-q", "-u", REDIS_URL, queue.name]
+    command = [rq, "worker", "-w", "rq_mutex.Worker", "--burst", "--with-scheduler", "-q"]
+    command += ["-u", REDIS_URL, queue.name]
     deadline = time.monotonic() + 60
     rounds = 0
     try:
