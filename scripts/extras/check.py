@@ -323,7 +323,8 @@ def check_celery(extras: list[str]) -> None:
 
 
 def check_rq() -> None:
-    """A real ``rq worker`` runs one ``mutex_job`` on the Redis at REDIS_URL."""
+    """A real ``rq worker -w rq_mutex.Worker`` (as the guide starts them) runs one
+    ``mutex_job`` on the Redis at REDIS_URL."""
     import redis
     from rq import Queue
 
@@ -339,7 +340,7 @@ def check_rq() -> None:
     rq = str(Path(sys.executable).with_name("rq"))
     with log.open("wb") as sink:
         worker = subprocess.run(
-            [rq, "worker", "--burst", "--url", url, queue.name],
+            [rq, "worker", "-w", "rq_mutex.Worker", "--burst", "--url", url, queue.name],
             stdout=sink, stderr=subprocess.STDOUT, env=_worker_env(), timeout=120,
         )  # fmt: skip
     seen = job.return_value()
