@@ -53,7 +53,9 @@ fi
 # Coverage: on Python 3.12 and later (CI's). CPython 3.11 under a tracer can stall a thread
 # that an asynchronous exception (the lease interrupt) is sent to, for good
 # (coveragepy#1626), so there the tests run unmeasured.
-coverage=(--cov --cov-append --cov-report=)
+# (--cov-fail-under=0: pytest-cov would hold each tier alone to the floor; the floor is
+# for the four together, checked by the coverage report at the end.)
+coverage=(--cov --cov-append --cov-report= --cov-fail-under=0)
 if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     say "coverage is not measured on Python 3.11 (coveragepy#1626): use PYTHON=python3.12"
     coverage=()
