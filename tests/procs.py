@@ -152,6 +152,13 @@ def taken_from_paused(
             holder.kill()
 
 
+def published(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a reader polling for the file never
+    sees it empty, as it could between write_text's open and its write)."""
+    Path(path + ".part").write_text(text)
+    os.replace(path + ".part", path)
+
+
 def hold_with_writer(
     mutex: Mutex, key: str, report: str, write_until: Callable[[Lease, threading.Event], None]
 ) -> None:
@@ -165,7 +172,7 @@ def hold_with_writer(
     try:
         with mutex.acquire(key, renew=True) as lease:
             helper = threading.Thread(target=write_until, args=(lease, stop))
-            Path(report).write_text(str(lease.fence))
+            published(report, str(lease.fence))
             helper.start()
             while True:
                 time.sleep(0.01)
@@ -175,7 +182,7 @@ def hold_with_writer(
         stop.set()
     if helper is not None and helper.is_alive():
         helper.join(10)
-    Path(report + ".done").write_text(outcome)
+    published(report + ".done", outcome)
 
 
 class Row(NamedTuple):
