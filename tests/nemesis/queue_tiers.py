@@ -706,8 +706,10 @@ def run_cron(seed: int, duration: float, workdir: Path, kinds: set[str] | None) 
     config = str(Path(__file__).with_name("cron_config.py"))
 
     def start_worker() -> None:
-        procs.start("cw", ["rq", "worker", "-w", "rq.worker.SimpleWorker", "-u", REDIS,
-                           env["NEM_QUEUE"]])  # fmt: skip
+        # RQ's SimpleWorker, but its stop never waits a minute for its pubsub thread (a
+        # warm stop that did was called a hang).
+        worker = "rq_support.workers.SimpleWorker"
+        procs.start("cw", ["rq", "worker", "-w", worker, "-u", REDIS, env["NEM_QUEUE"]])
 
     def start_one(name: str) -> None:
         procs.start(name, ["rq", "cron", "-u", REDIS, config])
