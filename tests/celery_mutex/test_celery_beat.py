@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import re
 import signal
 import subprocess
 import tempfile
@@ -294,12 +295,18 @@ def test_three_guarded_beats_run_every_slot_exactly_once(cluster: Cluster) -> No
     rows = cluster.runs(run)
     window = range(int(started) + 4, int(stopped) - 1)  # beats start within ~3 s
     assert len(window) >= 15
+    killed_log = cluster.log_text(f"beat-{run}-{busiest}")
     for entry in ("fast", "remote"):
         counts = _per_slot(rows, entry)
         assert None not in counts  # every run carries its slot
         assert [s for s, n in counts.items() if n > 1] == []  # no slot ran twice
         expected = [f"{entry}@{tick_slot(schedule(1.0), s)[0]}" for s in window]
-        assert [s for s in expected if counts[s] != 1] == []  # every slot ran once
+        # Every slot ran once, but one: the guide's "sent once" allows the killed beat's
+        # last claim to be lost, killed between claim and publish. The kill aims at
+        # mid-period, but a loaded machine may run that beat's send late, into it.
+        claims = re.findall(rf" claimed ({entry}@\S+)", killed_log)
+        lost = [s for s in expected if counts[s] != 1]
+        assert lost in ([], claims[-1:]), f"slots that did not run once: {lost}"
         after_kill = [s for s in expected[-8:] if counts[s] == 1]
         assert len(after_kill) == 8
     winners = [i for i in range(3) if " claimed fast@" in cluster.log_text(f"beat-{run}-{i}")]
