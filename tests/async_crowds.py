@@ -53,6 +53,8 @@ def contend(
     return (*(process.exitcode for process in children), total, overlaps, inside)
 
 
-def os_threads() -> int:
-    """OS threads of this process (an executor's or a driver's would show here)."""
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> frozenset[str]:
+    """The OS threads of this process, by id (an executor's or a driver's would show
+    here). A test counts those new since a moment (``len(os_threads() - before)``), not
+    the total, which a thread of an earlier test ending meanwhile would lower."""
+    return frozenset(os.listdir("/proc/self/task"))

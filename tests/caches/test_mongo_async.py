@@ -223,7 +223,7 @@ def test_500_waiting_coroutines_start_no_thread(
         ]
         for _ in range(10):
             await asyncio.sleep(0.05)
-            seen_threads.append(os_threads() - before)
+            seen_threads.append(len(os_threads() - before))
         outcomes = await asyncio.gather(*crowd, return_exceptions=True)
         assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes[:3]
         await lease.release_async()

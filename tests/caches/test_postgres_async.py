@@ -258,11 +258,11 @@ def test_500_waiting_coroutines_start_no_thread(admin: psycopg.Connection[Any]) 
         crowd = [asyncio.ensure_future(waiter()) for _ in range(500)]
         for _ in range(10):
             await asyncio.sleep(0.05)
-            seen_threads.append(os_threads() - before)
+            seen_threads.append(len(os_threads() - before))
         assert not any(task.done() for task in crowd)
         await lease.release_async()
         await asyncio.gather(*crowd)
-        seen_threads.append(os_threads() - before)
+        seen_threads.append(len(os_threads() - before))
         await cache.close()
 
     run(main())
