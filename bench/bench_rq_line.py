@@ -26,7 +26,6 @@ import uuid
 from pathlib import Path
 
 import redis
-from rq import Queue
 from rq.job import Job, JobStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import rq_line_jobs  # noqa: E402
 from bench.bench_line import ideal_makespan, out_of_order, sends  # noqa: E402
+from rq_mutex import Queue  # noqa: E402
 
 URL = os.environ.get("BL_REDIS", "redis://127.0.0.1:6379/12")
 ENTITIES = int(os.environ.get("BENCH_ENTITIES", "20"))

@@ -15,8 +15,12 @@ celery-singleton can keep their code: ``celery_mutex.compat`` has drop-in classe
 from __future__ import annotations
 
 from simple_mutex.busy import SKIPPED, current_lease, is_skipped
+from simple_mutex.busy.extras import queue_imports
 
-from . import safety_net, signals
+with queue_imports("celery_mutex", "Celery", "celery"):
+    from . import _celery  # noqa: F401  (first: a missing Celery names its extra here)
+
+from . import safety_net, signals, startup
 from .config import acl_prefixes
 from .errors import AlreadyQueuedError, ConstantKeyWarning
 from .task import MutexTask
@@ -31,4 +35,5 @@ __all__ = [
     "is_skipped",
     "safety_net",  # imported for its signal handlers (release on every ending)
     "signals",
+    "startup",  # imported for its check as a worker starts
 ]

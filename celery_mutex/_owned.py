@@ -1,14 +1,15 @@
 """Locks owned by a Celery task id: the token is ``"<owner>.<attempt>"``, ``owner`` the
-task id (hashed when it holds characters a record or a log should not carry), ``attempt``
-the task's ``retries``. So the worker's parent, which sees a child die (WorkerLostError,
-hard time limit, ``revoke(terminate=True)``), can free that child's lock by owner
-(``release_where``). A retry of the same task id, which ``Task.retry`` publishes
-*before* the old run unwinds, finds the record its earlier attempt still holds: it waits
-for that attempt to let go (up to a lease, whatever ``on_busy`` says), since the earlier
-attempt is still running its ``finally:`` blocks under the lock. (Taking the record over,
-as this did before, ran the retry beside that clean-up with the same fence.) An
-``acks_late`` redelivery of the *same* attempt (its holder may still run) is busy until
-the holder frees the lock or its lease lapses (DESIGN §6).
+task id (hashed when it holds characters a record or a log should not carry),
+``attempt`` the task's ``retries``. So the worker's parent, which sees a child die
+(WorkerLostError, hard time limit, ``revoke(terminate=True)``), can free that child's
+lock by owner and attempt (``release_where``), and never a retry's. A retry of the same
+task id, which ``Task.retry`` publishes *before* the old run unwinds, finds the record
+its earlier attempt still holds: it waits for that attempt to let go (up to a lease,
+whatever ``on_busy`` says), since the earlier attempt is still running its ``finally:``
+blocks under the lock. (Taking the record over, as this did before, ran the retry beside
+that clean-up with the same fence.) An ``acks_late`` redelivery of the *same* attempt
+(its holder may still run) is busy until the holder frees the lock or its lease lapses
+(lifecycle rule 12).
 """
 
 from __future__ import annotations
@@ -73,9 +74,13 @@ class OwnedLocks:
                 timeout = None if timeout is None else max(timeout, self.space.lease)
         return self.space.acquire(key, timeout=timeout, renew=renew, label=label, token=token)
 
-    def release_owner(self, key: str, owner: str) -> bool:
-        """Free every permit of ``key`` that ``owner`` holds (from any process)."""
-        return self.space.release_where(key, lambda held: _split(held)[0] == owner)
+    def release_owner(self, key: str, owner: str, *, attempt: int | None) -> bool:
+        """Free the permits of ``key`` that attempt ``attempt`` of ``owner`` holds (None:
+        every attempt's), from any process. A retry shares its owner with the attempt
+        before it: freeing a dead attempt must leave a live retry's lock alone."""
+        if attempt is None:
+            return self.space.release_where(key, lambda held: _split(held)[0] == owner)
+        return self.space.release_where(key, lambda held: _split(held) == (owner, attempt))
 
     def holder(self, key: str) -> Holder | None:
         """A current holder of ``key``, if any; None also when it cannot be read (it is

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 from simple_mutex import Lease, SimpleMutexAcquireTimeoutError
 from simple_mutex.busy import RunAgain, Skip, skip_marker, unreachable
 
-from . import line, per_call, replace, signals
+from . import call_state, line, per_call, replace, signals
 from ._celery import Retry
 from ._owned import owner_of
 from .config import Config, config_of
@@ -29,8 +29,9 @@ def before_start(
     kwargs: dict[str, Any],
     direct: bool = False,
 ) -> None:
-    """Leaves on ``task.request`` either ``mutex_lease`` (held, loss interrupt armed for
-    this thread) or ``mutex_skipped`` (the marker to return instead of running).
+    """Leaves in the call's state (``call_state.of(task.request)``) either ``lease``
+    (held, loss interrupt armed for this thread) or ``skipped`` (the marker to return
+    instead of running).
     ``direct``: a direct call (``task(...)``), synchronous and never a beat's tick."""
     request = task.request
     synchronous = direct or bool(request.is_eager)
@@ -84,13 +85,13 @@ def before_start(
     except SimpleMutexAcquireTimeoutError as busy:
         _busy(task, cfg, key, busy, args, kwargs, synchronous)
         return
-    request.mutex_lease = lease
-    request.mutex_started = time.monotonic()
+    state = call_state.of(request)
+    state.lease, state.started = lease, time.monotonic()
     log.debug("acquired %r for %s[%s] (fence %d)", key, task.name, task_id, lease.fence)
     lease.on_lost(functools.partial(_lost, task, task_id, lease))
     if not synchronous:  # a newer on_busy="replace" call may take the key and stop us
         replace.watch(lease)
-    waited = request.mutex_started - started
+    waited = state.started - started
     signals.mutex_acquired.send(
         sender=task, task_id=task_id, key=key, fence=lease.fence, waited=waited
     )
@@ -167,7 +168,7 @@ def _skip(task: Any, marker: dict[str, Any], *, reason: str, holder: str | None)
     event (fields ``key``, ``reason`` "busy" | "duplicate tick" | "redelivered tick" |
     "superseded" (keep latest, debounce: an arrival a newer call replaced), ``holder``)."""
     request = task.request
-    request.mutex_skipped = marker
+    call_state.of(request).skipped = marker
     if request.is_eager or not request.hostname or not getattr(task, "send_events", True):
         return  # no worker: no event stream to send to
     try:

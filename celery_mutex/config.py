@@ -86,12 +86,14 @@ def check_options(task_name: str, options: object) -> dict[str, Any]:
 
 
 def check_combination(where: str, options: dict[str, Any]) -> None:
-    """Options that contradict each other (here, at definition, when the task's own
-    dict has them all; again once merged with the app's settings)."""
-    if options.get("on_busy") != "replace":
+    """Options that contradict each other (here, at definition, when the task's own dict
+    names its on_busy: what the app sets cannot change what the task asked for; again
+    once merged with the app's settings). Debounce's fields merge one by one with the
+    app's ``mutex_debounce``, so they are checked merged only."""
+    if options.get("on_busy") in (None, "debounce"):
         return
-    BusyPolicy.from_options(where, options)  # permits, timeout
-    if options.get("enqueue") is not None:
+    BusyPolicy.from_options(where, options)  # permits, timeout, queue= against on_busy
+    if options["on_busy"] == "replace" and options.get("enqueue") is not None:
         raise ConstraintValueError(
             f"{where}: enqueue answers a new call with the one already queued or running, "
             "and on_busy='replace' makes the new call win: drop enqueue, or choose "
@@ -178,11 +180,7 @@ def _build(task: Any) -> Config:
         )
     locks = OwnedLocks(policy.lock_space(cache, merged["prefix"], name=task.name))
     lines = Lines(
-        cache,
-        lease=policy.lease,
-        park_for=policy.queue.park_for,
-        prefix=beside("line.", merged["prefix"]),
-        lock_prefix=merged["prefix"],
+        cache, lease=policy.lease, park_for=policy.queue.park_for, lock_prefix=merged["prefix"]
     )
     return Config(policy, locks, markers, merged["enqueue"], merged["enqueue_until"], lines)
 

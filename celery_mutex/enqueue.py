@@ -108,7 +108,7 @@ def send_once(
     try:
         return send(args, kwargs, task_id=task_id, **options)
     except BaseException:
-        markers.release_owner(key, owner_of(task_id))
+        markers.release_owner(key, owner_of(task_id), attempt=None)
         raise
 
 
@@ -135,7 +135,7 @@ def unmark(task: Any, task_id: str, args: Any, kwargs: Any, request: Any = None)
         markers = config_of(task).markers
         if markers is not None:
             key = per_call.key_of(task, args, kwargs, per_call.of_request(request))
-            markers.release_owner(key, owner_of(task_id))
+            markers.release_owner(key, owner_of(task_id), attempt=None)
     except Exception as exc:  # from a signal handler: log, never raise into Celery
         log.warning("%s[%s]: could not clear its enqueue marker: %r", task.name, task_id, exc)
 
@@ -158,6 +158,6 @@ def unmark_refused(app: Any, headers: Any) -> None:
         if not prefix.startswith("queued."):  # only ever a marker, never a task's lock
             return
         markers = OwnedLocks(Mutex(shared_cache(spec), prefix=prefix, name="enqueue"))
-        markers.release_owner(key, owner_of(task_id))
+        markers.release_owner(key, owner_of(task_id), attempt=None)
     except Exception as exc:  # from a signal handler: log, never raise into Celery
         log.warning("refused call %r: could not clear its enqueue marker: %r", headers, exc)

@@ -1,5 +1,5 @@
 """Act once a process has exited: how the worker's main process frees a pool child's lock
-after a hard time limit or ``revoke(terminate=True)`` (DESIGN §4 rule 12).
+after a hard time limit or ``revoke(terminate=True)`` (lifecycle rule 12).
 
 A signal sent is not a process dead. billiard reports a hard time limit before it sends
 SIGTERM (and SIGKILL 0.1 s later); a revoke is announced right after its SIGTERM; either

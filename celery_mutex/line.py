@@ -21,7 +21,7 @@ A call that arrives with no ticket (``send_task``, a beat's send) takes its plac
 arrives. Synchronous calls (``apply()``, ``task_always_eager``, direct calls) have no
 line: they wait for the lock, as ``on_busy="wait"`` does.
 
-``on_busy="latest"`` and ``"debounce"`` (issue 25) are the same line holding one waiting
+``on_busy="latest"`` and ``"debounce"`` are the same line holding one waiting
 call per key (``simple_mutex.busy.line.collapse``): a newer call takes its place, and the
 call it replaced resolves at once, its result the skip marker with ``reason`` superseded
 and ``by`` the task id of the call that took its place (``resolve``). A debounced call
@@ -33,32 +33,27 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from simple_mutex import Lease, MalfunctionError, SimpleMutexAcquireTimeoutError
+from simple_mutex import Lease, MalfunctionError
 from simple_mutex.busy import skip_marker
 from simple_mutex.busy.line import (
     Collapse,
-    Duplicate,
     Lines,
-    Park,
     Publish,
-    Run,
-    RunLate,
     Superseded,
     Ticket,
     collapse_for,
-    pass_on,
-    report,
+    driver,
     ticket_of,
 )
-from simple_mutex.busy.policy import IN_LINE, unreachable
+from simple_mutex.busy.policy import IN_LINE, QueuePolicy, unreachable
+from simple_mutex.busy.port import Published
 from simple_mutex.errors import ConstraintTypeError, ConstraintValueError, LineFullError
 
-from . import per_call, signals
+from . import call_state, per_call, signals
 from ._celery import (
     DisabledBackend,
     EagerResult,
@@ -76,7 +71,6 @@ from .slots import BEAT_SLOT
 log = logging.getLogger("celery_mutex")
 
 HEADER = "mutex_line"  # {"epoch", "number"}: the call's ticket; a worker makes it an attribute
-ARRIVALS = 8  # a lock taken under an arrival and lost to a start's re-decision, in a row
 
 
 def _found(request: Any, name: str) -> Any:
@@ -352,27 +346,40 @@ def _is_json(value: Any) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class TaskPublisher:
+    """The port's publisher for one task: a parked call goes out again with
+    ``send_task``, same task id, same ticket."""
+
+    task: Any
+    log: logging.Logger = log
+
+    @property
+    def name(self) -> str:
+        return str(self.task.name)
+
+    def publish(self, key: str, what: Publish, *, by: str) -> Published:
+        message = what.message
+        self.task._get_app().send_task(
+            message["task"],
+            args=message["args"],
+            kwargs=message["kwargs"],
+            task_id=message["id"],
+            headers=message["headers"],
+            add_to_parent=False,
+            **message["options"],
+        )
+        log.debug("published %s[%s], ticket %d, by %s", message["task"], message["id"],
+                  what.ticket, by)  # fmt: skip
+        signals.mutex_promoted.send(
+            sender=self.task, task_id=message["id"], key=key, ticket=what.ticket, by=by
+        )
+        return "sent"
+
+
 def publish(task: Any, key: str, what: Publish | None, *, by: str) -> None:
     """Send a parked call again, for its turn (same task id, same ticket)."""
-    if what is None:
-        return
-    message = what.message
-    app = task._get_app()
-    app.send_task(
-        message["task"],
-        args=message["args"],
-        kwargs=message["kwargs"],
-        task_id=message["id"],
-        headers=message["headers"],
-        add_to_parent=False,
-        **message["options"],
-    )
-    log.debug("published %s[%s], ticket %d, by %s", message["task"], message["id"], what.ticket, by)
-    signals.mutex_promoted.send(
-        sender=task, task_id=message["id"], key=key, ticket=what.ticket, by=by
-    )
-    waited = None if what.parked_at is None else max(0.0, time.time() - what.parked_at)
-    config_of(task).lines.event("promoted", key, task.name, what.ticket, waited=waited, by=by)
+    driver.publish(TaskPublisher(task), config_of(task).lines, key, what, by=by)
 
 
 # -- a worker's arrival ------------------------------------------------------------------------
@@ -383,13 +390,6 @@ def redelivers(task: Any) -> bool:
     return bool(task.acks_late and task.reject_on_worker_lost)
 
 
-def superseded_marker(key: str, by: Superseded) -> dict[str, Any]:
-    """The result of a call a newer one took the place of: the skip marker, reason
-    ``superseded``, ``by`` the task id of the newer call."""
-    newer = by.by_message.get("id") if isinstance(by.by_message, Mapping) else None
-    return skip_marker("celery_mutex", key, holder=None, reason="superseded", by=newer)
-
-
 def resolve(task: Any, key: str, gone: tuple[Superseded, ...]) -> None:
     """Store the result of each call ``gone`` from the line (a newer call took its
     place), so its ``AsyncResult`` resolves at once. After the line's write: a crash in
@@ -398,14 +398,70 @@ def resolve(task: Any, key: str, gone: tuple[Superseded, ...]) -> None:
         task_id = call.message.get("id") if isinstance(call.message, Mapping) else None
         if task_id is None or task.ignore_result or isinstance(task.backend, DisabledBackend):
             continue  # nobody can read its result
-        marker = superseded_marker(key, call)
-        log.info("%s[%s] superseded in the line of %r by %s", task.name, task_id, key, marker["by"])
+        newer = call.by_message.get("id") if isinstance(call.by_message, Mapping) else None
+        marker = skip_marker("celery_mutex", key, holder=None, reason="superseded", by=newer)
+        log.info("%s[%s] superseded in the line of %r by %s", task.name, task_id, key, newer)
         try:
             task.backend.store_result(task_id, marker, states.SUCCESS)
         except Exception as exc:  # the call is out of the line either way; its result waits
             if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
                 raise  # the caller's own time limit (a send from a task body) goes on up
             log.warning("%s[%s]: storing its superseded result failed: %r", task.name, task_id, exc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskCall(TaskPublisher):
+    """The port's call: the delivery ``task.request`` is running."""
+
+    cfg: Config
+
+    @property
+    def request(self) -> Any:
+        return self.task.request
+
+    @property
+    def id(self) -> str:
+        return str(self.request.id)
+
+    @property
+    def who(self) -> str:
+        return f"{self.task.name}[{self.request.id}]"
+
+    @property
+    def bounds(self) -> QueuePolicy:
+        return self.cfg.policy.queue
+
+    keeps_parked = False  # the line keeps a parked call; the broker's message is acked
+
+    def ticket(self) -> Ticket | None:
+        return ticket_from(self.request)
+
+    def take(self, lines: Lines, key: str) -> Ticket:
+        return lines.take(key)  # a redelivery of it takes its place again as it arrives
+
+    def message(self, ticket: Ticket) -> dict[str, Any]:
+        request = self.request
+        return message_of(self.task, request.args or (), request.kwargs or {}, ticket)
+
+    def redelivers(self) -> bool:
+        return redelivers(self.task)
+
+    def ran_and_failed(self) -> bool:
+        return False  # a failed call's turn ends with it: a copy of it is a duplicate
+
+    def resolve(self, key: str, gone: tuple[Superseded, ...]) -> None:
+        resolve(self.task, key, gone)
+
+    def parked(self, key: str, ticket: Ticket) -> None:
+        call_state.of(self.request).parked = True
+        signals.mutex_parked.send(
+            sender=self.task, task_id=self.request.id, key=key, ticket=ticket.number
+        )
+
+    def started(self, key: str, ticket: Ticket) -> None:
+        # Parked and then handed its own turn by the parking's sweep, it runs after all:
+        # this delivery is the call's end (its enqueue marker is freed with it).
+        call_state.of(self.request).parked = False
 
 
 def arrive(
@@ -417,96 +473,24 @@ def arrive(
     or a duplicate: the slot is free, the message acknowledged; a parked call is
     published again in its turn)."""
     request = task.request
-    task_id, args, kwargs = request.id, request.args or (), request.kwargs or {}
-    lines = cfg.lines
-    ticket = ticket_from(request)
-    if ticket is None:  # sent without one (send_task, beat): its place is its arrival
-        ticket = lines.take(key)
-    collapse = collapse_of(cfg)
-    for _ in range(ARRIVALS):
-        message = message_of(task, args, kwargs, ticket)
-        decided = lines.arrive(key, ticket, message, collapse=collapse)
-        match decided:
-            case Superseded():
-                log.info("%s[%s]: a newer call of %r took its place", task.name, task_id, key)
-                return superseded_marker(key, decided)
-            case Duplicate():
-                log.info(
-                    "%s[%s]: ticket %d of %r is a duplicate; dropped",
-                    task.name,
-                    task_id,
-                    ticket.number,
-                    key,
-                )
-                request.mutex_parked = True  # the call is not over: keep its marker
-                raise Ignore()
-            case Park(superseded=gone):
-                resolve(task, key, gone)
-                request.mutex_parked = True
-                signals.mutex_parked.send(
-                    sender=task, task_id=task_id, key=key, ticket=ticket.number
-                )
-                config_of(task).lines.event("parked", key, task.name, ticket.number)
-                log.info(
-                    "%s[%s] parked in the line of %r (ticket %d)",
-                    task.name,
-                    task_id,
-                    key,
-                    ticket.number,
-                )
-                # Any arrival sweeps its key: a head a dead worker left moves on now.
-                _sweep_key(task, cfg, key)
-                raise Ignore()
-            case RunLate(why="stranger"):
-                # Its line's record is gone (expired, or lost in a failover): it takes a
-                # place in the line as it is now.
-                ticket = lines.take(key)
-                continue
-            case Run() | RunLate():
-                try:
-                    lease = acquire()
-                except SimpleMutexAcquireTimeoutError:
-                    continue  # taken meanwhile: decide again (it parks)
-                started = lines.start(
-                    key, ticket, redelivers=redelivers(task), collapse=collapse, message=message
-                )
-                if isinstance(started, Superseded):
-                    lease.release()
-                    return superseded_marker(key, started)
-                if isinstance(started, Run | RunLate):
-                    if isinstance(started, RunLate):
-                        why, number = started.why, ticket.number
-                        log.warning(
-                            "%s[%s] runs out of order: ticket %d of %r was %s",
-                            task.name,
-                            task_id,
-                            number,
-                            key,
-                            why,
-                        )
-                    # Out of order, said so to the body too (the nemesis records it; None
-                    # when in order): request.mutex_late is the RunLate's why.
-                    request.mutex_late = started.why if isinstance(started, RunLate) else None
-                    request.mutex_ticket = (key, ticket)
-                    return lease
-                lease.release()  # the record changed since: decide again on it
-            case _ as unknown:
-                unreachable(unknown)
-    raise MalfunctionError(
-        f"{task.name}[{task_id}]: the line of {key!r} changed under each of {ARRIVALS} "
-        "arrivals in a row",
-        key=key,
-    )
+    match driver.arrive(TaskCall(task, cfg=cfg), cfg.lines, key, collapse_of(cfg), acquire):
+        case driver.Turn(lease=lease, ticket=ticket, late=late):
+            # Out of order, said so to the body too (the nemesis records it; None when in
+            # order): the state's late is the RunLate's why.
+            state = call_state.of(request)
+            state.late, state.ticket = late, (key, ticket)
+            return lease
+        case driver.Parking() | driver.Dropped(reason="duplicate"):
+            call_state.of(request).parked = True  # the call is not over: keep its marker
+            raise Ignore()
+        case driver.Dropped(by=newer):
+            return skip_marker("celery_mutex", key, holder=None, reason="superseded", by=newer)
+        case _ as unknown:
+            return unreachable(unknown)
 
 
 def _sweep_key(task: Any, cfg: Config, key: str) -> None:
-    queue = cfg.policy.queue
-    try:
-        swept = cfg.lines.sweep(key, promote_grace=queue.promote_grace, gap_for=queue.gap_for)
-        for what in swept.publish:
-            publish(task, key, what, by="sweep")
-    except MalfunctionError as fault:
-        log.warning("%s: sweeping the line of %r failed: %s", task.name, key, fault)
+    driver.sweep_key(TaskPublisher(task), cfg.lines, key, cfg.policy.queue)
 
 
 # -- the end of a run ------------------------------------------------------------------------
@@ -515,10 +499,11 @@ def _sweep_key(task: Any, cfg: Config, key: str) -> None:
 def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
     """Before the lock is released: the turn moves on (or, for ``Task.retry``, stays).
     Returns what to do once it is released: publish the next parked call."""
-    found = getattr(task.request, "mutex_ticket", None)
+    state = call_state.of(task.request)
+    found = state.ticket
     if found is None:
         return _nothing
-    task.request.mutex_ticket = None
+    state.ticket = None
     key, ticket = found
     lines = config_of(task).lines
     again: float | None = None
@@ -526,10 +511,9 @@ def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
         again = _delay(exc.when, exc.when)
     elif isinstance(exc, Reject) and exc.requeue and task.acks_late:
         again = 0.0  # its message goes back to the queue: the call comes again, in its turn
-    return pass_on(
-        lines, key, ticket, again_after=again, who=task.name, log=log,
-        publish=lambda promoted: publish(task, key, promoted, by="end"),
-        sweep=lambda: _sweep_key(task, config_of(task), key),
+    return driver.end(
+        TaskPublisher(task), lines, key, ticket, config_of(task).policy.queue,
+        again_after=again, who=task.name,
     )  # fmt: skip
 
 
@@ -567,81 +551,3 @@ def _from_the_parent(
         publish(task, key, what, by="parent" if step == "end" else "revoke")
     except Exception as exc:  # a signal handler: log, never raise into Celery
         log.warning("%s[%s]: its line moves on at the next sweep: %r", task.name, task_id, exc)
-
-
-# -- the sweep in every worker -----------------------------------------------------------------
-
-
-class Sweeper:
-    """A thread of a worker's main process that sweeps the lines of the app's queueing
-    tasks every ``sweep_every`` seconds: a head nobody ran is published, a dead holder's
-    turn ends, a ticket that never arrived is stepped over. Every worker runs one; their
-    sweeps are compare-and-set writes, so two at once do each change once."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.stopped = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def spaces(self) -> list[tuple[Any, Lines, Config]]:
-        """One (task, lines, config) per line prefix in a cache, of the queueing tasks."""
-        from .task import MutexTask  # the task module imports this one
-
-        found: dict[tuple[int, str], tuple[Any, Lines, Config]] = {}
-        for task in list(self.app.tasks.values()):
-            if not isinstance(task, MutexTask) or task._mutex_spec is None:
-                continue
-            try:
-                cfg = config_of(task)
-            except (ValueError, TypeError):
-                continue  # a task with no cache configured fails when it runs
-            if cfg.policy.in_line:
-                found.setdefault((id(cfg.lines.cache), cfg.lines.prefix), (task, cfg.lines, cfg))
-        return list(found.values())
-
-    def sweep_once(self) -> int:
-        """Sweep every line once; returns how many calls were published."""
-        published = 0
-        for task, lines, cfg in self.spaces():
-            queue = cfg.policy.queue
-            try:
-                keys = lines.keys()
-            except MalfunctionError as fault:
-                log.warning("sweep: listing the lines under %r failed: %s", lines.prefix, fault)
-                continue
-            for key in keys:
-                try:
-                    swept = lines.sweep(
-                        key, promote_grace=queue.promote_grace, gap_for=queue.gap_for
-                    )
-                    for what in swept.publish:
-                        publish(task, key, what, by="sweep")
-                        published += 1
-                except Exception as exc:  # a sweep must go on with the next line
-                    log.warning("sweep: the line of %r: %r", key, exc)
-                    continue
-                report(swept, key, log)
-        return published
-
-    def every(self) -> float:
-        spaces = self.spaces()
-        return min((cfg.policy.queue.sweep_every for _, _, cfg in spaces), default=0.0)
-
-    def start(self) -> None:
-        period = self.every()
-        if period <= 0 or self.thread is not None:
-            return  # no task of this app queues
-        self.thread = threading.Thread(
-            target=self._run, args=(period,), name="celery-mutex-sweep", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, period: float) -> None:
-        while not self.stopped.wait(period):
-            try:
-                self.sweep_once()
-            except Exception as exc:  # the thread outlives any one failed sweep
-                log.warning("sweep failed: %r", exc)
-
-    def stop(self) -> None:
-        self.stopped.set()

@@ -11,7 +11,7 @@ with SimpleMutexLeaseExpiredError.
 Why not ``revoke(terminate=True)``: Celery's worker then stores REVOKED for the task right
 after its signal, while the stopped child stores its own outcome a moment later; which of
 the two a client sees is a race. SIGTERM instead ends the child with SystemExit (REVOKED,
-no lock error: DESIGN §4 rule 13). The stop here only hastens a renewal, so the outcome is
+no lock error: lifecycle rule 13). The stop here only hastens a renewal, so the outcome is
 the lease's, every time. A SIGUSR2 that reaches a child after the task ended (the same
 race as Celery's own terminate) renews whatever that child holds: nothing else happens.
 """
@@ -65,7 +65,7 @@ def take(task: Any, cfg: Config, key: str, owner: str, take_once: Callable[[], L
     label = f"{task.name}[{task.request.id}]"
 
     def free(victim: str) -> bool:
-        freed = cfg.locks.release_owner(key, owner_of(victim))
+        freed = cfg.locks.release_owner(key, owner_of(victim), attempt=None)
         if freed:
             marks.mark(owner_of(victim), label)
         return freed

@@ -8,9 +8,11 @@ timeout.
 
 Celery's ``Task.__call__`` pushes a request that copies the current one, so a direct call
 is told apart by what it copied: ``called_directly`` from a task's idle request (a call
-from outside, or from another task), ``mutex_running`` from a body of this same task
-that is running (a recursive call). A custom ``__call__`` that calls ``super()`` on the
-tracer's behalf copies the traced request before its body runs: that is no direct call.
+from outside, or from another task), the call state's ``running`` from a body of this
+same task that is running (a recursive call: the copy shares the running call's state,
+and gets a state of its own before it takes the lock). A custom ``__call__`` that calls
+``super()`` on the tracer's behalf copies the traced request before its body runs: that
+is no direct call.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from simple_mutex import Lease, MalfunctionError, SimpleMutexLeaseExpiredError
 from simple_mutex.busy import running
 
-from . import acquire, line, per_call, signals
+from . import acquire, call_state, line, per_call, signals
 from ._celery import Retry, uuid
 from ._owned import owner_of
 from .config import config_of
@@ -65,22 +67,21 @@ def run_body(
     task: Any, body: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     request = task.request
-    direct = request.called_directly or getattr(request, "mutex_running", False)
+    direct = request.called_directly or call_state.of(request).running
     if direct:
         if not task.lock_direct_calls:
             return body()  # a plain function call, as the peers' direct calls were
         if _held_here(task, task.mutex_key(*args, **kwargs)):
             return body()  # a subroutine of the run that holds this key
-        request.mutex_lease = request.mutex_skipped = None  # not the caller's, if copied
-        request.mutex_done = False
+        call_state.fresh(request, running=call_state.of(request).running)  # not the caller's
         acquire.before_start(task, f"direct-{uuid()}", args, kwargs, direct=True)
-    skipped = getattr(request, "mutex_skipped", None)
-    if skipped is not None:
-        return skipped
-    lease: Lease | None = getattr(request, "mutex_lease", None)
-    if lease is None or getattr(request, "mutex_done", False):
+    state = call_state.of(request)
+    if state.skipped is not None:
+        return state.skipped
+    lease: Lease | None = state.lease
+    if lease is None or state.done:
         return body()  # no lease was taken for this request: nothing to hold
-    request.mutex_running = True
+    state.running = True
     with running(lease), _holding(task, lease.key):
         try:
             result = body()
@@ -113,7 +114,8 @@ def _holding(task: Any, key: str) -> Iterator[None]:
 def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
     """Disarm and release; raises SimpleMutexLeaseExpiredError if the lease lapsed."""
     request = task.request
-    request.mutex_done = True
+    state = call_state.of(request)
+    state.done = True
     in_time = False
     # on_busy="queue": the turn moves on before the lock is released, and the next in
     # line is published after it (publish-then-forget: a crash between leaves a head a
@@ -134,7 +136,7 @@ def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
         log.debug("%s[%s]: %r passed on to its retry", task.name, request.id, lease.key)
     finally:
         then()
-        held = time.monotonic() - getattr(request, "mutex_started", time.monotonic())
+        held = time.monotonic() - (state.started or time.monotonic())
         log.debug("released %r for %s[%s] after %.3f s", lease.key, task.name, request.id, held)
         signals.mutex_released.send(
             sender=task, task_id=request.id, key=lease.key, held=held, in_time=in_time, by="task"
@@ -142,13 +144,21 @@ def end(task: Any, lease: Lease, exc: BaseException | None) -> None:
 
 
 def release_owner(
-    task: Any, task_id: str, args: Any, kwargs: Any, reason: str, request: Any = None
+    task: Any,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    reason: str,
+    request: Any = None,
+    *,
+    attempt: int | None,
 ) -> bool:
-    """Free the lock ``task_id`` holds, from any process (the worker's parent).
-    ``request``: the call's, when at hand (its per-call key)."""
+    """Free the lock attempt ``attempt`` of ``task_id`` holds (None: any attempt), from
+    any process (the worker's parent). ``request``: the call's, when at hand (its
+    per-call key)."""
     try:
         key = per_call.key_of(task, args, kwargs, per_call.of_request(request))
-        freed = config_of(task).locks.release_owner(key, owner_of(task_id))
+        freed = config_of(task).locks.release_owner(key, owner_of(task_id), attempt=attempt)
     except Exception as exc:  # a signal handler: log, never raise into Celery
         log.warning("%s[%s]: could not free its lock after %s: %r", task.name, task_id, reason, exc)
         return False

@@ -7,12 +7,13 @@
   the handlers below know which child ran it (``parent``).
 * ``task_failure`` in the worker's main process: a child killed (SIGKILL, OOM:
   ``WorkerLostError``) ran no task hook and is gone: its lock is freed at once, by its
-  task id. After a hard time limit the child is still alive when Celery reports it: its
-  lock is freed once the child has exited.
+  task id and attempt (a retry of it may hold the key by then). After a hard time limit
+  the child is still alive when Celery reports it: its lock is freed once the child has
+  exited.
 * ``task_revoked``: any revoke or expiry ends the call, so its enqueue marker goes; after
   ``revoke(terminate=True)`` the lock (and the marker) go once the child has exited.
 * ``worker_ready``: the worker's main process starts sweeping the lines of its app's
-  ``on_busy="queue"`` tasks (``line.Sweeper``); ``worker_shutdown`` stops it.
+  ``on_busy="queue"`` tasks (``sweeper.Sweeper``); ``worker_shutdown`` stops it.
 * ``task_unknown`` / ``task_rejected``: the worker refused the message without running
   it (a task it does not know, an invalid message): the call is over, its marker goes
   (found through the header its sender stamped: ``enqueue.unmark_refused``).
@@ -26,10 +27,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import _celery, line, parent
+from . import _celery, call_state, line, parent
 from ._celery import TimeLimitExceeded, WorkerLostError
 from .enqueue import unmark, unmark_refused
 from .run import end
+from .sweeper import Sweeper
 from .task import MutexTask
 
 log = logging.getLogger("celery_mutex")
@@ -49,11 +51,12 @@ def _release_leftover(
     request = sender.request
     # Reject(requeue=True) puts the message back only if it was not acked on receipt.
     requeued = state == "REJECTED" and getattr(retval, "requeue", False) and sender.acks_late
-    parked = getattr(request, "mutex_parked", False)  # on_busy="queue": not over yet
+    call = call_state.of(request)
+    parked = call.parked  # on_busy="queue": not over yet
     if task_id and state != "RETRY" and not requeued and not parked:
         unmark(sender, task_id, args, kwargs, request)
-    lease = getattr(request, "mutex_lease", None)
-    if lease is None or getattr(request, "mutex_done", False):
+    lease = call.lease
+    if lease is None or call.done:
         return
     try:
         end(sender, lease, None)
@@ -76,14 +79,17 @@ def _release_after_child_died(
 ) -> None:
     if not (isinstance(sender, MutexTask) and task_id):
         return
-    # The call's per-call key: in the context Celery pushed, where it did (not on every
-    # path nor in every version), else in the worker's Request.
-    pushed = sender.request if getattr(sender.request, "id", None) == task_id else None
-    context = parent.request_of(task_id) if pushed is None else pushed
+    # Which delivery failed: the worker Request that reports it (``MutexRequest``), else
+    # the context Celery pushed (not on every path nor in every version), else the last
+    # Request of this task id received here (an attempt of it, maybe not this one).
+    failed = parent.failing()
+    if failed is None or failed.id != task_id:
+        pushed = sender.request if getattr(sender.request, "id", None) == task_id else None
+        failed = parent.request_of(task_id) if pushed is None else pushed
     if isinstance(exception, WorkerLostError):
-        parent.free(sender, task_id, args, kwargs, "WorkerLostError", context)
-    elif isinstance(exception, TimeLimitExceeded):
-        parent.free_when_gone(sender, task_id, args, kwargs, "TimeLimitExceeded", context)
+        parent.free(sender, task_id, args, kwargs, "WorkerLostError", failed)
+    elif isinstance(exception, TimeLimitExceeded) and failed is not None:
+        parent.free_when_gone(sender, failed, "TimeLimitExceeded")
 
 
 def _release_after_revoke(
@@ -93,20 +99,20 @@ def _release_after_revoke(
         return
     args, kwargs = getattr(request, "args", ()), getattr(request, "kwargs", {})
     if terminated:
-        parent.free_when_gone(sender, request.id, args, kwargs, "revoke", request)
+        parent.free_when_gone(sender, request, "revoke")
     else:  # nothing ran: only the "queued" record is left, and its place in a line
         unmark(sender, request.id, args, kwargs, request)
         line.revoked(sender, request.id, args, kwargs, request)
 
 
-_sweepers: dict[int, line.Sweeper] = {}
+_sweepers: dict[int, Sweeper] = {}
 
 
 def _start_sweeping(sender: Any = None, **_: Any) -> None:
     """``worker_ready``: the worker's main process sweeps its app's lines."""
     app = getattr(sender, "app", None)
     if app is not None and id(app) not in _sweepers:
-        sweeper = _sweepers[id(app)] = line.Sweeper(app)
+        sweeper = _sweepers[id(app)] = Sweeper(app)
         sweeper.start()
 
 

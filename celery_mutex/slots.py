@@ -9,7 +9,7 @@ gets a rule that holds on every Celery version the package supports:
 * ``crontab``: its most recent due time at or before now, computed here from the crontab's
   fields on the wall clock of its time zone, not with ``crontab.remaining_delta``: before
   Celery 5.7 that reads the hour and minute of a datetime in the datetime's own zone, so a
-  UTC datetime gave a non-UTC crontab the wrong ticks (issue 21). Across a DST change the
+  UTC datetime gave a non-UTC crontab the wrong ticks. Across a DST change the
   due time of a wall-clock minute is the first instant the clock shows it: a minute the
   clock skips in spring is due when the clock jumps past it, a minute it shows twice in
   autumn is due the first time only (what Celery fires).

@@ -33,7 +33,7 @@ from typing import Any
 
 from simple_mutex import ConstraintTypeError
 
-from . import acquire, enqueue, line, per_call
+from . import acquire, call_state, enqueue, line, per_call
 from ._celery import Task
 from .config import Config, check_options, config_of
 from .keys import KeyOf, make_key_of
@@ -56,6 +56,8 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
     """
 
     mutex: Mapping[str, Any] | None = None
+    # The worker's Request: names the very delivery whose child died (celery_mutex.request).
+    Request = "celery_mutex.request:MutexRequest"
     lock_direct_calls = True  # charge(7) takes the lock like charge.apply((7,))
     _mutex_spec: _Spec | None = None
 
@@ -119,6 +121,6 @@ class MutexTask(Task):  # type: ignore[misc]  # celery ships no type hints: Task
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         acquire.before_start(self, task_id, args, kwargs)
-        started = getattr(self.request, "mutex_lease", None) is not None
+        started = call_state.of(self.request).lease is not None
         if started and config_of(self).enqueue_until == "start":  # once's unlock_before_run
             enqueue.unmark(self, task_id, args, kwargs, self.request)

@@ -15,6 +15,7 @@ import collections
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,7 +64,27 @@ def _celery(*argv: str, log: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def _slot(epoch: int) -> str:
+    return "tick@" + dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+
+
+def _epoch(slot: str) -> int:
+    moment = dt.datetime.strptime(slot.removeprefix("tick@"), "%Y-%m-%dT%H:%M:%SZ")
+    return int(moment.replace(tzinfo=dt.timezone.utc).timestamp())
+
+
+def _beat_of(origin: str | None, beats: dict[str, str]) -> str:
+    """Which beat sent a tick: Celery names a sender "gen<pid>@<host>"."""
+    for prefix, name in beats.items():
+        if (origin or "").startswith(prefix):
+            return name
+    return origin or "-"
+
+
 def main() -> int:
+    print("Part 3: two celery beat processes side by side (MutexScheduler): each tick runs once")
     record = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
     record.ping()  # no Redis: fail here, with redis-py's message
     tmp = Path(tempfile.mkdtemp(prefix="beat-demo-"))
@@ -99,12 +120,15 @@ def main() -> int:
     leftovers += [*record.scan_iter(match=f"_kombu.binding*.beat-demo-{RUN}")]
     record.delete(RUNS, f"beat-demo-{RUN}", *leftovers)
     counts = collections.Counter(row["slot"] for row in rows)
-    senders = {row["slot"]: row["origin"] for row in rows}
-    window = [
-        "tick@" + dt.datetime.fromtimestamp(s, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        for s in range(int(started) + 3, int(stopped))  # the beats start within ~3 s
-    ]
-    claims = {n: (tmp / f"beat-{n}.log").read_text().count(" claimed tick@") for n in (1, 2)}
+    beats = {f"gen{proc.pid}@": f"beat-{n}" for n, proc in enumerate(procs[1:], start=1)}
+    senders = {row["slot"]: _beat_of(row["origin"], beats) for row in rows}
+    logs = {n: (tmp / f"beat-{n}.log").read_text() for n in (1, 2)}
+    claims = {n: log.count(" claimed tick@") for n, log in logs.items()}
+    # The window opens at the first tick a beat claimed: a loaded machine starts the beats
+    # late, and a tick before either was up is not one the guard could run or miss.
+    claimed = re.findall(r" claimed (tick@\S+)", logs[1] + logs[2])
+    first = min((_epoch(slot) for slot in claimed), default=int(stopped))
+    window = [_slot(s) for s in range(max(first, int(started)), int(stopped))]
     print(f"redis     : {REDIS_URL}")
     print(f"beats     : 2, both active; ticks claimed: beat-1 {claims[1]}, beat-2 {claims[2]}")
     print("tick (UTC)                runs  sent by")

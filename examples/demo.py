@@ -4,7 +4,7 @@ Run it with ``scripts/demo.sh`` (sets everything up), or ``python examples/demo.
 ``simple-mutex`` is installed. It takes about 5 seconds and touches only a temporary
 directory.
 
-Part 1, contention. Four worker processes each run 30 critical sections. Each section
+Part 1a, contention. Four worker processes each run 30 critical sections. Each section
 locks one of two bank accounts (``account.alice`` or ``account.bob``) with
 ``Mutex.acquire`` and does a read-modify-write of that account's ledger file: read it,
 pause 2 ms, write it back one higher. Without the lock, two workers would read the same
@@ -12,7 +12,7 @@ value and one increment would be lost. Each write is *fenced*: it carries the le
 fence number and the ledger refuses a fence not above the last one it accepted (that is how
 a real database or API should use ``Lease.fence``).
 
-Part 2, a crash. A process takes ``account.alice`` with a 2 s lease and is killed with
+Part 1b, a crash. A process takes ``account.alice`` with a 2 s lease and is killed with
 SIGKILL while holding it: it never releases. Another process, already waiting, gets the
 lock once the lease has lapsed, with a higher fence.
 
@@ -102,7 +102,7 @@ def write_report(path: Path, data: dict[str, Any]) -> None:
 
 
 def worker(workdir: Path, number: int, barrier: Any) -> None:
-    """Part 1: SECTIONS critical sections on random keys, each logged with its times."""
+    """Part 1a: SECTIONS critical sections on random keys, each logged with its times."""
     mutex = open_mutex(workdir, LEASE, f"worker-{number}")
     rng = random.Random()
     log = []
@@ -137,7 +137,7 @@ def worker(workdir: Path, number: int, barrier: Any) -> None:
 
 
 def stuck_holder(workdir: Path) -> None:
-    """Part 2: take account.alice, do one fenced write, then hang until killed."""
+    """Part 1b: take account.alice, do one fenced write, then hang until killed."""
     mutex = open_mutex(workdir, CRASH_LEASE, "stuck-holder")
     lease = mutex.acquire(KEYS[0], timeout=30)
     fenced_increment(workdir, KEYS[0], lease.fence)
@@ -150,7 +150,7 @@ def stuck_holder(workdir: Path) -> None:
 
 
 def rescuer(workdir: Path) -> None:
-    """Part 2: wait for account.alice (up to 15 s), then do a fenced write."""
+    """Part 1b: wait for account.alice (up to 15 s), then do a fenced write."""
     mutex = open_mutex(workdir, LEASE, "rescuer")
     while not (workdir / "stuck.json").exists():  # start waiting once it is taken
         time.sleep(0.005)
@@ -199,7 +199,7 @@ def overlapping_pairs(sections: list[dict[str, Any]]) -> int:
 
 
 def part_one(workdir: Path, checks: list[Check], summary: list[str]) -> None:
-    print(f"Part 1: {WORKERS} processes x {SECTIONS} critical sections on {len(KEYS)} keys")
+    print(f"Part 1a: {WORKERS} processes x {SECTIONS} critical sections on {len(KEYS)} keys")
     print("  each section: lock the key, read its ledger file, wait 2 ms, write it back +1")
     began = time.monotonic()
     barrier = CTX.Barrier(WORKERS)
@@ -287,7 +287,7 @@ def part_one(workdir: Path, checks: list[Check], summary: list[str]) -> None:
 
 def part_two(workdir: Path, checks: list[Check], summary: list[str]) -> None:
     print()
-    print(f"Part 2: a holder is killed with SIGKILL while it holds {KEYS[0]!r}")
+    print(f"Part 1b: a holder is killed with SIGKILL while it holds {KEYS[0]!r}")
     mutex = open_mutex(workdir, LEASE, "observer")
     stuck = CTX.Process(target=stuck_holder, args=(workdir,), daemon=True)
     helper = CTX.Process(target=rescuer, args=(workdir,), daemon=True)

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import redis
-from rq import Queue, get_current_job
+from rq import get_current_job
 from rq.job import JobStatus
 
 HERE = Path(__file__).resolve().parent
@@ -34,7 +34,7 @@ for path in (str(ROOT), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from rq_mutex import is_skipped, mutex_job  # noqa: E402
+from rq_mutex import Queue, is_skipped, mutex_job  # noqa: E402
 from rq_mutex.job import NO_SCHEDULER_FLAG  # noqa: E402
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -81,6 +81,7 @@ def overlaps(sections: list[dict[str, float]]) -> int:
 
 
 def main() -> int:
+    print("Part 4: RQ workers on the same kinds of jobs (charges retried, a report skipped)")
     import rq_demo  # this file, imported by name: RQ refuses functions from __main__
 
     conn = redis.Redis.from_url(REDIS_URL)

@@ -20,17 +20,16 @@ same whether its horse is dead or orphaned and still running), so this module do
                                 attempt is in that hash, then acquires as usual (a
                                 fresh fence)
 
-Only a reaped attempt is ever freed (DESIGN §4 rule 12): a live one, an orphan whose
+Only a reaped attempt is ever freed (lifecycle rule 12): a live one, an orphan whose
 worker was SIGKILLed, or a live attempt of the same job id enqueued twice by mistake is
-not in the hash, so it keeps the lock. A horse whose worker's main process has not
-imported ``rq_mutex`` (``rq worker`` imports job code only in the horse: start it with
-``-w rq_mutex.Worker``), a ``SimpleWorker`` and a synchronous queue get an attempt no
-one ever records; their dead runs' locks lapse with their lease, as before.
+not in the hash, so it keeps the lock. A horse whose worker is not an
+``rq_mutex.Worker`` (``rq worker -w rq_mutex.Worker``; a class of your own can subclass
+it), a ``SimpleWorker``, a ``SpawnWorker`` and a synchronous queue get an attempt no one
+ever records; their dead runs' locks lapse with their lease, as before.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -40,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rq.job import Job
-from rq.worker import SpawnWorker
 from rq.worker import Worker as RQWorker
 
 from simple_mutex import Mutex, Semaphore
@@ -49,10 +47,9 @@ from simple_mutex.contract import is_async
 log = logging.getLogger("rq_mutex")
 
 ATTEMPT_ENV = "RQ_MUTEX_ATTEMPT"  # "<worker pid>.<attempt>", for the horse being started
+LINE_KEEPER_ENV = "RQ_MUTEX_LINE_KEEPER"  # "1" in an rq_mutex.Worker and its horses
 ENDED = "rq_mutex:ended:"  # + job id: hash of attempt -> when its horse was reaped
 ENDED_TTL = 24 * 3600  # far beyond any retry of a dead attempt's still-valid record
-_HORSE = "_rq_mutex_horse"  # on the Worker, in its main process: the horse it started
-_PATCHED = "_rq_mutex_patched"
 
 
 @dataclass(frozen=True)
@@ -109,38 +106,33 @@ def free_ended_attempts(job: Job, space: Mutex | Semaphore, key: str) -> bool:
     return freed
 
 
-# -- the worker's main process ---------------------------------------------------------
+# -- the worker's main process (``rq_mutex.Worker``) ---------------------------------------
 
 
-def _starts_attempts(fork_work_horse: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fork_work_horse)
-    def wrapper(self: RQWorker, job: Job, queue: Any) -> Any:
+class RecordsReapedHorses(RQWorker):
+    """RQ's forking worker that hands each horse an attempt id and records the horses it
+    reaps that did not exit 0 (``rq_mutex.Worker`` is one). A worker class that overrides
+    ``fork_work_horse`` or ``wait_for_horse`` keeps this when it calls ``super()``."""
+
+    _rq_mutex_horse: _Horse | None = None  # the horse this worker started, while it runs
+
+    def fork_work_horse(self, job: Job, queue: Any) -> None:
         attempt = secrets.token_hex(8)
         os.environ[ATTEMPT_ENV] = f"{os.getpid()}.{attempt}"
         try:
-            result = fork_work_horse(self, job, queue)
+            super().fork_work_horse(job, queue)
         finally:
             os.environ.pop(ATTEMPT_ENV, None)  # a forked horse never returns here
-        setattr(self, _HORSE, _Horse(job.id, self.horse_pid, attempt))
-        return result
+        self._rq_mutex_horse = _Horse(job.id, self.horse_pid, attempt)
 
-    setattr(wrapper, _PATCHED, True)
-    return wrapper
-
-
-def _records_reaped(wait_for_horse: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(wait_for_horse)
-    def wrapper(self: RQWorker) -> Any:
-        pid, status, rusage = wait_for_horse(self)
-        horse = getattr(self, _HORSE, None)
-        if isinstance(horse, _Horse) and pid == horse.pid:
-            setattr(self, _HORSE, None)
+    def wait_for_horse(self) -> tuple[int | None, int | None, Any]:
+        pid, status, rusage = super().wait_for_horse()
+        horse = self._rq_mutex_horse
+        if horse is not None and pid == horse.pid:
+            self._rq_mutex_horse = None
             if status != 0:  # exit 0: the job ran to its end and released what it held
                 _record_ended(self, horse)
         return pid, status, rusage
-
-    setattr(wrapper, _PATCHED, True)
-    return wrapper
 
 
 def _record_ended(worker: RQWorker, horse: _Horse) -> None:
@@ -157,19 +149,3 @@ def _record_ended(worker: RQWorker, horse: _Horse) -> None:
             horse.pid,
             fault,
         )
-
-
-def record_reaped_horses() -> None:
-    """Wrap, once per process, the forking workers' ``fork_work_horse`` (``Worker`` and
-    ``SpawnWorker``, which spawns instead) and ``wait_for_horse``. Nothing else of RQ's
-    changes; a worker class that overrides them without calling them is not covered."""
-    for cls in (RQWorker, SpawnWorker):
-        own = cls.__dict__.get("fork_work_horse")
-        if own is not None and not getattr(own, _PATCHED, False):
-            cls.fork_work_horse = _starts_attempts(own)  # type: ignore[method-assign]
-    own = RQWorker.__dict__["wait_for_horse"]
-    if not getattr(own, _PATCHED, False):
-        RQWorker.wait_for_horse = _records_reaped(own)  # type: ignore[method-assign]
-
-
-record_reaped_horses()

@@ -3,14 +3,14 @@
 Lifecycle of one run (the wrapper is the job function RQ imports by name, so it runs
 under every worker class and in ``Queue(is_async=False)``)::
 
-    enqueue    renew=False: job_timeout must be < lease, or ConstraintError right there
-               (``Queue.create_job``, which every enqueue path goes through)
+    enqueue    through ``rq_mutex.Queue``: renew=False's job_timeout must be < lease, or
+               ConstraintError right there; a line job takes its ticket (``rq_mutex.queue``)
     start      key from the bound arguments; a second copy of an ``rq cron`` tick is
                dropped (skip marker, reason "duplicate tick"; see ``rq_mutex.cron``)
                A skipped run is flagged in ``job.meta`` (saved), for dashboards:
                ``rq_mutex_skipped`` True, ``rq_mutex_skip_reason`` ("busy" |
                "duplicate tick"), ``rq_mutex_holder`` (the holder's label, when known)
-               renew=False: job_timeout < lease again, for jobs made without create_job
+               renew=False: job_timeout < lease again (a plain rq.Queue checks nothing)
                acquire (label "rq:<job id>")
                busy: skip    -> return {"rq_mutex": "skipped", "key": ...}
                      retry   -> return rq.Retry(max, interval): same job id, rescheduled
@@ -34,6 +34,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -63,13 +64,15 @@ from simple_mutex.busy import (
     unreachable,
 )
 from simple_mutex.busy.line import Lines
+from simple_mutex.caches.url import backend_of
 from simple_mutex.contract import is_async
 from simple_mutex.decorator import key_function
+from simple_mutex.errors import shown
 
 from . import line, replace
 from .connection import cache_on
 from .cron import META_TICK, first_run_of_tick
-from .horses import free_ended_attempts, token_for
+from .horses import LINE_KEEPER_ENV, free_ended_attempts, token_for
 
 log = logging.getLogger("rq_mutex")
 
@@ -77,13 +80,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 SYNC_WORKER = "sync"  # the worker name Queue(is_async=False) gives the job it runs
 NO_SCHEDULER_FLAG = "rq_mutex:no-scheduler-warned:"  # + queue name; one warning per 5 min
-NO_SCHEDULER_WARN_EVERY = 300
+NO_SCHEDULER_WARN_EVERY = 300  # seconds between two of the same warning (either kind)
+NO_LINE_KEEPER_FLAG = "rq_mutex:no-line-keeper-warned:"  # + worker name; as often
 UNLIMITED_RETRIES = 2**31 - 1  # rq.Retry needs a number; None means "until it is free"
 
 
 def mutex_job(
+    forgot_the_parentheses: object = None,
+    /,
     *,
-    key: str | Callable[..., str],
+    key: str | Callable[..., str] | None = None,
     on_busy: str = "retry",
     timeout: Duration | None = None,
     retry: Mapping[str, Any] | None = None,
@@ -108,16 +114,19 @@ def mutex_job(
     ``lease`` and ``renew``, ``permits``. ``cache``: a cache, a raw client or a URL; by
     default Redis on the job's own connection. Bad options raise ConstraintError here.
     """
+    if forgot_the_parentheses is not None or key is None:
+        raise ConstraintTypeError(
+            "mutex_job takes its options by name and needs a key: write "
+            '@mutex_job(key="order.{order_id}") (with the parentheses), not @mutex_job'
+        )
     options = {"on_busy": on_busy, "timeout": timeout, "retry": retry, "lease": lease}
     if queue is not None:
         options["queue"] = queue
     if debounce is not None:
         options["debounce"] = debounce
     policy = BusyPolicy.from_options("mutex_job", {**options, "renew": renew, "permits": permits})
-    if isinstance(cache, str) and "://" not in cache:
-        raise ConstraintValueError(
-            f"mutex_job: cache must be a cache, a client or a URL, got {cache!r}"
-        )
+    if isinstance(cache, str):
+        backend_of(cache)  # a URL is checked here, as Celery checks it: built at first use
 
     def decorate(fn: F) -> F:
         if not callable(fn) or inspect.isclass(fn):
@@ -184,6 +193,7 @@ class _Run:
         if skipped is not None:
             return skipped
         if self.policy.in_line and job.worker_name != SYNC_WORKER:
+            _warn_if_no_line_keeper(job, key)
             return self._in_line(job, key, args, kwargs)
         try:
             held = self._take(job, key)
@@ -394,24 +404,44 @@ def _warn_if_no_scheduler(job: Job) -> None:
     connection = job.connection
     if Queue(job.origin, connection=connection).scheduler_pid is not None:
         return
-    flag = NO_SCHEDULER_FLAG + job.origin
-    if not connection.set(flag, 1, nx=True, ex=NO_SCHEDULER_WARN_EVERY):
-        return
-    message = (
+    _warn_now_and_then(
+        job,
+        NO_SCHEDULER_FLAG + job.origin,
         f"rq_mutex: job {job.id} on queue {job.origin!r} was busy and returned rq.Retry, "
         "but no worker on that queue runs the scheduler: the job stays SCHEDULED until "
         "one does. Start a worker with `rq worker --with-scheduler` (a burst worker's "
-        "scheduler makes one pass, when it starts)"
+        "scheduler makes one pass, when it starts)",
     )
-    log.error(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _warn_if_no_line_keeper(job: Job, key: str) -> None:
+    """A line's turn passes on when its holder ends; a horse that dies (the OOM killer, a
+    stop command) ends nothing, and only an ``rq_mutex.Worker`` notices and sweeps. On
+    any other worker say so, at most every few minutes per worker across its horses."""
+    if os.environ.get(LINE_KEEPER_ENV) == "1":
+        return
+    _warn_now_and_then(
+        job,
+        NO_LINE_KEEPER_FLAG + (job.worker_name or "?"),
+        f"rq_mutex: job {job.id} (on_busy in a line, key {shown(key)}) runs on worker "
+        f"{job.worker_name!r}, which is not an rq_mutex.Worker: if one of its work horses "
+        "dies mid-job, the key's line waits until an rq_mutex.Worker sweeps it, and with "
+        "none, for good. Start workers with `rq worker -w rq_mutex.Worker` (or subclass it)",
+    )
+
+
+def _warn_now_and_then(job: Job, flag: str, message: str) -> None:
+    """Log ``message`` and warn with it, unless it was said under ``flag`` in the last few
+    minutes, by any process (each work horse is a new one)."""
+    if job.connection.set(flag, 1, nx=True, ex=NO_SCHEDULER_WARN_EVERY):
+        log.error(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 RUN_ATTRIBUTE = "_rq_mutex_run"  # on a mutex_job wrapper: its _Run
-_CHECKING = "_rq_mutex_checks_timeouts"
 
 
-def _decorated_run(job: Job) -> _Run | None:
+def decorated_run(job: Job) -> _Run | None:
     """The ``_Run`` of the mutex_job function ``job`` calls, if its module is loaded
     (never imported here: a producer need not be able to import every job function)."""
     module_name, _, name = (job.func_name or "").rpartition(".")
@@ -420,59 +450,3 @@ def _decorated_run(job: Job) -> _Run | None:
         target = getattr(target, part, None)
     run = getattr(target, RUN_ATTRIBUTE, None)
     return run if isinstance(run, _Run) else None
-
-
-def check_timeouts_when_enqueued() -> None:
-    """Refuse, as the job is enqueued, a fixed lease (``renew=False``) not longer than the
-    job's timeout, instead of failing every run of it in the worker.
-
-    RQ has no hook before a job is enqueued, and the decorated function cannot see the
-    enqueue. Every enqueue path (``enqueue``, ``enqueue_call``, ``enqueue_at``/``_in``,
-    ``enqueue_many``, ``@job(...).delay``) builds its Job in ``Queue.create_job``, with
-    the timeout already settled (the queue's default applied), in the caller's process:
-    so that method is wrapped, once per process, to read the new job and raise
-    ``ConstraintError``; it changes nothing else. Jobs built without it
-    (``Job.create`` + ``enqueue_job``) meet the same check when they start."""
-    original = Queue.create_job
-    if getattr(original, _CHECKING, False):
-        return
-
-    @functools.wraps(original)
-    def create_job(self: Queue, *args: Any, **kwargs: Any) -> Job:
-        job = original(self, *args, **kwargs)
-        run = _decorated_run(job)
-        if run is not None and not run.policy.renew:
-            run.check_timeout(job, None)
-        if run is not None and run.policy.in_line and self._is_async:
-            key = run.key_of(*job.args, **job.kwargs)
-            lines = run.lines(self.connection)
-            line.at_send(
-                job, lines, key, run.policy, origin=self.name, connection=self.connection,
-                name=run.name,
-            )  # fmt: skip
-        return job
-
-    batch = Queue.enqueue_many
-
-    @functools.wraps(batch)
-    def enqueue_many(self: Queue, *args: Any, **kwargs: Any) -> Any:
-        with line.sending_batch():
-            return batch(self, *args, **kwargs)
-
-    pushing = Queue._enqueue_job
-
-    @functools.wraps(pushing)
-    def _enqueue_job(self: Queue, job: Job, pipeline: Any = None, *args: Any, **kwargs: Any) -> Job:
-        # Every push goes through here (enqueue, enqueue_many, retries, the scheduler);
-        # only a job its create_job parked at the send is diverted, once.
-        if line.divert(self, job, pipeline):
-            return job
-        return pushing(self, job, pipeline, *args, **kwargs)
-
-    setattr(create_job, _CHECKING, True)
-    Queue.create_job = create_job  # type: ignore[method-assign]
-    Queue._enqueue_job = _enqueue_job  # type: ignore[method-assign]
-    Queue.enqueue_many = enqueue_many  # type: ignore[method-assign]
-
-
-check_timeouts_when_enqueued()

@@ -50,29 +50,27 @@ from rq.registry import ScheduledJobRegistry
 from rq.results import Result
 from rq.utils import now as rq_now
 
-from simple_mutex import Lease, LineFullError, MalfunctionError, SimpleMutexAcquireTimeoutError
+from simple_mutex import Lease, LineFullError, MalfunctionError
 from simple_mutex.busy import line as ln
 from simple_mutex.busy import skip_marker, unreachable
+from simple_mutex.busy.line import driver
 from simple_mutex.busy.policy import BusyPolicy, QueuePolicy
+from simple_mutex.busy.port import Published
 
 log = logging.getLogger("rq_mutex")
 
 META = "rq_mutex_line"  # job.meta: its ticket, {"epoch", "number"}
 META_PARKS = "rq_mutex_parks"  # job.meta: how often it parked at a worker
 META_FULL = "rq_mutex_line_full"  # job.meta: its line was full at the send (on_full="skip")
-ARRIVALS = 8  # decisions one arrival may take before the line is called too contended
+META_SUPERSEDED = "rq_mutex_superseded_by"  # job.meta: the id of the job that took its place
 PATIENCE = 2.0  # how long an end waits for the next job's parking horse to finish
 UNLIMITED = 2**31 - 1  # rq.Retry needs a number
+_FAILED = {Result.Type.FAILED, Result.Type.STOPPED} | {
+    t
+    for t in Result.Type
+    if t.name == "MAX_RETRIES_EXCEEDED"  # RQ 3.0 and later
+}
 SAVED_WITHIN = 5.0  # a job parked at its send is saved by its producer well within this
-
-
-@dataclass(frozen=True)
-class Turn:
-    """The job's turn came: run the body under ``lease``, then end ``ticket``."""
-
-    lease: Lease
-    ticket: ln.Ticket
-    late: str | None = None  # RunLate's why, when it runs out of order
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ def at_send(
     if parked:
         wake = time.time() + park_interval(queue)
         if isinstance(collapse, ln.Debounce):
-            wake = _due(lines, key, ticket) or time.time() + collapse.period
+            wake = driver.due(lines, key, ticket) or time.time() + collapse.period
         # RQ's registry scores by the whole second, rounded down: round up, or RQ's
         # scheduler would bring a debounced job before it is due.
         setattr(job, _PARK_AT_SEND, math.ceil(wake))
@@ -149,6 +147,11 @@ def release_superseded(connection: Any, key: str, gone: tuple[ln.Superseded, ...
     for call in gone:
         found = _parked_job(connection, key, call.ticket, call.message, None, 0.0)
         if isinstance(found, Job):
+            # Said in its meta: a call parked as it arrived has left the line (its ticket
+            # is over), and nothing else there tells it from a job requeued by hand.
+            newer = call.by_message.get("id") if isinstance(call.by_message, Mapping) else None
+            found.meta[META_SUPERSEDED] = newer if isinstance(newer, str) else ""
+            found.save_meta()  # type: ignore[no-untyped-call]
             _enqueue_parked(connection, found, at_front=True)  # it only finishes, at once
 
 
@@ -239,6 +242,87 @@ def park_interval(queue: QueuePolicy) -> int:
     return math.ceil(queue.park_for + 3 * queue.sweep_every)
 
 
+@dataclass(frozen=True)
+class JobPublisher:
+    """The port's publisher for the jobs of one connection: a parked job (kept SCHEDULED
+    by RQ) is enqueued again, at the back of its queue."""
+
+    connection: Any
+    lines: ln.Lines
+    name: str
+    log: logging.Logger = log
+
+    def publish(self, key: str, what: ln.Publish, *, by: str) -> Published:
+        """Only a job still in the ScheduledJobRegistry is enqueued: one already out was
+        published (and is queued or running), so a second promoter adds no copy. An end
+        waits up to ``PATIENCE`` for the next job's parking horse to finish. A job gone
+        from RQ (deleted, or ended without running: a job timeout as it parked) is
+        "gone"; one not saved yet by the producer that parked it at its send is "not
+        now" for ``SAVED_WITHIN`` seconds, then gone."""
+        patience = PATIENCE if by == "end" else 0.0
+        found = _parked_job(self.connection, key, what.ticket, what.message, self.lines, patience)
+        if isinstance(found, Job):
+            _enqueue_parked(self.connection, found)
+            log.debug("published job %s, ticket %d of %r, by %s", found.id, what.ticket, key, by)
+            return "sent"
+        young = what.parked_at is not None and time.time() - what.parked_at < SAVED_WITHIN
+        if found is None or (found == _YOUNG and young):
+            return "not now"
+        return "gone"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobCall(JobPublisher):
+    """The port's call: one run of ``job`` at a worker."""
+
+    job: Job
+    policy: BusyPolicy
+
+    @property
+    def id(self) -> str:
+        return str(self.job.id)
+
+    @property
+    def who(self) -> str:
+        return f"job {self.job.id}"
+
+    @property
+    def bounds(self) -> QueuePolicy:
+        return self.policy.queue
+
+    keeps_parked = True  # RQ keeps a parked job SCHEDULED, its hash and handle intact
+
+    def ticket(self) -> ln.Ticket | None:
+        return ticket_from(self.job)
+
+    def take(self, lines: ln.Lines, key: str) -> ln.Ticket:
+        return _take(self.job, lines, key)
+
+    def message(self, ticket: ln.Ticket) -> dict[str, Any]:
+        return message_of(self.job.id, self.job.origin, self.bounds)
+
+    def redelivers(self) -> bool:
+        return bool(self.job.retries_left)
+
+    def ran_and_failed(self) -> bool:
+        # Requeued by hand (job.requeue() of a failed or stopped job, `rq requeue`), or it
+        # never ran at all. A parking is no run (its result is RQ's "retried").
+        last = self.job.latest_result()
+        return last is None or last.type in _FAILED
+
+    def resolve(self, key: str, gone: tuple[ln.Superseded, ...]) -> None:
+        release_superseded(self.connection, key, gone)
+
+    def parked(self, key: str, ticket: ln.Ticket) -> None:
+        pass  # RQ has no signals; the line's event says it
+
+    def started(self, key: str, ticket: ln.Ticket) -> None:
+        # A copy a publish left in the registry (it crashed between its two steps) must
+        # not run again after park_for: one ZREM.
+        registry = ScheduledJobRegistry(self.job.origin, connection=self.connection)  # type: ignore[no-untyped-call]
+        registry.remove(self.job)
+
+
 def arrive(
     job: Job,
     key: str,
@@ -247,89 +331,32 @@ def arrive(
     name: str,
     acquire: Callable[[], Lease],
     flag_skipped: Callable[[Job, str], None],
-) -> Turn | Finish:
+) -> driver.Turn | Finish:
     """The line's answer for this run of ``job``: its ``Turn`` (the lock taken, marked
     running) or how it ``Finish``es now (parked, a duplicate, superseded, the line was
     full)."""
-    queue, collapse = policy.queue, ln.collapse_for(policy)
     if (job.meta or {}).get(META_FULL):
         flag_skipped(job, "line full")
         return Finish(skip_marker("rq_mutex", key, reason="line full"))
-    ticket = ticket_from(job) or _take(job, lines, key)
-    message = message_of(job.id, job.origin, queue)
-    for _ in range(ARRIVALS):
-        decided = lines.arrive(key, ticket, message, collapse=collapse)
-        match decided:
-            case ln.Duplicate() if _parked_here(lines, key, ticket, job.id):
-                # Not a copy: this very job, parked, woken by RQ's scheduler (debounce's
-                # due time, or park_for). Due and free, a sweep hands it the turn now;
-                # else it parks again, and its turn is handed to it as to any other.
-                if sweep_key(job.connection, lines, key, queue, name, own=job.id):
-                    continue
-                due = _due(lines, key, ticket)
-                if due is not None and due > time.time():
-                    # Woken early (RQ's whole seconds): back to sleep until it is due.
-                    return _park(job, math.ceil(due - time.time()) + 1)
-                return _park(job, park_interval(queue))
-            case ln.Duplicate() if _rerun(lines, key, ticket, job):
-                # Its turn is over and it did not succeed: not a copy but a re-run
-                # (job.requeue() of a failed or stopped job, `rq requeue`): a new place.
-                log.info("job %s runs again: it takes a new place in the line of %r", job.id, key)
-                ticket = _take(job, lines, key)
-            case ln.Duplicate():
-                log.info("job %s: ticket %d of %r is a duplicate", job.id, ticket.number, key)
-                flag_skipped(job, "duplicate")
-                return Finish(skip_marker("rq_mutex", key, reason="duplicate"))
-            case ln.Superseded():
-                return _superseded(job, key, decided, flag_skipped)
-            case ln.Park(superseded=gone):
-                release_superseded(job.connection, key, gone)
-                lines.event("parked", key, name, ticket.number)
-                log.info("job %s parked in the line of %r (ticket %d)", job.id, key, ticket.number)
-                # Any parking sweeps its key: a head a dead horse left moves on now. The
-                # sweep may hand the turn to this very job: it then runs instead.
-                if sweep_key(job.connection, lines, key, queue, name, own=job.id):
-                    continue
-                if _promoted(lines, key, ticket):
-                    # Its holder ended since, and handed it the turn while this horse
-                    # still runs (its promoter waits for it to park): it runs instead.
-                    continue
-                return _park(job, park_interval(queue))
-            case ln.RunLate(why="stranger"):
-                # Its line's record is gone (expired, or lost in a failover): it takes a
-                # place in the line as it is now.
-                ticket = _take(job, lines, key)
-            case ln.Run() | ln.RunLate():
-                try:
-                    lease = acquire()
-                except SimpleMutexAcquireTimeoutError:
-                    continue  # taken meanwhile: decide again (it parks)
-                started = lines.start(
-                    key, ticket, redelivers=bool(job.retries_left), collapse=collapse,
-                    message=message,
-                )  # fmt: skip
-                if isinstance(started, ln.Superseded):
-                    lease.release()
-                    return _superseded(job, key, started, flag_skipped)
-                if isinstance(started, ln.Run | ln.RunLate):
-                    late = started.why if isinstance(started, ln.RunLate) else None
-                    if late is not None:
-                        log.warning(
-                            "job %s runs out of order: ticket %d of %r was %s",
-                            job.id, ticket.number, key, late,
-                        )  # fmt: skip
-                    # A copy a publish left in the registry (it crashed between its two
-                    # steps) must not run again after park_for: one ZREM.
-                    registry = ScheduledJobRegistry(job.origin, connection=job.connection)  # type: ignore[no-untyped-call]
-                    registry.remove(job)
-                    return Turn(lease, ticket, late)
-                lease.release()  # the record changed since: decide again on it
-            case _ as unknown:
-                unreachable(unknown)
-    raise MalfunctionError(
-        f"job {job.id}: the line of {key!r} changed under each of {ARRIVALS} arrivals in a row",
-        key=key,
-    )
+    if META_SUPERSEDED in (job.meta or {}):
+        flag_skipped(job, "superseded")
+        newer = job.meta[META_SUPERSEDED] or None
+        return Finish(skip_marker("rq_mutex", key, reason="superseded", by=newer))
+    call = JobCall(job.connection, lines, name, job=job, policy=policy)
+    match driver.arrive(call, lines, key, ln.collapse_for(policy), acquire):
+        case driver.Turn() as turn:
+            return turn
+        case driver.Parking(due=due):
+            if due is None:
+                return _park(job, park_interval(policy.queue))
+            # A debounced job woken early (RQ's whole seconds) sleeps until it is due.
+            return _park(job, math.ceil(due - time.time()) + 1)
+        case driver.Dropped(reason=reason, by=newer):
+            flag_skipped(job, reason)
+            extra = {"by": newer} if reason == "superseded" else {}
+            return Finish(skip_marker("rq_mutex", key, reason=reason, **extra))
+        case _ as unknown:
+            return unreachable(unknown)
 
 
 def _park(job: Job, interval: int) -> Finish:
@@ -350,73 +377,13 @@ def own_retry(job: Job, value: Any) -> Any:
     return value
 
 
-def _superseded(
-    job: Job, key: str, by: ln.Superseded, flag_skipped: Callable[[Job, str], None]
-) -> Finish:
-    """A newer job took this one's place (keep latest, debounce): it finishes with the
-    skip marker, ``reason`` superseded, ``by`` the newer job's id."""
-    newer = by.by_message.get("id") if isinstance(by.by_message, Mapping) else None
-    log.info("job %s: a newer job of %r (%s) took its place", job.id, key, newer)
-    flag_skipped(job, "superseded")
-    return Finish(skip_marker("rq_mutex", key, reason="superseded", by=newer))
-
-
-def _rerun(lines: ln.Lines, key: str, ticket: ln.Ticket, job: Job) -> bool:
-    """Whether a job whose ticket the line says is over (passed, not running) arrives to
-    run again: its last run did not succeed (failed, stopped, killed) or it never ran."""
-    line = lines.read(key)
-    if line is None or line.epoch != ticket.epoch:
-        return False
-    t = ticket.number
-    if line.running is not None and line.running.ticket == t:
-        return False  # a copy of a run still going
-    if not (t < line.turn or t in line.ended) or t in line.parked:
-        return False
-    last = job.latest_result()
-    return last is None or last.type != Result.Type.SUCCESSFUL
-
-
-def _parked_entry(lines: ln.Lines, key: str, ticket: ln.Ticket) -> ln.Parked | None:
-    """``ticket``'s parked entry in the line as it is now (None: not parked there)."""
-    line = lines.read(key)
-    return None if line is None or line.epoch != ticket.epoch else line.parked.get(ticket.number)
-
-
-def _due(lines: ln.Lines, key: str, ticket: ln.Ticket) -> float | None:
-    """When ``ticket``'s debounced entry is due (None: not parked, or not debounced)."""
-    parked = _parked_entry(lines, key, ticket)
-    return None if parked is None else parked.due
-
-
-def _parked_here(lines: ln.Lines, key: str, ticket: ln.Ticket, job_id: str) -> bool:
-    """Whether the line holds ``job_id`` itself parked at ``ticket``, not yet promoted."""
-    parked = _parked_entry(lines, key, ticket)
-    return (
-        parked is not None
-        and parked.promoted is None
-        and isinstance(parked.message, Mapping)
-        and parked.message.get("id") == job_id
-    )
-
-
-def _promoted(lines: ln.Lines, key: str, ticket: ln.Ticket) -> bool:
-    """Whether ``ticket`` is parked and was handed the turn."""
-    parked = _parked_entry(lines, key, ticket)
-    return parked is not None and parked.promoted is not None
-
-
-def _running(lines: ln.Lines, key: str, number: int) -> bool:
-    line = lines.read(key)
-    return line is not None and line.running is not None and line.running.ticket == number
-
-
 # -- the end ---------------------------------------------------------------------------------
 
 
 def ending(
     job: Job,
     key: str,
-    turn: Turn,
+    turn: driver.Turn,
     lines: ln.Lines,
     queue: QueuePolicy,
     name: str,
@@ -435,57 +402,13 @@ def ending(
         # RQ runs it again (same job id, same ticket): it keeps its turn, due when RQ
         # schedules it (RQ's own index into the intervals: by retries left).
         again = float(job.get_retry_interval())
-    return ln.pass_on(
-        lines, key, ticket, again_after=again, who=f"job {job.id}", log=log,
-        publish=lambda promoted: publish(
-            job.connection, key, promoted, lines, name, by="end", patience=PATIENCE
-        ),
-        sweep=lambda: sweep_key(job.connection, lines, key, queue, name),
+    return driver.end(
+        JobPublisher(job.connection, lines, name), lines, key, ticket, queue,
+        again_after=again, who=f"job {job.id}",
     )  # fmt: skip
 
 
 # -- publishing ------------------------------------------------------------------------------
-
-
-def publish(
-    connection: Any,
-    key: str,
-    what: ln.Publish,
-    lines: ln.Lines,
-    name: str,
-    *,
-    by: str,
-    patience: float = 0.0,
-) -> bool:
-    """Enqueue a parked job for its turn, at the back of its queue, then take it out of
-    the ScheduledJobRegistry. Only a job still in that registry is enqueued: one already
-    out was published (and is queued or running), so a second promoter adds no copy. A
-    job whose parking horse has not finished yet is waited for up to ``patience``
-    seconds; else a later sweep publishes it. A job gone from RQ (deleted, or ended
-    without running: a job timeout as it parked) will never run: it is stepped over and
-    the next one published, so no dead entry holds the line. True when one was enqueued."""
-    for _ in range(ARRIVALS):
-        found = _parked_job(connection, key, what.ticket, what.message, lines, patience)
-        if isinstance(found, Job):
-            _enqueue_parked(connection, found)
-            log.debug("published job %s, ticket %d of %r, by %s", found.id, what.ticket, key, by)
-            waited = None if what.parked_at is None else max(0.0, time.time() - what.parked_at)
-            lines.event("promoted", key, name, what.ticket, waited=waited, by=by)
-            return True
-        if found is None or (
-            found == _YOUNG
-            and what.parked_at is not None
-            and time.time() - what.parked_at < SAVED_WITHIN
-        ):
-            return False  # not ours to enqueue now: a later sweep tries again
-        line = lines.read(key)
-        if line is None:
-            return False
-        following = lines.revoke(key, ln.Ticket(line.epoch, what.ticket))
-        if following is None:
-            return False
-        what = following
-    return False
 
 
 def _enqueue_parked(connection: Any, job: Job, *, at_front: bool = False) -> None:
@@ -535,7 +458,7 @@ def _parked_job(
             return _GONE
         if status == JobStatus.QUEUED or time.monotonic() > deadline:
             return None  # queued already, or still parking: a later sweep tries again
-        if status == JobStatus.STARTED and lines is not None and _running(lines, key, ticket):
+        if status == JobStatus.STARTED and lines is not None and driver.running(lines, key, ticket):
             return None  # its horse saw the turn come before it parked, and runs it
         time.sleep(0.01)
 
@@ -543,37 +466,10 @@ def _parked_job(
 # -- sweeping ----------------------------------------------------------------------------------
 
 
-def sweep_key(
-    connection: Any,
-    lines: ln.Lines,
-    key: str,
-    queue: QueuePolicy,
-    name: str,
-    *,
-    own: str | None = None,
-) -> bool:
-    """One sweep of ``key``'s line, publishing what it says to; True when it handed the
-    turn to the job ``own`` (the caller's, still in its horse: it runs now instead)."""
-    try:
-        swept = lines.sweep(key, promote_grace=queue.promote_grace, gap_for=queue.gap_for)
-    except MalfunctionError as fault:
-        log.warning("sweeping the line of %r failed: %s", key, fault)
-        return False
-    mine = False
-    for what in swept.publish:
-        if own is not None and what.message.get("id") == own:
-            mine = True
-            continue
-        publish(connection, key, what, lines, name, by="sweep")
-    ln.report(swept, key, log)
-    return mine
-
-
 def sweep_all(connection: Any, lines: ln.Lines, queue: QueuePolicy, name: str) -> None:
-    """Sweep every line in ``lines``' cache (a worker's periodic sweep)."""
-    found = lines.keys()
-    for key in found:
-        try:
-            sweep_key(connection, lines, key, policy_in(lines.read(key), queue), name)
-        except Exception as exc:  # a sweep must go on with the next line
-            log.warning("sweep: the line of %r: %r", key, exc)
+    """Sweep every line in ``lines``' cache (a worker's periodic sweep), each by the
+    bounds its parked jobs carry."""
+    driver.sweep_lines(
+        JobPublisher(connection, lines, name), lines,
+        lambda key: policy_in(lines.read(key), queue),
+    )  # fmt: skip

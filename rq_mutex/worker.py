@@ -4,8 +4,7 @@ imports job code only in the work horses). There it does three things RQ's own
 worker cannot know to do:
 
 * records the horses it reaps, so the next run of a job id whose horse died frees what
-  that horse held (``rq_mutex.horses``; importing ``rq_mutex`` in the main process any
-  other way does this for every worker class);
+  that horse held (``rq_mutex.horses``);
 * answers the stop of ``on_busy="replace"``: a newer job took the key of the one its
   horse runs, and the horse is told to renew now, which fails it (``rq_mutex.replace``);
 * sweeps the lines of ``on_busy="queue"`` on its own connection (the default cache) every
@@ -35,6 +34,7 @@ from simple_mutex.busy.policy import QueuePolicy
 
 from . import replace
 from .connection import cache_on
+from .horses import LINE_KEEPER_ENV, RecordsReapedHorses
 from .line import sweep_all
 
 log = logging.getLogger("rq_mutex")
@@ -43,7 +43,7 @@ _DEFAULTS = QueuePolicy()
 LINE_CACHES = "RQ_MUTEX_LINE_CACHES"  # more caches to sweep: URLs, comma-separated
 
 
-class Worker(RQWorker):
+class Worker(RecordsReapedHorses):
     """RQ's ``Worker`` that reaps horses on the record and sweeps the lines (above)."""
 
     line_sweep_every: float = _DEFAULTS.sweep_every
@@ -51,6 +51,12 @@ class Worker(RQWorker):
     """Caches (or URLs) other than the worker's own Redis whose lines it sweeps too."""
 
     _line_swept_at = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Its horses (forked or spawned) inherit it: a line job can tell it runs where
+        # a dead horse's turn is passed on.
+        os.environ[LINE_KEEPER_ENV] = "1"
 
     @property
     def dequeue_timeout(self) -> int:

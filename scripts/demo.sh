@@ -13,6 +13,9 @@ setup_venv demo
 # Neither needs a server; the Celery part uses Redis when REDIS_URL is set.
 "$VENV/bin/python" examples/demo.py "$@"
 echo
+# Parts 1 and 2 need no server; with REDIS_URL set, part 2 runs on that Redis, so start
+# it now if it does not answer (not only before part 3).
+if [[ -n "${REDIS_URL:-}" ]]; then ensure_redis; fi
 "$VENV/bin/python" examples/celery_demo.py
 echo
 # Parts 3 and 4 need a Redis (REDIS_URL, default redis://127.0.0.1:6379/0).

@@ -26,12 +26,14 @@ as_root() {
     fi
 }
 
-# apt-get install, refreshing the package lists once if the package is unknown.
+# apt-get install, refreshing the package lists once if the package is unknown. Another
+# install under way (a second suite setting itself up) holds dpkg's lock: wait for it.
 apt_install() {
     command -v apt-get >/dev/null 2>&1 || return 1
     export DEBIAN_FRONTEND=noninteractive
-    as_root apt-get install -y -q "$@" || {
-        as_root apt-get update -q && as_root apt-get install -y -q "$@"
+    local wait=(-o DPkg::Lock::Timeout=600)
+    as_root apt-get "${wait[@]}" install -y -q "$@" || {
+        as_root apt-get "${wait[@]}" update -q && as_root apt-get "${wait[@]}" install -y -q "$@"
     }
 }
 

@@ -24,11 +24,32 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+MAX_MESSAGE = 600
+"""The longest error message, in characters: one that quotes a huge input (a key, a
+server's reply) is cut in its middle, so a log line stays a line."""
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE:
+        return message
+    cut = len(message) - MAX_MESSAGE + 40
+    head = MAX_MESSAGE - 140
+    return f"{message[:head]} [... {cut} characters cut ...] {message[head + cut :]}"
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}...({len(text)} characters)"
+
 
 class SimpleMutexError(Exception):
     """The root of every error this library raises."""
 
     def __init__(self, message: str, key: str | None = None) -> None:
+        message = _bounded(message)
         # Both in args: Celery's JSON result backend rebuilds an error as cls(*args).
         super().__init__(message, key)
         self.message = message
@@ -205,7 +226,7 @@ def add_note(exc: BaseException, note: str) -> None:
 
 
 def passes_through(exc: BaseException | None) -> bool:
-    """True for what a lock must never replace with its own error (DESIGN §4 rule 13):
+    """True for what a lock must never replace with its own error (lifecycle rule 13):
     ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit`` and asyncio cancellation,
     every exception that is not an ``Exception``. A lost lease is reported beside them
     (a note, a log line, the ``lost`` event), never instead of them."""

@@ -76,6 +76,14 @@ from .errors import (
 )
 
 log = logging.getLogger("simple_mutex")
+# How a lease was lost (``Lost.reason``, ``Released.loss``): named once, so the hint the
+# holder's error gives (``Lease._loss_hint``) follows the reason, not its wording.
+LAPSED = "it lapsed"  # the start of every lapse's reason: "it lapsed after 30 s", ...
+GONE_AT_RENEWAL = "its record was gone or held by another owner at renewal"
+# A release that came in time freed nothing: the record was already gone (freed by force,
+# a cache that lost it) or another owner's. (Past the deadline: a lapse.)
+GONE_AT_RELEASE = "its record was gone or held by another owner at release"
+LOOP_CLOSED = "its event loop closed while it was held"
 
 
 class Space(Protocol):
@@ -276,19 +284,19 @@ class Lease:
         except MalfunctionError as exc:
             if not in_time:
                 with self._lock:
-                    self._move(Released(in_time=False, loss="it lapsed before release"))
+                    self._move(Released(in_time=False, loss=f"{LAPSED} before release"))
                 self._report_loss()  # as a release that reached the cache reports it
                 return False  # best effort: the lease was over anyway, and lapses alone
             # Not released: the record may still be ours, so a retry must reach it. It stays
             # Releasing (not renewed): if nobody retries, it lapses.
             exc.about(self.key, [self._cache_key])
             raise
-        if not outcome.freed:
-            ending = Released(in_time=False, loss="taken over before release")
+        if not outcome.freed and in_time:
+            ending = Released(in_time=False, loss=GONE_AT_RELEASE)
         elif in_time:
             ending = RELEASED
         else:
-            ending = Released(in_time=False, loss="it lapsed before release")
+            ending = Released(in_time=False, loss=f"{LAPSED} before release")
         in_time = ending.in_time
         with self._lock:
             self._move(ending)
@@ -330,7 +338,7 @@ class Lease:
             if self._renewing_sync is None:
                 self._renewing_sync = threading.Lock()
             turn = self._renewing_sync
-        with turn:  # one renewal at a time (DESIGN §4 rule 15); never held by the keeper
+        with turn:  # one renewal at a time (lifecycle rule 15); never held by the keeper
             try:
                 run(self._blocking(), self._renew_flow(length))
             finally:
@@ -347,7 +355,7 @@ class Lease:
             )
         with self._lock:
             if self._state.live and time.monotonic() >= self._deadline:
-                self._mark_lost(f"it lapsed after {self._length:g} s")
+                self._mark_lost(f"{LAPSED} after {self._length:g} s")
             if not self._state.live:
                 raise self._ended_error()
             version = self._version
@@ -365,9 +373,7 @@ class Lease:
             raise
         with self._lock:
             if renewed is None:
-                self._mark_lost(
-                    "its record was gone or held by another owner at renewal", record_gone=True
-                )
+                self._mark_lost(GONE_AT_RENEWAL, record_gone=True)
                 raise self._ended_error()
             kept = self._state.live
             if kept:
@@ -410,7 +416,7 @@ class Lease:
             renewal.close()
             with self._lock:
                 self._renewing = False
-                self._mark_lost("its event loop closed while it was held")
+                self._mark_lost(LOOP_CLOSED)
             self._fire()
 
     async def _renew_on_loop(self) -> None:
@@ -501,9 +507,31 @@ class Lease:
     def _message(self) -> str:
         return (
             f"lease on {self.key!r} was lost while the work ran ({self._state.loss}); "
-            "another holder may have entered. Raise the lease above the work's worst case, "
-            "or pass renew=True"
+            f"another holder may have entered. {self._loss_hint()}"
         )
+
+    def _loss_hint(self) -> str:
+        """What to look at, by how the lease was lost: only a lease that was not renewed
+        is fixed by a longer lease or renewals."""
+        loss = self._state.loss or ""
+        if loss.startswith(LAPSED) and not self._renew:
+            return "Raise the lease above the work's worst case, or pass renew=True"
+        if loss.startswith(LAPSED):
+            return (
+                "Its renewals did not get through in time: its process was paused (a stop "
+                "signal, a long pause, a blocked event loop), or the cache was slow or out "
+                "of reach (the log's warnings say so); raising the lease gives a renewal "
+                "longer"
+            )
+        if loss in (GONE_AT_RENEWAL, GONE_AT_RELEASE):
+            return (
+                "It was freed or taken while it still had time: by an operator "
+                "(simple-mutex release), by code freeing the key by force, or by a cache "
+                "that lost its data (a restart without persistence, a failover)"
+            )
+        if loss == LOOP_CLOSED:
+            return "Keep its event loop running while the lease is held"
+        return "Its lease lapsed, or it was freed by force, and another holder took it"
 
     def _expired_error(self) -> SimpleMutexLeaseExpiredError:
         return SimpleMutexLeaseExpiredError(self._message(), key=self.key)
@@ -553,7 +581,7 @@ class Lease:
             if not self._state.live:
                 return None
             if now >= self._deadline:
-                self._mark_lost(f"it lapsed after {self._length:g} s")
+                self._mark_lost(f"{LAPSED} after {self._length:g} s")
                 keeper().submit(self._fire)
                 return None
             if self._renews and not self._renewing and now >= self._renew_at:
@@ -581,7 +609,7 @@ class Lease:
         try:
             with self._lock:
                 if self._state.live and time.monotonic() >= self._deadline:
-                    self._mark_lost(f"it lapsed after {self._length:g} s, before the work began")
+                    self._mark_lost(f"{LAPSED} after {self._length:g} s, before the work began")
                 if self._state.live:
                     self._armed_thread = threading.get_ident()
                     self._book_next()
@@ -631,7 +659,7 @@ class Lease:
         """How a block ends once the lease is let go: quietly if it was held to the end;
         else SimpleMutexLeaseExpiredError, unless the block ends by an exception a lock
         must not replace (our own interrupt, Ctrl-C, SystemExit, a cancellation): that one
-        leaves carrying a note of the loss (DESIGN §4 rule 13)."""
+        leaves carrying a note of the loss (lifecycle rule 13)."""
         if self._is_ours(exc):
             assert exc is not None
             _deliver_pre_empted_signal(exc, self._message())
@@ -773,8 +801,8 @@ class Lease:
 def _deliver_pre_empted_signal(exc: BaseException, message: str) -> None:
     """Our interrupt landed on a signal handler before it ran (a SIGTERM as the lease
     lapsed): deliver that signal again, so what its handler raises (SIGTERM's
-    SystemExit) leaves instead of the loss, carrying the loss as a note (DESIGN §4 rule
-    13). Python runs handlers in the main thread only, where this code then runs."""
+    SystemExit) leaves instead of the loss, carrying the loss as a note (lifecycle
+    rule 13). Python runs handlers in the main thread only, where this code then runs."""
     signum = pre_empted_signal(exc)
     if signum is None or threading.current_thread() is not threading.main_thread():
         return

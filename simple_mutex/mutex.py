@@ -10,7 +10,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from . import events
 from ._core import flows
@@ -401,6 +401,17 @@ class Acquiring(collections.abc.Coroutine[Any, Any, Lease]):
 
     def close(self) -> None:
         self._granting.close()
+
+    def __enter__(self) -> NoReturn:
+        self._granting.close()  # never awaited: no "coroutine was never awaited" warning
+        raise ConstraintTypeError(
+            "acquire_async() is entered with `async with mutex.acquire_async(key)` inside a "
+            "coroutine (or awaited: `lease = await mutex.acquire_async(key)`); outside "
+            "asyncio, use `with mutex.acquire(key)`"
+        )
+
+    def __exit__(self, *exc: object) -> None:  # a `with` looks it up before __enter__
+        raise AssertionError("unreachable: __enter__ always raises")
 
     async def __aenter__(self) -> Lease:
         self._lease = await self._granting

@@ -41,15 +41,15 @@ def main() -> None:
     # The token is reported only so the test can prove the command never prints it.
     mine = {"pid": os.getpid(), "slot": held.slot, "fence": held.fence, "token": held.token}
     report(out / f"{name}.held.json", mine)
-    outcome = "released"
+    outcome, message = "released", ""
     try:
         with held:
             while not (out / f"{name}.stop").exists():
                 time.sleep(0.02)  # Python code between sleeps: the loss interrupt lands
             outcome = "released" if held.release() else "release-missed"
-    except SimpleMutexLeaseExpiredError:
-        outcome = "lost"
-    report(out / f"{name}.done.json", {"outcome": outcome})
+    except SimpleMutexLeaseExpiredError as lost:
+        outcome, message = "lost", str(lost)
+    report(out / f"{name}.done.json", {"outcome": outcome, "message": message})
 
 
 if __name__ == "__main__":

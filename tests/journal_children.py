@@ -43,6 +43,14 @@ def _meet(cache_dir: str, key: str, group: int) -> None:
         time.sleep(0.005)
 
 
+def _about_to_wait(rest: tuple[str, ...]) -> None:
+    """Create the marker file named in ``rest`` (if any): the parent waits for it before
+    it kills the holder, so the wait starts while the lock is held, however slowly this
+    process started."""
+    if rest:
+        open(rest[0], "w").close()
+
+
 def main(role: str, cache_dir: str, key: str, *rest: str) -> None:
     label = rest[1] if role == "worker" else role
     lease = {"stuck": 3.0, "loser": 0.3}.get(role, 10.0)
@@ -63,9 +71,11 @@ def main(role: str, cache_dir: str, key: str, *rest: str) -> None:
         os.replace(rest[0] + ".tmp", rest[0])
         time.sleep(3600)  # until SIGKILL
     elif role == "rescuer":
+        _about_to_wait(rest)
         mutex.acquire(key, timeout=30).release()
     elif role == "timeout":
         try:
+            _about_to_wait(rest)
             mutex.acquire(key, timeout=0.1)
         except SimpleMutexAcquireTimeoutError:
             return

@@ -14,6 +14,7 @@ process on the machine, so intervals logged by different processes can be compar
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -39,6 +40,7 @@ from simple_mutex import (
 POLL = 0.01  # a short poll interval: some tiers have no wake-up
 CTX = multiprocessing.get_context("spawn")
 FORK = multiprocessing.get_context("fork")  # children that inherit the test's objects
+STACKS_SIGNAL = signal.SIGUSR2  # a hung child prints its threads' stacks on this signal
 
 
 def write_json(path: str | Path, data: Any) -> None:
@@ -145,6 +147,9 @@ def taken_from_paused(
             yield lease
             os.kill(holder.pid, signal.SIGCONT)
             holder.join(join)
+            if holder.is_alive():  # where it is stuck, on the test's stderr
+                os.kill(holder.pid, STACKS_SIGNAL)
+                holder.join(2)
             assert not holder.is_alive(), f"the holder still ran {join} s after it resumed"
     finally:
         if holder.is_alive():
@@ -169,6 +174,7 @@ def hold_with_writer(
     of its writes), and the outcome, "interrupted" or not, to ``report + ".done"``."""
     outcome, stop = "never interrupted", threading.Event()
     helper: threading.Thread | None = None
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # for a holder that hangs
     try:
         with mutex.acquire(key, renew=True) as lease:
             helper = threading.Thread(target=write_until, args=(lease, stop))

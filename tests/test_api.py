@@ -46,6 +46,42 @@ def test_prefixes_and_key_encoding_keep_locks_apart(memory_cache, key):
     assert all(a.locked(k) for k in keys)
 
 
+def test_a_key_past_the_limit_is_refused_with_a_short_message(memory_cache):
+    """A lock key of at most MAX_USER_KEY characters is taken; a longer one (a 10 MB one
+    was stored whole in every record) is refused wherever a key enters, by a
+    ConstraintValueError that names the limit and the fix and quotes only the key's
+    start; no error message, whatever it quotes, runs past MAX_MESSAGE."""
+    from simple_mutex import ConstraintValueError, with_simple_mutex
+    from simple_mutex._core.keys import MAX_USER_KEY
+    from simple_mutex.busy.line import Lines
+    from simple_mutex.errors import MAX_MESSAGE
+
+    mutex, semaphore = Mutex(memory_cache), Semaphore(memory_cache, permits=2)
+    with mutex.acquire("k" * MAX_USER_KEY) as lease:
+        assert lease.key == "k" * MAX_USER_KEY
+    huge = "k" * 10_000_000
+
+    @with_simple_mutex(cache=memory_cache, key="order.{order_id}")
+    def charge(order_id: str) -> None:
+        raise AssertionError("never runs")
+
+    attempts = [
+        lambda: mutex.acquire(huge),
+        lambda: mutex.try_acquire(huge),
+        lambda: mutex.holder(huge),
+        lambda: semaphore.acquire(huge),
+        lambda: Lines(memory_cache, lease=10).take(huge),
+        lambda: charge(huge),
+    ]
+    for attempt in attempts:
+        with pytest.raises(ConstraintValueError, match=f"at most {MAX_USER_KEY} characters") as e:
+            attempt()
+        assert "hexdigest" in str(e.value)
+        assert len(str(e.value)) < 400
+    assert len(str(MalfunctionError("x" * 1_000_000))) <= MAX_MESSAGE
+    assert len(str(ConstraintError(f"bad prefix {huge!r}"))) <= MAX_MESSAGE
+
+
 @pytest.mark.parametrize(
     "timeout",
     [0, 0.2, timedelta(milliseconds=200), {"milliseconds": 200}],

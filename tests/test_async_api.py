@@ -25,7 +25,7 @@ pytestmark = pytest.mark.fast
 
 
 def run(coro):
-    # A hang guard, not a bound: a thousand hand-offs take 9 s alone and more than 20 s
+    # A hang guard, not a bound: hundreds of hand-offs take seconds alone and more than 20 s
     # under coverage beside a loaded tier.
     return asyncio.run(asyncio.wait_for(coro, LIMIT))
 
@@ -146,9 +146,10 @@ def test_a_lost_asyncio_lease_cancels_its_block_on_time(cache):
     assert run(main()) < 1.0
 
 
-def test_a_thousand_waiting_coroutines_start_no_thread(cache):
+def test_a_crowd_of_waiting_coroutines_start_no_thread(cache):
     """Coroutines waiting on one key park on futures: the thread count does not move, and
-    every one of them gets the key in turn."""
+    every one of them gets the key in turn. (300 of them: a thousand took 9 s alone and
+    more than the 60 s hang guard beside two loaded suites, saying nothing more.)"""
     mutex = Mutex(cache, lease=30)
     semaphore = Semaphore(cache, permits=4, lease=30)
     run(mutex.acquire_async("warm", renew=True))  # the keeper thread exists from here
@@ -167,7 +168,7 @@ def test_a_thousand_waiting_coroutines_start_no_thread(cache):
         # Threads by identity, not a count: a thread another test left winding down may
         # end meanwhile (the count once fell from 11 to 9), which says nothing of ours.
         before = set(threading.enumerate())
-        tasks = [asyncio.ensure_future(one()) for _ in range(1000)]
+        tasks = [asyncio.ensure_future(one()) for _ in range(300)]
         await asyncio.sleep(0.05)
         during = set(threading.enumerate())
         await asyncio.gather(*tasks)

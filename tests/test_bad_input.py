@@ -103,6 +103,11 @@ def url(text: Any) -> Call:
     return lambda c: cache_from_url(text)
 
 
+def with_acquire_async(ctx: Ctx) -> None:
+    with ctx.mutex.acquire_async("k"):  # the mistake itself: `with`, not `async with`
+        pass
+
+
 def a_file(ctx: Ctx) -> str:
     path = ctx.tmp_path / "not-a-directory"
     path.write_text("keep me")
@@ -196,6 +201,7 @@ TABLE: list[tuple[str, Call, str, type[Exception]]] = [
     ("renew str decorator", decorate(key="k", renew="yes"), "True or False", TypeError),
     ("label int", mutex(label=5), "str or None", TypeError),
     ("acquire label int", acquire(label=5), "str or None", TypeError),
+    ("with acquire_async", with_acquire_async, "async with mutex.acquire_async", TypeError),
     # an existing lease
     ("renew negative length", lambda c: c.lease.renew(lease=-1), "greater than 0", ValueError),
     ("renew mapping typo", lambda c: c.lease.renew(lease={"secs": 1}), "unit", ValueError),

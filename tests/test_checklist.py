@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import pytest
+from checklists import CONTRIBUTING, Checks, missing, table_rows
 
 import simple_mutex.caches
 from simple_mutex.caches import registry
@@ -23,7 +23,6 @@ from simple_mutex.caches.registry import Backend
 pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTRIBUTING = ROOT / "docs" / "contributing.md"
 WITH_DRIVER = [backend for backend in registry.BACKENDS if backend.drivers]
 
 
@@ -67,20 +66,8 @@ def twin(backend: Backend) -> Backend | None:
 
 # Each check: the files its row must name (``<tier>`` as in the table), and what is missing
 # for a backend (empty when it holds).
-Check = Callable[[Backend], list[str]]
-CHECKS: dict[str, tuple[tuple[str, ...], Check]] = {}
-
-
-def check(name: str, *files: str) -> Callable[[Check], Check]:
-    def register(function: Check) -> Check:
-        CHECKS[name] = (files, function)
-        return function
-
-    return register
-
-
-def missing(**wanted: bool) -> list[str]:
-    return [what for what, holds in wanted.items() if not holds]
+check: Checks[Backend] = Checks()
+CHECKS = check.checks
 
 
 @check("registry", "simple_mutex/caches/registry.py")
@@ -214,11 +201,7 @@ def _bench(b: Backend) -> list[str]:
 
 
 def checklist() -> dict[str, str]:
-    """The rows of "Adding a backend": check name -> the row's file(s) cell."""
-    section = CONTRIBUTING.read_text(encoding="utf-8").split("\n## Adding a backend\n", 1)[1]
-    section = section.split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", section, re.MULTILINE)
-    return dict(rows)
+    return table_rows("Adding a backend")
 
 
 def test_the_checklist_and_the_checks_are_one_list() -> None:

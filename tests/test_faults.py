@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import sqlite3
@@ -151,6 +152,38 @@ def taker_for(tier: Tier, key: str) -> Iterator[Callable[[], Taker]]:
         taker.join(5)
 
 
+class _Control(Exception):
+    """The control interrupt of ``machine_lateness``."""
+
+
+def machine_lateness() -> float:
+    """How late, right now, a thread that wakes at a set time gets an exception into a
+    main thread spinning in pure Python: the same path as the lease's interrupt (a timer
+    thread, the GIL, ``PyThreadState_SetAsyncExc``) with no cache and no library code.
+    On a quiet machine a few ms; with a second suite beside this one, a second and more:
+    a bound on the library's lateness is that plus ON_TIME."""
+    target = threading.get_ident()
+    at = time.monotonic() + 0.2
+
+    def wake() -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(target), ctypes.py_object(_Control)
+        )
+
+    waker = threading.Thread(target=wake, daemon=True)
+    waker.start()
+    end = time.monotonic() + GUARD
+    try:
+        while time.monotonic() < end:
+            pass
+    except _Control:
+        return time.monotonic() - at
+    finally:
+        waker.join()
+    raise AssertionError("the control interrupt never landed")
+
+
 def spin_until_interrupted(heal: Callable[[], None]) -> float:
     """Pure-Python work; returns the wall time at which the interrupt landed, after
     ``heal`` mends the link (so the block's release on exit goes through)."""
@@ -175,15 +208,24 @@ def test_a_broken_link_cannot_postpone_the_lapse_interrupt(tier, key, taker_for,
     with FaultProxy(tier.port) as proxy:
         mutex = Mutex(cache_from_url(tier.url(proxy.port)), lease=LEASE)
         lease = mutex.acquire(key, renew=True)
-        deadline = lease.expires_at.timestamp()
         proxy.set(mode, delay)
         taker = taker_for()
         with pytest.raises(SimpleMutexLeaseExpiredError), lease:
             interrupted_at = spin_until_interrupted(heal=lambda: proxy.set("pass"))
         taker.join(GUARD)
+    # The deadline the lease ended with: a loaded machine can let a renewal through before
+    # the link breaks (the test thread runs late), and that renewal moved it on. Measured
+    # from the grant's deadline instead, one such run read 8 s "late".
+    deadline = lease.expires_at.timestamp()
     late = interrupted_at - deadline
     print(f"{tier.name} {mode}: interrupted {late * 1000:+.1f} ms after the deadline")
-    assert 0 <= late <= ON_TIME, f"interrupted {late:.3f} s after the deadline"
+    if late > ON_TIME:  # judged against what this machine does just now, with no lock
+        machine = max(machine_lateness(), machine_lateness())
+        assert late <= ON_TIME + 2 * machine, (
+            f"interrupted {late:.3f} s after the deadline; the machine alone delays such an "
+            f"interrupt by {machine:.3f} s"
+        )
+    assert late >= 0, f"interrupted {-late:.3f} s before the deadline"
     assert taker.granted_at is not None, "the key was never taken over"
     # The server frees the key only past the holder's deadline (the deadline is set short
     # of the record's expiry by a margin). Whether the holder's thread was running again

@@ -202,10 +202,10 @@ BROAD_CATCH_ALLOWED = {
     # released (a failure leaves it to a sweep), the parent's end of a dead child's turn,
     # and the sweeper's own thread.
     ("celery_mutex/line.py", "_from_the_parent"),
-    ("celery_mutex/line.py", "sweep_once"),
-    ("celery_mutex/line.py", "_run"),
-    # RQ's: the periodic sweep in the worker's main process (no job timeout there).
-    ("rq_mutex/line.py", "sweep_all"),
+    ("celery_mutex/sweeper.py", "_run"),
+    # The periodic sweep of every line, in Celery's sweeper thread and in RQ's worker's
+    # main process (no job timeout in either).
+    ("simple_mutex/busy/line/driver.py", "sweep_lines"),
     ("rq_mutex/worker.py", "sweep_lines"),
 }
 BROAD = {"Exception", "BaseException"}

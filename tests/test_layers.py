@@ -266,3 +266,72 @@ DESIGN_3 = {
 )
 def test_each_name_of_design_section_3_imports(module: str, name: str) -> None:
     assert hasattr(importlib.import_module(module), name)  # as `from module import name`
+
+
+CITED_RULE = re.compile(r"lifecycle\s+(?:#\s*)?rule\s+(?:#\s*)?(\d+)")
+
+
+def test_the_code_cites_only_what_the_repository_holds() -> None:
+    """The design travels with the code: a comment or docstring names a page of docs/, a
+    lifecycle rule of docs/design/lifecycle.md by its number, never a design document or
+    an issue number the repository does not have."""
+    rules = re.findall(r"^(\d+)\. ", (ROOT / "docs/design/lifecycle.md").read_text(), re.M)
+    for package in ("simple_mutex", "celery_mutex", "rq_mutex"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            outside = re.findall(r"DESIGN|§|\bissues? #?\d+", text)
+            assert outside == [], f"{path.relative_to(ROOT)} cites {outside}"
+            for rule in CITED_RULE.findall(text):
+                assert rule in rules, f"{path.relative_to(ROOT)} cites lifecycle rule {rule}"
+            for page in re.findall(r"docs/[\w/.-]+\.md", text):
+                assert (ROOT / page).is_file(), f"{path.relative_to(ROOT)} cites {page}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the three packages it imports, at any depth of its code
+    (a function-level import holds a circle open as well as a top-level one). A package's
+    ``__init__`` re-exports its modules and is left out: a facade, not a layer."""
+    modules: dict[str, Path] = {}
+    for package in ("simple_mutex", "celery_mutex", "rq_mutex"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name != "__init__.py":
+                modules[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = name.split(".")[: -node.level] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found |= {t for t in targets if t in modules and t != name}
+        graph[name] = found
+    return graph
+
+
+def test_no_module_of_the_three_packages_imports_itself_round_a_circle() -> None:
+    graph = _import_graph()
+
+    def circle_from(start: str) -> list[str] | None:
+        path, seen = [start], {start}
+
+        def walk(node: str) -> list[str] | None:
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    path.append(nxt)
+                    if (found := walk(nxt)) is not None:
+                        return found
+                    path.pop()
+            return None
+
+        return walk(start)
+
+    circles = [c for c in map(circle_from, sorted(graph)) if c is not None]
+    assert circles == [], f"import circles: {' ; '.join(' -> '.join(c) for c in circles)}"

@@ -754,11 +754,13 @@ def test_a_renewing_holder_stays_valid_through_an_extension_by_its_token(any_cac
     """The extension keeps the record's value: the holder's own handle goes on renewing
     and releasing as if nothing happened (its next renewal reads its value back at the
     new version and writes from there)."""
-    locks = lock_space(kind, any_cache, 0.3)
+    # A lease the renewal keeps on a loaded machine (a renewal a third into a 0.3 s lease
+    # once came too late on a busy disk); the block outlives it either way.
+    locks = lock_space(kind, any_cache, 1.5)
     with locks.acquire("k", renew=True) as lease:
         for _ in range(3):
-            assert locks.extend("k", token=lease.token, lease=0.3) is True
-            spin(0.25)
+            assert locks.extend("k", token=lease.token, lease=1.5) is True
+            spin(1.0)
         assert not lease.lost
     assert lease.release() is False  # released by the block's exit, in time
     assert not locks.locked("k")
@@ -880,3 +882,56 @@ def test_exiting_with_a_renewed_lease_held_logs_no_keeper_error(tmp_path):
     assert done.returncode == 0
     assert "keeper" not in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_lost_lease_interrupts_a_holder_that_is_starting_threads(monkeypatch):
+    """Before CPython 3.12 a thread being started carries its parent's id until it runs,
+    so an interrupt sent to a holder starting a thread could land in the new thread: that
+    thread died unborn and the holder waited for it in Thread.start() for good (1 send in
+    7, in a loop like this one, on 3.11). Each holder here starts threads until its lease
+    lapses: each gets the interrupt itself, and no thread dies of it. (3.12 stamps a
+    thread's own id in the thread; the lower-bounds run, on 3.10, runs this too.)"""
+    misdelivered: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: misdelivered.append(a.exc_type.__name__))
+    mutex = Mutex(InMemoryCache(), lease=0.05)
+    for attempt in range(60):
+        outcome: list[str] = []
+
+        def holder(key: str = f"k{attempt}", outcome: list[str] = outcome) -> None:
+            try:
+                with mutex.acquire(key):
+                    while True:
+                        threading.Thread(target=int, daemon=True).start()
+            except SimpleMutexLeaseExpiredError:
+                outcome.append("interrupted")
+
+        thread = threading.Thread(target=holder, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), f"attempt {attempt}: the holder hangs in Thread.start()"
+        assert outcome == ["interrupted"]
+    assert misdelivered == [], "an interrupt landed in a thread its holder was starting"
+
+
+@pytest.mark.parametrize("found_at", ["release", "renewal"])
+def test_a_lock_freed_by_force_names_that_not_the_lease(memory_cache, key, found_at):
+    """A renewed lease whose record an operator freed (``simple-mutex release``): the
+    holder's error, found at its release or at its next renewal, names a lock freed or
+    taken while it had time, not a lease to raise."""
+    from simple_mutex.admin import live_locks, release
+
+    mutex = Mutex(memory_cache, lease=30 if found_at == "release" else 0.6)
+
+    def hold() -> None:
+        with mutex.acquire(key, renew=True):
+            [held] = live_locks(memory_cache, "mutex.")
+            assert release(memory_cache, held)  # the operator's release
+            if found_at == "renewal":
+                spin(3.0)  # the renewal at a third of the lease finds it gone: interrupted
+
+    with pytest.raises(SimpleMutexLeaseExpiredError) as info:
+        hold()
+    message = str(info.value)
+    assert "freed or taken while it still had time" in message
+    assert "simple-mutex release" in message
+    assert "renew=True" not in message

@@ -599,20 +599,26 @@ def test_a_queued_job_behind_a_stranded_head_of_its_line_is_named_so() -> None:
 
 def test_the_rq_tier_reads_a_late_run_from_rq_mutexs_warning() -> None:
     """RQ tells a job's body nothing of a run out of order; the tier's horses read the
-    line's reason from ``rq_mutex.line``'s warning, which must stay the one it matches."""
+    line's reason from the line driver's warning (on ``rq_mutex``'s logger, naming the
+    call as ``rq_mutex.line`` does), which must stay the one it matches."""
     import inspect
     import logging
+    from types import SimpleNamespace
 
     from nemesis import rq_jobs
 
     import rq_mutex.line
+    from simple_mutex.busy.line import driver
 
-    assert f'"{rq_jobs.OUT_OF_ORDER}"' in inspect.getsource(rq_mutex.line)
+    assert f'"{rq_jobs.OUT_OF_ORDER}"' in inspect.getsource(driver)
+    job = SimpleNamespace(id="j1")
+    call = rq_mutex.line.JobCall(None, None, "n", job=job, policy=None)  # type: ignore[arg-type]
+    assert call.who == "job j1"  # the first argument of the warning
     # The handler is on rq_mutex's logger in every horse; fed the warning's record here
     # directly, since a Celery worker started in this process may have disabled loggers.
     handlers = [h for h in logging.getLogger("rq_mutex").handlers if isinstance(h, rq_jobs._Late)]
     assert handlers
     record = logging.LogRecord("rq_mutex", logging.WARNING, __file__, 0, rq_jobs.OUT_OF_ORDER,
-                               ("j1", 3, "q.a", "skipped"), None)  # fmt: skip
+                               ("job j1", 3, "q.a", "skipped"), None)  # fmt: skip
     handlers[0].handle(record)
     assert rq_jobs._state["late"]["j1"] == "skipped"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import _posixsubprocess  # type: ignore[import-not-found]
 import contextlib
+import importlib
 import os
 import sys
 import threading
@@ -116,6 +117,14 @@ FORBIDDEN = {
 }
 
 
+# Modules that probe the machine once, as they are first imported: urllib3 binds a socket
+# to ::1 to learn whether IPv6 works, croniter runs `file` on the interpreter (through
+# platform.architecture). Imported before the guard is armed, so a fast test is not
+# failed for being the first of its worker to import one (which test that is depends on
+# how xdist hands them out).
+PROBE_ON_IMPORT = ("urllib3.util.connection", "croniter")
+
+
 class TierViolation(OSError):
     """What a fast test gets when it opens a socket or starts a process. An ``OSError`` so
     that code under test fails the way it would on a machine with no network; the test
@@ -131,6 +140,9 @@ class _Guard:
     def __init__(self) -> None:
         self.item: pytest.Item | None = None
         self.others: frozenset[int] = frozenset()
+        for name in PROBE_ON_IMPORT:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
         sys.addaudithook(self._audit)
 
     def _audit(self, event: str, args: tuple[Any, ...]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -115,6 +116,21 @@ def check_core() -> None:
     with tempfile.TemporaryDirectory() as path:
         round_trip(DiskCache(path), "DiskCache")
         round_trip(cache_from_url(f"file://{path}"), "cache_from_url(file://)")
+    check_integration_without_its_queue("celery_mutex", "celery", "billiard")
+    check_integration_without_its_queue("rq_mutex", "rq", "rq")
+
+
+def check_integration_without_its_queue(package: str, extra: str, module: str) -> None:
+    """Without its task queue installed, importing an integration names the extra."""
+    if importlib.util.find_spec(module) is not None:
+        return
+    try:
+        importlib.import_module(package)
+    except ImportError as exc:
+        require(f"pip install 'simple-mutex[{extra}]'" in str(exc), f"import {package}: {exc}")
+        ok(f"import {package} without {module}: names simple-mutex[{extra}]")
+    else:
+        require(False, f"import {package} worked without {module}")
 
 
 def check_redis() -> None:
@@ -326,11 +342,10 @@ def check_rq() -> None:
     """A real ``rq worker -w rq_mutex.Worker`` (as the guide starts them) runs one
     ``mutex_job`` on the Redis at REDIS_URL."""
     import redis
-    from rq import Queue
 
-    from rq_mutex import current_lease, is_skipped, mutex_job, once_per_tick  # noqa: F401
+    from rq_mutex import Queue, current_lease, is_skipped, mutex_job, once_per_tick  # noqa: F401
 
-    ok("import rq_mutex (mutex_job, current_lease, is_skipped, once_per_tick)")
+    ok("import rq_mutex (Queue, mutex_job, current_lease, is_skipped, once_per_tick)")
     sys.path.insert(0, str(HERE))
     jobs = importlib.import_module("rq_jobs")
     url = env("REDIS_URL")

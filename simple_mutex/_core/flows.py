@@ -345,7 +345,7 @@ def renew(
 ) -> Flow[Renewed | None]:
     """Restart our record's expiry; None when it is gone or another owner's.
 
-    The deadline is taken only from a write whose outcome we saw (DESIGN §4 rule 15). A
+    The deadline is taken only from a write whose outcome we saw (lifecycle rule 15). A
     compare-and-set that misses on a record holding our value at another version met a
     write of ours that landed unseen (a lost reply, a driver's retry): its length and its
     start are not known here, so it cannot set the deadline. Write once more from the

@@ -17,9 +17,13 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
-from simple_mutex.errors import ConstraintValueError, bad_input
+from simple_mutex.errors import ConstraintValueError, bad_input, shown
 
 MAX_KEY_CHARS = 200
+MAX_USER_KEY = 1024
+"""The longest lock key taken, in characters: each record carries the user's key whole
+(so ``list`` and ``show`` can name a hashed one), and a lock costs its key's length in
+every record, event and log line. Longer: hash the identifier into the key."""
 _HEAD_CHARS = MAX_KEY_CHARS - 64  # 1 + 64 + this > MAX_KEY_CHARS: never equal to an unhashed key
 _SAFE = frozenset(string.ascii_letters + string.digits + "._-~:")
 _SAFE_RE = re.compile(r"[A-Za-z0-9._~:-]*")
@@ -39,9 +43,15 @@ def check_key(key: object) -> str:
     if not isinstance(key, str) or not key:
         raise bad_input(
             key, str,
-            f"a lock key must be a non-empty str, got {key!r}; "
+            f"a lock key must be a non-empty str, got {shown(key)}; "
             "build it from your arguments, e.g. key='order.{order_id}'",
         )  # fmt: skip
+    if len(key) > MAX_USER_KEY:
+        raise ConstraintValueError(
+            f"a lock key must be at most {MAX_USER_KEY} characters, got {len(key)} "
+            f"({shown(key)}); put a digest of a long identifier in the key, e.g. "
+            "hashlib.sha256(text.encode()).hexdigest()"
+        )
     return key
 
 

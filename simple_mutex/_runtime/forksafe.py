@@ -36,7 +36,7 @@ class ForkAware(Protocol):
 generation = 0
 """How many forks separate this process from the first one: a value saved before a fork
 and read after it in the child differs. A Lease keeps it, so that its copy in a forked
-child knows it is not the holder (DESIGN §4 rule 14)."""
+child knows it is not the holder (lifecycle rule 14)."""
 
 _objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _registry_lock = threading.Lock()

@@ -19,6 +19,9 @@ from __future__ import annotations
 import ctypes
 import dis
 import signal
+import sys
+import threading
+import time
 from types import CodeType, FrameType
 from typing import Any
 
@@ -56,8 +59,31 @@ def interrupt_class(key: str, message: str) -> type[LeaseInterrupt]:
     return type("LeaseInterrupt", (LeaseInterrupt,), {"lost_message": message, "lost_key": key})
 
 
+# Before CPython 3.12, a thread being started carries the id of the thread that starts it
+# until it runs (its state is made by its parent and stamped with its own id only once it
+# runs): an exception sent to a holder that is starting a thread at that moment may land
+# in the new thread instead, which dies before it ever runs, while the holder, never
+# interrupted, waits in Thread.start() for it for good (seen by the nemesis: a holder's
+# concurrent renewals; 42 of 300 sends in a loop that starts threads, on 3.11). 3.12
+# stamps a thread's own id on it in the thread itself.
+_STAMPED_BY_PARENT = sys.version_info < (3, 12)
+_SETTLE = 1.0  # how long a send waits for threads being started to run (then sends)
+
+
 def raise_in_thread(thread_id: int, exc_class: type[BaseException]) -> None:
-    _set_async_exc(thread_id, exc_class)
+    if not _STAMPED_BY_PARENT:
+        _set_async_exc(thread_id, exc_class)
+        return
+    # threading.Thread.start() puts a thread in _limbo, under _active_limbo_lock, before
+    # its state is made, and takes it out only once it runs with its own id: with that
+    # lock held and _limbo empty, no thread's state carries another's id.
+    deadline = time.monotonic() + _SETTLE
+    while True:
+        with threading._active_limbo_lock:  # type: ignore[attr-defined]
+            if not threading._limbo or time.monotonic() > deadline:  # type: ignore[attr-defined]
+                _set_async_exc(thread_id, exc_class)
+                return
+        time.sleep(0.0005)
 
 
 def cancel_pending(thread_id: int) -> None:

@@ -87,16 +87,11 @@ def locks_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> list[Live
     return _sorted(lock for lock in _decoded(cache, prefix, found) if lock.key == key)
 
 
-def line_prefix(prefix: str = DEFAULT_PREFIX) -> str:
-    """Where the lines of ``on_busy="queue"`` stand beside the locks under ``prefix``."""
-    return "line." + check_prefix(prefix)
-
-
 def parked_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
     """Per key that has a line beside the locks under ``prefix``: how many calls wait
     parked in it (a parked copy of the running ticket, its broker's redelivery kept in
     case the holder died, is not a waiting call). Keys with no line are absent."""
-    lines = Lines(scannable(cache), lease=1, prefix=line_prefix(prefix), lock_prefix=prefix)
+    lines = Lines(scannable(cache), lease=1, lock_prefix=prefix)
     found: dict[str, int] = {}
     keys = lines.keys()  # a scan, not a mapping's keys
     for key in keys:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TextIO
 
 from simple_mutex.admin import LiveLock, live_locks, locks_of, parked_by_key, release, waited_on
@@ -62,11 +62,19 @@ def lines_json(locks: Sequence[LiveLock], parked: dict[str, int]) -> list[dict[s
     return sorted(found, key=lambda entry: (entry["key"], entry["slot"] or 0))
 
 
+def waiting_lines(cache: object, prefix: str, locks: Sequence[LiveLock]) -> dict[str, int]:
+    """``parked_by_key``, less the idle lines: a key's line is shown when a call waits in
+    it or its lock is held. (A line record outlives its last call by a day; after a busy
+    day, hundreds of keys have one with nothing in it, which is nothing to look at.)"""
+    held = {lock.key for lock in locks}
+    return {key: n for key, n in parked_by_key(cache, prefix).items() if n or key in held}
+
+
 def list_locks(cache: object, prefix: str, out: TextIO, *, json_output: bool = False) -> int:
     """Every live lock under ``prefix``, and the parked count of each key that has a line
-    (``on_busy="queue"``): a table, or a JSON array."""
+    (``on_busy="queue"``) with a call in it or its lock held: a table, or a JSON array."""
     locks = live_locks(cache, prefix)
-    parked = parked_by_key(cache, prefix)
+    parked = waiting_lines(cache, prefix, locks)
     if json_output:
         out.write(json.dumps(lines_json(locks, parked), indent=2) + "\n")
     elif locks or parked:
@@ -158,11 +166,14 @@ def watch_locks(
 ) -> int:
     """Redraw the table every ``interval`` seconds until Ctrl-C (status 0) or
     ``refreshes`` frames: holders, how long each has held, whether a waiter is blocked on
-    the key (where the cache can tell), and takeovers (a permit seen under a new grant,
-    its fence, at the next refresh without being seen free between: the old holder's
-    lease lapsed or it was freed and taken at once). A server that fails after the first
-    refresh is reported in a line and watched on; one that fails the first is raised."""
+    the key (where the cache can tell), and takeovers (``lapsed_into``). A server that
+    fails after the first refresh is reported in a line and watched on; one that fails
+    the first is raised."""
     seen: dict[tuple[str, int], LiveLock] = {}
+    # How near its end a lease counts as run out: an expiry is read through a reply that
+    # can lag on a loaded server. Short, because a hand-off seen within it of the old
+    # lease's end reads as a takeover.
+    slack = timedelta(seconds=0.25)
     takeovers: dict[str, int] = {}
     news: list[str] = []
     clear = out.isatty()
@@ -172,7 +183,8 @@ def watch_locks(
             frame += 1
             try:
                 locks = live_locks(cache, prefix)
-                parked = parked_by_key(cache, prefix)
+                seen_at = now()  # after the scan: a grant it read was made by then
+                parked = waiting_lines(cache, prefix, locks)
             except MalfunctionError as exc:
                 if frame == 1:
                     raise  # a wrong URL or a server that is down: the caller's status 2
@@ -184,11 +196,19 @@ def watch_locks(
             current = {(lock.key, lock.slot): lock for lock in locks}
             for place, lock in current.items():
                 before = seen.get(place)
-                if before is not None and before.fence != lock.fence:
+                if before is not None and lapsed_into(before, lock, seen_at, slack):
                     takeovers[lock.key] = takeovers.get(lock.key, 0) + 1
                     news.append(f"{stamp(now())} takeover of {lock.key!r} slot {lock.slot}: "
                                 f"{who(before)} -> {who(lock)} (fence {lock.fence})")  # fmt: skip
-            seen = current
+            # A permit no longer held whose lease had run out lapsed (a holder cannot free
+            # what it no longer holds): remember it, a waiter may take it at a later
+            # refresh. One freed while it still had time is forgotten.
+            lapsed = {
+                place: lock
+                for place, lock in seen.items()
+                if place not in current and seen_at + slack >= lock.expires_at
+            }
+            seen = {**lapsed, **current}
             waiting = waiters(cache, locks)
             moment = now()
             in_lines = f"{sum(parked.values())} parked, " if parked else ""
@@ -210,6 +230,21 @@ def watch_locks(
         out.write("\n")
     out.flush()
     return 0
+
+
+def lapsed_into(
+    before: LiveLock, after: LiveLock, seen_at: datetime, slack: timedelta = timedelta(0)
+) -> bool:
+    """Is ``after``, the same permit read at ``seen_at``, a takeover of ``before`` (the
+    permit's holder as last read, at an earlier refresh): a new grant (a new fence) that
+    came once ``before``'s lease had run out (to within ``slack``), which is what a
+    crashed, paused or stuck holder looks like when a waiter takes the key? A new grant
+    seen while ``before`` still had time is a hand-off (freed, by its holder or an
+    operator, and taken at once: consecutive calls of a line do it all day), not one.
+    A refresh sees a grant up to one interval after it was made, so a hand-off in the
+    last refresh interval of the old lease (as last read: a renewal since can have moved
+    it) still reads as a takeover."""
+    return before.fence != after.fence and seen_at + slack >= before.expires_at
 
 
 # -- formatting ------------------------------------------------------------------------

@@ -7,9 +7,11 @@ the other, and nothing here imports either.
 * ``running``: ``current_lease()``, the loss interrupt turned into the public error, and
   the skip marker that ``is_skipped`` recognizes.
 * ``per_process``: caches and lock spaces built once per process, again after fork.
-* ``line``: the line of ``on_busy="queue"`` (issue 24): one JSON record per key beside
-  its lock, the pure decisions on it and the flow that writes it (``Lines``). Groundwork:
-  no integration uses it yet, so nothing of it is re-exported here.
+* ``line``: the line of ``on_busy="queue"``, ``"latest"`` and ``"debounce"``: one JSON
+  record per key beside its lock, the pure decisions on it, the flow that writes it
+  (``Lines``) and the per-call driver Celery and RQ both run (``line.driver``).
+* ``port``: what that driver needs from a task queue (``Call``, ``Publisher``); each
+  integration implements it (``docs/design/tasks.md``).
 * The core's checks the integrations apply to their own options (``positive_seconds``,
   ``Duration``, ``check_prefix``, ``template_fields``), and its ``OnePerProcess`` (the
   keeper's idiom, for the Celery exit watch): re-exported here, so neither integration

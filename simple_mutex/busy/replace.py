@@ -27,7 +27,7 @@ steps on the lock itself, never by asking the holder. A holder that cannot be re
 finds its lease lost at its next renewal, a third of a lease later at most, and meanwhile
 writes with the older fence, which a fenced store refuses once the new holder has written
 (``simple_mutex.fenced``). Replace is the one place that frees a record while its holder
-may still act (DESIGN §4 rule 12 waits for the holder to be gone): the user asked for it.
+may still act (lifecycle rule 12 waits for the holder to be gone): the user asked for it.
 
 ``ROUNDS`` bounds the rounds against other replacing calls: each round frees the holder
 it read, and the call that then writes first holds the key; the others replace it in

@@ -23,7 +23,7 @@ def running(lease: Lease) -> Iterator[None]:
     cannot be found by name when Celery or RQ store the failure); the chained interrupt
     shows where the body was when the lease was lost. An interrupt that landed while a
     SystemExit or KeyboardInterrupt unwound the body (a ``finally:`` after SIGTERM)
-    displaced it: that one leaves instead, with a note (DESIGN §4 rule 13), or Celery
+    displaced it: that one leaves instead, with a note (lifecycle rule 13), or Celery
     would record an ordinary failure and keep the terminated child alive."""
     token = _current.set(lease)
     try:

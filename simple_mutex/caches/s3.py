@@ -244,7 +244,7 @@ class S3Cache(SleepingWait, CacheBase):
         held up), an object granted meanwhile with a larger fence could have been
         deleted (a lifecycle rule): the fence is raised to the clock read now, after the
         create landed, by a PUT If-Match on our own object, before the grant counts
-        (DESIGN §4 rule 16: no floor older than the write that assigns it)."""
+        (lifecycle rule 16: no floor older than the write that assigns it)."""
         now = self._clock()
         fence = clock_fence(now)
         if now - read_at < _STALE_AFTER or fence <= created.fence:

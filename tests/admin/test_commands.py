@@ -4,6 +4,7 @@ server that fails, frame by frame, without a subprocess or a real clock."""
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -33,16 +34,16 @@ class Flaky(InMemoryCache):
 
 
 def test_watch_counts_a_takeover_between_two_refreshes() -> None:
-    """A permit seen under a new fence at the next refresh is a takeover, named with the
-    old and the new holder; the count shows in the key's row."""
+    """A permit seen under a new fence at the next refresh, granted once the old lease had
+    run out, is a takeover, named with the old and the new holder; the count shows in the
+    key's row."""
     cache = InMemoryCache()
-    mutex = Mutex(cache, label="first")
-    first = mutex.acquire("k")
+    _first = Mutex(cache, label="first", lease=0.2).acquire("k")  # not renewed: it lapses
     out = io.StringIO()
 
     def between_frames(_: float) -> None:
-        if first.release():  # freed and taken at once: never seen free
-            Mutex(cache, label="second").acquire("k")
+        time.sleep(0.3)
+        Mutex(cache, label="second").acquire("k", timeout=0)
 
     assert watch_locks(cache, "mutex.", out, refreshes=2, sleep=between_frames) == 0
     text = out.getvalue()
@@ -51,6 +52,48 @@ def test_watch_counts_a_takeover_between_two_refreshes() -> None:
     assert "(second)" in text
     last_row = [line for line in text.splitlines() if line.startswith("k ")][-1]
     assert last_row.split()[-2:] == ["1", "?"]  # one takeover; memory cannot tell waiters
+
+
+def test_watch_does_not_call_a_hand_off_a_takeover() -> None:
+    """Freed and taken at once between two refreshes (consecutive calls of a line, or an
+    operator's release and a waiter): a new fence, but no takeover."""
+    cache = InMemoryCache()
+    first = Mutex(cache, label="first").acquire("k")
+    out = io.StringIO()
+
+    def between_frames(_: float) -> None:
+        if first.release():  # never seen free
+            Mutex(cache, label="second").acquire("k", timeout=0)
+
+    assert watch_locks(cache, "mutex.", out, refreshes=2, sleep=between_frames) == 0
+    text = out.getvalue()
+    assert "(second)" in text  # the second frame saw the new holder
+    assert "takeover" not in text.replace("TAKEOVERS", "")
+    last_row = [line for line in text.splitlines() if line.startswith("k ")][-1]
+    assert last_row.split()[-2:] == ["0", "?"]
+
+
+@pytest.mark.parametrize("lapses", [True, False])
+def test_watch_remembers_a_lapsed_lease_across_a_free_refresh(lapses: bool) -> None:
+    """Seen free at a refresh and taken at the next: a takeover when the old lease ran
+    out (a waiter slow to wake), a hand-off when it was freed in time."""
+    cache = InMemoryCache()
+    first = Mutex(cache, label="first", lease=0.2 if lapses else 30).acquire("k")
+    frames = iter(range(3))
+    out = io.StringIO()
+
+    def between_frames(_: float) -> None:
+        if next(frames) == 0:  # the next refresh sees the key free
+            time.sleep(0.3) if lapses else first.release()
+        else:
+            Mutex(cache, label="second").acquire("k", timeout=0)
+
+    assert watch_locks(cache, "mutex.", out, refreshes=3, sleep=between_frames) == 0
+    text = out.getvalue()
+    assert "(no live locks)" in text
+    assert ("takeover of 'k' slot 0: " in text) == lapses
+    last_row = [line for line in text.splitlines() if line.startswith("k ")][-1]
+    assert last_row.split()[-2] == ("1" if lapses else "0")
 
 
 def test_watch_reports_a_failed_refresh_and_goes_on() -> None:

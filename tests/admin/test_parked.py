@@ -123,6 +123,31 @@ def test_watch_and_show_say_how_many_are_parked(scene: Scene) -> None:
     assert "parked:      1 in its line" in free.getvalue()
 
 
+def test_an_idle_line_is_not_listed(scene: Scene) -> None:
+    """A line whose calls all ran (its record lives on for a day) is nothing to look at:
+    ``list``, ``--json`` and ``watch`` leave it out, beside the lines that are not idle."""
+    lines = Lines(scene.cache, lease=60, prefix="line." + scene.prefix, lock_prefix=scene.prefix)
+    done = [f"done{n}" for n in range(3)]
+    for key in done:
+        ticket = lines.take(key)
+        assert type(lines.start(key, ticket)).__name__ == "Run"
+        lines.end(key, ticket)
+    try:
+        assert {key: parked_by_key(scene.cache, scene.prefix).get(key) for key in done} == {
+            key: 0 for key in done
+        }  # the records are there
+        out, listed, watched = io.StringIO(), io.StringIO(), io.StringIO()
+        list_locks(scene.cache, scene.prefix, out)
+        list_locks(scene.cache, scene.prefix, listed, json_output=True)
+        watch_locks(scene.cache, scene.prefix, watched, refreshes=1, sleep=lambda _: None)
+        assert set(rows_of(out.getvalue())) == {"busy", "idle", "plain"}
+        assert {row["key"] for row in json.loads(listed.getvalue())} == {"busy", "idle", "plain"}
+        assert set(rows_of(watched.getvalue().split("\n", 1)[1])) == {"busy", "idle", "plain"}
+    finally:
+        for key in done:
+            drop(scene.cache, lines.cache_key(key))
+
+
 def test_no_line_no_parked_column(scene: Scene) -> None:
     """Locks under a prefix with no line: the table as it always was."""
     other = f"parkedtest.{uuid.uuid4().hex[:10]}."

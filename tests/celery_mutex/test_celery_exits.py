@@ -202,8 +202,9 @@ def test_a_forked_child_gets_a_watch_of_its_own():
 class Request:
     """What the parent reads of the worker's Request (kept weakly, as Celery's is)."""
 
-    def __init__(self, worker_pid: int | None) -> None:
-        self.id, self.worker_pid = f"t{time.monotonic_ns()}", worker_pid
+    def __init__(self, worker_pid: int | None, retries: int = 0, task_id: str = "") -> None:
+        self.id, self.worker_pid = task_id or f"t{time.monotonic_ns()}", worker_pid
+        self.args, self.kwargs, self.request_dict = (), {}, {"retries": retries}
 
 
 def _received(pool: Any, worker_pid: int | None) -> Request:
@@ -217,22 +218,43 @@ def _task() -> Any:
 
 
 @pytest.fixture
-def freed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """The (task id, reason) of each free() the parent would do."""
-    calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(parent, "free", lambda _t, tid, _a, _k, why, _c: calls.append((tid, why)))
+def freed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int | None]]:
+    """The (task id, reason, attempt) of each free() the parent would do."""
+    calls: list[tuple[str, str, int | None]] = []
+
+    def free(_task: Any, task_id: str, _args: Any, _kwargs: Any, why: str, request: Any) -> None:
+        calls.append((task_id, why, parent.attempt_of(request)))
+
+    monkeypatch.setattr(parent, "free", free)
     return calls
 
 
 def test_a_prefork_child_s_lock_is_freed_only_once_it_has_exited(freed, holders):
     holders.append(child := Holder())
     request = _received(PreforkPool.__new__(PreforkPool), child.pid)
-    parent.free_when_gone(_task(), request.id, (), {}, "revoke")
+    parent.free_when_gone(_task(), request, "revoke")
     time.sleep(0.5)
     assert freed == []
     child.end()
     wait_until(lambda: freed, 10, "the parent to free the lock")
-    assert freed == [(request.id, "revoke")]
+    assert freed == [(request.id, "revoke", 0)]
+
+
+def test_the_attempt_cut_short_is_the_one_freed_not_a_retry_received_since(freed, holders):
+    """A retry shares its task id: the parent watches the child of the attempt whose
+    failure is reported (its own request), and frees that attempt, never the retry's."""
+    holders.append(dead := Holder())
+    holders.append(retry_child := Holder())
+    pool = PreforkPool.__new__(PreforkPool)
+    first = _received(pool, dead.pid)
+    retry = Request(retry_child.pid, retries=1, task_id=first.id)
+    parent.remember(SimpleNamespace(pool=pool), retry)
+    assert parent.request_of(first.id) is retry  # by task id alone: the wrong attempt
+    parent.free_when_gone(_task(), first, "TimeLimitExceeded")
+    dead.end()
+    wait_until(lambda: freed, 10, "the parent to free the dead attempt")
+    assert freed == [(first.id, "TimeLimitExceeded", 0)]
+    assert retry_child.state() != "Z"  # the retry's child still runs
 
 
 @pytest.mark.parametrize("why", ["in-process pool", "not received here", "no pid"])
@@ -246,7 +268,7 @@ def test_nothing_is_freed_for_a_task_no_child_of_ours_ran(freed, why, caplog):
         request = _received(PreforkPool.__new__(PreforkPool), None)
     else:
         request = Request(12345)
-    parent.free_when_gone(_task(), request.id, (), {}, "TimeLimitExceeded")
+    parent.free_when_gone(_task(), request, "TimeLimitExceeded")
     time.sleep(0.3)
     assert freed == []
     assert exits.exit_watch().pending() == []

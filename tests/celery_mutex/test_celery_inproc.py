@@ -221,12 +221,6 @@ def test_signals_report_acquire_busy_release(mutex_worker, mutex_locks, order_id
     assert seen == [("acquired", None), ("released", "task"), ("busy", "skip")]
 
 
-def test_missing_cache_fails_clearly_not_on_the_broker(mutex_worker, order_id):
-    """No cache configured: the task fails with a ConstraintError naming the setting."""
-    with pytest.raises(ConstraintError, match="mutex_cache"):
-        inproc.no_cache_task.delay(order_id).get(timeout=GET)
-
-
 def test_enqueue_return_gives_the_queued_calls_result(mutex_worker, order_id):
     """enqueue='return': an equal call while the first is queued or running returns the
     first call's AsyncResult (positional or keyword); once it ended, a new call is sent."""

@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from caches.test_postgres import POSTGRES_URL, with_query
 from celery import Celery
+from celery_support import line_app
 from celery_support.line_app import LINE, MAX_DELAY, PERIOD, SECTION
 from celery_support.processes import REDIS_URL, Processes
 from workers import wait_until
@@ -178,11 +179,28 @@ def test_a_call_that_comes_again_keeps_its_turn(line: Line, run: str, name: str)
 
 
 def test_a_revoked_task_is_stepped_over(line: Line, run: str) -> None:
+    """A call revoked while it waits in the line is stepped over when its turn comes; the
+    others run in order. The head holds until both workers have the revoke (a loaded
+    machine once delivered call 3 before its revoke reached the worker)."""
     step = line.task("step")
-    head = step.apply_async((run, 0, 0, 2.0))
-    wait_until(lambda: line.starts(run).get(0), 20, "the head to start")
-    rest = {n: step.apply_async((run, 0, n)) for n in range(1, 6)}
-    rest[3].revoke()
+    held = line_app.held(line.prefix, run)
+    line.record.set(held, 1, ex=120)
+    try:
+        head = step.apply_async((run, 0, 0))
+        wait_until(lambda: line.starts(run).get(0), 20, "the head to start")
+        rest = {n: step.apply_async((run, 0, n)) for n in range(1, 6)}
+        # Until both of this line's workers answered (a reply can be lost: a revoke again
+        # is the same revoke; other tests' workers on the same broker answer too).
+        mine = {f"w{i}-{line.run}@" for i in range(2)}
+        answered: set[str] = set()
+        deadline = time.monotonic() + 60
+        while answered != mine and time.monotonic() < deadline:
+            replies = line.producer.control.revoke(rest[3].id, reply=True, timeout=3)
+            names = [name for reply in replies for name in reply]
+            answered |= {prefix for prefix in mine for name in names if name.startswith(prefix)}
+        assert answered == mine, answered
+    finally:
+        line.record.delete(held)
     head.get(timeout=GET)
     for n in (1, 2, 4, 5):
         assert rest[n].get(timeout=GET) == n
@@ -334,17 +352,28 @@ def _fifty_behind_a_holder_on_w0(line: Line, task: Any, run: str) -> list[Any]:
     return results
 
 
+def _burst_behind_the_first(line: Line, task: Any, run: str, die_at: int = -1) -> list[Any]:
+    """50 calls of keep-latest ``task``, sent at once; the first runs (0.5 s once the
+    other 49 were sent, however long that took). Their results."""
+    held = line_app.held(line.prefix, run)
+    line.record.set(held, 1, ex=120)
+    try:
+        return [task.apply_async((run, 0, n, 0.5, die_at)) for n in range(50)]
+    finally:
+        line.record.delete(held)
+
+
 @pytest.mark.parametrize("die", [False, True], ids=["finishes", "killed"])
 def test_keep_latest_runs_the_running_call_and_the_last_of_a_burst_of_fifty(
     line: Line, run: str, die: bool
 ) -> None:
-    """50 calls of one key sent at once: the first runs (0.5 s), the other 49 wait in the
-    line one at a time, each newer taking the waiting one's place: the last (49) runs
-    next, once, and the 48 between resolve at once to the skip marker, each superseded
+    """50 calls of one key sent at once: the first runs (until all were sent), the other
+    49 wait in the line one at a time, each newer taking the waiting one's place: the last
+    (49) runs next, once, and the 48 between resolve at once to the skip marker, each superseded
     by the next. Also with the first's pool child SIGKILLed mid-run: its parent passes
     the turn on, and the last still runs once (the first, early-acked, never again)."""
     latest = line.task("latest")
-    results = [latest.apply_async((run, 0, n, 0.5, 0 if die else -1)) for n in range(50)]
+    results = _burst_behind_the_first(line, latest, run, 0 if die else -1)
     _superseded_in_a_chain(results[1:49])
     assert results[49].get(timeout=GET) == 49
     if die:
@@ -475,11 +504,12 @@ def test_keep_latest_loses_nothing_to_a_whole_worker_killed_while_holding(
 
 def test_every_tier_keeps_the_latest_and_debounces(tier_line: Line, run: str) -> None:
     """Keep latest and debounce with the locks and lines in PostgreSQL and DiskCache: 50
-    calls sent at once run the first and the last only; a debounce burst of ten runs its
+    calls sent at once (the first running until all were sent) run the first and the last
+    only; a debounce burst of ten runs its
     last call once, no earlier than a period after it."""
     line = tier_line
     latest = line.task("latest")
-    results = [latest.apply_async((run, 0, n, 0.5)) for n in range(50)]
+    results = _burst_behind_the_first(line, latest, run)
     _superseded_in_a_chain(results[1:49])
     assert [results[0].get(timeout=GET), results[49].get(timeout=GET)] == [0, 49]
     assert line.starts(run)[0] == [0, 49]
@@ -500,9 +530,14 @@ def test_keep_latest_reruns_a_redelivered_holder_before_the_waiting_call(
     other worker and runs again once its dead lease lapsed, in its own turn; then the
     50th runs, once. Nothing lost, no two runs of the key at once."""
     line = amqp_line
-    results = _fifty_behind_a_holder_on_w0(line, line.task("latest_redelivered"), run)
-    time.sleep(1.0)  # w1 is up and sweeping
-    _kill_tree(line.procs[0].pid)
+    held = line_app.held(line.prefix, run)
+    line.record.set(held, 1, ex=120)  # the first runs until the kill, however slow the sends
+    try:
+        results = _fifty_behind_a_holder_on_w0(line, line.task("latest_redelivered"), run)
+        time.sleep(1.0)  # w1 is up and sweeping
+        _kill_tree(line.procs[0].pid)
+    finally:
+        line.record.delete(held)
     assert results[0].get(timeout=GET) == 0
     assert results[49].get(timeout=GET) == 49
     assert line.starts(run)[0] == [0, 0, 49]

@@ -6,16 +6,17 @@ import datetime as dt
 import decimal
 import enum
 import os
+import threading
 import time
 import uuid
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, Task
 from workers import ReleaseLater
 
 # isort: split
-from celery_mutex import MutexTask, current_lease, is_skipped
+from celery_mutex import MutexTask, call_state, current_lease, is_skipped
 from celery_mutex.keys import stable_encoding
 from rq_mutex import mutex_job
 from simple_mutex import ConstraintError, InMemoryCache, Mutex, SimpleMutexAcquireTimeoutError
@@ -354,7 +355,7 @@ def test_an_end_with_nothing_to_publish_sweeps_a_call_that_parked_meanwhile():
     cfg.lines.start(key, first)
     task.push_request(id="first", args=(1,), kwargs={})
     try:
-        task.request.mutex_ticket = (key, first)
+        call_state.of(task.request).ticket = (key, first)
         then = line.ending(task, None)  # the end's write: 2 has not arrived, nothing to send
         assert isinstance(cfg.lines.arrive(key, second, {"task": task.name, "id": "second",
             "args": [1], "kwargs": {}, "options": {}, "headers": {}}), Park)  # fmt: skip
@@ -390,6 +391,27 @@ def test_latest_and_debounce_options_are_checked_where_the_task_is_made():
         latest.apply_async((1,), mutex={"on_busy": "queue"})
     with pytest.raises(ConstraintError, match="debounce"):
         mutex_job(key="k", on_busy="debounce")  # RQ's mutex_job checks the same options
+
+
+def test_a_line_with_permits_fails_when_the_task_class_is_made():
+    """on_busy="queue" with permits=2 in the task's own options is refused as the task
+    class is made (Celery's first use of the task, at the latest a worker's start), not
+    at the first send; permits from the app's settings are checked merged."""
+    app = Celery("lazy", set_as_current=False, broker="memory://")  # not finalized
+    app.conf.mutex_cache = "memory://"
+
+    @app.task(
+        shared=False, base=MutexTask, mutex={"key": "k.{n}", "on_busy": "queue", "permits": 2}
+    )
+    def task(n: int) -> int:
+        return n
+
+    with pytest.raises(ConstraintError, match="permits=2 would run several") as info:
+        _ = task.name  # the class is made here: nothing was sent
+    assert isinstance(info.value, ValueError)
+    merged = _task(_app(mutex_cache="memory://", mutex_permits=2), key="k.{n}", on_busy="queue")
+    with pytest.raises(ConstraintError, match="permits=2 would run several"):
+        merged.apply_async((1,))
 
 
 def test_a_newer_send_takes_the_waiting_calls_place_and_resolves_it():
@@ -432,3 +454,56 @@ def test_a_debounced_send_always_waits_and_a_newer_one_pushes_it_back():
     entry = next(iter(lines.read("k.1").parked.values()))  # type: ignore[union-attr]
     assert entry.due == pytest.approx(parked.at + 3)  # max_delay caps it
     assert [r.get(timeout=5)["by"] for r in results[:2]] == [results[1].id, results[2].id]
+
+
+def test_a_worker_names_each_task_it_could_not_guard():
+    """``startup.check``: a task given mutex={...} without base=MutexTask (Celery keeps
+    the option as a plain attribute: no lock at all) refuses the worker; a MutexTask with
+    no lock cache refuses it when no guarded task could run, and is only named when one
+    could."""
+    from celery_mutex.startup import check
+
+    def alone() -> Celery:
+        """An app without the shared tasks other test modules of this process declared."""
+        app = _app()
+        for name in [name for name in app.tasks if not name.startswith(__name__)]:
+            del app.tasks[name]
+        return app
+
+    app = alone()
+
+    @app.task(shared=False, mutex={"key": "o.{n}", "on_busy": "skip"})
+    def forgot_the_base(n: int) -> None: ...
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "o.{n}"})
+    def no_cache(n: int) -> None: ...
+
+    found = check(app)
+    assert found.refused()
+    [unguarded] = found.unguarded
+    assert "forgot_the_base: mutex={...} is set, but the task's base is not MutexTask" in unguarded
+    assert "base=MutexTask" in unguarded
+    [unconfigured] = found.unconfigured
+    assert "no_cache: no lock cache configured; set app.conf.mutex_cache" in unconfigured
+    assert found.guarded == 0
+
+    class KeepsALock(Task):  # a base class's own attribute of that name: not options
+        mutex = threading.Lock()
+
+    app = alone()
+
+    @app.task(shared=False, base=KeepsALock)
+    def unrelated(n: int) -> None: ...
+
+    assert check(app).unguarded == []
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "o.{n}"})
+    def lacks_a_cache(n: int) -> None: ...
+
+    assert check(app).refused()  # no guarded task could run
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "p.{n}", "cache": "memory://"})
+    def has_a_cache(n: int) -> None: ...
+
+    found = check(app)
+    assert (found.refused(), len(found.unconfigured), found.guarded) == (False, 1, 1)

@@ -271,3 +271,53 @@ def test_a_retry_waits_for_its_earlier_attempt_to_unwind(killable_worker):
     assert len(steps) == 50
     assert [s for s in steps if s >= entered] == [], "the retry ran beside the clean-up"
     assert fence > first_fence
+
+
+def test_a_dead_attempt_leaves_its_retrys_lock_alone(killable_worker):
+    """Attempt 0 retries, releases the key and lingers in its child; attempt 1 (same task
+    id, the other child) takes the key; attempt 0's child is SIGKILLed. The parent frees
+    what attempt 0 held (nothing), not attempt 1's lock: the key stays attempt 1's until
+    it ends. (By task id alone it freed attempt 1's lock, and any other call entered.)"""
+    workers = killable_worker
+    wait_until(lambda: len(workers.children()) == 2, 20, "two pool children")
+    run = uuid.uuid4().hex[:10]
+    key = f"steps.{run}"
+    result = workers.send("retried_then_killed", run)
+    pid = int(workers.wait_for(f"pid.{run}", 20))
+    workers.wait_for(f"entered.{run}", 20)
+    holder = workers.locks.holder(key)
+    assert holder is not None
+    assert holder.label.endswith(f"[{result.id}]")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: "WorkerLostError" in workers.log_text("w0"), 10, "the loss reported")
+    time.sleep(0.5)  # the parent's handler runs as Celery reports it
+    assert workers.locks.locked(key), "the dead attempt's parent freed its retry's lock"
+    still = workers.locks.holder(key)
+    assert still is not None
+    assert (still.pid, still.fence) == (holder.pid, holder.fence)
+    workers.record.set(f"{workers.prefix}go.{run}", 1, ex=300)
+    # Attempt 0's loss is stored as the task's result first; attempt 1's success after.
+
+    def final() -> object:  # a fresh handle each look: one caches the first ready state
+        return workers.app.AsyncResult(result.id)  # type: ignore[attr-defined]
+
+    wait_until(lambda: final().state == "SUCCESS", 30, "attempt 1 to succeed")  # type: ignore[attr-defined]
+    assert final().result == holder.fence  # type: ignore[attr-defined]
+    assert not workers.locks.locked(key)
+
+
+def test_a_hard_time_limit_frees_the_attempt_it_cut_short(killable_worker):
+    """Attempt 0 sends its retry and keeps the key past its hard time limit; attempt 1
+    (same task id) waits for it. The parent watches attempt 0's child, not the retry's:
+    the key is freed once that child is gone, and attempt 1 enters long before attempt 0's
+    20 s lease could lapse. (Looked up by task id, it watched attempt 1's child, and
+    attempt 1 waited out the lease.)"""
+    workers = killable_worker
+    wait_until(lambda: len(workers.children()) == 2, 20, "two pool children")
+    run = uuid.uuid4().hex[:10]
+    workers.send("retried_past_its_time_limit", run)
+    # Not the result: attempt 0's TimeLimitExceeded is stored first, attempt 1's after.
+    entered = float(workers.wait_for(f"entered.{run}", 60))
+    started = float(workers.wait_for(f"started.{run}", 5))
+    assert entered - started < 10, f"attempt 1 entered {entered - started:.1f} s after attempt 0"
+    assert not workers.locks.locked(f"steps.{run}")

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import redis
+from celery.signals import task_postrun
 
 from celery_support.env_app import app_from_env
 
@@ -142,6 +143,55 @@ def retries_with_clean_up(self: Any, run: str) -> list[float | int]:
                 _step(run)
                 time.sleep(0.005)
     return [time.monotonic(), lease.fence, int(_record.get(f"{PREFIX}fence.{run}") or 0)]
+
+
+@task_postrun.connect
+def _linger_after_the_retry(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    """``retried_then_killed``'s attempt 0: its child lingers after the body (its lock
+    released, its retry sent), its pid in "<prefix>pid.<run>", until it is killed."""
+    if getattr(sender, "name", "").endswith(".retried_then_killed") and state == "RETRY":
+        _record.set(f"{PREFIX}pid.{sender.request.args[0]}", os.getpid(), ex=300)
+        time.sleep(60)
+
+
+@app.task(
+    base=MutexTask, bind=True,
+    mutex={"key": "steps.{run}", "on_busy": "raise", **STEPS_LEASE},
+)  # fmt: skip
+def retried_then_killed(self: Any, run: str) -> int:
+    """Attempt 0 retries at once (its child then lingers: ``_linger_after_the_retry``);
+    attempt 1 takes the key, records "<prefix>entered.<run>", and holds it, writing a
+    step every 50 ms, until "<prefix>go.<run>" is set (60 s at most)."""
+    from celery_mutex import current_lease
+
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    lease = current_lease()
+    assert lease is not None
+    _record.set(f"{PREFIX}entered.{run}", time.monotonic(), ex=300)
+    deadline = time.monotonic() + 60
+    while not _record.get(f"{PREFIX}go.{run}") and time.monotonic() < deadline:
+        _step(run)
+        time.sleep(0.05)
+    return lease.fence
+
+
+@app.task(
+    base=MutexTask, bind=True, time_limit=3,
+    mutex={"key": "steps.{run}", "on_busy": "raise", "lease": 20, "renew": True},
+)  # fmt: skip
+def retried_past_its_time_limit(self: Any, run: str) -> float:
+    """Attempt 0 sends its retry (``throw=False``) and keeps the key past its 3 s hard
+    time limit, which kills its child; attempt 1 (the other child) waits for its earlier
+    attempt, then records when it entered ("<prefix>entered.<run>"; attempt 0's start:
+    "<prefix>started.<run>")."""
+    if self.request.retries == 0:
+        _record.set(f"{PREFIX}started.{run}", time.monotonic(), ex=300)
+        self.retry(countdown=0, throw=False)
+        time.sleep(60)
+    entered = time.monotonic()
+    _record.set(f"{PREFIX}entered.{run}", entered, ex=300)
+    return entered
 
 
 class _SaysWhenItWaits(MutexTask):

@@ -29,7 +29,7 @@ from celery_support.env_app import app_from_env
 
 # isort: split
 from celery_mutex import MutexTask, signals
-from celery_mutex.beat import mutex_beat_skipped
+from celery_mutex.beat import MutexScheduler, mutex_beat_skipped
 
 PREFIX = os.environ.get("CM_PREFIX", "cmbeat.")
 CACHE = os.environ.get("CM_CACHE", "redis://127.0.0.1:6379/11")
@@ -81,6 +81,24 @@ if os.environ.get("CM_SLOW") == "1":
         "args": (RUN,),
     }
 _record = redis.Redis.from_url(CACHE)
+
+
+class RecordingScheduler(MutexScheduler):  # type: ignore[misc]
+    """``MutexScheduler`` noting, for each tick it claimed, when its send returned: by
+    then the call was published, or parked in its key's line (``on_busy="latest"`` and
+    ``"queue"`` take their place at the send). What a run's successor could be chosen
+    from, whatever the load on the beat."""
+
+    def mutex_claim(self, entry: Any) -> str | None:
+        self._claimed: str | None = super().mutex_claim(entry)
+        return self._claimed
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
+        self._claimed = None
+        result = super().apply_async(entry, producer, advance, **kw)
+        if self._claimed is not None:
+            _record.hset(PREFIX + "sent", self._claimed, time.time())
+        return result
 
 
 def record(task: Any, run: str, entry: str, start: float) -> None:

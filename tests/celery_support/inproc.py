@@ -127,11 +127,6 @@ def sem_task(n: int) -> int:
     return n
 
 
-@app.task(base=MutexTask, mutex={"key": "order.{order_id}", "cache": None})
-def no_cache_task(order_id: int) -> str:
-    return "ran"
-
-
 @app.task(
     base=MutexTask, mutex={"key": "order.{order_id}", "on_busy": "raise", "enqueue": "return"}
 )

@@ -45,6 +45,7 @@ def _mark(run: str, entity: int, n: int, what: str) -> None:
 
 def _work(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
     _mark(run, entity, n, "start")
+    _while_held(run)
     time.sleep(seconds)
     _mark(run, entity, n, "end")
     return n
@@ -125,9 +126,25 @@ DEBOUNCE: dict[str, Any] = {
 }
 
 
+def held(prefix: str, run: str) -> str:
+    """While this Redis key (under the app's ``mutex_prefix``) exists, a run of ``_work``
+    or ``_work_or_die`` that started waits (up to 60 s) before it goes on: a test sending a
+    burst behind it sets it first and deletes it once every call was sent, so the burst
+    is behind the run however slow the sends."""
+    return f"{prefix}held.{run}"
+
+
+def _while_held(run: str) -> None:
+    """Wait while ``held`` is set for ``run`` (up to 60 s)."""
+    deadline = time.monotonic() + 60
+    while _record.exists(held(PREFIX, run)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def _work_or_die(run: str, entity: int, n: int, seconds: float, die_at: int) -> int:
     """Records the run; at ``n == die_at`` its pool child SIGKILLs itself mid-run."""
     _mark(run, entity, n, "start")
+    _while_held(run)
     if n == die_at:
         time.sleep(seconds / 2)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -149,5 +166,6 @@ def debounced(run: str, entity: int, n: int, seconds: float = SECTION, die_at: i
 @app.task(base=MutexTask, mutex={"key": "l.{run}.{entity}", **LATEST}, **REDELIVERED)
 def latest_redelivered(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
     """Keep latest with acks_late and reject_on_worker_lost: a whole worker SIGKILLed
-    mid-run gets its message delivered again, and it runs before the waiting call."""
-    return _work(run, entity, n, seconds)
+    mid-run gets its message delivered again, and it runs before the waiting call. Waits
+    while ``held`` is set, so the kill finds it running however slow the machine."""
+    return _work_or_die(run, entity, n, seconds, -1)

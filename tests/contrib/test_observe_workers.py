@@ -21,7 +21,6 @@ import pytest
 import redis
 from celery.events.state import State
 from celery_support.processes import REDIS_URL, Processes
-from rq import Queue
 from rq.job import JobStatus
 from rq_support import jobs
 from test_prometheus import free_port, scrape
@@ -29,7 +28,7 @@ from workers import start, stop, wait_until
 
 # isort: split
 from celery_mutex.acquire import SKIPPED_EVENT
-from rq_mutex import is_skipped
+from rq_mutex import Queue, is_skipped
 from simple_mutex import Mutex
 from simple_mutex.caches import RedisCache
 
@@ -156,15 +155,18 @@ def test_prefork_metrics_and_skipped_events_equal_what_ran(worker):
     assert value("simple_mutex_held", "hold") == 0
     assert value("simple_mutex_held", "lapse") == 0
     assert {e["uuid"] for e in seen.events} == skipped
+    # The holder is read after the busy try: on a loaded machine it may have ended by
+    # then (None, "nobody holds it now"), never someone else.
     for event in seen.events:
         assert event["key"] == "hold"
         assert event["reason"] == "busy"
-        assert event["holder"].startswith(f"{APP}.hold[")
+        assert event["holder"] is None or event["holder"].startswith(f"{APP}.hold[")
+    assert any(e["holder"] is not None for e in seen.events), "no event named the holder"
     assert Counter(e["uuid"] for e in seen.events).most_common(1)[0][1] == 1
     for task_id in skipped:  # what a monitor's model of the task shows: SUCCESS, and why
         task = seen.state.tasks[task_id]
         assert (task.state, task.key, task.reason) == ("SUCCESS", "hold", "busy")
-        assert task.holder.startswith(f"{APP}.hold[")
+        assert task.holder is None or task.holder.startswith(f"{APP}.hold[")
 
 
 # RQ's own worker, but a shutdown never waits a minute for its pubsub thread (rq_support).

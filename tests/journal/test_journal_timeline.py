@@ -64,9 +64,13 @@ def journal_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stuck = spawn(jdir, cache, "stuck", "report.daily", str(marker))
     try:
         assert wait_for_file(marker, 30), "the holder never took its lock"
-        rescuer = spawn(jdir, cache, "rescuer", "report.daily")
-        waiter = spawn(jdir, cache, "timeout", "report.daily")
-        time.sleep(0.3)  # both are waiting now
+        waiting = [base / "rescuer.waits", base / "timeout.waits"]
+        rescuer = spawn(jdir, cache, "rescuer", "report.daily", str(waiting[0]))
+        waiter = spawn(jdir, cache, "timeout", "report.daily", str(waiting[1]))
+        # Each marks the moment before its acquire (a loaded machine once started the
+        # 0.1 s waiter after the lease had lapsed: it got the lock, no time-out).
+        assert all(wait_for_file(path, 30) for path in waiting), "a waiter never started"
+        time.sleep(0.05)  # both are in their acquire now
         os.kill(stuck.pid, signal.SIGKILL)
         assert stuck.wait(10) == -signal.SIGKILL
         finish(*workers, hostile, rescuer, waiter, loser, *permits)

@@ -33,7 +33,7 @@ from celery import signals
 from celery_support.env_app import app_from_env
 
 import nemesis  # noqa: F401  (sys.path)
-from celery_mutex import MutexTask, current_lease
+from celery_mutex import MutexTask, call_state, current_lease
 from nemesis.body import Steps
 from nemesis.celery_locks import DEBOUNCE, LATEST, LOCK, QUEUED, REPLACING
 from nemesis.history import Recorder
@@ -119,7 +119,7 @@ def _postrun(sender: Any = None, task: Any = None, kwargs: Any = None, state: An
             by=retval.get("by"))  # fmt: skip
         rec("run", task=task.request.id, phase="superseded", pid=os.getpid())
         return
-    if state != "IGNORED" or not getattr(task.request, "mutex_parked", False):
+    if state != "IGNORED" or not call_state.of(task.request).parked:
         return
     rec, _ = _recorder()
     rec("parked", id=_op(task), key=_lock(task, key), task=task.request.id)
@@ -133,7 +133,7 @@ def _body(task: Any, key: str, steps: int, cleanup: int, pause: float) -> str:
     lock = _lock(task, key)
     rec("granted", id=op, key=lock, fence=lease.fence, slot=lease.slot,
         deadline=lease._deadline, task=task.request.id,
-        late=getattr(task.request, "mutex_late", None))  # fmt: skip
+        late=call_state.of(task.request).late)  # fmt: skip
     rec("run", task=task.request.id, phase="start", pid=os.getpid())
     _redis().set(f"{PREFIX}pid.{task.request.id}", os.getpid(), ex=600)
     n = 0

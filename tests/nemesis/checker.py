@@ -231,7 +231,7 @@ def _end_at_takeover(holds: dict[str, Hold], replacing: tuple[str, ...]) -> None
 
 
 GONE_AT_RENEWAL = "its record was gone or held by another owner at renewal"
-TAKEN_OVER = "taken over before release"
+TAKEN_OVER = "its record was gone or held by another owner at release"  # in time
 
 
 def vanished(holds: dict[str, Hold]) -> list[Anomaly]:

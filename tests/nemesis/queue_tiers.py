@@ -464,9 +464,10 @@ RQ_FAULTS = {"horse-kill": 1.5, "sigstop": 1.0, "job-timeout": 1.0, "retry-after
 
 
 def run_rq(seed: int, duration: float, workdir: Path, kinds: set[str] | None) -> Result:
-    from rq import Queue, Retry
+    from rq import Retry
 
     import nemesis.rq_jobs  # noqa: F401  (its queued jobs take their tickets at the enqueue)
+    from rq_mutex import Queue
     from rq_mutex.line import META as RQ_TICKET
 
     hist, rec, run_id, store_prefix = _begin(workdir)

@@ -41,16 +41,18 @@ ARRIVAL = 10  # a queued arrival's bound (no wait: the line's writes, then park 
 QUEUED: dict[str, Any] = {"key": "q.{key}", "on_busy": "queue", "lease": 2, "renew": True,
                           "queue": {"sweep_every": 0.5, "gap_for": 3}}  # fmt: skip
 REPLACING: dict[str, Any] = {"key": "r.{key}", "on_busy": "replace", "lease": 2, "renew": True}
-OUT_OF_ORDER = "job %s runs out of order: ticket %d of %r was %s"  # rq_mutex.line's warning
+# The line driver's warning, on rq_mutex's logger; its first argument is "job <id>".
+OUT_OF_ORDER = "%s runs out of order: ticket %d of %r was %s"
 
 
 class _Late(logging.Handler):
     """The line's reason a job runs out of order, from ``rq_mutex``'s warning (job id ->
-    why): the only place RQ's queue says it (Celery's is ``request.mutex_late``)."""
+    why): the only place RQ's queue says it (Celery's is ``call_state.of(request).late``)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.msg == OUT_OF_ORDER and isinstance(record.args, tuple):
-            _state.setdefault("late", {})[record.args[0]] = record.args[3]
+            job = str(record.args[0]).removeprefix("job ")
+            _state.setdefault("late", {})[job] = record.args[3]
 
 
 logging.getLogger("rq_mutex").addHandler(_Late(logging.WARNING))

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import redis
-from rq import Queue, Retry
+from rq import Retry
 from rq.command import send_stop_job_command
 from rq.cron import CronJob
 from rq.job import Job, JobStatus
@@ -32,8 +32,8 @@ from rq_support.workers import SimpleWorker, Worker  # RQ's, but a shutdown neve
 from workers import BIN, ENV, ROOT, ReleaseLater, start, stop, wait_until
 
 # isort: split
+from rq_mutex import Queue, current_lease, first_run_of_tick, is_skipped, mutex_job
 from rq_mutex import Worker as RQMutexWorker
-from rq_mutex import current_lease, first_run_of_tick, is_skipped, mutex_job
 from rq_mutex.cron import _registration
 from rq_mutex.job import NO_SCHEDULER_FLAG
 from simple_mutex import ConstraintError, Mutex, Semaphore
@@ -222,7 +222,7 @@ def test_lease_lost_mid_job_fails_and_interrupts(conn, run, queue, worker_class,
     assert time.monotonic() - started < 5  # the 8 s loop was cut short
     assert job.get_status(refresh=True) == JobStatus.FAILED
     assert "SimpleMutexLeaseExpiredError" in exc_text(job)
-    assert [r["stage"] for r in records(conn, run)] == ["deleted"]
+    assert [r["stage"] for r in records(conn, run)] == ["deleting"]  # never "finished"
 
 
 def test_fixed_lease_refuses_longer_job_timeout(conn, run, queue):
@@ -397,7 +397,8 @@ def test_sigkilled_work_horse_frees_lock_within_lease(conn, run, queue, locks, r
     [
         ({"key": "k.{missing}"}, "missing"),
         ({"key": ""}, "key must be"),
-        ({"key": "k", "cache": "not-a-url"}, "cache"),
+        ({"key": "k", "cache": "not-a-url"}, "unknown cache URL scheme ''; supported: memory://"),
+        ({"key": "k", "cache": "http://x"}, "unknown cache URL scheme 'http'"),  # as Celery's
     ],
 )
 def test_bad_options_raise_when_decorating(options, match):
@@ -415,6 +416,18 @@ def test_bad_options_raise_when_decorating(options, match):
     with pytest.raises(ConstraintError, match="generator") as info:
         mutex_job(key="k.{order_id}")(generator_work)
     assert isinstance(info.value, TypeError)
+
+
+def test_mutex_job_without_its_parentheses_names_the_fix():
+    """``@mutex_job`` bare (or without a key) is a ConstraintError that shows the call to
+    write, not Python's "takes 0 positional arguments but 1 was given"."""
+
+    def work(order_id: int) -> None: ...
+
+    for wrong in (lambda: mutex_job(work), lambda: mutex_job()(work)):
+        with pytest.raises(ConstraintError, match=r"@mutex_job\(key=") as info:
+            wrong()
+        assert isinstance(info.value, TypeError)
 
 
 # -- rq cron: once per tick ---------------------------------------------------------------

@@ -10,19 +10,22 @@ without an RQ retry), a whole worker SIGKILLed, a job that raises, RQ's own retr
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import test_rq
-from rq import Queue, Retry
+from rq import Retry
 from rq.job import Job, JobStatus
 from rq_support import jobs
 from rq_support.workers import SimpleWorker  # RQ's, but a shutdown never waits a minute
@@ -30,7 +33,8 @@ from test_rq import records
 from workers import start, stop, wait_until
 
 # isort: split
-from rq_mutex import is_skipped, mutex_job
+from rq_mutex import Queue, is_skipped, mutex_job
+from rq_mutex.job import NO_LINE_KEEPER_FLAG
 from rq_mutex.line import META
 from simple_mutex import ConstraintError, LineFullError
 from simple_mutex.busy.line import Lines
@@ -166,6 +170,52 @@ def test_a_burst_parks_at_the_enqueue(conn, run, queue, rq_workers):
     wait_until(lambda: ended(sent), 60, "the burst")
     assert order(conn, run) == {"e": list(range(10))}
     assert [len(j.results()) for j in sent] == [1] * 10
+
+
+def test_a_plain_rq_queue_still_keeps_the_line(conn, run, queue, rq_workers):
+    """Through RQ's own ``Queue`` (no ``rq_mutex.Queue``): nothing is checked or taken at
+    the enqueue, each job takes its place in the line as it first reaches a worker, and
+    a key's jobs still run one at a time, each once: with two workers the second parks
+    behind the holder (off the queue) instead of running beside it. The order is the
+    order of arrival, which two workers may swap."""
+    import rq
+
+    plain = rq.Queue(queue.name, connection=conn)
+    sent = [plain.enqueue(jobs.in_line, run, "e", i, hold=0.5) for i in range(6)]
+    assert not any(META in j.meta for j in sent), "no ticket at a plain enqueue"
+    assert plain.count == 6  # nothing parked at the enqueue
+    for _ in range(2):
+        rq_workers(*WORKER)
+    wait_until(lambda: ended(sent), 90, "every job to end")
+    assert Counter(j.get_status() for j in sent) == {JobStatus.FINISHED: 6}
+    assert sorted(order(conn, run)["e"]) == list(range(6))
+    assert len(records(conn, run)) == 6  # once each
+    assert all(META in Job.fetch(j.id, connection=conn).meta for j in sent), "placed on arrival"
+    assert_one_at_a_time(conn, run)
+
+
+@pytest.mark.parametrize("worker", ["rq_support.workers.Worker", "rq_mutex.Worker"])
+def test_a_line_job_on_a_worker_that_cannot_sweep_says_so(conn, run, queue, worker, tmp_path):
+    """A line job run by a plain RQ worker logs, once, that a dead horse would stall the
+    key's line with no rq_mutex.Worker to sweep it, and names the fix; run by an
+    rq_mutex.Worker it says nothing."""
+    name = f"w-{run}"
+    conn.delete(NO_LINE_KEEPER_FLAG + name)
+    sent = [queue.enqueue(jobs.in_line, run, "e", i) for i in range(2)]
+    log = tmp_path / "worker.log"
+    worker_proc = start(["rq", "worker", "-u", jobs.REDIS_URL, "-w", worker, "-n", name,
+                         "--burst", queue.name], log)  # fmt: skip
+    try:
+        worker_proc.wait(timeout=60)
+    finally:
+        stop([worker_proc])
+    assert [j.get_status(refresh=True) for j in sent] == [JobStatus.FINISHED] * 2
+    text = log.read_text(errors="replace")
+    plain = worker != "rq_mutex.Worker"
+    assert ("which is not an rq_mutex.Worker" in text) == plain, text[-2000:]
+    assert sum(f"job {j.id} (on_busy in a line" in text for j in sent) == plain  # once
+    assert ("rq worker -w rq_mutex.Worker" in text) == plain
+    assert bool(conn.exists(NO_LINE_KEEPER_FLAG + name)) == plain
 
 
 def test_enqueue_many_keeps_the_line(conn, run, queue):
@@ -311,12 +361,15 @@ def test_a_parked_job_cancelled_or_deleted_is_stepped_over(conn, run, queue, rq_
 
 
 def test_keep_latest_runs_the_first_and_the_last_of_a_burst(conn, run, queue, rq_workers):
-    """50 jobs of one key enqueued at once: the first runs, the last runs after it with
-    its own arguments, and the 48 between finish at once with the skip marker (reason
-    superseded, naming the job that took their place); none runs twice."""
+    """50 jobs of one key enqueued at once: the first runs (until all were enqueued), the
+    last runs after it with its own arguments, and the 48 between finish at once with the
+    skip marker (reason superseded, naming the job that took their place); none runs
+    twice."""
     rq_workers(*WORKER)
     rq_workers(*WORKER)
+    conn.set(jobs.held(run), 1, ex=120)  # the first runs until all 50 were enqueued
     sent = [queue.enqueue(jobs.latest_of, run, "e", i, hold=0.5) for i in range(50)]
+    conn.delete(jobs.held(run))
     wait_until(lambda: ended(sent), 90, "the burst")
     assert order(conn, run) == {"e": [0, 49]}
     assert [sent[0].return_value(), sent[49].return_value()] == [0, 49]
@@ -539,3 +592,25 @@ def test_queue_is_refused_for_an_async_job_function():
 def test_bad_queue_options_are_refused(options, fix):
     with pytest.raises(ConstraintError, match=fix):
         mutex_job(key="k", on_busy="queue", **options)
+
+
+def test_simple_mutex_list_shows_rq_lines(conn, run, queue):
+    """18 jobs on 3 keys enqueued with no worker up: each key's first is queued, the other
+    five park at the enqueue. ``simple-mutex list`` (run as an operator runs it) shows
+    each key's line with 5 parked and nothing held: RQ's lines stand where Celery's do."""
+    for entity in ("a", "b", "c"):
+        for item in range(6):
+            queue.enqueue(jobs.in_line, run, entity, item)
+    listed = subprocess.run(
+        [str(Path(sys.executable).parent / "simple-mutex"), "list", jobs.REDIS_URL, "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    ours = {row["key"]: row for row in json.loads(listed.stdout) if run in row["key"]}
+    assert {key: row.get("parked") for key, row in ours.items()} == {
+        f"line.{run}.{entity}": 5 for entity in ("a", "b", "c")
+    }
+    assert all(row["fence"] is None for row in ours.values())  # nothing held yet
+    lines = Lines(RedisCache(conn), lease=6)
+    conn.delete(*(lines.cache_key(key) for key in ours))
+    queue.delete(delete_jobs=True)

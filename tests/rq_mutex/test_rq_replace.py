@@ -19,14 +19,13 @@ import pytest
 import redis
 import test_rq
 from replaced_writer import STORE_URL, Checks, after
-from rq import Queue
 from rq.job import Job, JobStatus
 from rq_support import replace_jobs
 from test_rq import exc_text
 from workers import wait_until
 
 # isort: split
-from rq_mutex import mutex_job
+from rq_mutex import Queue, mutex_job
 from simple_mutex import ConstraintError, Mutex
 from simple_mutex.caches import RedisCache
 

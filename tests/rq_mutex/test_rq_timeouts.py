@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 import redis
-from rq import Queue
 from rq.job import JobStatus
 from rq_support import timeouts
 from rq_support.workers import Worker  # RQ's, but a shutdown never waits a minute
 from workers import ReleaseLater
 
+from rq_mutex import Queue
 from simple_mutex import Mutex
 from simple_mutex.caches import RedisCache
 

@@ -38,11 +38,21 @@ def _record(run: str, what: str, **fields: Any) -> None:
     _redis().rpush(f"rqt:{run}:{what}", json.dumps(fields))
 
 
+def held(run: str) -> str:
+    """While this key exists, a critical section that began waits (up to 60 s) before its
+    ``hold``: a test enqueueing a burst behind a first job sets it first and deletes it
+    once every job was enqueued, so the burst is behind that job however slow the sends."""
+    return f"rqt:{run}:held"
+
+
 def _section(run: str, name: str, hold: float, **fields: Any) -> None:
     """A critical section: counts holders inside it, to catch an overlap directly too."""
     conn = _redis()
     inside = conn.incr(f"rqt:{run}:inside:{name}")
     start = time.monotonic()
+    deadline = start + 60
+    while conn.exists(held(run)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     time.sleep(hold)
     end = time.monotonic()
     conn.decr(f"rqt:{run}:inside:{name}")
@@ -76,9 +86,10 @@ async def lose_lease_async(run: str) -> str:
     """Delete our own lock record, then wait: the next renewal finds it gone, and the
     coroutine must be cancelled long before its sleep ends."""
     conn = _redis()
+    # Recorded first: the renewal may find the record gone before a line after the delete.
+    _record(run, "log", stage="deleting")
     for name in conn.scan_iter(match=f"*lose.{run}*"):
         conn.delete(name)
-    _record(run, "log", stage="deleted")
     await asyncio.sleep(8)
     _record(run, "log", stage="finished")  # must never be reached
     return "ran"
@@ -130,10 +141,12 @@ def lose_lease(run: str) -> str:
     """Delete our own lock record from Redis, then busy-loop: the next renewal finds it
     gone, and the body must be interrupted long before the loop ends."""
     conn = _redis()
+    # Recorded first: under load the renewal found the record gone, and interrupted the
+    # body, before it could record anything after the delete.
+    _record(run, "log", stage="deleting")
     for name in conn.scan_iter(match=f"*lose.{run}*"):
         if not name.endswith(b":meta"):
             conn.delete(name)
-    _record(run, "log", stage="deleted")
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
         sum(range(1000))  # Python bytecode: where the interrupt lands

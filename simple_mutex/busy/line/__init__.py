@@ -1,9 +1,9 @@
-"""The line of ``on_busy="queue"`` (issue 24, ``docs/design/queue.md``): one JSON record
+"""The line of ``on_busy="queue"`` (``docs/design/queue.md``): one JSON record
 per key at ``line.<key>``, beside the lock, and every decision taken on it.
 
 * ``record``: the record (``Line``, ``Parked``, ``Running``), its tickets (``Ticket``,
   ``ticket_of``) and its JSON to and from, strictly parsed (``encode``, ``decode``).
-* ``collapse``: keep latest and debounce (issue 25): ``Latest``, ``Debounce`` and the
+* ``collapse``: keep latest and debounce: ``Latest``, ``Debounce`` and the
   ``Superseded`` call that lost its place to a newer one.
 * ``decisions``: each step of the design as a pure function of (record, inputs, now),
   and the outcomes they return (``Duplicate``, ``RunLate``, ``Run``, ``Park``,
@@ -44,7 +44,7 @@ from .record import Message as Message
 from .store import DEFAULT_PARK_FOR as DEFAULT_PARK_FOR
 from .store import UPDATE_WRITES as UPDATE_WRITES
 from .store import Change as Change
-from .store import Lines, pass_on, report, update
+from .store import Lines, line_prefix, update
 
 __all__ = [
     "Arrival",
@@ -69,6 +69,7 @@ __all__ = [
     "decode",
     "encode",
     "end",
+    "line_prefix",
     "new_line",
     "park",
     "pass_on",

@@ -1,8 +1,8 @@
-"""Keep latest and debounce (issue 25): a line that holds at most one waiting call per
+"""Keep latest and debounce: a line that holds at most one waiting call per
 key, where a newer call takes the waiting one's place instead of queueing behind it.
 
-``Latest`` and ``Debounce`` say how a line collapses (``None``: it does not, the queue
-of issue 24); the decisions (``decisions.send_collapsed``, ``arrive``/``arrival`` and
+``Latest`` and ``Debounce`` say how a line collapses (``None``: it does not: the
+queue); the decisions (``decisions.send_collapsed``, ``arrive``/``arrival`` and
 ``start`` given ``collapse=``) apply them and report each call that lost its place as a
 ``Superseded``, whose result the integration then stores as the skip marker.
 

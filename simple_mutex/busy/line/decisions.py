@@ -468,6 +468,8 @@ def sweep(
             # The broker's copy came while the dead holder's lock was held, and parked.
             entry = replace(line.parked[t], promoted=now)
             line = replace(line, running=None, parked={**line.parked, t: entry})
+            if t < line.turn:  # it ran late (its gap stepped over): so does its copy
+                line = replace(line, skipped={**line.skipped, t: now})
             publish.append(Publish(t, entry.message, entry.at))
         elif running.redelivers and running.lapsed is None:
             line = replace(line, running=replace(running, lapsed=now))

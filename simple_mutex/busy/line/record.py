@@ -248,7 +248,7 @@ def _object(value: object, name: str) -> list[tuple[str, Any]]:
 
 
 def _parked(value: object) -> Parked:
-    # "due" only for a debounced call: a queue's records stay as issue 24 wrote them.
+    # "due" only for a debounced call: a queue's records stay as they were before debounce.
     if not isinstance(value, dict) or set(value) - {"due"} != {"message", "at", "promoted"}:
         raise _Malformed(f"parked entry {value!r:.80}")
     promoted = value["promoted"]

@@ -20,7 +20,6 @@ import asyncio
 import functools
 import inspect
 import json
-import logging
 import os
 import random
 import time
@@ -32,7 +31,6 @@ from simple_mutex._core.durations import Duration, positive_seconds
 from simple_mutex._core.flows import CompareAndSet, Flow, Get, Pause, PutIfAbsent, settle
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key
 from simple_mutex._runtime.drivers import run, run_async
-from simple_mutex._runtime.interrupt import not_theirs
 from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import AnyCache, Entry, Scannable, is_async
 from simple_mutex.errors import (
@@ -113,60 +111,6 @@ def update(
     )
 
 
-def pass_on(
-    lines: Lines,
-    key: str,
-    ticket: Ticket,
-    *,
-    again_after: float | None,
-    publish: Callable[[Publish], object],
-    sweep: Callable[[], object],
-    who: str,
-    log: logging.Logger,
-) -> Callable[[], None]:
-    """The end of a run in the line, for an integration: before the lock is released,
-    the turn moves on (``again_after`` None) or stays (the task queue's own retry, due in
-    that many seconds). Returns what to do once the lock is released: ``publish`` the
-    next parked call, or, with none to publish, ``sweep`` the key (the next call may have
-    arrived between this write and the release, found the lock still held and parked).
-    ``who`` names the run in the log; nothing here raises into the run's own outcome."""
-    try:
-        promoted = lines.over(key, ticket, again_after=again_after)
-    except MalfunctionError as fault:
-        # The lock is still released; a sweep finds the turn's holder gone and moves on.
-        log.warning("%s: the line of %r moves on at the next sweep: %s", who, key, fault)
-        return _nothing
-    if again_after is not None:
-        return _nothing
-
-    def then() -> None:
-        try:
-            sweep() if promoted is None else publish(promoted)
-        except Exception as exc:
-            if not_theirs(exc):
-                raise  # a job timeout or time limit that landed here is the run's own
-            # The run's outcome stands: the head stays promoted, and a sweep publishes it
-            # again once promote_grace has passed.
-            log.warning("%s: passing the line of %r on failed: %r", who, key, exc)
-
-    return then
-
-
-def _nothing() -> None:
-    pass
-
-
-def report(swept: Swept, key: str, log: logging.Logger) -> None:
-    """Log what a sweep of ``key``'s line did besides publishing (the operator's view of
-    a dead holder, a lost message, a call that waited too long)."""
-    if swept.crashed is not None:
-        log.warning("sweep: ticket %d of %r ended: its holder died", swept.crashed, key)
-    for gap in swept.skipped:
-        log.warning("sweep: ticket %d of %r never arrived; stepped over", gap, key)
-    for gone in swept.expired:
-        log.warning("sweep: ticket %d of %r waited past park_for; dropped", gone, key)
-
-
 # -- the two faces -----------------------------------------------------------------------------
 
 _rng = random.Random()
@@ -205,14 +149,22 @@ os.register_at_fork(after_in_child=_rng.seed)  # forked workers must not back of
 DEFAULT_PARK_FOR = 86_400.0
 
 
+def line_prefix(lock_prefix: str = "mutex.") -> str:
+    """Where the lines beside the locks under ``lock_prefix`` stand: ``line.`` before it
+    (``line.mutex.<key>``), for every task queue, so one reader (``simple-mutex list``,
+    ``celery mutex``, the timeline) finds them all."""
+    return "line." + check_prefix(lock_prefix)
+
+
 class Lines:
-    """The lines of one cache, under ``prefix`` (``line.``, beside the locks'
-    ``mutex.``), keys encoded as the locks' are, so no key escapes its prefix. Every
-    step is a pair: ``x`` blocks, ``x_async`` awaits, both running the same flow.
+    """The lines of one cache beside the locks under ``lock_prefix``, under ``prefix``
+    (``line_prefix(lock_prefix)`` unless given), keys encoded as the locks' are, so no
+    key escapes its prefix. Every step is a pair: ``x`` blocks, ``x_async`` awaits, both
+    running the same flow.
 
     ``park_for`` (how long a parked message may wait) plus ``lease`` (the locks') is
     each record's ttl, restarted on every write: a line nobody uses expires with its last
-    parked message. ``lock_prefix`` is the prefix of the locks the line stands beside."""
+    parked message."""
 
     def __init__(
         self,
@@ -220,15 +172,15 @@ class Lines:
         *,
         lease: Duration,
         park_for: Duration = DEFAULT_PARK_FOR,
-        prefix: str = "line.",
+        prefix: str | None = None,
         lock_prefix: str = "mutex.",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cache: AnyCache = as_cache(cache)
         self.lease = positive_seconds(lease, "lease")
         self.park_for = positive_seconds(park_for, "park_for")
-        self.prefix = check_prefix(prefix)
         self.lock_prefix = check_prefix(lock_prefix)
+        self.prefix = line_prefix(lock_prefix) if prefix is None else check_prefix(prefix)
         if self.prefix == self.lock_prefix:
             raise bad_input(prefix, str, "a line's prefix must differ from its locks'")
         self.clock = clock

@@ -91,7 +91,7 @@ def numbered(params: Sequence[object]) -> dict[str, object]:
 # The clock is read by a function SQLite calls inside the statement, after it took the
 # write lock: a floor read before waiting for the lock (or the guard) would be stale by
 # the time it lands, and a row granted and collected meanwhile would carry a larger fence
-# (DESIGN §4 rule 16). Registered as not deterministic (its value changes from call to
+# (lifecycle rule 16). Registered as not deterministic (its value changes from call to
 # call): SQLite calls it on every execution, never once for a prepared statement.
 _CLOCK_FUNCTION = "simple_mutex_clock"
 

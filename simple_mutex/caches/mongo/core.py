@@ -389,7 +389,7 @@ class MongoCore(CacheBase):
         slow link) for half of ``gc_after``, a document granted after that read with a
         larger fence could have been collected by the TTL index in the meantime: the fence
         is raised to the clock read now, after the insert landed, by an update on our own
-        version, before the grant counts (DESIGN §4 rule 16: no floor older than the
+        version, before the grant counts (lifecycle rule 16: no floor older than the
         write that assigns it)."""
         now_ms = _now_ms()
         if self.gc_after is None or now_ms - read_ms < self.gc_after * 500:

@@ -52,7 +52,7 @@ with driver_imports("redis"):
 # (importlib.metadata's ``FastPath.children``; on 3.11 a missing sys.path entry clears
 # its cache, so every read lists again). A job timeout's exception raised there by its
 # signal handler (RQ's, Celery's soft limit) is swallowed: the alarm is lost and the job
-# runs on (issue 22). So the version is read once, here, and the cache's own connections
+# runs on. So the version is read once, here, and the cache's own connections
 # are given it (``own_connection``). None: a redis-py that reads it at import already.
 DRIVER_INFO: Any = None
 with contextlib.suppress(ImportError):
