@@ -622,3 +622,29 @@ def test_the_rq_tier_reads_a_late_run_from_rq_mutexs_warning() -> None:
                                ("job j1", 3, "q.a", "skipped"), None)  # fmt: skip
     handlers[0].handle(record)
     assert rq_jobs._state["late"]["j1"] == "skipped"
+
+
+def test_an_outcome_records_the_exception_from_its_type_on() -> None:
+    """A job's error keeps its exception's type however long its message: a replaced job's
+    lost lease, whose hint runs past 300 characters, once read as a failure with no cause
+    (its type had fallen off the traceback's tail)."""
+    import traceback
+
+    from nemesis.checker import exception_of
+
+    from simple_mutex.errors import SimpleMutexLeaseExpiredError
+
+    hint = "the work ran (" + GONE_AT_RENEWAL + "); " + "another holder may have entered. " * 12
+
+    def body() -> None:
+        raise SimpleMutexLeaseExpiredError(f"lease lost on r.a: {hint}\nsecond line")
+
+    try:
+        body()
+    except SimpleMutexLeaseExpiredError:
+        text = traceback.format_exc()
+    assert "LeaseExpired" not in text[-300:]  # the case: the tail alone has no type
+    error = exception_of(text)
+    assert error.startswith("simple_mutex.errors.SimpleMutexLeaseExpiredError: lease lost")
+    assert len(error) == 300
+    assert exception_of("ValueError: one\ntwo\n") == "ValueError: one\ntwo"

@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemesis.history import Event
+from simple_mutex.lease import GONE_AT_RELEASE, GONE_AT_RENEWAL
 
 LIMIT_SLACK = 1.5  # a time limit's signal, and the body's current step
 KILLING = {"sigkill", "sigterm", "server-kill-child", "horse-kill", "worker-kill", "revoke"}
@@ -230,8 +231,7 @@ def _end_at_takeover(holds: dict[str, Hold], replacing: tuple[str, ...]) -> None
         hold.steps = [{**s, "deadline": min(s["deadline"], end)} for s in hold.steps]
 
 
-GONE_AT_RENEWAL = "its record was gone or held by another owner at renewal"
-TAKEN_OVER = "its record was gone or held by another owner at release"  # in time
+TAKEN_OVER = GONE_AT_RELEASE  # in time: an operator's release, a replacing call
 
 
 def vanished(holds: dict[str, Hold]) -> list[Anomaly]:
@@ -674,6 +674,19 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
                         f"(state {state})", end["t"],
                     ))  # fmt: skip
     return found
+
+
+def exception_of(traceback_text: str, limit: int = 300) -> str:
+    """The exception a formatted traceback ends with, from its type on (at most ``limit``
+    characters): what an outcome's ``error`` records. The traceback's tail would do for a
+    short message, but a long one (a lost lease's hint) pushed the exception's type out of
+    it, and a replaced job's ``LeaseExpired`` read as a failure with no cause."""
+    lines = traceback_text.rstrip().splitlines()
+    # The exception begins after the last frame line (frames are indented); a message of
+    # several lines keeps them all.
+    framed = [i for i, line in enumerate(lines) if line[:1].isspace()]
+    start = framed[-1] + 1 if framed else 0
+    return "\n".join(lines[start:])[:limit]
 
 
 def _of_hold(kind: str, hold: Hold, detail: str, at: float) -> Anomaly:

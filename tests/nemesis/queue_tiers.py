@@ -645,7 +645,7 @@ def _rq_outcomes(rec: history.Recorder, jobs: dict[str, Any], timeout: float, hi
                     rec("outcome", task=job_id, state="success")
             elif status in ("failed", "stopped", "canceled"):
                 result = job.latest_result()
-                error = (result.exc_string or "")[-300:] if result is not None else status
+                error = status if result is None else checker.exception_of(result.exc_string or "")
                 rec("outcome", task=job_id, state="failure", error=error)
             else:
                 continue
