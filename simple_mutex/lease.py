@@ -525,9 +525,10 @@ class Lease:
             )
         if loss in (GONE_AT_RENEWAL, GONE_AT_RELEASE):
             return (
-                "It was freed or taken while it still had time: by an operator "
-                "(simple-mutex release), by code freeing the key by force, or by a cache "
-                "that lost its data (a restart without persistence, a failover)"
+                "It was freed or taken while it still had time: by a newer call taking "
+                'it over (on_busy="replace"), by an operator (simple-mutex release), by '
+                "code freeing the key by force, or by a cache that lost its data (a "
+                "restart without persistence, a failover)"
             )
         if loss == LOOP_CLOSED:
             return "Keep its event loop running while the lease is held"

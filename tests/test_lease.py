@@ -934,4 +934,5 @@ def test_a_lock_freed_by_force_names_that_not_the_lease(memory_cache, key, found
     message = str(info.value)
     assert "freed or taken while it still had time" in message
     assert "simple-mutex release" in message
+    assert 'on_busy="replace"' in message  # a replacing call's take-over is one such cause
     assert "renew=True" not in message
