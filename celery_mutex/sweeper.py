@@ -5,9 +5,10 @@ sweeping: ``simple_mutex.busy.line.driver``). Started by ``worker_ready`` and st
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from simple_mutex.busy.line import Lines, driver
@@ -31,9 +32,10 @@ class Sweeper:
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def spaces(self) -> list[tuple[Any, Lines, Config]]:
-        """One (task, lines, config) per line prefix in a cache, of the queueing tasks."""
-        found: dict[tuple[int, str], tuple[Any, Lines, Config]] = {}
+    def spaces(self) -> list[Space]:
+        """The app's queueing tasks, grouped by the lines they share (a cache and a
+        prefix)."""
+        found: dict[tuple[int, str], Space] = {}
         for task in list(self.app.tasks.values()):
             if not isinstance(task, MutexTask) or task._mutex_spec is None:
                 continue
@@ -42,20 +44,17 @@ class Sweeper:
             except (ValueError, TypeError):
                 continue  # a task with no cache configured fails when it runs
             if cfg.policy.in_line:
-                found.setdefault((id(cfg.lines.cache), cfg.lines.prefix), (task, cfg.lines, cfg))
+                where = (id(cfg.lines.cache), cfg.lines.prefix)
+                found.setdefault(where, Space(cfg.lines, {})).tasks[task.name] = (task, cfg)
         return list(found.values())
 
     def sweep_once(self) -> int:
         """Sweep every line once; returns how many lines were swept."""
-        swept = 0
-        for task, lines, cfg in self.spaces():
-            bounds = functools.partial(_same, cfg.policy.queue)
-            swept += driver.sweep_lines(line.TaskPublisher(task), lines, bounds)
-        return swept
+        return sum(driver.sweep_lines(space.lines, space.of_line, log) for space in self.spaces())
 
     def every(self) -> float:
-        spaces = self.spaces()
-        return min((cfg.policy.queue.sweep_every for _, _, cfg in spaces), default=0.0)
+        tasks = [cfg for space in self.spaces() for _, cfg in space.tasks.values()]
+        return min((cfg.policy.queue.sweep_every for cfg in tasks), default=0.0)
 
     def start(self) -> None:
         period = self.every()
@@ -77,5 +76,21 @@ class Sweeper:
         self.stopped.set()
 
 
-def _same(bounds: QueuePolicy, _key: str) -> QueuePolicy:
-    return bounds  # a task's lines share its bounds
+@dataclass(frozen=True)
+class Space:
+    """The queueing tasks (by name) whose lines share one cache and prefix."""
+
+    lines: Lines
+    tasks: dict[str, tuple[Any, Config]]
+
+    def of_line(self, key: str) -> tuple[line.TaskPublisher, QueuePolicy]:
+        """The publisher and bounds of ``key``'s line: those of the task its first
+        parked call names, else of the first task here."""
+        record = self.lines.read(key)
+        for parked in [] if record is None else record.parked.values():
+            name = parked.message.get("task") if isinstance(parked.message, Mapping) else None
+            if name in self.tasks:
+                task, cfg = self.tasks[name]
+                return line.TaskPublisher(task), cfg.policy.queue
+        task, cfg = next(iter(self.tasks.values()))
+        return line.TaskPublisher(task), cfg.policy.queue

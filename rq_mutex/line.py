@@ -469,7 +469,5 @@ def _parked_job(
 def sweep_all(connection: Any, lines: ln.Lines, queue: QueuePolicy, name: str) -> None:
     """Sweep every line in ``lines``' cache (a worker's periodic sweep), each by the
     bounds its parked jobs carry."""
-    driver.sweep_lines(
-        JobPublisher(connection, lines, name), lines,
-        lambda key: policy_in(lines.read(key), queue),
-    )  # fmt: skip
+    publisher = JobPublisher(connection, lines, name)
+    driver.sweep_lines(lines, lambda key: (publisher, policy_in(lines.read(key), queue)), log)

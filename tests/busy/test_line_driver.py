@@ -224,5 +224,5 @@ def test_a_sweep_of_every_line_publishes_each_head_nobody_ran(setup):
         lines.over(key, held.ticket, again_after=None)  # ended; its publish was lost
         held.lease.release()
     bounds = QueuePolicy(gap_for=0.0)  # promote_grace 0: a promoted head is published again
-    assert driver.sweep_lines(queue, lines, lambda key: bounds) == 2
+    assert driver.sweep_lines(lines, lambda key: (queue, bounds), queue.log) == 2
     assert sorted(queue.sent) == [("a2", 2, "sweep"), ("b2", 2, "sweep")]

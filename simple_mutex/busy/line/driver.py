@@ -326,20 +326,25 @@ def sweep_key(
     return mine
 
 
-def sweep_lines(publisher: Publisher, lines: Lines, bounds: Callable[[str], QueuePolicy]) -> int:
-    """Sweep every line in ``lines``' cache once (a worker's periodic sweep), each by
-    ``bounds(key)``; returns how many lines were swept. Never raises: a sweep goes on with
-    the next line, and the next sweep tries again."""
+def sweep_lines(
+    lines: Lines, each: Callable[[str], tuple[Publisher, QueuePolicy]], log: logging.Logger
+) -> int:
+    """Sweep every line in ``lines``' cache once (a worker's periodic sweep), each key by
+    the publisher and bounds ``each(key)`` gives: its own calls', so that one task's
+    ``gap_for`` never decides for another task's line in the same cache. Returns how many
+    lines were swept. Never raises: a sweep goes on with the next line, and the next sweep
+    tries again."""
     try:
         keys = lines.keys()
     except MalfunctionError as fault:
-        publisher.log.warning("sweep: listing the lines under %r failed: %s", lines.prefix, fault)
+        log.warning("sweep: listing the lines under %r failed: %s", lines.prefix, fault)
         return 0
     for key in keys:
         try:
-            sweep_key(publisher, lines, key, bounds(key))
+            publisher, bounds = each(key)
+            sweep_key(publisher, lines, key, bounds)
         except Exception as exc:  # a sweep must go on with the next line
-            publisher.log.warning("sweep: the line of %r: %r", key, exc)
+            log.warning("sweep: the line of %r: %r", key, exc)
     return len(keys)
 
 

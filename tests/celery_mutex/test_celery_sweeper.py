@@ -1,0 +1,64 @@
+"""The worker's sweep of the lines (``celery_mutex.sweeper``): each line is swept by the
+bounds and publisher of the task its calls belong to, not by the first queueing task
+found in the same cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+# isort: split
+from celery_mutex import MutexTask
+from celery_mutex.config import config_of
+from celery_mutex.sweeper import Sweeper
+
+pytestmark = pytest.mark.fast
+
+
+def _app() -> tuple[Celery, Any, Any]:
+    app = Celery("sweep", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.update(mutex_cache="memory://")
+
+    @app.task(shared=False, base=MutexTask, mutex={"key": "a.{n}", "on_busy": "queue"})
+    def plain(n: int) -> int:
+        return n
+
+    @app.task(
+        shared=False,
+        base=MutexTask,
+        mutex={"key": "b.{n}", "on_busy": "latest", "queue": {"gap_for": 10, "sweep_every": 2}},
+    )
+    def quick(n: int) -> int:
+        return n
+
+    app.finalize()
+    return app, plain, quick
+
+
+def _park(task: Any, key: str) -> None:
+    """A call of ``task`` parked in ``key``'s line, behind a ticket ahead of it."""
+    lines = config_of(task).lines
+    lines.take(key)
+    message = {"task": task.name, "id": f"{task.name}-1", "args": [1], "kwargs": {}}
+    _, parked = lines.send(key, lambda ticket: {**message, "ticket": ticket.number})
+    assert parked
+
+
+def test_each_line_is_swept_by_its_own_tasks_bounds() -> None:
+    """Two queueing tasks share a cache: the line holding ``quick``'s call is swept with
+    ``quick``'s ``gap_for`` (10 s) and promotes as ``quick``, whichever task was found
+    first; a line with nothing parked falls back to the first task's."""
+    app, plain, quick = _app()
+    [space] = Sweeper(app).spaces()
+    assert set(space.tasks) == {plain.name, quick.name}
+    _park(quick, "b.1")
+    publisher, bounds = space.of_line("b.1")
+    assert publisher.task.name == quick.name
+    assert bounds.gap_for == 10
+    first_task, first_cfg = next(iter(space.tasks.values()))
+    publisher, bounds = space.of_line("a.1")  # no line at all
+    assert publisher.task.name == first_task.name
+    assert bounds == first_cfg.policy.queue
+    assert Sweeper(app).every() == 2  # the shortest sweep_every of the tasks
