@@ -176,6 +176,7 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
     if HEADER in headers or task._get_app().conf.task_always_eager or not queues(task, call):
         return None  # a re-publish or a retry keeps its ticket; eager calls have no line
     _json_checked(task, args, kwargs)
+    _expires_from_now(options)
     cfg = config_of(task)
     key = per_call.key_of(task, args, kwargs, call)
     after = _delay(options.get("countdown"), options.get("eta"))
@@ -223,6 +224,31 @@ _KEPT_AT_SEND = frozenset(
     {"queue", "exchange", "routing_key", "priority", "expires", "time_limit",
      "soft_time_limit", "shadow", "ignore_result", "retries"}
 )  # fmt: skip
+
+
+def _expires_from_now(options: dict[str, Any]) -> None:
+    """A relative ``expires`` (seconds) as the moment it means, counted from this send: a
+    call parked at its send is published when its turn comes, and Celery would count
+    the seconds again from that publish (a call given ``expires=2`` ran 3 s after it
+    expired)."""
+    expires = options.get("expires")
+    if isinstance(expires, int | float) and not isinstance(expires, bool):
+        at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=expires)
+        options["expires"] = at.isoformat()
+
+
+def expired(message: Mapping[str, Any]) -> bool:
+    """Whether a parked call's ``expires`` (an ISO moment with its zone: what a send or
+    a worker's request carries) has passed. A moment without a zone is left to the
+    worker, which reads it in its own."""
+    expires = (message.get("options") or {}).get("expires")
+    if not isinstance(expires, str):
+        return False
+    try:
+        at = dt.datetime.fromisoformat(expires)
+    except ValueError:
+        return False
+    return at.tzinfo is not None and at <= dt.datetime.now(dt.timezone.utc)
 
 
 def _parks_at_send(options: Mapping[str, Any]) -> bool:
@@ -360,6 +386,9 @@ class TaskPublisher:
 
     def publish(self, key: str, what: Publish, *, by: str) -> Published:
         message = what.message
+        if expired(message):
+            self._end_expired(key, message)
+            return "gone"  # the line steps over it, as over a revoked call
         self.task._get_app().send_task(
             message["task"],
             args=message["args"],
@@ -375,6 +404,22 @@ class TaskPublisher:
             sender=self.task, task_id=message["id"], key=key, ticket=what.ticket, by=by
         )
         return "sent"
+
+    def _end_expired(self, key: str, message: Mapping[str, Any]) -> None:
+        """A call whose ``expires`` passed while it was parked ends as Celery ends an
+        expired message (REVOKED, reason "expired"), never run: published, a broker
+        with message TTLs (RabbitMQ) would drop it unseen, and the line would wait for
+        it. (A call stored nowhere, ``ignore_result``, just ends.)"""
+        log.info("%s[%s] expired in the line of %r: revoked", message["task"], message["id"], key)
+        task, backend = self.task, self.task.backend
+        if task.ignore_result or isinstance(backend, DisabledBackend):
+            return
+        try:
+            backend.mark_as_revoked(message["id"], "expired")
+        except Exception as exc:  # the call is out of the line either way; its result waits
+            if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
+                raise
+            log.warning("%s[%s]: storing its expiry failed: %r", task.name, message["id"], exc)
 
 
 def publish(task: Any, key: str, what: Publish | None, *, by: str) -> None:

@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from caches.test_postgres import POSTGRES_URL, with_query
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 from celery_support import line_app
 from celery_support.line_app import LINE, MAX_DELAY, PERIOD, SECTION
 from celery_support.processes import REDIS_URL, Processes
@@ -205,6 +206,28 @@ def test_a_revoked_task_is_stepped_over(line: Line, run: str) -> None:
     for n in (1, 2, 4, 5):
         assert rest[n].get(timeout=GET) == n
     assert line.starts(run)[0] == [0, 1, 2, 4, 5]
+
+
+@pytest.mark.parametrize("parks", ["at the send", "at a worker"])
+def test_a_call_that_expires_while_parked_ends_revoked_and_never_runs(
+    line: Line, run: str, parks: str
+) -> None:
+    """Call 1, sent with ``expires=1`` behind a 3 s head, expires while it waits: when
+    its turn comes it ends REVOKED ("expired") without running, and call 2 runs next. A
+    relative expires counts from the send: parked at the send, it once counted again
+    from the publish and the call ran 3 s after it expired. "At a worker": a countdown
+    sends it through the broker, and it parks as it arrives."""
+    step = line.task("step")
+    head = step.apply_async((run, 0, 0, 3.0))
+    wait_until(lambda: line.starts(run).get(0), 20, "the head to start")
+    through_broker = {"countdown": 0.1} if parks == "at a worker" else {}
+    expiring = step.apply_async((run, 0, 1), expires=1, **through_broker)
+    after = step.apply_async((run, 0, 2))
+    assert head.get(timeout=GET) == 0
+    assert after.get(timeout=GET) == 2
+    with pytest.raises(TaskRevokedError, match="expired"):
+        expiring.get(timeout=GET)
+    assert line.starts(run)[0] == [0, 2]
 
 
 def test_a_pool_child_killed_mid_line_passes_the_turn_on(line: Line, run: str) -> None:
