@@ -10,6 +10,9 @@ without a word.
   task that cannot. (A shared task is registered on every app of the process, so in a
   process with several apps, a test suite's, another app's tasks can lack this app's
   cache without this worker ever being sent them.)
+* The lines of ``on_busy="queue"`` tasks in a cache that keeps no data across a restart
+  (a Redis with no persistence): their parked calls live only there, so a restart loses
+  them. The worker starts, and says so in a warning naming the fix.
 
 A signal handler's ``Exception`` is only logged by Celery, so the refusal is a
 ``SystemExit`` carrying the message: the worker exits with it before it consumes.
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simple_mutex import ConstraintError
+from simple_mutex.busy.line import Lines
 
 from . import _celery
 from .config import config_of
@@ -38,6 +42,7 @@ class Findings:
     unguarded: list[str] = field(default_factory=list)  # mutex= without MutexTask
     unconfigured: list[str] = field(default_factory=list)  # a MutexTask that cannot run
     guarded: int = 0  # MutexTasks that can
+    lines: dict[tuple[int, str], Lines] = field(default_factory=dict)  # their lines, per cache
 
     def refused(self) -> bool:
         """Whether a worker must not start with them."""
@@ -58,11 +63,13 @@ def check(app: Any) -> Findings:
                 )
             continue
         try:
-            config_of(task)
+            cfg = config_of(task)
         except ConstraintError as bad:
             found.unconfigured.append(str(bad))
         else:
             found.guarded += 1
+            if cfg.policy.in_line:
+                found.lines.setdefault((id(cfg.lines.cache), cfg.lines.prefix), cfg.lines)
     return found
 
 
@@ -77,6 +84,10 @@ def _check_at_start(sender: Any = None, **_: Any) -> None:
         raise SystemExit("celery_mutex: this worker will not start:\n  " + "\n  ".join(lines))
     for line in found.unconfigured:
         log.critical("celery_mutex: every call of this task will fail: %s", line)
+    for in_line in found.lines.values():
+        reason = in_line.unkept()
+        if reason is not None:
+            log.warning("celery_mutex: %s", reason)
 
 
 _celery.worker_init.connect(_check_at_start, weak=False)

@@ -466,8 +466,10 @@ def _parked_job(
 # -- sweeping ----------------------------------------------------------------------------------
 
 
-def sweep_all(connection: Any, lines: ln.Lines, queue: QueuePolicy, name: str) -> None:
+def sweep_all(connection: Any, lines: ln.Lines, queue: QueuePolicy, name: str) -> int:
     """Sweep every line in ``lines``' cache (a worker's periodic sweep), each by the
-    bounds its parked jobs carry."""
+    bounds its parked jobs carry; returns how many lines there were."""
     publisher = JobPublisher(connection, lines, name)
-    driver.sweep_lines(lines, lambda key: (publisher, policy_in(lines.read(key), queue)), log)
+    return driver.sweep_lines(
+        lines, lambda key: (publisher, policy_in(lines.read(key), queue)), log
+    )

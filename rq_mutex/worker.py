@@ -109,6 +109,17 @@ class Worker(RecordsReapedHorses):
             self._line_swept_at = time.monotonic()
             self.sweep_lines()
 
+    def _tell_if_unkept(self, where: object, lines: Lines) -> None:
+        """Once per cache, at the first sweep that found lines in it: a warning when the
+        cache keeps no data across a restart (its parked jobs' places would be lost)."""
+        told = self.__dict__.setdefault("_unkept_told", set())
+        if id(where) in told:
+            return
+        told.add(id(where))
+        reason = lines.unkept()
+        if reason is not None:
+            log.warning("%s: %s", self.name, reason)
+
     def sweep_lines(self) -> None:
         """One sweep of every line in the worker's caches; never raises into RQ."""
         named = [url.strip() for url in os.environ.get(LINE_CACHES, "").split(",")]
@@ -116,7 +127,8 @@ class Worker(RecordsReapedHorses):
             try:
                 cache = cache_on(self.connection) if where is None else shared_cache(where)
                 lines = Lines(cache, lease=60.0, park_for=_DEFAULTS.park_for)
-                sweep_all(self.connection, lines, _DEFAULTS, "rq_mutex.Worker")
+                if sweep_all(self.connection, lines, _DEFAULTS, "rq_mutex.Worker"):
+                    self._tell_if_unkept(where, lines)
             except Exception as exc:  # the worker's own loop must go on
                 shown = (  # never the URL: it may hold a password
                     "its own Redis" if where is None

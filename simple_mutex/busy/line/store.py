@@ -186,6 +186,28 @@ class Lines:
         self.clock = clock
         self._aio = is_async(self.cache)
 
+    def unkept(self) -> str | None:
+        """Why the calls parked in these lines would not outlive a restart of their cache
+        (acknowledged to their broker once parked, they live only here), or None: a Redis
+        that keeps no data (no ``save`` schedule, ``appendonly no``) loses them all when
+        it restarts. A cache that cannot tell (CONFIG denied, or no such probe) is
+        trusted; one out of reach is for the first write to report."""
+        probe = getattr(self.cache, "keeps_data", None)
+        if probe is None:
+            return None
+        try:
+            kept = probe()
+        except MalfunctionError:
+            return None
+        if kept is not False:
+            return None
+        return (
+            f"the {getattr(self.cache, 'name', 'lock')} cache of these lines keeps no data "
+            "across a restart (no save schedule, appendonly no): calls parked in them "
+            "(on_busy='queue', 'latest', 'debounce') are lost if it restarts. Turn on "
+            "persistence (appendonly yes), or keep the locks and lines in PostgreSQL"
+        )
+
     def cache_key(self, key: str) -> str:
         return self.prefix + encode_key(check_key(key))
 

@@ -582,6 +582,18 @@ def config_pairs(reply: Any) -> dict[Any, Any]:
     return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
+# The persistence check's reads: an RDB snapshot schedule, and the append-only file.
+PERSISTENCE_GETS: tuple[Command, Command] = (("CONFIG GET", "save"), ("CONFIG GET", "appendonly"))
+
+
+def keeps_data(*replies: Any) -> bool:
+    """Whether a server whose ``PERSISTENCE_GETS`` replied so keeps its data across a
+    restart: a ``save`` schedule, or ``appendonly yes``."""
+    config = {text(name): text(value) for reply in replies
+              for name, value in config_pairs(reply).items()}  # fmt: skip
+    return bool(config.get("save", "").strip()) or config.get("appendonly", "") == "yes"
+
+
 def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

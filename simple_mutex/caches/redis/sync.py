@@ -48,9 +48,11 @@ from .protocol import (
     CAS,
     CONFIG_GET,
     DELETE,
+    PERSISTENCE_GETS,
     PUT,
     RedisLayout,
     Request,
+    keeps_data,
     load_command,
     own_connection,
     refused,
@@ -135,6 +137,20 @@ class RedisCache(RedisLayout):
         yourself), as ``close`` does on the other caches."""
         if self._own is not None:
             self._own.close()
+
+    def keeps_data(self) -> bool | None:
+        """Whether the server keeps its data across a restart (RDB snapshots or the
+        append-only file); None when it will not say (CONFIG renamed or denied, as
+        managed services do). Data of its own that must outlive a restart (a line's
+        parked calls) is only as durable as this."""
+        try:
+            with self._faults("keeps_data", ""):
+                replies = [self._execute(*command) for command in PERSISTENCE_GETS]
+        except MalfunctionError as fault:
+            if isinstance(fault.__cause__, ResponseError):
+                return None
+            raise
+        return keeps_data(*replies)
 
     def waited_on(self, key: str) -> bool:
         """Did a put on ``key`` (any slot) fail within the last few seconds, i.e. is a
