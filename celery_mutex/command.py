@@ -1,11 +1,13 @@
-"""``celery -A proj mutex list|show|release``: the ``simple-mutex`` commands on the app's
-own lock cache (``app.conf.mutex_cache``, prefix ``app.conf.mutex_prefix``), registered
-through Celery's ``celery.commands`` entry point. The work is ``simple_mutex.admin.commands``,
-shared with ``simple-mutex``; this module only finds the cache and maps the exit status
-(2, one line, for a missing setting, a bad URL or a server down)."""
+"""``celery -A proj mutex list|show|release|watch|serve``: the ``simple-mutex`` commands
+on the app's own lock cache (``app.conf.mutex_cache``, prefix ``app.conf.mutex_prefix``),
+registered through Celery's ``celery.commands`` entry point. The work is
+``simple_mutex.admin.commands`` and ``simple_mutex.admin.serve``, shared with
+``simple-mutex``; this module only finds the cache and maps the exit status (2, one line,
+for a missing setting, a bad URL or a server down)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,8 @@ import click
 
 from simple_mutex import SimpleMutexError
 from simple_mutex.admin import commands
+from simple_mutex.admin.serve import TOKEN_ENV
+from simple_mutex.admin.serve import serve as serve_page
 from simple_mutex.busy import shared_cache
 from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import ConditionalCache
@@ -88,3 +92,39 @@ def release(ctx: click.Context, key: str, prefix: str | None, slot: int | None, 
         cache, key, prefix or default, sys.stdout, slot=slot, yes=yes, ask=ask,
         by="celery mutex release",
     ))  # fmt: skip
+
+
+@mutex.command()
+@_PREFIX
+@click.option("--interval", type=float, default=1.0, help="seconds between refreshes")
+@click.pass_context
+def watch(ctx: click.Context, prefix: str | None, interval: float) -> None:
+    """A live table of holders, takeovers and parked calls, until Ctrl-C."""
+    if not 0 < interval <= 3600:
+        raise click.BadParameter("must be seconds in (0, 3600]", param_hint="--interval")
+    _run(ctx, lambda cache, default: commands.watch_locks(
+        cache, prefix or default, sys.stdout, interval=interval))  # fmt: skip
+
+
+@mutex.command()
+@_PREFIX
+@click.option("--host", default="127.0.0.1", help="the address to listen on")
+@click.option("--port", type=int, default=8765, help="the port (0: any free one)")
+@click.option("--interval", type=float, default=1.0, help="seconds between reads of the cache")
+@click.option("--actions", is_flag=True, help=f"allow releasing from the page ({TOKEN_ENV})")
+@click.pass_context
+def serve(
+    ctx: click.Context, prefix: str | None, host: str, port: int, interval: float, actions: bool
+) -> None:
+    """A live web page of held keys, lines and events (simple-mutex serve), until Ctrl-C."""
+
+    def work(cache: ConditionalCache, default: str) -> int:
+        try:
+            return serve_page(cache, prefix or default, sys.stdout, host=host, port=port,
+                              interval=interval, actions=actions,
+                              token=os.environ.get(TOKEN_ENV) or None)  # fmt: skip
+        except OSError as exc:
+            click.echo(commands.one_line(f"cannot listen on {host}:{port}: {exc}"), err=True)
+            return 2
+
+    _run(ctx, work)

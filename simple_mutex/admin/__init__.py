@@ -18,7 +18,7 @@ from datetime import datetime
 
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key, split_slot
 from simple_mutex._core.records import Holder, holder_of, record_key
-from simple_mutex.busy.line import Lines
+from simple_mutex.busy.line import Line, Lines
 from simple_mutex.contract import ConditionalCache, Entry, Scannable, is_async
 from simple_mutex.errors import ConstraintTypeError, SimpleCacheConditionError
 
@@ -87,20 +87,29 @@ def locks_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> list[Live
     return _sorted(lock for lock in _decoded(cache, prefix, found) if lock.key == key)
 
 
+def lines_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, Line]:
+    """Every line beside the locks under ``prefix`` (``on_busy="queue"``, ``"latest"``,
+    ``"debounce"``, of Celery and RQ alike), by key."""
+    lines = Lines(scannable(cache), lease=1, lock_prefix=prefix)
+    found: dict[str, Line] = {}
+    for key in lines.keys():  # noqa: SIM118  (a scan, not a mapping's keys)
+        line = lines.read(key)
+        if line is not None:  # else it expired between the listing and the read
+            found[key] = line
+    return found
+
+
+def waiting_in(line: Line) -> int:
+    """How many calls wait parked in ``line``: a parked copy of the running ticket (its
+    broker's redelivery, kept in case the holder died) is not a waiting call."""
+    running = line.running.ticket if line.running is not None else None
+    return sum(1 for t in line.parked if t != running)
+
+
 def parked_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
     """Per key that has a line beside the locks under ``prefix``: how many calls wait
-    parked in it (a parked copy of the running ticket, its broker's redelivery kept in
-    case the holder died, is not a waiting call). Keys with no line are absent."""
-    lines = Lines(scannable(cache), lease=1, lock_prefix=prefix)
-    found: dict[str, int] = {}
-    keys = lines.keys()  # a scan, not a mapping's keys
-    for key in keys:
-        line = lines.read(key)
-        if line is None:
-            continue  # it expired between the listing and the read
-        running = line.running.ticket if line.running is not None else None
-        found[key] = sum(1 for t in line.parked if t != running)
-    return found
+    parked in it (``waiting_in``). Keys with no line are absent."""
+    return {key: waiting_in(line) for key, line in lines_by_key(cache, prefix).items()}
 
 
 def waited_on(cache: object, lock: LiveLock) -> bool | None:

@@ -6,6 +6,7 @@
     simple-mutex show URL KEY [--prefix P]
     simple-mutex release URL KEY [--prefix P] [--slot N] [--yes]
     simple-mutex watch URL [--prefix P] [--interval S]
+    simple-mutex serve URL [--prefix P] [--host H] [--port N] [--interval S] [--actions]
     simple-mutex timeline FILE_OR_DIR... -o OUT.html
 
 ``URL`` is what ``cache_from_url`` takes (``redis://``, ``postgresql://``, ``file:///``...);
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from simple_mutex.admin import DEFAULT_PREFIX, commands
+from simple_mutex.admin.serve import TOKEN_ENV, serve
 from simple_mutex.caches.url import cache_from_url
 from simple_mutex.contract import ConditionalCache
 from simple_mutex.errors import SimpleMutexError
@@ -55,10 +58,23 @@ def parser() -> argparse.ArgumentParser:
     watching = command("watch", "a live table of holders and takeovers, until Ctrl-C")
     watching.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
 
+    serving = command("serve", "a live web page of held keys, lines and events, until Ctrl-C")
+    serve_options(serving.add_argument)
+
     drawing = sub.add_parser("timeline", help="draw journal files as one HTML page")
     drawing.add_argument("files", nargs="+", metavar="FILE_OR_DIR")
     drawing.add_argument("-o", "--output", required=True, metavar="OUT")
     return top
+
+
+def serve_options(add: Callable[..., object]) -> None:
+    """The options of ``serve`` (``celery mutex serve`` has the same)."""
+    add("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    add("--port", type=int, default=8765, help="the port (default 8765; 0: any free one)")
+    add("--interval", type=float, default=1.0, help="seconds between reads of the cache")
+    add("--actions", action="store_true",
+        help=f"allow releasing from the page, with a token ({TOKEN_ENV}, or a new one) "
+             "in the address it prints")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     if args.command == "timeline":
         return timeline(args.files, args.output)
-    if args.command == "watch" and not 0 < args.interval <= 3600:
+    if args.command in ("watch", "serve") and not 0 < args.interval <= 3600:
         return fail("--interval must be seconds in (0, 3600]")
     try:
         cache = cache_from_url(args.url)
@@ -90,7 +106,13 @@ def run(cache: ConditionalCache, args: argparse.Namespace) -> int:
             return commands.release_lock(
                 cache, args.key, args.prefix, out, slot=args.slot, yes=args.yes
             )
+        if args.command == "serve":
+            return serve(cache, args.prefix, out, host=args.host, port=args.port,
+                         interval=args.interval, actions=args.actions,
+                         token=os.environ.get(TOKEN_ENV) or None)  # fmt: skip
         return commands.watch_locks(cache, args.prefix, out, interval=args.interval)
+    except OSError as exc:  # serve's port taken, or an address not of this machine
+        return fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     except SimpleMutexError as exc:
         return fail(exc)
     except KeyboardInterrupt:  # at a prompt, or mid-listing: no traceback

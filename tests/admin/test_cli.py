@@ -431,16 +431,21 @@ def test_timeline_without_its_module_is_one_line_and_status_2(
 # -- celery -A proj mutex ... ----------------------------------------------------------
 
 
-def test_celery_mutex_command_lists_shows_and_releases(holders: Holders, tmp_path: Path) -> None:
-    """``celery -A proj mutex`` reads the app's mutex_cache and mutex_prefix: list --json
-    shows the holder, show prints it, release --yes frees it and the holder loses it."""
-    info = holders.hold("task", "tasks.report.42")
-    (tmp_path / "proj.py").write_text(
+def _celery_project(where: Path, holders: Holders) -> None:
+    """``proj.py`` in ``where``: a Celery app whose lock cache is the holders'."""
+    (where / "proj.py").write_text(
         "from celery import Celery\n"
         "app = Celery('proj', broker='memory://')\n"
         f"app.conf.mutex_cache = {holders.url!r}\n"
         f"app.conf.mutex_prefix = {holders.prefix!r}\n"
     )
+
+
+def test_celery_mutex_command_lists_shows_and_releases(holders: Holders, tmp_path: Path) -> None:
+    """``celery -A proj mutex`` reads the app's mutex_cache and mutex_prefix: list --json
+    shows the holder, show prints it, release --yes frees it and the holder loses it."""
+    info = holders.hold("task", "tasks.report.42")
+    _celery_project(tmp_path, holders)
 
     def celery(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -472,3 +477,43 @@ def test_celery_mutex_command_without_a_cache_setting_is_one_line(tmp_path: Path
         timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )  # fmt: skip
     assert_one_line_fault(done, "app.conf.mutex_cache")
+
+
+def test_celery_mutex_command_watches_and_serves(holders: Holders, tmp_path: Path) -> None:
+    """``celery -A proj mutex watch`` draws the holder until Ctrl-C (status 0), and
+    ``celery -A proj mutex serve`` prints its address and serves the state of the app's
+    own cache (``simple-mutex serve``'s page)."""
+    import urllib.request
+
+    info = holders.hold("task", "tasks.report.43")
+    _celery_project(tmp_path, holders)
+
+    def celery(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [str(BIN / "celery"), "-A", "proj", "mutex", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        )  # fmt: skip
+
+    watch = celery("watch", "--interval", "0.5")
+    try:
+        assert watch.stdout is not None
+        first = [watch.stdout.readline() for _ in range(3)]
+        assert any(f"pid {info['pid']}" in line for line in first), first
+    finally:
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=30) == 0
+    serve = celery("serve", "--port", "0")
+    try:
+        assert serve.stdout is not None
+        said = serve.stdout.readline()
+        address = said.split(" at ", 1)[1].split()[0]
+        with urllib.request.urlopen(address + "state", timeout=10) as reply:
+            state = json.loads(reply.read())
+        assert [(lock["key"], lock["pid"]) for lock in state["locks"]] == [
+            ("tasks.report.43", info["pid"])
+        ]
+        assert state["actions"] is False
+    finally:
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=30) == 0

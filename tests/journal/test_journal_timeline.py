@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import sync_playwright
+from browser import chromium_page
 from procs import wait_for_file
 from servers import ROOT
 
@@ -26,7 +26,6 @@ from simple_mutex.journal import timeline
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("journal")]  # its journal, once
 
 CHILD = ROOT / "tests" / "journal_children.py"
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")  # scripts/lib.sh installs it
 HOSTILE_KEY = "<script>alert('key')</script>&\"x"
 WORKERS, CYCLES = 3, 8
 
@@ -275,34 +274,23 @@ def test_the_page_in_a_real_browser(journal_dir, page_path, tmp_path):
     """Chromium loads the page offline with no console error and no request but the file;
     there is one .hold per hold in the journal, each titled with its holder and fence;
     the hostile key shows as text. A screenshot is kept beside the page."""
-    assert os.path.exists(CHROMIUM), (
-        f"{CHROMIUM} is missing: apt-get install chromium (scripts/test.sh does it)"
-    )
     records = lines_of(journal_dir["dir"])
     holds = Counter((r["key"], str(r["fence"]), str(r["holder"]["pid"]))
                     for r in records if r["kind"] == "acquired")  # fmt: skip
-    problems: list[str] = []
     requests: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1320, "height": 900})
-            page.on("console", lambda m: m.type == "error" and problems.append(m.text))
-            page.on("pageerror", lambda e: problems.append(str(e)))
-            page.on("dialog", lambda d: problems.append(f"dialog: {d.message}"))
-            page.on("request", lambda r: requests.append(r.url))
-            page.goto(page_path.as_uri())
-            bars = page.eval_on_selector_all(
-                ".hold",
-                "els => els.map(e => [e.dataset.key, e.dataset.fence, e.dataset.pid,"
-                " e.querySelector('title').textContent])",
-            )
-            labels = page.eval_on_selector_all("svg > text", "els => els.map(e => e.textContent)")
-            scripts = page.eval_on_selector_all("script", "els => els.length")
-            lost_marks = page.eval_on_selector_all("svg.chart .lost", "els => els.length")
-            page.screenshot(path=str(page_path.with_suffix(".png")), full_page=True)
-        finally:
-            browser.close()
+    with chromium_page(1320, 900) as (page, problems):
+        page.on("dialog", lambda d: problems.append(f"dialog: {d.message}"))
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(page_path.as_uri())
+        bars = page.eval_on_selector_all(
+            ".hold",
+            "els => els.map(e => [e.dataset.key, e.dataset.fence, e.dataset.pid,"
+            " e.querySelector('title').textContent])",
+        )
+        labels = page.eval_on_selector_all("svg > text", "els => els.map(e => e.textContent)")
+        scripts = page.eval_on_selector_all("script", "els => els.length")
+        lost_marks = page.eval_on_selector_all("svg.chart .lost", "els => els.length")
+        page.screenshot(path=str(page_path.with_suffix(".png")), full_page=True)
     assert problems == []
     assert requests == [page_path.as_uri()]
     assert Counter((key, fence, pid) for key, fence, pid, _ in bars) == holds

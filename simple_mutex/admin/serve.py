@@ -1,0 +1,238 @@
+"""``simple-mutex serve URL`` (and ``celery -A proj mutex serve``): a local web page of
+every held key and every line, refreshed live, with a release button when enabled.
+
+One thread reads the cache every ``interval`` (``board.read``) and keeps the page's JSON;
+every viewer gets that copy, so ten open tabs cost what one does. The server is the
+standard library's, bound to loopback unless told otherwise.
+
+Releasing is off unless the server was started with ``--actions``: it then takes a token
+(``SIMPLE_MUTEX_PAGE_TOKEN``, or one drawn from ``secrets``) and prints the page's address
+with the token after ``#``, a part of a URL a browser never sends, so it reaches no log;
+the page sends it back in a header on each release. A request from another origin cannot
+set that header without a preflight this server never grants, and a request naming a
+host other than the one served (DNS rebinding) is refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, TextIO
+
+from simple_mutex.admin import board as boards
+from simple_mutex.admin import locks_of, release
+from simple_mutex.admin.commands import describe, now, one_line, stamp
+from simple_mutex.admin.page import PAGE
+from simple_mutex.contract import ConditionalCache
+from simple_mutex.errors import ConstraintValueError, MalfunctionError
+
+log = logging.getLogger("simple_mutex")
+
+TOKEN_ENV = "SIMPLE_MUTEX_PAGE_TOKEN"
+TOKEN_HEADER = "X-Simple-Mutex-Token"
+EVENTS_KEPT = 200
+# The page runs its own inline script and style and talks to this server alone.
+POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
+)
+MAX_BODY = 4096  # a release names a key (at most 1,024 characters), a slot and a fence
+
+
+class Board:
+    """The page's state: refreshed by one thread, read by every request."""
+
+    def __init__(self, cache: ConditionalCache, prefix: str, *, actions: bool) -> None:
+        self.cache, self.prefix, self.actions = cache, prefix, actions
+        self._lock = threading.Lock()
+        self._last: boards.Snapshot | None = None
+        self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self._state: dict[str, Any] = {"at": None, "locks": [], "lines": [], "events": []}
+        self.error: str | None = None
+
+    def refresh(self) -> None:
+        """Read the cache once; a failure is shown on the page, the last state kept."""
+        try:
+            snap = boards.read(self.cache, self.prefix)
+        except MalfunctionError as exc:
+            with self._lock:
+                self.error = f"{stamp(now())} refresh failed: {one_line(exc)}"
+            return
+        with self._lock:
+            self._events.extend(boards.changes(self._last, snap))
+            self._last = snap
+            self._state = boards.state(snap, list(self._events), actions=self.actions)
+            self.error = None
+
+    def prime(self, snap: boards.Snapshot) -> None:
+        """The first state, from the read that proved the cache answers."""
+        with self._lock:
+            self._last = snap
+            self._state = boards.state(snap, [], actions=self.actions)
+
+    def json(self) -> bytes:
+        with self._lock:
+            return json.dumps({**self._state, "error": self.error}).encode()
+
+    def release(self, key: str, slot: int, fence: int) -> tuple[bool, str]:
+        """Free the holder of ``key``'s ``slot`` if it is still the one with ``fence``
+        (the one the operator saw); refused, with nothing freed, otherwise."""
+        for lock in locks_of(self.cache, key, self.prefix):
+            if lock.slot == slot and lock.fence == fence:
+                described = describe(lock)
+                if release(self.cache, lock, by="simple-mutex serve"):
+                    said = {"at": now().isoformat(), "kind": "released", "key": key,
+                            "text": f"from this page: {described}"}  # fmt: skip
+                    with self._lock:
+                        self._events.append(said)
+                    self.refresh()
+                    return True, f"freed {described}"
+                break
+        return False, f"refused: {key!r} slot {slot} is no longer held with fence {fence}"
+
+
+def handler(board: Board, token: str | None, hosts: set[str]) -> type[BaseHTTPRequestHandler]:
+    """The request handler of one board: ``GET /`` the page, ``GET /state`` its JSON,
+    ``POST /release`` (with the token) a release."""
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "simple-mutex"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("serve: " + format, *args)  # never the token: it is in no URL
+
+        def _reply(self, status: int, body: bytes, kind: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", POLICY)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _answer(self, status: int, what: dict[str, Any]) -> None:
+            self._reply(status, json.dumps(what).encode(), "application/json")
+
+        def _host_ok(self) -> bool:
+            if self.headers.get("Host", "") in hosts:
+                return True
+            self._answer(HTTPStatus.MISDIRECTED_REQUEST, {"error": "unknown Host"})
+            return False
+
+        def do_GET(self) -> None:
+            if not self._host_ok():
+                return
+            if self.path in ("/", "/index.html"):
+                self._reply(HTTPStatus.OK, PAGE.encode(), "text/html; charset=utf-8")
+            elif self.path == "/state":
+                self._reply(HTTPStatus.OK, board.json(), "application/json")
+            else:
+                self._answer(HTTPStatus.NOT_FOUND, {"error": "no such page"})
+
+        def do_POST(self) -> None:
+            if not self._host_ok():
+                return
+            if self.path != "/release":
+                self._answer(HTTPStatus.NOT_FOUND, {"error": "no such action"})
+                return
+            given = self.headers.get(TOKEN_HEADER, "")
+            if token is None or not hmac.compare_digest(given.encode(), token.encode()):
+                self._answer(HTTPStatus.FORBIDDEN, {"error": "releasing is off, or the "
+                             "token is wrong: start serve with --actions and open the "
+                             "address it prints"})  # fmt: skip
+                return
+            try:
+                key, slot, fence = _release_request(self)
+            except ValueError as exc:
+                self._answer(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
+                return
+            try:
+                freed, text = board.release(key, slot, fence)
+            except MalfunctionError as exc:
+                self._answer(HTTPStatus.BAD_GATEWAY, {"error": one_line(exc)})
+                return
+            self._answer(HTTPStatus.OK if freed else HTTPStatus.CONFLICT,
+                         {"freed": freed, "text": text})  # fmt: skip
+
+    return Handler
+
+
+def _release_request(request: BaseHTTPRequestHandler) -> tuple[str, int, int]:
+    """``{"key": str, "slot": int, "fence": int}`` from a POST body, checked."""
+    try:
+        length = int(request.headers.get("Content-Length", "0"))
+    except ValueError:
+        raise ValueError("Content-Length must be a number") from None
+    if not 0 < length <= MAX_BODY:
+        raise ValueError(f"a release is a JSON object of at most {MAX_BODY} bytes")
+    try:
+        body = json.loads(request.rfile.read(length))
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("a release is a JSON object") from None
+    key, slot, fence = (
+        (body.get(n) for n in ("key", "slot", "fence"))
+        if isinstance(body, dict)
+        else (None, None, None)
+    )
+    if not isinstance(key, str) or type(slot) is not int or type(fence) is not int:
+        raise ValueError('a release names {"key": str, "slot": int, "fence": int}')
+    return key, slot, fence
+
+
+def serve(
+    cache: ConditionalCache,
+    prefix: str,
+    out: TextIO,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    interval: float = 1.0,
+    actions: bool = False,
+    token: str | None = None,
+    ready: Callable[[ThreadingHTTPServer], None] | None = None,
+) -> int:
+    """Serve the page until Ctrl-C (status 0). The first read happens before the server
+    listens, so a wrong URL or a server that is down fails here (the caller's status 2)."""
+    if not 0 < interval <= 3600:
+        raise ConstraintValueError(f"interval must be seconds in (0, 3600], got {interval!r}")
+    board = Board(cache, prefix, actions=actions)
+    board.prime(boards.read(cache, prefix))  # raises: nothing to serve from a cache out of reach
+    if actions and token is None:
+        token = secrets.token_urlsafe(18)
+    hosts: set[str] = set()  # the Host headers accepted: known once the port is bound
+    server = ThreadingHTTPServer((host, port), handler(board, token if actions else None, hosts))
+    server.daemon_threads = True
+    bound = server.server_address[1]
+    shown = f"[{host}]" if ":" in host else host
+    names = {shown, "localhost", "127.0.0.1"} if host in ("127.0.0.1", "localhost") else {shown}
+    hosts.update(f"{name}:{bound}" for name in names)
+    address = f"http://{shown}:{bound}/"
+    out.write(f"simple-mutex serve: prefix {prefix!r}, every {interval:g} s, at {address}"
+              + (f"#token={token}" if actions else "") + " (Ctrl-C ends)\n")  # fmt: skip
+    if actions:
+        out.write("releasing is on: anyone with the address above can free a lock\n")
+    out.flush()
+    stopped = threading.Event()
+
+    def refresh_loop() -> None:
+        while not stopped.wait(interval):
+            board.refresh()
+
+    threading.Thread(target=refresh_loop, name="simple-mutex-serve", daemon=True).start()
+    if ready is not None:
+        ready(server)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        out.write("\n")
+    finally:
+        stopped.set()
+        server.server_close()
+    return 0
