@@ -6,6 +6,7 @@ module's own: without persistence, with ``appendonly yes``, and with CONFIG rena
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import types
 from collections.abc import Iterator
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio
 from servers import RedisServer, free_port, own_redis
 
 # isort: split
 from simple_mutex.busy.line import Lines
-from simple_mutex.caches import RedisCache
+from simple_mutex.caches import AsyncRedisCache, RedisCache
 
 pytestmark = pytest.mark.backends
 
@@ -50,6 +52,9 @@ def test_the_cache_says_whether_it_keeps_its_data(servers: dict[str, int]) -> No
     assert _cache(servers["none"]).keeps_data() is False
     assert _cache(servers["aof"]).keeps_data() is True
     assert _cache(servers["no-config"]).keeps_data() is None
+    for name, kept in (("none", False), ("aof", True), ("no-config", None)):
+        aio = AsyncRedisCache(redis.asyncio.Redis(port=servers[name]))
+        assert asyncio.run(aio.keeps_data()) is kept
     none = Lines(_cache(servers["none"]), lease=10).unkept()
     assert none is not None
     assert "keeps no data across a restart" in none

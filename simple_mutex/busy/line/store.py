@@ -193,7 +193,7 @@ class Lines:
         it restarts. A cache that cannot tell (CONFIG denied, or no such probe) is
         trusted; one out of reach is for the first write to report."""
         probe = getattr(self.cache, "keeps_data", None)
-        if probe is None:
+        if probe is None or self._aio:  # an asyncio cache's probe is for its own loop
             return None
         try:
             kept = probe()

@@ -42,11 +42,13 @@ from .protocol import (
     CAS,
     CONFIG_GET,
     DELETE,
+    PERSISTENCE_GETS,
     PUT,
     WAITER_MARK_MS,
     RedisLayout,
     Request,
     blpop_command,
+    keeps_data,
     load_command,
     mark_command,
     own_connection,
@@ -140,6 +142,17 @@ class AsyncRedisCache(RedisLayout):
             if entry is not None:
                 found.append((key, entry))
         return found
+
+    async def keeps_data(self) -> bool | None:
+        """RedisCache.keeps_data for asyncio: does the server persist its data?"""
+        try:
+            with self._faults("keeps_data", ""):
+                replies = [await self._execute(*command) for command in PERSISTENCE_GETS]
+        except MalfunctionError as fault:
+            if isinstance(fault.__cause__, ResponseError):
+                return None
+            raise
+        return keeps_data(*replies)
 
     async def waited_on(self, key: str) -> bool:
         """RedisCache.waited_on for asyncio: is a waiter blocked on ``key``?"""
