@@ -287,6 +287,17 @@ def test_the_code_cites_only_what_the_repository_holds() -> None:
                 assert (ROOT / page).is_file(), f"{path.relative_to(ROOT)} cites {page}"
 
 
+def test_the_user_docs_cite_no_issue_or_design_document() -> None:
+    """What users read (the README, the changelog, docs/) names no issue number and no
+    design document the repository lacks: the reader has neither. (An upstream project's
+    issue is cited by its repository and ``#``, as in "celery-once issues #114".)"""
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for path in pages:
+        text = path.read_text()
+        outside = re.findall(r"DESIGN|§|\bissues? \d+", text)
+        assert outside == [], f"{path.relative_to(ROOT)} cites {outside}"
+
+
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the modules of the three packages it imports, at any depth of its code
     (a function-level import holds a circle open as well as a top-level one). A package's
