@@ -411,7 +411,10 @@ class TaskPublisher:
         with message TTLs (RabbitMQ) would drop it unseen, and the line would wait for
         it. (A call stored nowhere, ``ignore_result``, just ends.)"""
         log.info("%s[%s] expired in the line of %r: revoked", message["task"], message["id"], key)
-        task, backend = self.task, self.task.backend
+        # Judged by the parked call's own task: the publisher is the call that ended
+        # before it, maybe of another task of the same key (one that ignores its result).
+        task = self.task._get_app().tasks.get(message["task"], self.task)
+        backend = task.backend
         if task.ignore_result or isinstance(backend, DisabledBackend):
             return
         try:

@@ -113,9 +113,10 @@ class Worker(RecordsReapedHorses):
         """Once per cache, at the first sweep that found lines in it: a warning when the
         cache keeps no data across a restart (its parked jobs' places would be lost)."""
         told = self.__dict__.setdefault("_unkept_told", set())
-        if id(where) in told:
+        named = where if where is None or isinstance(where, str) else id(where)
+        if named in told:
             return
-        told.add(id(where))
+        told.add(named)
         reason = lines.unkept()
         if reason is not None:
             log.warning("%s: %s", self.name, reason)

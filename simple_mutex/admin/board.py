@@ -26,6 +26,7 @@ from simple_mutex.busy.line import Line
 # cannot know which, so it says "by default").
 PROMOTE_GRACE = 30.0
 GAP_FOR = 120.0
+CALLS_SHOWN = 200  # per line, in order: a longer line says how many more wait
 SWEEP_LATE = 30.0  # a sweep comes every few seconds: this long past the grace, none came
 # How near its end a lease counts as run out, as ``watch`` judges takeovers.
 SLACK = timedelta(seconds=0.25)
@@ -104,7 +105,10 @@ def line_state(key: str, line: Line, held: bool, now_s: float) -> dict[str, Any]
     calls: list[dict[str, Any]] = []
     stuck: list[str] = []
     running = line.running.ticket if line.running is not None else None
-    for number in range(line.turn, line.next):
+    # The tickets the record names, not every number up to ``next`` (a record's numbers
+    # are its writers' word: one far ahead must not cost a loop of that length).
+    named = {*line.parked, *line.issued, *([running] if running is not None else [])}
+    for number in sorted(t for t in named if line.turn <= t < line.next)[:CALLS_SHOWN]:
         entry = line.parked.get(number)
         if number == running and line.running is not None:
             calls.append({"ticket": number, "state": "running", "since": line.running.since,
@@ -145,6 +149,7 @@ def line_state(key: str, line: Line, held: bool, now_s: float) -> dict[str, Any]
     return {
         "key": key,
         "held": held,
+        "more": max(0, len(named) - CALLS_SHOWN),
         "turn": line.turn,
         "waiting": waiting_in(line),
         "calls": calls,

@@ -143,6 +143,7 @@ function drawLines(state) {
       chip.dataset.state = call.state;
       calls.append(chip);
     }
+    if (line.more) calls.append(el("span", "and " + line.more + " more", "call"));
     div.append(calls);
     for (const reason of line.stuck) div.append(el("div", "stuck: " + reason, "stuck"));
     box.append(div);

@@ -9,29 +9,33 @@ Releasing is off unless the server was started with ``--actions``: it then takes
 (``SIMPLE_MUTEX_PAGE_TOKEN``, or one drawn from ``secrets``) and prints the page's address
 with the token after ``#``, a part of a URL a browser never sends, so it reaches no log;
 the page sends it back in a header on each release. A request from another origin cannot
-set that header without a preflight this server never grants, and a request naming a
-host other than the one served (DNS rebinding) is refused.
+set that header without a preflight this server never grants, and a request whose
+``Host`` is a name other than ``localhost`` or the one given to ``--host`` (DNS
+rebinding) is refused; an address literal on the right port is accepted.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import secrets
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
+from urllib.parse import quote
 
 from simple_mutex.admin import board as boards
-from simple_mutex.admin import locks_of, release
+from simple_mutex.admin import release
 from simple_mutex.admin.commands import describe, now, one_line, stamp
 from simple_mutex.admin.page import PAGE
 from simple_mutex.contract import ConditionalCache
-from simple_mutex.errors import ConstraintValueError, MalfunctionError
+from simple_mutex.errors import ConstraintError, ConstraintValueError, MalfunctionError
 
 log = logging.getLogger("simple_mutex")
 
@@ -46,7 +50,8 @@ MAX_BODY = 4096  # a release names a key (at most 1,024 characters), a slot and 
 
 
 class Board:
-    """The page's state: refreshed by one thread, read by every request."""
+    """The page's state: refreshed by one thread, read by every request as bytes encoded
+    once per refresh."""
 
     def __init__(self, cache: ConditionalCache, prefix: str, *, actions: bool) -> None:
         self.cache, self.prefix, self.actions = cache, prefix, actions
@@ -54,6 +59,7 @@ class Board:
         self._last: boards.Snapshot | None = None
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._state: dict[str, Any] = {"at": None, "locks": [], "lines": [], "events": []}
+        self._encoded = b"{}"
         self.error: str | None = None
 
     def refresh(self) -> None:
@@ -63,28 +69,39 @@ class Board:
         except MalfunctionError as exc:
             with self._lock:
                 self.error = f"{stamp(now())} refresh failed: {one_line(exc)}"
+                self._encode()
             return
         with self._lock:
             self._events.extend(boards.changes(self._last, snap))
-            self._last = snap
-            self._state = boards.state(snap, list(self._events), actions=self.actions)
-            self.error = None
+            self._show(snap)
 
     def prime(self, snap: boards.Snapshot) -> None:
         """The first state, from the read that proved the cache answers."""
         with self._lock:
-            self._last = snap
-            self._state = boards.state(snap, [], actions=self.actions)
+            self._show(snap)
+
+    def _show(self, snap: boards.Snapshot) -> None:
+        self._last = snap
+        self._state = boards.state(snap, list(self._events), actions=self.actions)
+        self.error = None
+        self._encode()
+
+    def _encode(self) -> None:
+        self._encoded = json.dumps({**self._state, "error": self.error}).encode()
 
     def json(self) -> bytes:
         with self._lock:
-            return json.dumps({**self._state, "error": self.error}).encode()
+            return self._encoded
 
     def release(self, key: str, slot: int, fence: int) -> tuple[bool, str]:
-        """Free the holder of ``key``'s ``slot`` if it is still the one with ``fence``
-        (the one the operator saw); refused, with nothing freed, otherwise."""
-        for lock in locks_of(self.cache, key, self.prefix):
-            if lock.slot == slot and lock.fence == fence:
+        """Free the holder of ``key``'s ``slot`` the page showed (the last snapshot's,
+        named by its fence), exactly that holder: refused, with nothing freed, if the
+        permit was freed or changed hands since, a take-over that kept the fence
+        included (``admin.release``)."""
+        with self._lock:
+            shown = [] if self._last is None else list(self._last.locks)
+        for lock in shown:
+            if (lock.key, lock.slot, lock.fence) == (key, slot, fence):
                 described = describe(lock)
                 if release(self.cache, lock, by="simple-mutex serve"):
                     said = {"at": now().isoformat(), "kind": "released", "key": key,
@@ -93,16 +110,19 @@ class Board:
                         self._events.append(said)
                     self.refresh()
                     return True, f"freed {described}"
-                break
-        return False, f"refused: {key!r} slot {slot} is no longer held with fence {fence}"
+                return False, f"refused: {described} was freed or changed hands since"
+        return False, f"refused: {key!r} slot {slot} with fence {fence} is not on the page"
 
 
-def handler(board: Board, token: str | None, hosts: set[str]) -> type[BaseHTTPRequestHandler]:
+def handler(
+    board: Board, token: str | None, host_ok: Callable[[str], bool]
+) -> type[BaseHTTPRequestHandler]:
     """The request handler of one board: ``GET /`` the page, ``GET /state`` its JSON,
     ``POST /release`` (with the token) a release."""
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "simple-mutex"
+        timeout = 10  # a client that stops sending mid-request frees its thread
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("serve: " + format, *args)  # never the token: it is in no URL
@@ -121,7 +141,7 @@ def handler(board: Board, token: str | None, hosts: set[str]) -> type[BaseHTTPRe
             self._reply(status, json.dumps(what).encode(), "application/json")
 
         def _host_ok(self) -> bool:
-            if self.headers.get("Host", "") in hosts:
+            if host_ok(self.headers.get("Host", "")):
                 return True
             self._answer(HTTPStatus.MISDIRECTED_REQUEST, {"error": "unknown Host"})
             return False
@@ -158,10 +178,34 @@ def handler(board: Board, token: str | None, hosts: set[str]) -> type[BaseHTTPRe
             except MalfunctionError as exc:
                 self._answer(HTTPStatus.BAD_GATEWAY, {"error": one_line(exc)})
                 return
+            except ConstraintError as exc:  # a key no lock can have
+                self._answer(HTTPStatus.BAD_REQUEST, {"error": one_line(exc)})
+                return
             self._answer(HTTPStatus.OK if freed else HTTPStatus.CONFLICT,
                          {"freed": freed, "text": text})  # fmt: skip
 
     return Handler
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _host_ok(given: str, bound_host: str, port: int) -> bool:
+    """Whether a request's ``Host`` names this server: its port, and for a name, the one
+    it was told to listen on or ``localhost``; any address literal (an address cannot be
+    rebound to another machine by DNS, as a name can: the attack the check stops)."""
+    name, _, given_port = given.rpartition(":")
+    if given_port != str(port) or not name:
+        return False
+    name = name.removeprefix("[").removesuffix("]")
+    if name in ("localhost", bound_host):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _release_request(request: BaseHTTPRequestHandler) -> tuple[str, int, int]:
@@ -174,7 +218,7 @@ def _release_request(request: BaseHTTPRequestHandler) -> tuple[str, int, int]:
         raise ValueError(f"a release is a JSON object of at most {MAX_BODY} bytes")
     try:
         body = json.loads(request.rfile.read(length))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the limit
         raise ValueError("a release is a JSON object") from None
     key, slot, fence = (
         (body.get(n) for n in ("key", "slot", "fence"))
@@ -202,20 +246,25 @@ def serve(
     listens, so a wrong URL or a server that is down fails here (the caller's status 2)."""
     if not 0 < interval <= 3600:
         raise ConstraintValueError(f"interval must be seconds in (0, 3600], got {interval!r}")
+    if not 0 <= port <= 65535:
+        raise ConstraintValueError(f"port must be in 0..65535 (0: any free one), got {port!r}")
     board = Board(cache, prefix, actions=actions)
     board.prime(boards.read(cache, prefix))  # raises: nothing to serve from a cache out of reach
     if actions and token is None:
         token = secrets.token_urlsafe(18)
-    hosts: set[str] = set()  # the Host headers accepted: known once the port is bound
-    server = ThreadingHTTPServer((host, port), handler(board, token if actions else None, hosts))
+    bound = [0]  # the port, known once bound
+    server_class = _Server6 if ":" in host else ThreadingHTTPServer
+    server = server_class(
+        (host, port),
+        handler(board, token if actions else None, lambda given: _host_ok(given, host, bound[0])),
+    )
     server.daemon_threads = True
-    bound = server.server_address[1]
+    bound[0] = server.server_address[1]
     shown = f"[{host}]" if ":" in host else host
-    names = {shown, "localhost", "127.0.0.1"} if host in ("127.0.0.1", "localhost") else {shown}
-    hosts.update(f"{name}:{bound}" for name in names)
-    address = f"http://{shown}:{bound}/"
+    address = f"http://{shown}:{bound[0]}/"
+    secret = f"#token={quote(token, safe='')}" if actions and token else ""
     out.write(f"simple-mutex serve: prefix {prefix!r}, every {interval:g} s, at {address}"
-              + (f"#token={token}" if actions else "") + " (Ctrl-C ends)\n")  # fmt: skip
+              f"{secret} (Ctrl-C ends)\n")  # fmt: skip
     if actions:
         out.write("releasing is on: anyone with the address above can free a lock\n")
     out.flush()

@@ -146,7 +146,7 @@ def test_the_board_releases_only_the_holder_the_operator_saw() -> None:
     board = Board(cache, "mutex.", actions=True)
     board.refresh()
     assert board.release("report", 0, first.fence + 1) == (
-        False, f"refused: 'report' slot 0 is no longer held with fence {first.fence + 1}"
+        False, f"refused: 'report' slot 0 with fence {first.fence + 1} is not on the page"
     )  # fmt: skip
     freed, text = board.release("report", 0, first.fence)
     assert freed
@@ -179,3 +179,84 @@ def test_a_refresh_that_fails_keeps_the_last_state_and_says_why() -> None:
     assert [lock["key"] for lock in state["locks"]] == ["report"]
     assert "refresh failed" in state["error"]
     assert "the server went away" in state["error"]
+
+
+def test_the_board_refuses_a_holder_that_changed_while_keeping_its_fence() -> None:
+    """A take-over that keeps the fence (a Celery retry's) writes another record: the
+    page showed the first holder, so the release is refused and nothing is freed."""
+    cache = InMemoryCache()
+    Mutex(cache, lease=30).acquire("report")
+    board = Board(cache, "mutex.", actions=True)
+    board.refresh()
+    [(cache_key, entry)] = list(cache.scan("mutex."))
+    other = json.loads(entry.value) | {"pid": 4242, "token": "another-owner"}
+    cache.compare_and_set(cache_key, json.dumps(other), ttl=30, version=entry.version)
+    now_held = cache.get(cache_key)
+    assert now_held is not None
+    assert now_held.fence == entry.fence
+    freed, text = board.release("report", 0, entry.fence)
+    assert not freed
+    assert "changed hands" in text
+    assert cache.get(cache_key) is not None  # the new holder keeps it
+
+
+def test_a_release_request_is_checked_before_anything_is_read() -> None:
+    import io
+    import types
+
+    from simple_mutex.admin.serve import MAX_BODY, _release_request
+
+    def request(body: bytes, length: int | None = None) -> object:
+        size = str(len(body) if length is None else length)
+        return types.SimpleNamespace(headers={"Content-Length": size}, rfile=io.BytesIO(body))
+
+    assert _release_request(request(b'{"key": "k", "slot": 0, "fence": 3}')) == ("k", 0, 3)  # type: ignore[arg-type]
+    for body, length in (
+        (b"[" * 4000, None),  # nested past the recursion limit
+        (b"\xff\xfe", None),
+        (b'{"key": "k", "slot": 0, "fence": 1.5}', None),
+        (b'["k", 0, 3]', None),
+        (b"{}", MAX_BODY + 1),
+        (b"{}", -1),
+    ):
+        with pytest.raises(ValueError, match="release"):
+            _release_request(request(body, length))  # type: ignore[arg-type]
+
+
+def test_the_host_check_takes_addresses_and_the_served_name_not_other_names() -> None:
+    from simple_mutex.admin.serve import _host_ok
+
+    assert _host_ok("127.0.0.1:8765", "127.0.0.1", 8765)
+    assert _host_ok("localhost:8765", "127.0.0.1", 8765)
+    assert _host_ok("192.0.2.7:8765", "0.0.0.0", 8765)  # a wildcard bind, reached by address
+    assert _host_ok("[::1]:8765", "::1", 8765)
+    assert _host_ok("locks.internal:8765", "locks.internal", 8765)
+    assert not _host_ok("evil.example:8765", "0.0.0.0", 8765)  # DNS rebinding
+    assert not _host_ok("127.0.0.1:80", "127.0.0.1", 8765)
+    assert not _host_ok("127.0.0.1", "127.0.0.1", 8765)
+    assert not _host_ok("", "127.0.0.1", 8765)
+
+
+def test_serve_refuses_a_port_out_of_range_before_it_reads_or_binds() -> None:
+    import io
+
+    from simple_mutex import ConstraintValueError
+    from simple_mutex.admin.serve import serve
+
+    for port in (-1, 65536, 99999):
+        with pytest.raises(ConstraintValueError, match=r"port must be in 0\.\.65535"):
+            serve(InMemoryCache(), "mutex.", io.StringIO(), port=port)
+
+
+def test_a_line_with_far_away_numbers_costs_only_its_entries() -> None:
+    """A record's ``next`` far ahead of its entries (its writers' word) is not walked
+    number by number; a long line shows its first CALLS_SHOWN calls and how many more."""
+    now = T0.timestamp()
+    far = _line(next=100_000_000, parked={2: Parked({"id": "j2"}, now)}, issued={1: now})
+    said = boards.line_state("k", far, held=True, now_s=now)  # type: ignore[arg-type]
+    assert [c["ticket"] for c in said["calls"]] == [1, 2]
+    long = _line(next=1002, parked={n: Parked({"id": f"j{n}"}, now) for n in range(2, 1002)},
+                 issued={1: now})  # fmt: skip
+    said = boards.line_state("k", long, held=True, now_s=now)  # type: ignore[arg-type]
+    assert len(said["calls"]) == boards.CALLS_SHOWN
+    assert said["more"] == 1001 - boards.CALLS_SHOWN

@@ -517,3 +517,27 @@ def test_celery_mutex_command_watches_and_serves(holders: Holders, tmp_path: Pat
     finally:
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=30) == 0
+
+
+def test_serve_listens_on_ipv6_loopback_and_refuses_a_bad_port() -> None:
+    """``--host ::1`` serves the page over IPv6 (reached by its address literal); a port
+    out of range is one line and status 2, not a traceback."""
+    import urllib.request
+
+    bad = cli("serve", REDIS_URL, "--port", "99999")
+    assert_one_line_fault(bad, "port must be in 0..65535")
+    server = subprocess.Popen(
+        [str(BIN / "simple-mutex"), "serve", REDIS_URL, "--host", "::1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        said = server.stdout.readline()
+        address = said.split(" at ", 1)[1].split()[0]
+        assert address.startswith("http://[::1]:"), said
+        with urllib.request.urlopen(address + "state", timeout=10) as reply:
+            assert reply.status == 200
+            assert "locks" in json.loads(reply.read())
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0

@@ -52,13 +52,19 @@ def line() -> Iterator[tuple[redis.Redis, Queue, str]]:
         stop(workers)
 
 
+# A token of the operator's own, with characters a URL would misread unquoted.
+TOKEN = "s3cr+t&x=1"
+
+
 @pytest.fixture
 def served() -> Iterator[tuple[str, str]]:
-    """``simple-mutex serve`` on the RQ tests' Redis, releasing on: (address, token)."""
+    """``simple-mutex serve`` on the RQ tests' Redis, releasing on with ``TOKEN``:
+    (address, the token as the printed address carries it)."""
     server = subprocess.Popen(
         [str(Path(sys.executable).with_name("simple-mutex")), "serve", jobs.REDIS_URL,
          "--port", "0", "--actions", "--interval", "0.5"],
-        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**ENV, "SIMPLE_MUTEX_PAGE_TOKEN": TOKEN}, cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         assert server.stdout is not None
@@ -94,6 +100,7 @@ def test_an_operator_frees_a_stuck_holder_from_the_live_page(line, served) -> No
     behind = [queue.enqueue(jobs.in_line, run, "e", item) for item in (1, 2, 3)]
 
     # Refused without the token, and for a Host that is not the server's.
+    assert token == "s3cr%2Bt%26x%3D1"  # printed quoted: the page reads it back whole
     status, said = _post(address + "release", {"key": key, "slot": 0, "fence": 1})
     assert status == 403, said
     request = urllib.request.Request(address + "state", headers={"Host": "evil.example:80"})

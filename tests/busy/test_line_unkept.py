@@ -26,13 +26,15 @@ pytestmark = pytest.mark.backends
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
-    """Three servers: "none" (no save, appendonly no), "aof" and "no-config"."""
+    """Four servers: "none" (no save, appendonly no), "snapshots" (a save schedule,
+    appendonly no), "aof" and "no-config"."""
     started: list[RedisServer] = []
     workdir = tmp_path_factory.mktemp("unkept")
     ports = {}
     try:
         for name, extra in {
             "none": (),
+            "snapshots": ("--save", "3600 1"),
             "aof": ("--appendonly", "yes"),
             "no-config": ("--rename-command", "CONFIG", ""),
         }.items():
@@ -48,17 +50,21 @@ def _cache(port: int) -> RedisCache:
     return RedisCache(redis.Redis(port=port))
 
 
-def test_the_cache_says_whether_it_keeps_its_data(servers: dict[str, int]) -> None:
-    assert _cache(servers["none"]).keeps_data() is False
-    assert _cache(servers["aof"]).keeps_data() is True
-    assert _cache(servers["no-config"]).keeps_data() is None
-    for name, kept in (("none", False), ("aof", True), ("no-config", None)):
+KEPT = {"none": "none", "snapshots": "snapshots", "aof": "append-only file", "no-config": None}
+
+
+def test_the_cache_says_what_it_keeps_across_a_restart(servers: dict[str, int]) -> None:
+    for name, kept in KEPT.items():
+        assert _cache(servers[name]).persistence() == kept, name
         aio = AsyncRedisCache(redis.asyncio.Redis(port=servers[name]))
-        assert asyncio.run(aio.keeps_data()) is kept
+        assert asyncio.run(aio.persistence()) == kept, name
     none = Lines(_cache(servers["none"]), lease=10).unkept()
     assert none is not None
     assert "keeps no data across a restart" in none
     assert "appendonly yes" in none
+    snapshots = Lines(_cache(servers["snapshots"]), lease=10).unkept()
+    assert snapshots is not None
+    assert "a crash loses the calls parked in them since" in snapshots
     assert Lines(_cache(servers["aof"]), lease=10).unkept() is None
     assert Lines(_cache(servers["no-config"]), lease=10).unkept() is None
 
@@ -96,15 +102,20 @@ def test_an_rq_worker_warns_once_at_its_first_sweep_that_finds_lines(
 ) -> None:
     from rq_mutex import Queue, Worker
     from rq_mutex.horses import LINE_KEEPER_ENV
+    from rq_mutex.worker import LINE_CACHES
 
     monkeypatch.delenv(LINE_KEEPER_ENV, raising=False)  # the worker sets it: undone after
-    conn = redis.Redis(port=servers["none"])
-    worker = Worker([Queue("unkept", connection=conn)], connection=conn)
+    # Its own Redis persists; the lines of a job's cache= of its own (named by URL) do not.
+    own = redis.Redis(port=servers["aof"])
+    elsewhere = redis.Redis(port=servers["none"])
+    monkeypatch.setenv(LINE_CACHES, f"redis://127.0.0.1:{servers['none']}/0")
+    worker = Worker([Queue("unkept", connection=own)], connection=own)
     with caplog.at_level(logging.WARNING, logger="rq_mutex"):
         worker.sweep_lines()  # no line yet: nothing said
         assert not [r for r in caplog.records if "keeps no data" in r.getMessage()]
-        Lines(RedisCache(conn), lease=10).take("order.7")
-        worker.sweep_lines()
-        worker.sweep_lines()
+        Lines(RedisCache(own), lease=10).take("order.7")
+        Lines(RedisCache(elsewhere), lease=10).take("order.8")
+        for _ in range(5):  # the URL is read again at every sweep: still said once
+            worker.sweep_lines()
     said = [r.getMessage() for r in caplog.records if "keeps no data" in r.getMessage()]
     assert len(said) == 1, said

@@ -56,6 +56,12 @@ def step(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
     return _work(run, entity, n, seconds)
 
 
+@app.task(base=MutexTask, ignore_result=True, mutex={"key": "e.{run}.{entity}", **LINE})
+def step_quietly(run: str, entity: int, n: int, seconds: float = SECTION) -> int:
+    """``step`` whose result nobody stores: another task in the same line."""
+    return _work(run, entity, n, seconds)
+
+
 @app.task(base=MutexTask, mutex={"key": "e.{run}.{entity}", **LINE})
 def step_or_fail(run: str, entity: int, n: int, fail_at: int) -> int:
     """Raises at ``n == fail_at``, between its start and its end."""

@@ -190,22 +190,32 @@ class Lines:
         """Why the calls parked in these lines would not outlive a restart of their cache
         (acknowledged to their broker once parked, they live only here), or None: a Redis
         that keeps no data (no ``save`` schedule, ``appendonly no``) loses them all when
-        it restarts. A cache that cannot tell (CONFIG denied, or no such probe) is
-        trusted; one out of reach is for the first write to report."""
-        probe = getattr(self.cache, "keeps_data", None)
+        it restarts, one with snapshots only those parked since the last. A cache that
+        cannot tell (CONFIG denied, or no such probe) is trusted; one out of reach is for
+        the first write to report."""
+        probe = getattr(self.cache, "persistence", None)
         if probe is None or self._aio:  # an asyncio cache's probe is for its own loop
             return None
         try:
             kept = probe()
         except MalfunctionError:
             return None
-        if kept is not False:
+        name = getattr(self.cache, "name", "lock")
+        if kept == "none":
+            lost = (
+                f"the {name} cache of these lines keeps no data across a restart (no save "
+                "schedule, appendonly no): calls parked in them are lost if it restarts"
+            )
+        elif kept == "snapshots":
+            lost = (
+                f"the {name} cache of these lines keeps its data only as of its last "
+                "snapshot (appendonly no): a crash loses the calls parked in them since"
+            )
+        else:
             return None
         return (
-            f"the {getattr(self.cache, 'name', 'lock')} cache of these lines keeps no data "
-            "across a restart (no save schedule, appendonly no): calls parked in them "
-            "(on_busy='queue', 'latest', 'debounce') are lost if it restarts. Turn on "
-            "persistence (appendonly yes), or keep the locks and lines in PostgreSQL"
+            f"{lost} (on_busy='queue', 'latest', 'debounce'). Turn on appendonly yes, or "
+            "keep the locks and lines in PostgreSQL"
         )
 
     def cache_key(self, key: str) -> str:

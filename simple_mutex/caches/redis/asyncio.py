@@ -45,13 +45,14 @@ from .protocol import (
     PERSISTENCE_GETS,
     PUT,
     WAITER_MARK_MS,
+    Persistence,
     RedisLayout,
     Request,
     blpop_command,
-    keeps_data,
     load_command,
     mark_command,
     own_connection,
+    persistence_of,
     refused,
     token_back_commands,
 )
@@ -143,16 +144,16 @@ class AsyncRedisCache(RedisLayout):
                 found.append((key, entry))
         return found
 
-    async def keeps_data(self) -> bool | None:
-        """RedisCache.keeps_data for asyncio: does the server persist its data?"""
+    async def persistence(self) -> Persistence | None:
+        """RedisCache.persistence for asyncio: what the server keeps across a restart."""
         try:
-            with self._faults("keeps_data", ""):
+            with self._faults("persistence", ""):
                 replies = [await self._execute(*command) for command in PERSISTENCE_GETS]
         except MalfunctionError as fault:
             if isinstance(fault.__cause__, ResponseError):
                 return None
             raise
-        return keeps_data(*replies)
+        return persistence_of(*replies)
 
     async def waited_on(self, key: str) -> bool:
         """RedisCache.waited_on for asyncio: is a waiter blocked on ``key``?"""

@@ -29,7 +29,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from simple_mutex._core.durations import positive_seconds
 from simple_mutex._core.keys import check_prefix
@@ -586,12 +586,18 @@ def config_pairs(reply: Any) -> dict[Any, Any]:
 PERSISTENCE_GETS: tuple[Command, Command] = (("CONFIG GET", "save"), ("CONFIG GET", "appendonly"))
 
 
-def keeps_data(*replies: Any) -> bool:
-    """Whether a server whose ``PERSISTENCE_GETS`` replied so keeps its data across a
-    restart: a ``save`` schedule, or ``appendonly yes``."""
+Persistence = Literal["append-only file", "snapshots", "none"]
+
+
+def persistence_of(*replies: Any) -> Persistence:
+    """What a server whose ``PERSISTENCE_GETS`` replied so keeps across a restart: every
+    write (``appendonly yes``), its data as of its last snapshot (a ``save`` schedule: a
+    crash loses the writes since), or nothing."""
     config = {text(name): text(value) for reply in replies
               for name, value in config_pairs(reply).items()}  # fmt: skip
-    return bool(config.get("save", "").strip()) or config.get("appendonly", "") == "yes"
+    if config.get("appendonly", "") == "yes":
+        return "append-only file"
+    return "snapshots" if config.get("save", "").strip() else "none"
 
 
 def text(value: bytes | str) -> str:

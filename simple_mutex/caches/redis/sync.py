@@ -50,11 +50,12 @@ from .protocol import (
     DELETE,
     PERSISTENCE_GETS,
     PUT,
+    Persistence,
     RedisLayout,
     Request,
-    keeps_data,
     load_command,
     own_connection,
+    persistence_of,
     refused,
 )
 
@@ -138,19 +139,20 @@ class RedisCache(RedisLayout):
         if self._own is not None:
             self._own.close()
 
-    def keeps_data(self) -> bool | None:
-        """Whether the server keeps its data across a restart (RDB snapshots or the
-        append-only file); None when it will not say (CONFIG renamed or denied, as
-        managed services do). Data of its own that must outlive a restart (a line's
-        parked calls) is only as durable as this."""
+    def persistence(self) -> Persistence | None:
+        """What the server keeps across a restart: ``"append-only file"`` (every write),
+        ``"snapshots"`` (its data as of the last save: a crash loses the writes since),
+        ``"none"``; None when it will not say (CONFIG renamed or denied, as managed
+        services do). Data that must outlive a restart (a line's parked calls) is only
+        as durable as this."""
         try:
-            with self._faults("keeps_data", ""):
+            with self._faults("persistence", ""):
                 replies = [self._execute(*command) for command in PERSISTENCE_GETS]
         except MalfunctionError as fault:
             if isinstance(fault.__cause__, ResponseError):
                 return None
             raise
-        return keeps_data(*replies)
+        return persistence_of(*replies)
 
     def waited_on(self, key: str) -> bool:
         """Did a put on ``key`` (any slot) fail within the last few seconds, i.e. is a
