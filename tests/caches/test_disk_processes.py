@@ -7,7 +7,9 @@ wait is bounded, so a broken lock fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import multiprocessing
 import os
 import random
 import signal
@@ -26,6 +28,7 @@ from servers import TESTS
 
 from simple_mutex import DiskCache, Mutex
 from simple_mutex.caches.disk import FILENAME, GATE_FILENAME
+from simple_mutex.errors import SimpleCacheConditionError
 
 pytestmark = pytest.mark.backends
 
@@ -230,3 +233,93 @@ def test_threads_sharing_one_disk_cache_never_deadlock(tmp_path: Path):
     except subprocess.TimeoutExpired:
         pytest.fail("threads sharing one DiskCache froze (a deadlock on its connection)")
     assert done.stdout.strip() == "done", done.stderr
+
+
+# -- a cache dropped before a fork ---------------------------------------------------------
+
+
+def open_store_files(directory: Path) -> list[str]:
+    """The files of the store under ``directory`` this process has open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)) and FILENAME in target:
+            found.append(target)
+    return found
+
+
+def test_a_dropped_cache_leaves_no_connection_open(tmp_path: Path):
+    """From Python 3.11 a dropped sqlite3.Connection stays open until the cyclic collector
+    runs (it is in a cycle with its statement cache): the cache closes its own."""
+    gc.disable()
+    try:
+        cache = DiskCache(tmp_path / "locks")
+        cache.put_if_absent("k", "v", ttl=60)
+        assert open_store_files(tmp_path / "locks")
+        del cache
+        assert open_store_files(tmp_path / "locks") == []
+    finally:
+        gc.enable()
+
+
+def hold_in_turn(directory: str, seconds: float, out: str) -> None:
+    """Take one key again and again for ``seconds``, noting each hold that found another
+    process inside (a flag file made with O_EXCL); and add one to a shared counter by
+    compare-and-set each time, noting how many landed."""
+    cache = DiskCache(directory)
+    locks = Mutex(cache, lease=1)
+    flag = os.path.join(directory, "inside")
+    held = overlaps = landed = 0
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        with locks.acquire("one.key", timeout=30):
+            held += 1
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                overlaps += 1
+            else:
+                time.sleep(0.002)
+                os.unlink(flag)
+        entry = cache.get("counter")
+        assert entry is not None
+        try:
+            cache.compare_and_set("counter", str(int(entry.value) + 1), ttl=600,
+                                  version=entry.version)  # fmt: skip
+            landed += 1
+        except SimpleCacheConditionError:
+            pass
+        time.sleep(0.004)  # the key is free a good part of the time
+    procs.write_json(out, {"held": held, "overlaps": overlaps, "landed": landed})
+
+
+def test_processes_forked_around_a_dropped_cache_share_one_store(tmp_path: Path, children):
+    """A cache the parent used and dropped, then processes forked before and after the
+    parent's next collection: one key is never held twice and no compare-and-set is lost
+    (its connection, carried open into the first children, once made the parent delete
+    the -wal and -shm under them when the collector closed it: two stores on one path)."""
+    directory = tmp_path / "locks"
+    cache = DiskCache(directory)
+    cache.put_if_absent("counter", "0", ttl=600)
+    del cache
+    outs = [str(tmp_path / f"out{n}.json") for n in range(4)]
+    fork = multiprocessing.get_context("fork")
+    for n, out in enumerate(outs):
+        if n == 2:
+            time.sleep(0.3)
+            gc.collect()  # the parent's collector runs while the first two work
+        child = fork.Process(target=hold_in_turn, args=(str(directory), 3.0, out))
+        child.start()
+        children.append(child)
+    for child in children:
+        child.join(60)
+        assert child.exitcode == 0
+    reports = [procs.read_json(out) for out in outs]
+    assert all(report["held"] > 0 for report in reports)
+    assert sum(report["overlaps"] for report in reports) == 0
+    counter = DiskCache(directory).get("counter")
+    assert counter is not None
+    assert int(counter.value) == sum(report["landed"] for report in reports)

@@ -188,6 +188,23 @@ class DiskCache(CacheBase):
             self._conn.close()
             self._conn = None
 
+    def __del__(self) -> None:
+        # Close the connection with the cache. From Python 3.11 a sqlite3.Connection is in
+        # a reference cycle (with its statement cache): dropped, it stays open until the
+        # cyclic collector runs, out of reach of _before_fork (this cache has left the
+        # fork registry). Carried open across a fork, SQLite's bookkeeping in each child
+        # says the process holds the file's shared locks already, so the children take
+        # none of their own (fcntl locks are not inherited); when the collector then
+        # closes it in the parent, that close finds no other reader, checkpoints, and
+        # deletes the -wal and -shm under the children: their later commits go to an
+        # unlinked log (lost updates), and a process opening afterwards starts a new one
+        # (two stores: one key granted twice).
+        conn = self.__dict__.get("_conn")  # None as well when __init__ failed early
+        if conn is not None:
+            self._conn = None
+            with contextlib.suppress(Exception):  # at interpreter exit, say
+                conn.close()
+
     def _connect(self) -> sqlite3.Connection:
         # Autocommit: every statement is its own transaction. 10 s bounds a wait for the
         # write lock; another process holds it for microseconds, so only a wedged disk hits it.
