@@ -226,15 +226,20 @@ def test_a_release_request_is_checked_before_anything_is_read() -> None:
 def test_the_host_check_takes_addresses_and_the_served_name_not_other_names() -> None:
     from simple_mutex.admin.serve import _host_ok
 
-    assert _host_ok("127.0.0.1:8765", "127.0.0.1", 8765)
-    assert _host_ok("localhost:8765", "127.0.0.1", 8765)
-    assert _host_ok("192.0.2.7:8765", "0.0.0.0", 8765)  # a wildcard bind, reached by address
-    assert _host_ok("[::1]:8765", "::1", 8765)
-    assert _host_ok("locks.internal:8765", "locks.internal", 8765)
-    assert not _host_ok("evil.example:8765", "0.0.0.0", 8765)  # DNS rebinding
-    assert not _host_ok("127.0.0.1:80", "127.0.0.1", 8765)
-    assert not _host_ok("127.0.0.1", "127.0.0.1", 8765)
-    assert not _host_ok("", "127.0.0.1", 8765)
+    port = 41765  # any port: no server listens here, the rule is only read
+
+    def ok(host: str, bound: str, at: int = port) -> bool:
+        return _host_ok(f"{host}:{at}" if host else "", bound, port)
+
+    assert ok("127.0.0.1", "127.0.0.1")
+    assert ok("localhost", "127.0.0.1")
+    assert ok("192.0.2.7", "0.0.0.0")  # a wildcard bind, reached by address
+    assert ok("[::1]", "::1")
+    assert ok("locks.internal", "locks.internal")
+    assert not ok("evil.example", "0.0.0.0")  # DNS rebinding
+    assert not ok("127.0.0.1", "127.0.0.1", at=port + 1)
+    assert not _host_ok("127.0.0.1", "127.0.0.1", port)  # no port at all
+    assert not ok("", "127.0.0.1")
 
 
 def test_serve_refuses_a_port_out_of_range_before_it_reads_or_binds() -> None:
