@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 from caches.test_postgres import POSTGRES_URL, admin_of, with_query
-from procs import read_json, write_json
+from procs import forked, read_json, write_json
 from shared_redis import shared_client
 
 from simple_mutex import (
@@ -941,10 +941,39 @@ class AlwaysRaced(InMemoryCache):
 
 
 def test_a_line_contended_past_the_bound_is_named_not_spun_on():
-    lines = Lines(AlwaysRaced(), lease=30)
+    """Past both bounds (32 lost races, 10 s: a clock that runs a second a call), named."""
+    ticks = itertools.count()
+    lines = Lines(AlwaysRaced(), lease=30, clock=lambda: float(next(ticks)))
     lines.take("hot")  # put-if-absent: the first write lands
-    with pytest.raises(MalfunctionError, match=r"line of key 'hot' changed under each of 32"):
+    with pytest.raises(MalfunctionError, match=r"line of key 'hot' changed under each of 32 "
+                       r"writes in a row for 10 s"):  # fmt: skip
         lines.take("hot")
+
+
+class RacedFor(InMemoryCache):
+    """The first ``losses`` compare-and-sets lose to another writer, as a burst of
+    producers on one key makes them."""
+
+    def __init__(self, losses: int) -> None:
+        super().__init__()
+        self.losses = losses
+
+    def compare_and_set(self, key: str, value: str, *, ttl: float, version: str) -> Any:
+        if self.losses > 0:
+            self.losses -= 1
+            raise SimpleCacheConditionError("raced")
+        return super().compare_and_set(key, value, ttl=ttl, version=version)
+
+
+def test_a_send_outlasts_more_lost_races_than_the_count_within_the_time_bound():
+    """40 lost races in a row, more than UPDATE_WRITES, in well under UPDATE_FOR: the
+    send lands (a count alone once failed 5 of 2,000 sends from 4 producers on one key)."""
+    cache = RacedFor(0)
+    lines = Lines(cache, lease=30)
+    lines.take("hot")
+    cache.losses = 40
+    assert lines.take("hot").number == 2
+    assert cache.losses == 0
 
 
 @pytest.mark.backends
@@ -971,18 +1000,39 @@ def test_processes_taking_tickets_on_one_key_get_exactly_one_to_n(shared_tier, t
     own in increasing order (send order is the order the writes landed)."""
     key = new_key()
     outs = [str(tmp_path / f"t{i}.json") for i in range(4)]
-    procs = [FORK.Process(target=take_tickets, args=(shared_tier, key, 50, o)) for o in outs]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(120)
-        assert proc.exitcode == 0
+    assert forked(take_tickets, [(shared_tier, key, 50, o) for o in outs], 120) == [0] * 4
     taken = [read_json(o) for o in outs]
     assert sorted(n for mine in taken for n in mine) == list(range(1, 201))
     assert all(mine == sorted(mine) for mine in taken)
     line = lines_of(shared_tier).read(key)
     assert line is not None
     assert (line.next, line.turn, len(line.issued)) == (201, 1, 200)
+
+
+def send_parked(url: str, key: str, count: int, out: str) -> None:
+    lines = lines_of(url)
+    sent = []
+    for n in range(count):
+        ticket, parked = lines.send(key, lambda _, n=n: {"id": f"{os.getpid()}-{n}"})
+        assert parked
+        sent.append(ticket.number)
+    write_json(out, sent)
+
+
+@pytest.mark.backends
+def test_eight_producers_parking_on_one_key_never_see_an_error(shared_tier, tmp_path):
+    """8 processes x 40 sends at once on one key, each parked behind a first ticket (the
+    record grows with every send, so every write is a longer race): none raises, and the
+    320 tickets are 2..321, each once."""
+    key = new_key()
+    lines_of(shared_tier).take(key)
+    outs = [str(tmp_path / f"s{i}.json") for i in range(8)]
+    assert forked(send_parked, [(shared_tier, key, 40, o) for o in outs], 180) == [0] * 8
+    sent = sorted(n for o in outs for n in read_json(o))
+    assert sent == list(range(2, 322))
+    line = lines_of(shared_tier).read(key)
+    assert line is not None
+    assert len(line.parked) == 320
 
 
 def work_the_line(url: str, key: str, total: int, inbox: Any, out: str) -> None:

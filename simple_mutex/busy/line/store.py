@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import json
 import os
 import random
@@ -51,8 +52,12 @@ R = TypeVar("R")
 # -- the read-modify-write -------------------------------------------------------------------
 
 UPDATE_WRITES = 32
-"""Writes one update may try before it gives up: each lost one means another writer's
-landed in between, so a line this contended is named, never spun on forever."""
+UPDATE_FOR = 10.0
+"""An update gives up once it has lost ``UPDATE_WRITES`` races and tried for
+``UPDATE_FOR`` seconds, both: each lost race means another writer's change landed, so
+the line moves on, and under a burst of producers on one key a send waits its turn
+rather than fail (4 producers of 500 sends each on one key once lost 5 sends to a
+count alone); a line contended past both is named, never spun on forever."""
 
 Change = Callable[[Line, bool], tuple[Line, R]]
 """A pure change: (the record, whether the lock was free when read) -> (the new record,
@@ -72,9 +77,12 @@ def update(
 ) -> Flow[R]:
     """Read ``cache_key``'s record (a new line when missing), read the lock at
     ``lock_key`` after it (when given), apply ``change``, and compare-and-set the result
-    (put-if-absent when it was missing); a lost race starts over, at most
-    ``UPDATE_WRITES`` times. The ttl is restarted on every write."""
-    for attempt in range(UPDATE_WRITES):
+    (put-if-absent when it was missing); a lost race starts over, until ``UPDATE_WRITES``
+    and ``UPDATE_FOR`` are both spent. The ttl is restarted on every write."""
+    give_up_at = now() + UPDATE_FOR
+    for attempt in itertools.count():
+        if attempt >= UPDATE_WRITES and now() >= give_up_at:
+            break
         entry: Entry | None = yield Get(cache_key)
         line = new_line(key) if entry is None else decode(entry.value, key, cache_name)
         lock_free = True
@@ -105,8 +113,9 @@ def update(
                 raise fault.about(key, [cache_key]) from None
         return result
     raise MalfunctionError(
-        f"the line of key {key!r} changed under each of {UPDATE_WRITES} writes in a row; "
-        "that many writers on one key at once is more than a line is built for",
+        f"the line of key {key!r} changed under each of {attempt} writes in a row for "
+        f"{UPDATE_FOR:g} s; that many writers on one key at once is more than a line is "
+        "built for",
         key=key,
     )
 
