@@ -327,6 +327,25 @@ def test_a_dealt_time_limit_must_bite() -> None:
     assert check_tasks(rows) == []
 
 
+def test_a_call_must_not_begin_well_after_it_expired() -> None:
+    """A call whose ``expires`` passed while it was parked ends revoked, never run: one
+    whose body began more than EXPIRY_SLACK after it is an anomaly; before, or revoked
+    with no run (the expiry fault dealt to it explains the failure), none."""
+    rows = task_history(
+        ("submit", 0.0, {"task": "a", "queued": True, "expires_at": 0.5}),
+        ("fault", 0.0, {"task": "a", "kind": "expiry"}),
+        ("run", 3.5, {"task": "a", "phase": "start", "pid": 5}),
+        ("run", 3.6, {"task": "a", "phase": "end", "pid": 5}),
+        ("outcome", 4.0, {"task": "a", "state": "success"}),
+    )
+    assert [a.kind for a in check_tasks(rows)] == ["ran-expired"]
+    rows[2]["t"], rows[3]["t"] = 0.4, 0.5
+    assert check_tasks(rows) == []
+    revoked = [*rows[:2], {**rows[4], "state": "failure", "error": "REVOKED expired"}]
+    assert check_tasks(revoked) == []
+    assert check_tasks(rows[:2]) == []  # dropped unseen by the broker: no outcome, no run
+
+
 def test_ticks_missed_and_repeated() -> None:
     rows = task_history(("tick", 1.0, {"entry": "e", "slot": "s1"}),
                         ("tick", 2.0, {"entry": "e", "slot": "s2"}),

@@ -80,6 +80,9 @@ from nemesis.history import Event
 from simple_mutex.lease import GONE_AT_RELEASE, GONE_AT_RENEWAL
 
 LIMIT_SLACK = 1.5  # a time limit's signal, and the body's current step
+# A call's body may begin this long after its ``expires`` (a worker checks it as the call
+# arrives and as its pool takes it; the lock and the line's start come after), never more.
+EXPIRY_SLACK = 2.0
 KILLING = {"sigkill", "sigterm", "server-kill-child", "horse-kill", "worker-kill", "revoke"}
 
 
@@ -578,7 +581,8 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
     most ``1 + retries`` times), ``run`` (``task``, ``phase`` "prerun"
     (it began, before the lock), "start" (the body began), "end", ``pid``), ``fault``
     with a ``task``, ``outcome`` (``task``, ``state``: success / skipped / failure,
-    ``error``)."""
+    ``error``). A ``submit`` with ``expires_at`` (its ``expires``, on the history's clock)
+    must not begin its body more than ``EXPIRY_SLACK`` after it (``ran-expired``)."""
     submitted: dict[str, Event] = {}
     runs: dict[str, list[Event]] = defaultdict(list)
     outcomes: dict[str, Event] = {}
@@ -606,6 +610,10 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
         kinds = ",".join(sorted({f["kind"] for f in faults})) or "none"
         if out is None and task in gone:
             continue  # acked at receipt, then its worker was killed: gone with the fault
+        if out is None and sub.get("expires_at") is not None and not starts:
+            # Discarded unseen by the broker once expired (RabbitMQ's message TTL, which
+            # Celery sets from ``expires``): no outcome comes, for any Celery task.
+            continue
         if out is None:
             ahead = _stranded_ahead(sub, submitted, stranded)
             why = f", queued {BEHIND_STRANDED} {ahead}" if ahead else ""
@@ -659,6 +667,15 @@ def check_tasks(events: list[Event], replacing: tuple[str, ...] = ()) -> list[An
         ):
             found.append(_of_task("unexplained-failure", sub, f"task {task} failed with no "
                                   f"fault dealt: {out.get('error')}", out["t"]))  # fmt: skip
+        expires_at = sub.get("expires_at")
+        late_starts = [s for s in starts if expires_at is not None
+                       and s["t"] > expires_at + EXPIRY_SLACK]  # fmt: skip
+        if late_starts and not any(f["kind"] in ("sigstop", "worker-stop") for f in faults):
+            found.append(_of_task(
+                "ran-expired", sub,
+                f"task {task} began its body {late_starts[0]['t'] - expires_at:.3f} s after "
+                f"its expires (faults dealt: {kinds})", late_starts[0]["t"],
+            ))  # fmt: skip
         limit = sub.get("limit")
         if limit is not None and not any(f["kind"] == "sigstop" for f in faults):
             for end in ends:

@@ -252,7 +252,7 @@ def _check_queue_run(
 
 CELERY_FAULTS = {
     "sigkill": 1.0, "sigstop": 1.5, "revoke": 1.5, "soft-time-limit": 1.0,
-    "hard-time-limit": 1.0, "worker-kill": 0.7, "worker-stop": 0.7,
+    "hard-time-limit": 1.0, "worker-kill": 0.7, "worker-stop": 0.7, "expiry": 0.7,
 }  # fmt: skip
 
 
@@ -305,6 +305,7 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
         key = key or rng.choice("abc")
         steps = options.pop("steps", rng.randint(2, 8))
         late = name == "work_late" or rng.random() < 0.3
+        sent_at = time.monotonic()  # a relative expires counts from here
         if replacing:
             # Early ack only: a redelivered older call would replace the newer one.
             late = False
@@ -322,8 +323,10 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             task = "nemesis.celery_app." + ("work_late" if late else "work")
             result = app.send_task(task, kwargs={"key": key, "steps": steps}, **options)
         limit = options.get("soft_time_limit") or options.get("time_limit")
+        expires = options.get("expires")
         rec("submit", task=result.id, key=f"{kind}.{key}", name=task, limit=limit, late=late,
-            queued=queued, supersedes=kind in ("l", "d"), replacing=replacing)  # fmt: skip
+            queued=queued, supersedes=kind in ("l", "d"), replacing=replacing,
+            expires_at=None if expires is None else sent_at + expires)  # fmt: skip
         submitted[result.id] = result
         keys[result.id] = (kind, key)
         if kind in ("l", "d") and burst:
@@ -353,6 +356,13 @@ def run_celery(seed: int, duration: float, workdir: Path, kinds: set[str] | None
             key = f"h{len(submitted)}"  # child to be gone (its clean-up is in the lock)
             rec("fault", kind=kind, task=submit(key=key, steps=60, time_limit=1.5))
             submit(key=key)
+            return
+        if kind == "expiry":  # a queued call that expires while it waits behind a 2 s
+            # holder: it ends REVOKED at its turn, never run, and the next call runs
+            key = f"x{len(submitted)}"
+            submit(key=key, kind="q", steps=40, burst=False)
+            rec("fault", kind=kind, task=submit(key=key, kind="q", expires=0.5, burst=False))
+            submit(key=key, kind="q", burst=False)
             return
         if kind == "worker-kill":
             _kill_worker(rec, procs, workers[int(pick * len(workers))], start_worker)
