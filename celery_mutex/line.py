@@ -180,6 +180,12 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
     cfg = config_of(task)
     key = per_call.key_of(task, args, kwargs, call)
     after = _delay(options.get("countdown"), options.get("eta"))
+    left = _until_expiry(options)
+    if left is not None:
+        # The gap clock of a call that expires runs out at its expiry at the latest: a
+        # broker with message TTLs (RabbitMQ) drops it unseen then, and the calls behind
+        # it would otherwise wait gap_for for a message that cannot come.
+        after = min(after, left - cfg.policy.queue.gap_for)
     collapse = collapse_of(cfg)
     try:
         if _parks_at_send(options):
@@ -237,18 +243,26 @@ def _expires_from_now(options: dict[str, Any]) -> None:
         options["expires"] = at.isoformat()
 
 
-def expired(message: Mapping[str, Any]) -> bool:
-    """Whether a parked call's ``expires`` (an ISO moment with its zone: what a send or
-    a worker's request carries) has passed. A moment without a zone is left to the
-    worker, which reads it in its own."""
-    expires = (message.get("options") or {}).get("expires")
+def _until_expiry(options: Mapping[str, Any]) -> float | None:
+    """Seconds until ``options``' ``expires`` (an ISO moment with its zone: what a send
+    or a worker's request carries; negative once past); None without one. A moment
+    without a zone is left to the worker, which reads it in its own."""
+    expires = options.get("expires")
     if not isinstance(expires, str):
-        return False
+        return None
     try:
         at = dt.datetime.fromisoformat(expires)
     except ValueError:
-        return False
-    return at.tzinfo is not None and at <= dt.datetime.now(dt.timezone.utc)
+        return None
+    if at.tzinfo is None:
+        return None
+    return (at - dt.datetime.now(dt.timezone.utc)).total_seconds()
+
+
+def expired(message: Mapping[str, Any]) -> bool:
+    """Whether a parked call's ``expires`` has passed (``_until_expiry``)."""
+    left = _until_expiry(message.get("options") or {})
+    return left is not None and left <= 0
 
 
 def _parks_at_send(options: Mapping[str, Any]) -> bool:

@@ -507,3 +507,25 @@ def test_a_worker_names_each_task_it_could_not_guard():
 
     found = check(app)
     assert (found.refused(), len(found.unconfigured), found.guarded) == (False, 1, 1)
+
+
+def test_a_call_that_expires_holds_its_line_until_its_expiry_at_most() -> None:
+    """A call sent through the broker with ``expires`` (here with a countdown) takes its
+    place with a gap clock that runs out at its expiry: a broker that drops it unseen
+    then (RabbitMQ's message TTL) holds the calls behind it that long, not gap_for."""
+    import time
+
+    from celery_mutex import line
+    from celery_mutex.config import config_of
+
+    task = _task(key="o.{n}", on_busy="queue")
+    lines = config_of(task).lines
+    gap_for = config_of(task).policy.queue.gap_for
+    sent = time.time()
+    assert line.at_send(task, (1,), {}, {"countdown": 0.5, "expires": 2}) is None
+    assert line.at_send(task, (1,), {}, {"countdown": 0.5}) is None
+    record = lines.read("o.1")
+    assert record is not None
+    expiring, plain = record.issued[1], record.issued[2]
+    assert expiring + gap_for == pytest.approx(sent + 2, abs=0.5)  # skippable at its expiry
+    assert plain == pytest.approx(sent + 0.5, abs=0.5)  # gap_for after it is due, as before
