@@ -202,7 +202,7 @@ class DiskCache(CacheBase):
         conn = self.__dict__.get("_conn")  # None as well when __init__ failed early
         if conn is not None:
             self._conn = None
-            with contextlib.suppress(Exception):  # at interpreter exit, say
+            with contextlib.suppress(sqlite3.Error):  # closed already, at interpreter exit
                 conn.close()
 
     def _connect(self) -> sqlite3.Connection:
