@@ -290,7 +290,7 @@ def test_a_dead_attempt_leaves_its_retrys_lock_alone(killable_worker):
     assert holder.label.endswith(f"[{result.id}]")
     os.kill(pid, signal.SIGKILL)
     # Celery's pool notices a dead child at its next maintenance; on a loaded machine (a
-    # CI run's other tiers beside it) that once took longer than 10 s.
+    # CI run with four test workers) that once took longer than 10 s.
     wait_until(lambda: "WorkerLostError" in workers.log_text("w0"), 30, "the loss reported")
     time.sleep(0.5)  # the parent's handler runs as Celery reports it
     assert workers.locks.locked(key), "the dead attempt's parent freed its retry's lock"
