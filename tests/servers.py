@@ -248,12 +248,23 @@ class EtcdCluster:
     """Three etcd members on free loopback ports, each its own data directory under a
     temporary one; ``start`` returns once every member answers and a leader is elected."""
 
+    # A port picked free can be taken by another test worker before etcd binds it, and a
+    # member that exits leaves no way to tell that from other causes but its log: a new
+    # cluster on new ports, up to three times, each failure's log kept for the report.
+    TRIES = 3
+
     def __init__(self, size: int = 3) -> None:
+        self.size = size
         self.dir = Path(tempfile.mkdtemp(prefix="simple-mutex-etcd-"))
-        ports = [(free_port(), free_port()) for _ in range(size)]
+        self.members = self._plan(0)
+
+    def _plan(self, attempt: int) -> list[EtcdMember]:
+        workdir = self.dir / f"try{attempt}"
+        workdir.mkdir()
+        ports = [(free_port(), free_port()) for _ in range(self.size)]
         cluster = ",".join(f"m{n}=http://127.0.0.1:{peer}" for n, (_, peer) in enumerate(ports))
-        self.members = [
-            EtcdMember(f"m{n}", client, peer, cluster, self.dir)
+        return [
+            EtcdMember(f"m{n}", client, peer, cluster, workdir)
             for n, (client, peer) in enumerate(ports)
         ]
 
@@ -262,24 +273,38 @@ class EtcdCluster:
         return [member.endpoint for member in self.members]
 
     def start(self, timeout: float = 30) -> EtcdCluster:
+        failures: list[str] = []
+        for attempt in range(self.TRIES):
+            if attempt:
+                self.members = self._plan(attempt)
+            failure = self._start_once(timeout)
+            if failure is None:
+                return self
+            failures.append(failure)
+            for member in self.members:
+                member.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        pytest.fail("\n\n".join(failures))
+
+    def _start_once(self, timeout: float) -> str | None:
+        """None once every member answers, else why not (with the member's log, read
+        before anything is removed)."""
         # Every member before waiting on one: a member answers only once a quorum is up.
         for member in self.members:
             with member.log.open("ab") as out:
                 member.proc = subprocess.Popen(
-                    member.args, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
+                    member.args, stdout=out, stderr=subprocess.STDOUT, cwd=member.workdir,
                     start_new_session=True,
                 )  # fmt: skip
         deadline = time.monotonic() + timeout
         for member in self.members:
             while not member.answers():
                 if member.proc is None or member.proc.poll() is not None:
-                    self.stop()
-                    pytest.fail(f"etcd {member.name} exited:\n{member.log.read_text()[-2000:]}")
+                    return f"etcd {member.name} exited:\n{member.log.read_text()[-2000:]}"
                 if time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail(f"etcd {member.name} did not answer:\n{member.log.read_text()}")
+                    return f"etcd {member.name} did not answer:\n{member.log.read_text()[-2000:]}"
                 time.sleep(0.05)
-        return self
+        return None
 
     def leader(self, timeout: float = 15) -> EtcdMember:
         """The member that is the leader now (waits for an election to end)."""
