@@ -44,6 +44,13 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     True if the release woke a waiter (a cache that cannot tell returns None): the engine
     then lets that waiter go first instead of barging back in.
 
+    A cache whose driver resends a command after the connection broke (the reply lost,
+    the command maybe applied) should remember its releases: a delete at a version the
+    key was freed at, with nothing granted since, returns again (False or None) instead
+    of raising, for as long as the cache keeps the trace (a freed row, Redis's held
+    mark). Otherwise the engine cannot tell the resend that found its own release done
+    from a lease lost before the release, and reports the second.
+
 ``wait(keys, timeout)``
     Block for at most ``timeout`` seconds, returning early when any of ``keys`` may have
     been freed (a condition variable, a Redis signal list...). Spurious early returns are

@@ -19,6 +19,9 @@ Knobs a subclass may override for a slow or remote backend:
     How far past its timeout ``wait()`` may return (scheduling and round trips).
 ``foreign_key_chars``
     Characters the server does not keep verbatim in a key (the scan tests skip them).
+``remembers_releases``
+    The cache keeps a trace of a release (a freed row, a held mark naming the version
+    freed), so the same release sent again says freed, not missed.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class CacheContract:
     clock_tolerance: float = 1.0
     wait_slack: float = 0.15
     foreign_key_chars: str = ""
+    remembers_releases: bool = False
 
     def let_expire(self) -> None:
         time.sleep(self.short_ttl + self.expiry_slack)
@@ -370,11 +374,30 @@ class CacheContract:
         assert_refused(cache, unique_key(), "1", None)
 
     def test_a_freed_keys_old_version_misses(self, cache: ConditionalCache) -> None:
-        """After a delete, its version neither sets the key (it stays free) nor deletes it
-        a second time."""
+        """After a delete, its version never sets the key (it stays free). Deleting at it
+        again is the same release sent twice: a cache that remembers its release says
+        freed again (``remembers_releases``), one that does not misses."""
         key, first = held(cache, "v1")
         cache.compare_and_delete(key, version=first.version)
-        assert_refused(cache, key, first.version, None)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_set(key, "v2", ttl=30, version=first.version)
+        if self.remembers_releases:
+            assert not cache.compare_and_delete(key, version=first.version)
+        else:
+            with pytest.raises(SimpleCacheConditionError):
+                cache.compare_and_delete(key, version=first.version)
+        assert cache.get(key) is None
+
+    def test_a_release_repeated_after_a_new_grant_misses(self, cache: ConditionalCache) -> None:
+        """Once the key is granted again, the old version's release is no longer ours to
+        repeat: it misses and the new holder keeps the key."""
+        key, first = held(cache, "v1")
+        cache.compare_and_delete(key, version=first.version)
+        second = cache.put_if_absent(key, "v2", ttl=30)
+        assert_refused(cache, key, first.version, second)
+        cache.compare_and_delete(key, version=second.version)
+        with pytest.raises(SimpleCacheConditionError):
+            cache.compare_and_delete(key, version=first.version)
 
     def test_an_expired_entrys_own_version_misses(self, cache: ConditionalCache) -> None:
         """An expired entry can be neither resurrected nor deleted by its old holder."""

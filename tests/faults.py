@@ -16,6 +16,9 @@ delay      every chunk arrives ``delay`` seconds late, in order, both ways
 blackhole  connects succeed, nothing is delivered or answered (a dead link)
 reset      open connections are reset (RST); new ones are reset at once
 refuse     the port stops listening: connects fail with ECONNREFUSED
+cut        requests reach the server; the next reply is dropped and that connection
+           reset (the server applied the request, the client never learns it did),
+           then the proxy passes again
 =========  ==================================================================
 
 The proxy runs its own event loop in a daemon thread; ``set`` returns once the new mode
@@ -30,7 +33,7 @@ import socket
 import struct
 import threading
 
-MODES = ("pass", "delay", "blackhole", "reset", "refuse")
+MODES = ("pass", "delay", "blackhole", "reset", "refuse", "cut")
 
 
 def free_port() -> int:
@@ -114,15 +117,30 @@ class FaultProxy:
             return
         self._writers |= {client_w, server_w}
         try:
-            await asyncio.gather(self._pump(client_r, server_w), self._pump(server_r, client_w))
+            await asyncio.gather(
+                self._pump(client_r, server_w),
+                self._pump(server_r, client_w, replies=True, cut=(client_w, server_w)),
+            )
         finally:
             self._writers -= {client_w, server_w}
             for writer in (client_w, server_w):
                 writer.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        replies: bool = False,
+        cut: tuple[asyncio.StreamWriter, ...] = (),
+    ) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
+                if replies and self.mode == "cut":
+                    self.mode = "pass"  # one reply only: the client's next connection works
+                    for end in cut:
+                        _reset(end)
+                    return
                 while self.mode == "blackhole":  # hold the bytes until the link heals
                     assert self._changed is not None
                     await self._changed.wait()

@@ -553,11 +553,43 @@ def test_a_release_never_frees_another_holders_record(seen):
     assert [type(op) for op in ops] == [CompareAndDelete, Get]
 
 
-def test_a_release_fault_propagates_for_the_lease_to_decide():
-    """A fault is not a verdict: it goes up unchanged (the lease may retry)."""
-    fault = MalfunctionError("down")
+def test_a_release_fault_that_was_never_sent_propagates_for_the_lease_to_decide():
+    """A delete that provably never left is not a verdict: it goes up unchanged (the
+    lease may retry), with nothing read."""
+    fault = MalfunctionError("refused", unsent=True)
     with pytest.raises(MalfunctionError) as info:
         drive(flows.release("mutex.k", VALUE, "v1"), fault)
+    assert info.value is fault
+
+
+@pytest.mark.parametrize("seen", [None, THEIRS])
+def test_a_release_fault_whose_delete_landed_is_settled_by_one_read(seen):
+    """The reply was lost and the delete had landed: the read finds no record of ours
+    (none, or the waiter's the release woke), which is freed. The lease judges by its
+    own clock whether the record could have lapsed first; another holder's record is
+    never written."""
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), MalfunctionError("x"), seen)
+    assert outcome == Released(freed=True, woke=False)
+    assert ops == [CompareAndDelete("mutex.k", "v1"), Get("mutex.k")]
+
+
+def test_a_release_fault_whose_delete_was_lost_deletes_again():
+    """The delete never arrived: the read finds our record, freed at the version read."""
+    flow = flows.release("mutex.k", VALUE, "v1")
+    outcome, ops = drive(flow, MalfunctionError("x"), OURS, True)
+    assert outcome == Released(freed=True, woke=True)
+    assert ops == [
+        CompareAndDelete("mutex.k", "v1"),
+        Get("mutex.k"),
+        CompareAndDelete("mutex.k", "v2"),
+    ]
+
+
+def test_a_release_fault_the_read_cannot_settle_goes_up_unchanged():
+    """The read fails too: the first fault goes up, not a verdict."""
+    fault = MalfunctionError("x")
+    with pytest.raises(MalfunctionError) as info:
+        drive(flows.release("mutex.k", VALUE, "v1"), fault, MalfunctionError("y"))
     assert info.value is fault
 
 

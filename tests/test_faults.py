@@ -42,6 +42,7 @@ from simple_mutex.errors import (
     SimpleMutexAcquireTimeoutError,
     SimpleMutexLeaseExpiredError,
 )
+from simple_mutex.events import subscribe
 
 pytestmark = pytest.mark.backends
 
@@ -297,6 +298,36 @@ def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, 
     assert late.count("0") >= 1, "the paused holder never wrote late: nothing was tested"
     assert final == {"fence": str(lease.fence), "writer": "taker"}
     print(f"{tier_url}: {len(late)} late write(s) of the paused holder refused")
+
+
+# -- a release whose reply is lost ---------------------------------------------------------
+
+
+def test_a_release_whose_reply_is_lost_is_not_a_lost_lease(tier, key):
+    """The server applies the release and its reply is lost (the connection reset as the
+    reply comes back): the driver resends the delete, which finds the record already
+    freed. That is our own release, not a lost lease: the block ends without
+    SimpleMutexLeaseExpiredError, no "lost" event, the key is free, and the next grant
+    does not say it took over."""
+    events: list[Any] = []
+    unsubscribe = subscribe(events.append)
+    try:
+        with FaultProxy(tier.port) as proxy:
+            mutex = Mutex(cache_from_url(tier.url(proxy.port)), lease=30)
+            for _ in range(3):
+                with mutex.acquire(key, timeout=5) as lease:
+                    proxy.set("cut")  # the next reply: the release's
+                assert not lease.lost
+                assert proxy.mode == "pass", "the release's reply never came back to cut"
+        healthy = Mutex(cache_from_url(tier.url(tier.port)), lease=5)
+        assert healthy.holder(key) is None
+        healthy.acquire(key, timeout=0).release()
+    finally:
+        unsubscribe()
+    assert [e.kind for e in events if e.key == key and e.kind == "lost"] == []
+    grants = [e for e in events if e.key == key and e.kind == "acquired"]
+    assert len(grants) == 4
+    assert not any(e.took_over for e in grants), "a grant took over a key we had freed"
 
 
 # -- a full disk: DiskCache fails loudly and corrupts nothing ------------------------------

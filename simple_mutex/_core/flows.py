@@ -370,9 +370,25 @@ def renew(
 
 
 def release(cache_key: str, value: str, version: str) -> Flow[Released]:
-    """Free our record by compare-and-delete; never another holder's."""
+    """Free our record by compare-and-delete; never another holder's.
+
+    A delete whose reply was lost may have landed. A cache that resends it finds its own
+    release there (the contract's rule) and says freed; a fault raised to us instead is
+    settled by one read: no record of ours left means our delete landed (the caller
+    judges, by its own clock, whether the lease could have lapsed first), our record
+    still there is freed now. Only a fault on that read too reaches the caller."""
     try:
         woke = yield CompareAndDelete(cache_key, version)
+    except MalfunctionError as fault:
+        if fault.unsent:
+            raise
+        try:
+            entry = yield from settle(cache_key, value)
+            if entry is None:
+                return FREED
+            woke = yield CompareAndDelete(cache_key, entry.version)
+        except (MalfunctionError, SimpleCacheConditionError):
+            raise fault  # noqa: B904 (the first fault is the one to report)
     except SimpleCacheConditionError:
         # A renewal whose reply was lost may have landed: our record then has a version we
         # never saw.

@@ -100,6 +100,8 @@ class GivenClient:
 class TestAsyncMongoContractServerClock(GivenClient, CacheContract):
     """The contract over the wire, expiry judged by the server's $$NOW (the default)."""
 
+    remembers_releases = True  # its freed record (or held mark) names the version freed
+
     expiry_slack = 0.15
 
 

@@ -88,6 +88,8 @@ class TestPostgresCacheContract(NotifyContract, CacheContract):
     """The shared contract (a release NOTIFYs waiters), on a cache that opens its own
     connection."""
 
+    remembers_releases = True  # its freed record (or held mark) names the version freed
+
     wake_bound = 0.5
 
 

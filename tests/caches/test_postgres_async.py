@@ -53,6 +53,8 @@ def cache(admin: psycopg.Connection[Any]) -> Iterator[BlockingFace]:
 class TestAsyncPostgresContract(NotifyContract, CacheContract):
     """The shared contract, on a connection the cache opens (a release NOTIFYs waiters)."""
 
+    remembers_releases = True  # its freed record (or held mark) names the version freed
+
     wake_bound = 0.5
 
 

@@ -87,6 +87,8 @@ class TestRedisCacheContract(NotifyContract, CacheContract):
     """RedisCache passes the shared contract against the real server; a release wakes a
     waiter within a few round trips."""
 
+    remembers_releases = True  # its freed record (or held mark) names the version freed
+
     wake_bound = 0.2
 
 
@@ -164,8 +166,9 @@ def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: re
     of one lock key hash to one Cluster slot, so every script (and a BLPOP over all
     slots) runs on Redis Cluster; the slots share one fence sequence; an entry carries
     the server's PX expiry, and its held mark (a grant not freed yet) outlives it; a
-    release drops its slot's held mark, and if it found a waiter leaves a one-token
-    signal list that expires in about 1 s, and the waiter mark within 3 s."""
+    release turns its slot's held mark into the version it freed (kept 60 s: a resent
+    release finds it), and if it found a waiter leaves a one-token signal list that
+    expires in about 1 s, and the waiter mark within 3 s."""
     key = unique_key()
     entries = {name: cache.put_if_absent(name, "v", ttl=30) for name in (key, f"{key}#1")}
     assert entries[f"{key}#1"].fence > entries[key].fence  # the slots share a sequence
@@ -175,14 +178,17 @@ def test_all_keys_of_a_lock_share_one_cluster_slot(cache: RedisCache, client: re
         cache.put_if_absent(key, "other", ttl=30)  # marks a waiter...
     cache.compare_and_delete(key, version=entries[key].version)  # ...so this signals
     names = our_keys(client, f"{{{key}}}*")
-    assert names == {stem + "#1", stem + ":h#1", stem + ":f", stem + ":w", stem + ":signal"}
+    side = {stem + ":h", stem + ":h#1", stem + ":f", stem + ":w"}
+    assert names == {stem + "#1", stem + ":signal", *side}
     assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1
     assert 29_000 < client.pttl(stem + "#1") <= 30_000  # Redis itself drops it at the ttl
     assert 59_000 < client.pttl(stem + ":h#1") <= 60_000  # max(2 x ttl, 60 s)
+    assert client.get(stem + ":h") == entries[key].version.encode()
+    assert 0 < client.pttl(stem + ":h") <= 60_000
     assert client.lrange(stem + ":signal", 0, -1) == [b"1"]
     assert 0 < client.pttl(stem + ":signal") <= 1000
     time.sleep(1.1)
-    assert our_keys(client, f"{{{key}}}*") == {stem + "#1", stem + ":h#1", stem + ":f", stem + ":w"}
+    assert our_keys(client, f"{{{key}}}*") == {stem + "#1", *side}
     assert 0 < client.pttl(stem + ":w") <= 3000
 
 
@@ -198,19 +204,24 @@ def test_a_renewal_keeps_the_held_mark_as_long_as_the_fence(cache: RedisCache, c
     assert 89_000 < client.pttl(held) <= 90_000
 
 
-def test_uncontended_cycles_leave_only_the_last_fence_and_it_expires(mutex: Mutex, client):
-    """After acquire/release with nobody waiting, the one key left is the last fence, and
-    it expires after max(2 x lease, 60 s) (no signal list, nothing for waiters)."""
+def test_uncontended_cycles_leave_only_the_last_fence_and_release_and_they_expire(
+    mutex: Mutex, client
+):
+    """After acquire/release with nobody waiting, the keys left are the last fence, kept
+    max(2 x lease, 60 s), and the held mark naming the last version freed, kept 60 s (no
+    signal list, nothing for waiters)."""
     key = unique_key()
     fences = []
     for _ in range(3):
         lease = mutex.acquire(key)
         fences.append(lease.fence)
         lease.release()
-    last = f"{PREFIX}{{mutex.{key}}}:f"
-    assert our_keys(client, f"*{key}*") == {last}
+    last, held = f"{PREFIX}{{mutex.{key}}}:f", f"{PREFIX}{{mutex.{key}}}:h"
+    assert our_keys(client, f"*{key}*") == {last, held}
     assert int(client.get(last)) == fences[-1]
+    assert client.get(held).decode().partition(".")[0] == str(fences[-1])
     assert 0 < client.pttl(last) <= max(2 * mutex.lease, 60) * 1000
+    assert 0 < client.pttl(held) <= 60_000
 
 
 def test_instrumented_and_single_connection_clients_keep_their_own_path(client):

@@ -87,6 +87,8 @@ class TestAsyncRedisCacheContract(NotifyContract, CacheContract):
     """AsyncRedisCache passes the shared contract (through the blocking face); a release
     wakes a waiter parked on the loop within a few round trips."""
 
+    remembers_releases = True  # its freed record (or held mark) names the version freed
+
     wake_bound = 0.2
 
     @pytest.fixture

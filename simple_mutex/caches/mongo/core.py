@@ -436,7 +436,10 @@ class MongoCore(CacheBase):
         return _entry(doc, "compare_and_set", key)
 
     def _deleting(self, key: str, *, version: str) -> Flow[None]:
-        match = {"_id": key, "version": version, "value": {"$ne": None}, **self._live()}
+        # A document already freed at this very version (nothing granted since: a grant
+        # writes a new version) is our own release sent again after its reply was lost.
+        held = {"value": {"$ne": None}, **self._live()}
+        match = {"_id": key, "version": version, "$or": [held, {"value": None}]}
         # Stamped with the moment it was freed: the TTL index collects it gc_after later.
         freed: Any = (
             [{"$set": {"value": None, "expires_at": "$$NOW"}}]

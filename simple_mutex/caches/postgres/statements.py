@@ -130,11 +130,13 @@ RETURNING fence, {_EPOCH}
 """
 # Free the row (the fence stays in it, stamped with the moment: collected gc_after from
 # now) and wake listeners: the notification is sent when the statement commits, so a
-# woken waiter finds the key free.
+# woken waiter finds the key free. A row already freed at this very version (nothing
+# granted since: a grant writes a new version) is our own release sent again after its
+# reply was lost: it counts as freed, not as a lost lease.
 _DELETE = f"""
 WITH freed AS (
     UPDATE {{t}} SET value = NULL, expires_at = pg_catalog.clock_timestamp()
-    WHERE key = %(key)s AND version = %(version)s AND {_LIVE}
+    WHERE key = %(key)s AND version = %(version)s AND ({_LIVE} OR value IS NULL)
     RETURNING key
 )
 SELECT pg_catalog.pg_notify(%(channel)s, '') FROM freed

@@ -11,14 +11,16 @@ one of them expires::
     {base}, {base}#N       string  "<fence>.<n> <expires ms> <value>", PX ttl
     {base}:f               string  the last fence granted, PX max(2 x ttl, 60 s)
     {base}:h, {base}:h#N   string  "1": the entry (slot N) was granted and not freed since;
-                                   set by a grant and each renewal, PX max(2 x ttl, 60 s),
-                                   deleted by a release
+                                   set by a grant and each renewal, PX max(2 x ttl, 60 s);
+                                   a release sets it to the version it freed, PX 60 s
     {base}:w               string  waiters are blocked, PX 3 s (renewed by each failed put)
     {base}:signal          list    one wake-up token, PX 1 s; only around a hand-off
 
 The held mark outlives the entry it marks (PX lapses it first): a grant that finds it
 took over from a holder that never freed the key (``Entry.took_over``), for as long as
-the mark is kept after the holder's last grant or renewal.
+the mark is kept after the holder's last grant or renewal. After a release it names the
+version freed, so a release sent again (the client resends a command whose connection
+broke before the reply came) finds its own earlier release, not a lost lease.
 """
 
 from __future__ import annotations
@@ -87,9 +89,10 @@ if last and last >= fence then fence = last + 1 end
 fence = string.format('%d', fence)
 if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
-    if redis.call('SET', KEYS[4], 1, 'NX', 'PX', ARGV[3]) then return tonumber(fence) end
-    redis.call('PEXPIRE', KEYS[4], ARGV[3])
-    return -tonumber(fence)
+    local held = redis.call('GET', KEYS[4])
+    redis.call('SET', KEYS[4], 1, 'PX', ARGV[3])
+    if held == '1' then return -tonumber(fence) end
+    return tonumber(fence)
 end
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return 0 end
@@ -118,15 +121,21 @@ return n
 """
 
 # KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list, KEYS[4] held mark
-# ARGV[1] expected version
+# ARGV[1] expected version, ARGV[2] how long the held mark keeps the version freed (ms)
 # Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
 # lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
-# waiting, 0 when absent or at another version. The last fence stays; the held mark goes
-# with the entry (the next grant takes over nothing).
+# waiting, or when the held mark says this very version was freed and nothing granted
+# since (our own release sent again after its reply was lost), 0 when absent or at
+# another version. The last fence stays; the held mark names the version freed (the
+# next grant takes over nothing).
 DELETE = f"""
 local cur = redis.call('GET', KEYS[1])
-if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
-redis.call('DEL', KEYS[1], KEYS[4])
+if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then
+    if redis.call('GET', KEYS[4]) == ARGV[1] then return 1 end
+    return 0
+end
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
 if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('DEL', KEYS[3])
     redis.call('LPUSH', KEYS[3], 1)
@@ -379,7 +388,7 @@ class RedisLayout:
     def _delete_request(self, key: str, version: str) -> Request:
         entry_key, stem = self._keys(key)
         held = self._held_mark(entry_key, stem)
-        return (4, entry_key, stem + ":w", stem + ":signal", held, version)
+        return (4, entry_key, stem + ":w", stem + ":signal", held, version, _MIN_KEEP_MS)
 
     def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
         if not freed:
