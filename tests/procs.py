@@ -296,6 +296,23 @@ def take_when_free(url: str, prefix: str, key: str, ready_path: str, report_path
     lease.release()
 
 
+def wait_and_report(
+    url: str, prefix: str, key: str, timeout: float, ready_path: str, report_path: str
+) -> None:
+    """Wait for ``key`` up to ``timeout`` (polling every 0.2 s); report when it was got,
+    or the error that ended the wait."""
+    mutex = Mutex(cache_from_url(url), prefix=prefix, interval=0.2)
+    mutex.locked("warm-up")
+    Path(ready_path).touch()
+    try:
+        lease = mutex.acquire(key, timeout=timeout)
+    except Exception as exc:  # the report is the test's evidence, whatever ended the wait
+        write_json(report_path, {"error": f"{type(exc).__name__}: {exc}"})
+        return
+    write_json(report_path, {"got": time.monotonic(), "fence": lease.fence})
+    lease.release()
+
+
 def first_use(url: str, barrier: Any) -> None:
     """Use a store for the first time at the same instant as the other children."""
     cache = cache_from_url(url)

@@ -465,6 +465,79 @@ def test_a_fused_fault_falls_back_to_a_plain_wait_once(unsent):
     assert grant.entry.value == VALUE
 
 
+# -- faults while waiting: ridden out once the cache has answered -------------------------
+
+
+def down(op: Any) -> Any:
+    """Every op faults: the server is gone (a put and its read-back alike)."""
+    raise MalfunctionError(f"etcd cache failed during {type(op).__name__}")
+
+
+def held_then_down() -> Callable[[Any], Any]:
+    """The first put finds the key held; from then on the server is gone."""
+    answered: list[bool] = []
+
+    def answer(op: Any) -> Any:
+        if not answered:
+            answered.append(True)
+            raise held()
+        return down(op)
+
+    return answer
+
+
+def test_a_fault_before_the_cache_ever_answered_is_raised_at_once():
+    """Nothing known about the server yet: a down or misconfigured one is reported, not
+    waited out."""
+    driver, error = acquire(down)
+    assert isinstance(error, MalfunctionError)
+    assert [type(op) for op in driver.ops] == [PutIfAbsent, Get]  # no pause, no wait
+
+
+def test_a_waiter_rides_out_faults_and_is_granted_once_the_cache_is_back():
+    """An election while waiting: the put and its read-back fault, the waiter pauses at
+    its poll interval and puts again, and the grant comes within the timeout."""
+    answers = [held(), fault(), fault(), fault(), None, entry_for]
+    driver, grant = acquire(scripted(*answers), timeout=40)
+    assert grant.entry.value == VALUE
+    kinds = [type(op) for op in driver.ops]
+    assert kinds == [PutIfAbsent, Wait, PutIfAbsent, Get, Pause, PutIfAbsent, Get, Pause,
+                     PutIfAbsent]  # fmt: skip
+
+
+def test_faults_that_outlast_the_timeout_raise_the_fault_not_a_busy_timeout():
+    """The server stays gone: the waiter tries until its deadline and then says why."""
+    driver, error = acquire(held_then_down(), timeout=5)
+    assert isinstance(error, MalfunctionError)
+    assert driver.clock.t == driver.issued_at[0] + 5  # the last pause ends at the deadline
+
+
+def test_without_a_timeout_faults_are_ridden_out_for_a_bounded_time():
+    """No deadline: faults in a row end the wait after FAULT_RIDE_OUT, not never."""
+    driver, error = acquire(held_then_down(), timeout=None)
+    assert isinstance(error, MalfunctionError)
+    faulty = driver.clock.t - driver.issued_at[2]  # from the first fault
+    assert timing.FAULT_RIDE_OUT <= faulty < timing.FAULT_RIDE_OUT + 1.5
+
+
+def test_a_busy_answer_between_faults_starts_the_ride_out_afresh():
+    """FAULT_RIDE_OUT counts faults in a row: an answer in between resets it."""
+    blips = [fault(), fault()] * 20  # 20 s of faults (put and read-back), then an answer
+    clock_faults = [held(), *blips, held(), *blips, entry_for]
+    driver, grant = acquire(scripted(*clock_faults), timeout=None, interval=1.0, seed=3)
+    assert grant.entry.value == VALUE
+    assert driver.clock.t > timing.FAULT_RIDE_OUT
+
+
+def test_a_withheld_write_is_never_ridden_out():
+    """The server took the put but it must not count (too few replicas): raised, so the
+    caller withdraws it, never retried as if nothing landed."""
+    withheld = MalfunctionError("too few replicas", withheld=True)
+    driver, error = acquire(scripted(held(), withheld))
+    assert error is withheld
+    assert Pause not in [type(op) for op in driver.ops]
+
+
 # -- renew, release, take-over, release-where, abandon: the same unclear-outcome rule -----
 
 
@@ -543,6 +616,17 @@ def test_a_release_miss_frees_our_record_at_the_version_it_reads():
         Get("mutex.k"),
         CompareAndDelete("mutex.k", "v2"),
     ]
+
+
+@pytest.mark.parametrize("seen", [None, THEIRS])
+def test_a_resent_release_that_misses_is_our_own_release(seen):
+    """The driver sent the delete twice (the connection broke): the first freed our
+    record, and a waiter may have taken it since. Freed, and nothing more written."""
+    resent = miss()
+    resent.resent = True
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), resent, seen)
+    assert outcome == Released(freed=True, woke=False)
+    assert [type(op) for op in ops] == [CompareAndDelete, Get]
 
 
 @pytest.mark.parametrize("seen", [THEIRS, None])

@@ -303,6 +303,44 @@ def test_a_paused_holders_late_writes_are_refused_by_their_fence(tier_url, key, 
 # -- a release whose reply is lost ---------------------------------------------------------
 
 
+class Waiter(threading.Thread):
+    """Blocks in acquire on a healthy link, holds the key a moment, lets go."""
+
+    def __init__(self, mutex: Mutex, key: str) -> None:
+        super().__init__(daemon=True)
+        self.mutex, self.key, self.got = mutex, key, False
+
+    def run(self) -> None:
+        with self.mutex.acquire(self.key, timeout=20):
+            self.got = True
+            time.sleep(0.3)
+
+
+def test_a_release_whose_reply_is_lost_is_not_a_lost_lease_even_with_a_waiter(tier, key):
+    """As below, with a waiter blocked on the key: the first release wakes it and it
+    takes the key before the resend arrives, so no trace of our release is left to find.
+    The resend is still our own release, not a lost lease."""
+    events: list[Any] = []
+    unsubscribe = subscribe(events.append)
+    try:
+        with FaultProxy(tier.port) as proxy:
+            mutex = Mutex(cache_from_url(tier.url(proxy.port)), lease=30)
+            healthy = Mutex(cache_from_url(tier.url(tier.port)), lease=30, interval=0.05)
+            for _ in range(3):
+                lease = mutex.acquire(key, timeout=20)
+                waiter = Waiter(healthy, key)
+                waiter.start()
+                time.sleep(0.3)  # the waiter is blocked on the key
+                with lease:
+                    proxy.set("cut")  # the next reply: the release's
+                assert not lease.lost
+                waiter.join(20)
+                assert waiter.got
+    finally:
+        unsubscribe()
+    assert [e for e in events if e.key == key and e.kind == "lost"] == []
+
+
 def test_a_release_whose_reply_is_lost_is_not_a_lost_lease(tier, key):
     """The server applies the release and its reply is lost (the connection reset as the
     reply comes back): the driver resends the delete, which finds the record already

@@ -31,7 +31,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from simple_mutex._core.timing import hand_over_block, poll_pause
+from simple_mutex._core.timing import FAULT_RIDE_OUT, hand_over_block, poll_pause
 from simple_mutex.contract import AnyCache, AsyncConditionalCache, ConditionalCache, Entry
 from simple_mutex.errors import (
     MalfunctionError,
@@ -238,31 +238,65 @@ def acquire(
 
     ``hand_over``: the cache fuses a wait with the put after it (``WaitThenPut``); a
     single slot then waits that way, and the courtesy is not needed: the waiter a release
-    wakes holds the key before its releaser can ask again."""
+    wakes holds the key before its releaser can ask again.
+
+    Faults: until the cache has answered (said the key is held), a fault is raised at
+    once. After that a waiter rides faults out (``ride_out``): an election or a failover
+    is a pause in its wait, not its end."""
     deadline = None if timeout is None else now() + timeout
     count = len(slot_keys)
     fused = hand_over and count == 1
     wait_failed = False
     put_tried = False  # the last fused wait already tried the put
+    answered = False  # the cache said the key is held: from here on faults are ridden out
+    faulty_since: float | None = None  # the first of the faults in a row being ridden out
+
+    def ride_out(fault: MalfunctionError) -> float | None:
+        """How long to pause before trying again, or None to raise ``fault``: never
+        before an answer, for a write the server took but that must not count (it is
+        being withdrawn), past the deadline, or after FAULT_RIDE_OUT of faults in a row."""
+        nonlocal faulty_since
+        moment = now()
+        faulty_since = moment if faulty_since is None else faulty_since
+        left = None if deadline is None else deadline - moment
+        if not answered or fault.withheld or (left is not None and left <= 0):
+            return None
+        if moment - faulty_since >= FAULT_RIDE_OUT:
+            return None
+        pause = poll_pause(interval, rng)
+        return pause if left is None else min(pause, left)
+
     if courtesy > 0 and timeout != 0 and not fused:
         # We just handed this key to a waiter we woke: let it go first.
         yield Pause(courtesy if timeout is None else min(courtesy, timeout))
     while True:
         # A random first slot spreads semaphore holders instead of piling on slot 0.
         first = rng.randrange(count) if count > 1 else 0
+        ridden = False
         for step in range(count if not put_tried else 0):
             slot = (first + step) % count
             started = now()
             try:
                 entry = yield PutIfAbsent(slot_keys[slot], value, lease)
             except SimpleCacheConditionError:
+                answered, faulty_since = True, None
                 continue
             except MalfunctionError as fault:
-                found = yield from _unclear_put(slot_keys[slot], value, fault, deadline, now)
+                try:
+                    found = yield from _unclear_put(slot_keys[slot], value, fault, deadline, now)
+                except MalfunctionError as unsettled:
+                    found, fault = None, unsettled
                 if found is None:
-                    raise
+                    pause_for = ride_out(fault)
+                    if pause_for is None:
+                        raise fault
+                    yield Pause(pause_for)
+                    ridden = True
+                    break
                 entry = found
             return Grant(slot, entry, started)
+        if ridden:
+            continue  # every slot again, from the top
         put_tried = False
         remaining = None if deadline is None else deadline - now()
         if remaining is not None and remaining <= 0:
@@ -373,10 +407,11 @@ def release(cache_key: str, value: str, version: str) -> Flow[Released]:
     """Free our record by compare-and-delete; never another holder's.
 
     A delete whose reply was lost may have landed. A cache that resends it finds its own
-    release there (the contract's rule) and says freed; a fault raised to us instead is
-    settled by one read: no record of ours left means our delete landed (the caller
-    judges, by its own clock, whether the lease could have lapsed first), our record
-    still there is freed now. Only a fault on that read too reaches the caller."""
+    release there (the contract's rule) and says freed, or marks the miss ``resent``; a
+    fault raised to us instead is settled by one read. Either way no record of ours left
+    means our delete landed (the caller judges, by its own clock, whether the lease
+    could have lapsed first), and our record still there is freed now. Only a fault on
+    that read too reaches the caller."""
     try:
         woke = yield CompareAndDelete(cache_key, version)
     except MalfunctionError as fault:
@@ -389,12 +424,14 @@ def release(cache_key: str, value: str, version: str) -> Flow[Released]:
             woke = yield CompareAndDelete(cache_key, entry.version)
         except (MalfunctionError, SimpleCacheConditionError):
             raise fault  # noqa: B904 (the first fault is the one to report)
-    except SimpleCacheConditionError:
+    except SimpleCacheConditionError as miss:
         # A renewal whose reply was lost may have landed: our record then has a version we
         # never saw.
         entry = yield from settle(cache_key, value)
         if entry is None:
-            return NOT_FREED
+            # Sent twice, the first may have freed it (and a waiter taken it since, so
+            # no trace the cache keeps can say): our release, as after a fault.
+            return FREED if miss.resent else NOT_FREED
         try:
             woke = yield CompareAndDelete(cache_key, entry.version)
         except SimpleCacheConditionError:

@@ -50,6 +50,14 @@ def hand_over_block(length: float) -> float:
     return length / 4.0
 
 
+FAULT_RIDE_OUT = 30.0
+"""How long a waiter rides out faults in a row once the cache has answered it (an etcd
+election, a Sentinel or PostgreSQL failover, a restart): it tries again at its poll
+interval until its deadline, and without one for this long at most; then the last fault
+is raised. A fault before the cache ever answered is raised at once: a server that is
+down or misconfigured is reported, not waited out."""
+
+
 HANDOFF_COURTESY = 0.005
 """How long a holder that just woke a waiter by releasing a key holds back from taking
 that key again. The releaser is already running while the woken waiter still has to be

@@ -250,6 +250,48 @@ def counted(counter: Path, at_least: int, timeout: float = 60) -> int:
         time.sleep(0.05)
 
 
+def test_a_waiter_rides_out_an_election_within_its_timeout(tmp_path: Path) -> None:
+    """A process blocked in ``acquire(timeout=40)`` through every member while the leader
+    is SIGKILLed: its wait meets the election's faults (proposals dropped, a member
+    gone) and rides them out; once the holder (here) releases after the election, the
+    waiter is granted, with a higher fence. Before, it raised MalfunctionError."""
+    own = EtcdCluster().start()
+    try:
+        url = f"etcd://{','.join(own.endpoints)}/{RUN}?timeout=1"
+        key = f"ride-{uuid.uuid4().hex[:8]}"
+        holder = Mutex(cache_from_url(url), prefix=PREFIX, lease=30).acquire(key, timeout=5)
+        ready, report = tmp_path / "ready", tmp_path / "report"
+        waiter = procs.start(procs.wait_and_report, url, PREFIX, key, 40.0, str(ready), str(report))
+        assert procs.wait_for_file(ready, 30)
+        time.sleep(1.0)  # the waiter is in its wait
+        leader = own.leader()
+        killed = time.monotonic()
+        leader.kill()
+        elected = own.leader(timeout=15)
+        elected_after = time.monotonic() - killed
+        time.sleep(2.0)  # faults have reached the waiter meanwhile (1 s request timeout)
+        deadline = time.monotonic() + 15
+        while True:  # the holder's own release may meet the election too: it retries
+            try:
+                holder.release()
+                break
+            except MalfunctionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        released = time.monotonic()
+        waiter.join(45)
+        outcome = procs.read_json(report)
+    finally:
+        own.stop()
+    assert "error" not in outcome, outcome["error"]
+    assert outcome["fence"] > holder.fence
+    print(
+        f"\netcd leader {leader.name} SIGKILLed with a waiter in acquire(timeout=40): "
+        f"{elected.name} elected in {elected_after:.2f} s; the waiter got the key "
+        f"{outcome['got'] - released:.2f} s after the release"
+    )
+
+
 def test_a_sigkilled_leader_never_lets_two_hold(tmp_path: Path, children: list[Any]) -> None:
     """Three processes take one lock in turn through every member while the leader is
     SIGKILLed, a lock held and the others waiting: no two sections overlap, each read the

@@ -16,6 +16,8 @@ stop-then-term     SIGSTOP a client past its lease, then SIGTERM and SIGCONT: it
                    SystemExit lands in a block whose lease is lost (issue 20, item 4)
 delay, blackhole,  the loopback proxy between the clients and the lock's server
 reset, refuse      (tests/faults.py FaultProxy) for ``length``, then "pass" again
+cut                the proxy drops the next reply (the server applied the request) and
+                   resets that connection: a lost reply
 restart            the lock's own server killed (SIGKILL) and started again
 disk-stall         the DiskCache's SQLite write lock held from outside for ``length`` (a
                    paused writer, a stalled disk): every grant waits behind it
@@ -38,7 +40,7 @@ from typing import Any
 
 from nemesis.history import Recorder
 
-PROXY_MODES = ("delay", "blackhole", "reset", "refuse")
+PROXY_MODES = ("delay", "blackhole", "reset", "refuse", "cut")
 
 
 @dataclass(frozen=True)

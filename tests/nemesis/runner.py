@@ -40,7 +40,14 @@ ENV = {
 }
 LIB_TIERS = ("memory", "disk", "redis", "postgres")
 PROCESS_FAULTS = {"sigkill": 2.0, "sigstop": 3.0, "sigterm": 1.0, "stop-then-term": 1.0}
-LINK_FAULTS = {"delay": 0.7, "blackhole": 0.7, "reset": 0.7, "refuse": 0.7, "restart": 0.5}
+LINK_FAULTS = {
+    "delay": 0.7,
+    "blackhole": 0.7,
+    "reset": 0.7,
+    "refuse": 0.7,
+    "cut": 0.7,
+    "restart": 0.5,
+}
 IN_PROCESS = {"fork": 0.03, "concurrent-renew": 0.05, "alarm": 0.04, "stall": 0.02}
 
 
@@ -185,8 +192,11 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
                 # acknowledges every byte): an acquire's last try, sent just before its
                 # timeout, and a release (no timeout of its own) each get one round trip
                 # and scheduling on top.
+                # A restart keeps committed rows (WAL), so a record gone under a holder
+                # inside its lease is an anomaly here ("vanished"): a lost reply ("cut")
+                # must never read as one.
                 spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.5,
-                                    release_slack=4.0)  # fmt: skip
+                                    release_slack=4.0, records_kept=True)  # fmt: skip
                 yield Setup(cache, store, {**PROCESS_FAULTS, **LINK_FAULTS},
                             spec, proxy, restart_pg,
                             drop_store=lambda: open_store(store).drop())  # type: ignore[attr-defined]  # fmt: skip

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -63,6 +64,21 @@ with contextlib.suppress(ImportError):
     DRIVER_INFO = DriverInfo()
 # The settings through which a connection can be told its client name and version.
 _DRIVER_SETTINGS = ("driver_info", "lib_name", "lib_version")
+
+_resends = threading.local()
+
+
+def note_resent(resent: bool) -> None:
+    """Record whether this thread's last command on the cache's own connections went
+    out twice (``sync._run``, ``asyncio._run``: one resend after a broken connection).
+    Read at once after the command, before any other runs on this thread (an asyncio
+    face reads it with no ``await`` in between)."""
+    _resends.last = resent
+
+
+def last_resent() -> bool:
+    return bool(getattr(_resends, "last", False))
+
 
 MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
@@ -392,7 +408,10 @@ class RedisLayout:
 
     def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
         if not freed:
-            raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
+            miss = SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
+            # Sent twice: the first may have freed it, and a waiter taken it since.
+            miss.resent = last_resent()
+            raise miss
         return bool(freed == 2)  # a waiter was signalled
 
     # -- waited_on ----------------------------------------------------------------------------
