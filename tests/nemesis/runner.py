@@ -192,11 +192,8 @@ def _tier(tier: str, workdir: Path) -> Iterator[Setup]:
                 # acknowledges every byte): an acquire's last try, sent just before its
                 # timeout, and a release (no timeout of its own) each get one round trip
                 # and scheduling on top.
-                # A restart keeps committed rows (WAL), so a record gone under a holder
-                # inside its lease is an anomaly here ("vanished"): a lost reply ("cut")
-                # must never read as one.
                 spec = checker.Spec(PERMITS, per_slot_fences=True, acquire_slack=3.5,
-                                    release_slack=4.0, records_kept=True)  # fmt: skip
+                                    release_slack=4.0)  # fmt: skip
                 yield Setup(cache, store, {**PROCESS_FAULTS, **LINK_FAULTS},
                             spec, proxy, restart_pg,
                             drop_store=lambda: open_store(store).drop())  # type: ignore[attr-defined]  # fmt: skip
