@@ -428,15 +428,27 @@ class TaskPublisher:
         # Judged by the parked call's own task: the publisher is the call that ended
         # before it, maybe of another task of the same key (one that ignores its result).
         task = self.task._get_app().tasks.get(message["task"], self.task)
-        backend = task.backend
-        if task.ignore_result or isinstance(backend, DisabledBackend):
-            return
-        try:
-            backend.mark_as_revoked(message["id"], "expired")
-        except Exception as exc:  # the call is out of the line either way; its result waits
-            if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
-                raise
-            log.warning("%s[%s]: storing its expiry failed: %r", task.name, message["id"], exc)
+        _store_ending(
+            task, message["id"], "expiry", lambda b: b.mark_as_revoked(message["id"], "expired")
+        )
+
+
+def _storing(task_id: str, result: object) -> Callable[[Any], object]:
+    return lambda backend: backend.store_result(task_id, result, states.SUCCESS)
+
+
+def _store_ending(task: Any, task_id: str, what: str, store: Callable[[Any], object]) -> None:
+    """Store how a call left the line without running (``store(backend)``), so its
+    ``AsyncResult`` resolves; nothing when nobody can read its result. A store that
+    fails is logged: the call is out of the line either way, and its result waits."""
+    if task.ignore_result or isinstance(task.backend, DisabledBackend):
+        return
+    try:
+        store(task.backend)
+    except Exception as exc:
+        if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
+            raise  # the caller's own time limit (a send from a task body) goes on up
+        log.warning("%s[%s]: storing its %s failed: %r", task.name, task_id, what, exc)
 
 
 def publish(task: Any, key: str, what: Publish | None, *, by: str) -> None:
@@ -458,17 +470,12 @@ def resolve(task: Any, key: str, gone: tuple[Superseded, ...]) -> None:
     between leaves that result pending, never a call run (nothing of it is left to run)."""
     for call in gone:
         task_id = call.message.get("id") if isinstance(call.message, Mapping) else None
-        if task_id is None or task.ignore_result or isinstance(task.backend, DisabledBackend):
+        if task_id is None:
             continue  # nobody can read its result
         newer = call.by_message.get("id") if isinstance(call.by_message, Mapping) else None
         marker = skip_marker("celery_mutex", key, holder=None, reason="superseded", by=newer)
         log.info("%s[%s] superseded in the line of %r by %s", task.name, task_id, key, newer)
-        try:
-            task.backend.store_result(task_id, marker, states.SUCCESS)
-        except Exception as exc:  # the call is out of the line either way; its result waits
-            if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
-                raise  # the caller's own time limit (a send from a task body) goes on up
-            log.warning("%s[%s]: storing its superseded result failed: %r", task.name, task_id, exc)
+        _store_ending(task, task_id, "superseded result", _storing(task_id, marker))
 
 
 @dataclass(frozen=True, kw_only=True)
