@@ -105,24 +105,63 @@ class MutexSchedulerMixin:
         claim = Mutex(cache, lease=lease, prefix=prefix, label="beat", name="beat")
         return tick if claim.try_acquire(tick) is not None else None
 
-    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
-        if advance:  # as Celery does: move on first, so a failure cannot repeat the send
-            entry = self.reserve(entry)  # type: ignore[attr-defined]
+    # The schedule store (a shelve, django-celery-beat's table, redbeat's hash) says when
+    # an entry last ran, and operators alert on it. So only the beat that sends a tick
+    # records it, and only once it is sent: Celery moves an entry on (``reserve``) before
+    # sending it, and a beat that lost the claim, or died between its claim and its
+    # publish, would otherwise have saved a run nobody sent. ``reserve`` claims and moves
+    # this beat's own copy on (so it does not send again at once), recording nothing;
+    # ``apply_async`` records the run (the scheduler's own ``reserve``) after the send.
+
+    def reserve(self, entry: Any) -> Any:
+        claims = self.__dict__.setdefault("_mutex_claims", {})
         try:
-            tick = self.mutex_claim(entry)
-        except Exception as exc:  # a cache fault: fail closed, nothing sent
-            raise SchedulingError(f"Couldn't claim scheduled task {entry.name}: {exc!r}") from exc
+            claims[entry.name] = self.mutex_claim(entry)
+        except Exception as exc:  # a cache fault: apply_async fails closed
+            claims[entry.name] = exc
+        return _moved_on(entry)
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
+        if advance:  # as Celery does: move on first (here: claim), never send twice
+            self.reserve(entry)
+        claims = self.__dict__.setdefault("_mutex_claims", {})
+        tick: str | Exception | None
+        try:
+            tick = claims.pop(entry.name) if entry.name in claims else self.mutex_claim(entry)
+        except Exception as exc:
+            tick = exc
+        if isinstance(tick, Exception):  # a cache fault: fail closed, nothing sent
+            raise SchedulingError(f"Couldn't claim scheduled task {entry.name}: {tick!r}") from tick
         if tick is None:
             log.info("beat: %s already sent by another beat for this slot", entry.name)
             mutex_beat_skipped.send(sender=self, entry=entry.name, reason="claimed")
             return None
         options = dict(entry.options or {})
         options["headers"] = {**(options.get("headers") or {}), HEADER: tick}
-        stamped = entry.__class__.__new__(entry.__class__)  # a copy: the stamp is per send
-        stamped.__dict__.update(entry.__dict__)
+        stamped = _copy(entry)  # the stamp is per send
         stamped.options = options
         log.info("beat: %s claimed %s", entry.name, tick)
-        return super().apply_async(stamped, producer, advance=False, **kw)  # type: ignore[misc]
+        sent = super().apply_async(stamped, producer, advance=False, **kw)  # type: ignore[misc]
+        super().reserve(entry)  # type: ignore[misc]  # sent: now the store says it ran
+        return sent
+
+
+def _copy(entry: Any) -> Any:
+    """A shallow copy that runs no constructor (django-celery-beat's takes a model)."""
+    copied = entry.__class__.__new__(entry.__class__)
+    copied.__dict__.update(entry.__dict__)
+    return copied
+
+
+def _moved_on(entry: Any) -> Any:
+    """``next(entry)`` for this beat's own heap only: ``last_run_at`` now and the count
+    one up on a copy, nothing written anywhere (django-celery-beat's ``next`` changes
+    its model, redbeat's writes to Redis)."""
+    moved = _copy(entry)
+    now = getattr(entry, "default_now", None) or entry._default_now
+    moved.last_run_at = now()
+    moved.total_run_count = int(getattr(entry, "total_run_count", 0) or 0) + 1
+    return moved
 
 
 class MutexScheduler(MutexSchedulerMixin, PersistentScheduler):  # type: ignore[misc]

@@ -11,6 +11,7 @@ import datetime as dt
 import itertools
 import json
 import re
+import shelve
 import signal
 import subprocess
 import tempfile
@@ -162,7 +163,8 @@ def test_two_guarded_schedulers_send_each_slot_once(monkeypatch) -> None:
 def test_crontab_entry_goes_out_once_per_due_minute(monkeypatch) -> None:
     """Beats sending the same crontab tick at different instants (one 80 s late) claim
     one slot: its due time. The next due time is a new slot. advance=True (Celery's
-    default for apply_async) still moves this beat's own schedule on."""
+    default for apply_async) records the run in the schedule of the beat that sent it
+    only."""
     app = Celery(set_as_current=False)
     app.conf.mutex_beat_cache = InMemoryCache()
     sent: list[tuple[str, dict[str, Any]]] = []
@@ -174,11 +176,64 @@ def test_crontab_entry_goes_out_once_per_due_minute(monkeypatch) -> None:
     for beat, now in zip(beats, (start + 0.3, start + 0.9, start + 80), strict=True):
         monkeypatch.setattr(time, "time", lambda now=now: now)
         beat.apply_async(entry, producer=object(), advance=True)
-        assert beat.schedule["hourly"].total_run_count == 1
     assert [opts["headers"][HEADER] for _, opts in sent] == ["hourly@2026-11-29T11:15Z"]
+    assert beats[0].schedule["hourly"].total_run_count == 1
+    assert "hourly" not in beats[1].schedule
+    assert "hourly" not in beats[2].schedule
     monkeypatch.setattr(time, "time", lambda: ts(2026, 11, 29, 12, 15, 1))
     beats[2].apply_async(entry, producer=object(), advance=False)
     assert [opts["headers"][HEADER] for _, opts in sent][1:] == ["hourly@2026-11-29T12:15Z"]
+
+
+class _Crashing(_Recording):
+    """A winner that dies between its claim and its publish."""
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        raise SystemExit("killed between the claim and the publish")
+
+
+def test_only_the_beat_that_sent_a_tick_records_it_as_run(monkeypatch) -> None:
+    """Celery's tick: reserve (move on), then send. The losing beat's schedule store
+    keeps the entry as it was (no last_run_at, no run counted) though its own heap
+    moves on, so it does not send again at once; the winner's records the run once
+    sent."""
+    monkeypatch.setattr(time, "time", lambda: ts(2026, 11, 29, 11, 15, 0) + 0.5)
+    app = Celery(set_as_current=False)
+    app.conf.mutex_beat_cache = InMemoryCache()
+    sent: list[tuple[str, dict[str, Any]]] = []
+    beats = [_Recording(app, sent), _Recording(app, sent)]
+    entry = ScheduleEntry(name="report", task="not.imported.report", schedule=schedule(10.0),
+                          app=app)  # fmt: skip
+    for beat in beats:
+        beat.schedule["report"] = entry
+    moved = []
+    for beat in beats:  # what Scheduler.tick does with a due entry
+        moved.append(beat.reserve(entry))
+        beat.apply_entry(entry, producer=object())
+    assert len(sent) == 1
+    winner, loser = beats
+    assert winner.schedule["report"].total_run_count == 1
+    assert loser.schedule["report"] is entry  # its store unchanged
+    assert entry.total_run_count == 0
+    assert all(m.total_run_count == 1 for m in moved)
+    assert not loser.is_due(moved[1])[0]  # its heap moved on all the same
+
+
+def test_a_winner_that_dies_before_its_publish_records_nothing(monkeypatch) -> None:
+    """The winner dies between its claim and its publish: the tick is lost (documented),
+    and no store says it ran, so staleness alerts still fire."""
+    monkeypatch.setattr(time, "time", lambda: ts(2026, 11, 29, 11, 15, 0) + 0.5)
+    app = Celery(set_as_current=False)
+    app.conf.mutex_beat_cache = InMemoryCache()
+    beat = _Crashing(app, [])
+    entry = ScheduleEntry(name="report", task="not.imported.report", schedule=schedule(10.0),
+                          app=app)  # fmt: skip
+    beat.schedule["report"] = entry
+    beat.reserve(entry)
+    with pytest.raises(SystemExit):
+        beat.apply_async(entry, producer=object(), advance=False)
+    assert beat.schedule["report"] is entry
+    assert entry.total_run_count == 0
 
 
 def test_guard_without_a_cache_names_the_setting() -> None:
@@ -333,6 +388,17 @@ def test_three_guarded_beats_run_every_slot_exactly_once(cluster: Cluster) -> No
         assert len(after_kill) == 8
     winners = [i for i in range(3) if " claimed fast@" in cluster.log_text(f"beat-{run}-{i}")]
     assert len(winners) >= 2  # active-active: the others carried on at once
+    # Each beat's schedule store (the -s shelve, saved as it shut down) counts the runs
+    # of the ticks it sent, not every tick it saw come due (the others' too).
+    for i in range(3):
+        if i == busiest:
+            continue  # SIGKILLed: its store holds what it saved last, at most
+        beat_log = cluster.log_text(f"beat-{run}-{i}")
+        with shelve.open(str(cluster.tmp / f"beat-{run}-{i}"), flag="r") as store:
+            entries = store["entries"]
+            for entry in ("fast", "remote"):
+                claimed = len(re.findall(rf" claimed {entry}@", beat_log))
+                assert entries[entry].total_run_count == claimed, (i, entry)
     slow = sorted((row["start"], row["end"]) for row in rows if row["entry"] == "slow")
     assert len(slow) >= 4
     assert all(b[0] >= a[1] for a, b in itertools.pairwise(slow))  # no overlap

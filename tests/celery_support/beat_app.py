@@ -89,15 +89,17 @@ class RecordingScheduler(MutexScheduler):  # type: ignore[misc]
     ``"queue"`` take their place at the send). What a run's successor could be chosen
     from, whatever the load on the beat."""
 
-    def mutex_claim(self, entry: Any) -> str | None:
-        self._claimed: str | None = super().mutex_claim(entry)
-        return self._claimed
+    def mutex_claim(self, entry: Any, now: float | None = None) -> str | None:
+        # Claimed as the tick reserves the entry; sent (or not) by the apply_async after.
+        claimed: str | None = super().mutex_claim(entry, now)
+        self.__dict__.setdefault("_claimed", {})[entry.name] = claimed
+        return claimed
 
     def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
-        self._claimed = None
         result = super().apply_async(entry, producer, advance, **kw)
-        if self._claimed is not None:
-            _record.hset(PREFIX + "sent", self._claimed, time.time())
+        claimed = self.__dict__.setdefault("_claimed", {}).pop(entry.name, None)
+        if claimed is not None:
+            _record.hset(PREFIX + "sent", claimed, time.time())
         return result
 
 
