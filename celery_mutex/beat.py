@@ -115,19 +115,24 @@ class MutexSchedulerMixin:
 
     def reserve(self, entry: Any) -> Any:
         claims = self.__dict__.setdefault("_mutex_claims", {})
+        moved = _moved_on(entry)
         try:
-            claims[entry.name] = self.mutex_claim(entry)
+            claims[entry.name] = (self.mutex_claim(entry), moved)
         except Exception as exc:  # a cache fault: apply_async fails closed
-            claims[entry.name] = exc
-        return _moved_on(entry)
+            claims[entry.name] = (exc, moved)
+        return moved
 
     def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
         if advance:  # as Celery does: move on first (here: claim), never send twice
             self.reserve(entry)
         claims = self.__dict__.setdefault("_mutex_claims", {})
         tick: str | Exception | None
+        moved = None
         try:
-            tick = claims.pop(entry.name) if entry.name in claims else self.mutex_claim(entry)
+            if entry.name in claims:
+                tick, moved = claims.pop(entry.name)
+            else:
+                tick = self.mutex_claim(entry)
         except Exception as exc:
             tick = exc
         if isinstance(tick, Exception):  # a cache fault: fail closed, nothing sent
@@ -142,7 +147,9 @@ class MutexSchedulerMixin:
         stamped.options = options
         log.info("beat: %s claimed %s", entry.name, tick)
         sent = super().apply_async(stamped, producer, advance=False, **kw)  # type: ignore[misc]
-        super().reserve(entry)  # type: ignore[misc]  # sent: now the store says it ran
+        recorded = super().reserve(entry)  # type: ignore[misc]  # sent: the store says it ran
+        if moved is not None:  # the copy this beat's heap holds counts that run too
+            moved.total_run_count = getattr(recorded, "total_run_count", moved.total_run_count)
         return sent
 
 
@@ -154,13 +161,13 @@ def _copy(entry: Any) -> Any:
 
 
 def _moved_on(entry: Any) -> Any:
-    """``next(entry)`` for this beat's own heap only: ``last_run_at`` now and the count
-    one up on a copy, nothing written anywhere (django-celery-beat's ``next`` changes
-    its model, redbeat's writes to Redis)."""
+    """A copy of ``entry`` for this beat's own heap, its ``last_run_at`` now (so it is
+    not due again at once), nothing written anywhere (django-celery-beat's ``next``
+    changes its model, redbeat's writes to Redis). Its run count moves only when a run
+    is recorded: the store's next record counts from the heap's copy."""
     moved = _copy(entry)
     now = getattr(entry, "default_now", None) or entry._default_now
     moved.last_run_at = now()
-    moved.total_run_count = int(getattr(entry, "total_run_count", 0) or 0) + 1
     return moved
 
 

@@ -215,8 +215,17 @@ def test_only_the_beat_that_sent_a_tick_records_it_as_run(monkeypatch) -> None:
     assert winner.schedule["report"].total_run_count == 1
     assert loser.schedule["report"] is entry  # its store unchanged
     assert entry.total_run_count == 0
-    assert all(m.total_run_count == 1 for m in moved)
+    assert [m.total_run_count for m in moved] == [1, 0]  # the winner's heap counts its run
     assert not loser.is_due(moved[1])[0]  # its heap moved on all the same
+    heap = moved[0]
+    for n in (1, 2):  # the winner's later ticks, each a new slot it wins: counted on
+        monkeypatch.setattr(time, "time", lambda n=n: ts(2026, 11, 29, 11, 15, 0) + 10 * n)
+        following = winner.reserve(heap)
+        winner.apply_entry(heap, producer=object())
+        heap = following
+    assert len(sent) == 3
+    assert winner.schedule["report"].total_run_count == heap.total_run_count == 3
+    assert loser.schedule["report"] is entry
 
 
 def test_a_winner_that_dies_before_its_publish_records_nothing(monkeypatch) -> None:
