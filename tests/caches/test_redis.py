@@ -774,7 +774,18 @@ def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_pat
     while not probe.sentinel_get_master_addr_by_name("simple"):
         assert time.monotonic() < deadline, "sentinel does not know the master"
         time.sleep(0.05)
-    cache = from_url(f"redis+sentinel://127.0.0.1:{sentinel.port}/simple/0?socket_timeout=2")
+    url = f"redis+sentinel://127.0.0.1:{sentinel.port}/simple/0?socket_timeout=2"
+    # A Sentinel URL waits for a replica unless told otherwise by name; this master has
+    # none, so the grant is refused, naming the setting.
+    assert from_url(url).replicas == 1
+    with pytest.raises(MalfunctionError, match="replicas=0"):
+        Mutex(from_url(url + "&replica_timeout=0.2"), lease=30).acquire("no-replica", timeout=1)
+    assert redis.Redis(port=master.port).exists("{mutex.no-replica}") == 0  # withdrawn
+    master_client = redis.sentinel.Sentinel([("127.0.0.1", sentinel.port)]).master_for("simple")
+    assert RedisCache(master_client).replicas == 1  # a Sentinel's master, given directly
+    assert RedisCache(master_client, replicas=0).replicas == 0
+    assert RedisCache(redis.Redis(port=master.port)).replicas == 0  # a plain client
+    cache = from_url(url + "&replicas=0")
     mutex = Mutex(cache, lease=30)
     lease = mutex.acquire("via-sentinel", timeout=1)
     assert redis.Redis(port=master.port).exists("{mutex.via-sentinel}") == 1

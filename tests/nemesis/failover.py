@@ -144,8 +144,7 @@ class SentinelPair:
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         query = "socket_timeout=0.5&socket_connect_timeout=0.5"
-        if self.replicas:
-            query += f"&replicas={self.replicas}"
+        query += f"&replicas={self.replicas}"  # 0 by name: a Sentinel URL's default is 1
         return f"redis+sentinel://{hosts}/{SERVICE}/0?{query}"
 
     def client_cache(self) -> dict[str, Any]:

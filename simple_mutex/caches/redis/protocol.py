@@ -202,6 +202,12 @@ Command = tuple[Any, ...]
 """One command as ``execute_command`` takes it: its name, then its arguments."""
 
 
+def _sentinel_managed(client: Any) -> bool:
+    """Is ``client`` a Sentinel's master (``Sentinel.master_for``), blocking or asyncio?"""
+    pool = getattr(client, "connection_pool", None)
+    return type(pool).__name__ == "SentinelConnectionPool" and getattr(pool, "is_master", False)
+
+
 class RedisLayout:
     """The I/O-free half of a Redis cache: options, keys, requests and replies. A subclass
     sends the requests (blocking or awaited) and hands the replies back here."""
@@ -219,11 +225,16 @@ class RedisLayout:
         client: Any,
         *,
         prefix: str = "",
-        replicas: int = 0,
+        replicas: int | None = None,
         replica_timeout: float = 0.5,
         allow_eviction: bool = False,
     ) -> None:
         same_connection = self._connect(client)
+        if replicas is None:
+            # A Sentinel-managed master is one a failover is expected to replace, and a
+            # grant it had not yet passed on would be lost in it (a waiter then holds the
+            # key beside its holder): wait for one replica unless told replicas=0.
+            replicas = 1 if same_connection and _sentinel_managed(client) else 0
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ConstraintValueError(
                 f"{type(self).__name__} replicas must be an int >= 0, got {replicas!r}"
@@ -372,7 +383,8 @@ class RedisLayout:
             f"redis cache: fewer than {self.replicas} replica(s) acknowledged the grant of "
             f"{key!r} within {self.replica_timeout:g} s, so it was "
             f"{'withdrawn' if undone else 'not counted (it lapses with its lease)'}; check "
-            "the replicas, or lower replicas= / raise replica_timeout=",
+            "the replicas, or lower replicas= / raise replica_timeout= (a "
+            "redis+sentinel:// URL waits for one replica unless it says replicas=0)",
             key=key,
             unsent=undone,
             withheld=True,  # if the withdrawal failed, a read-back must not grant it

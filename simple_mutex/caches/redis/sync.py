@@ -412,7 +412,10 @@ def from_url(url: str) -> Any:
     [?socket_timeout=..&sentinel_password=..]`` asks the sentinels for the master of
     ``service``; the password is the master's (``sentinel_password`` is the sentinels'
     own, if they need one). ``allow_eviction=true``, ``replicas=N`` and
-    ``replica_timeout=S`` in the query go to the cache.
+    ``replica_timeout=S`` in the query go to the cache. A ``redis+sentinel://`` URL
+    means a failover is expected, and a grant the primary had not yet passed on is lost
+    in one (a waiter then holds the key beside its first holder), so it waits for one
+    replica by default: ``replicas=0`` says, by name, that losing a grant is acceptable.
     """
     scheme = url.partition(":")[0].lower()
     head, _, query = url.partition("?")
@@ -430,7 +433,7 @@ def from_url(url: str) -> Any:
         make = functools.partial(
             cache_class,
             allow_eviction=_yes(own.get("allow_eviction", "false")),
-            replicas=int(own.get("replicas", "0")),
+            replicas=int(own["replicas"]) if "replicas" in own else None,
             replica_timeout=float(own.get("replica_timeout", "0.5")),
         )
         if scheme in ("redis", "rediss", "unix"):
