@@ -36,7 +36,12 @@ import math
 import time
 from typing import Any
 
-from simple_mutex import ConstraintValueError, Mutex, SimpleMutexAcquireTimeoutError
+from simple_mutex import (
+    ConstraintValueError,
+    Mutex,
+    SimpleMutexAcquireTimeoutError,
+    SimpleMutexError,
+)
 from simple_mutex.busy import positive_seconds, shared_cache, skip_marker
 
 from ._celery import Signal
@@ -118,7 +123,7 @@ class MutexSchedulerMixin:
         moved = _moved_on(entry)
         try:
             claims[entry.name] = (self.mutex_claim(entry), moved)
-        except Exception as exc:  # a cache fault: apply_async fails closed
+        except SimpleMutexError as exc:  # a cache fault: apply_async fails closed
             claims[entry.name] = (exc, moved)
         return moved
 
@@ -133,7 +138,7 @@ class MutexSchedulerMixin:
                 tick, moved = claims.pop(entry.name)
             else:
                 tick = self.mutex_claim(entry)
-        except Exception as exc:
+        except SimpleMutexError as exc:
             tick = exc
         if isinstance(tick, Exception):  # a cache fault: fail closed, nothing sent
             raise SchedulingError(f"Couldn't claim scheduled task {entry.name}: {tick!r}") from tick
@@ -147,10 +152,29 @@ class MutexSchedulerMixin:
         stamped.options = options
         log.info("beat: %s claimed %s", entry.name, tick)
         sent = super().apply_async(stamped, producer, advance=False, **kw)  # type: ignore[misc]
+        _counted_from_the_store(entry)
         recorded = super().reserve(entry)  # type: ignore[misc]  # sent: the store says it ran
         if moved is not None:  # the copy this beat's heap holds counts that run too
             moved.total_run_count = getattr(recorded, "total_run_count", moved.total_run_count)
         return sent
+
+
+def _counted_from_the_store(entry: Any) -> None:
+    """django-celery-beat counts runs on its in-memory model and saves that count: with
+    several beats sharing the table, each beat's copy counts only its own sends, and its
+    save would overwrite the others'. Read the stored count first (one row), so the
+    record adds this run to all of them. (redbeat reads its entries from Redis each
+    tick; a shelve is each beat's own.)"""
+    model = getattr(entry, "model", None)
+    refresh = getattr(model, "refresh_from_db", None)
+    if not callable(refresh):
+        return
+    from django.db import DatabaseError  # type: ignore[import-untyped, unused-ignore]
+
+    try:
+        refresh(fields=["total_run_count"])
+    except DatabaseError as exc:  # the send is done; a stale count is the lesser harm
+        log.warning("beat: %s: could not read its run count: %r", entry.name, exc)
 
 
 def _copy(entry: Any) -> Any:

@@ -46,12 +46,11 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
 
     A cache whose driver resends a command after the connection broke (the reply lost,
     the command maybe applied) should remember its releases: a delete at a version the
-    key was freed at, with nothing granted since, returns again (False or None) instead
-    of raising, for as long as the cache keeps the trace (a freed row, Redis's held
-    mark). A delete it resent that misses anyway (a waiter was granted the key in
-    between) is raised with ``resent=True`` on the ``SimpleCacheConditionError``.
-    Otherwise the engine cannot tell the resend that found its own release done from a
-    lease lost before the release, and reports the second.
+    key was freed at, with nothing granted since (Redis: or one grant, whose record it
+    leaves alone), returns again (False or None) instead of raising, for as long as the
+    cache keeps the trace (a freed row, Redis's held mark). Otherwise the engine cannot
+    tell the resend that found its own release done from a lease lost before the
+    release, and reports the second.
 
 ``wait(keys, timeout)``
     Block for at most ``timeout`` seconds, returning early when any of ``keys`` may have

@@ -208,13 +208,7 @@ class SimpleCacheConditionError(SimpleMutexError):
     """A cache's precondition missed (the key was present, or its version changed).
 
     Caches raise it; the lock engine treats it as a lost race. It never escapes a Mutex.
-
-    ``resent`` is True when the miss answered a request the driver sent a second time
-    after the connection broke: the first may have landed (its reply lost), so the
-    miss may be our own write's doing, not another holder's.
     """
-
-    resent = False
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -505,6 +505,16 @@ def test_a_waiter_rides_out_faults_and_is_granted_once_the_cache_is_back():
                      PutIfAbsent]  # fmt: skip
 
 
+def test_a_fused_waiter_rides_out_a_fault_its_read_back_meets_too():
+    """Redis's fused wait and put fails (a reset) and so does the read that settles it:
+    answered already, the waiter pauses and tries again, as a plain one does."""
+    answers = [held(), fault(), fault(), fault(), None, entry_for]
+    driver, grant = acquire(scripted(*answers), hand_over=True, timeout=40)
+    assert grant.entry.value == VALUE
+    kinds = [type(op) for op in driver.ops]
+    assert kinds[:5] == [PutIfAbsent, WaitThenPut, Get, Pause, PutIfAbsent]
+
+
 def test_faults_that_outlast_the_timeout_raise_the_fault_not_a_busy_timeout():
     """The server stays gone: the waiter tries until its deadline and then says why."""
     driver, error = acquire(held_then_down(), timeout=5)
@@ -618,17 +628,6 @@ def test_a_release_miss_frees_our_record_at_the_version_it_reads():
     ]
 
 
-@pytest.mark.parametrize("seen", [None, THEIRS])
-def test_a_resent_release_that_misses_is_our_own_release(seen):
-    """The driver sent the delete twice (the connection broke): the first freed our
-    record, and a waiter may have taken it since. Freed, and nothing more written."""
-    resent = miss()
-    resent.resent = True
-    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), resent, seen)
-    assert outcome == Released(freed=True, woke=False)
-    assert [type(op) for op in ops] == [CompareAndDelete, Get]
-
-
 @pytest.mark.parametrize("seen", [THEIRS, None])
 def test_a_release_never_frees_another_holders_record(seen):
     """When the read shows someone else (or nothing), nothing more is written."""
@@ -698,17 +697,22 @@ def test_take_over_finds_nothing_when_no_record_is_accepted():
     assert ops == [Get("s")]
 
 
-def test_release_where_frees_accepted_records_on_the_version_read():
-    """Each accepted record is deleted on the version read; a changed one is skipped."""
-    flow = flows.release_where(["s", "s#1", "s#2"], owned_by_theirs)
-    freed, ops = drive(flow, THEIRS, True, None, THEIRS, miss())
+def test_release_where_moves_each_accepted_record_aside_then_deletes_it():
+    """Each accepted record is first moved to the releaser's own record (a version of
+    its own), then deleted at that version: a cache's trace of the release then names a
+    version its holder never had, so the holder's own later release reports the loss
+    instead of taking it for its own. A record that changed since the read is skipped."""
+    aside = Entry("ASIDE", "v20", 9, 1e9)
+    flow = flows.release_where(["s", "s#1", "s#2"], owned_by_theirs, "ASIDE")
+    freed, ops = drive(flow, THEIRS, aside, True, None, THEIRS, miss())
     assert freed == 1
     assert ops == [
         Get("s"),
-        CompareAndDelete("s", "v9"),
+        CompareAndSet("s", "ASIDE", flows.FREEING_LEASE, "v9"),
+        CompareAndDelete("s", "v20"),
         Get("s#1"),
         Get("s#2"),
-        CompareAndDelete("s#2", "v9"),
+        CompareAndSet("s#2", "ASIDE", flows.FREEING_LEASE, "v9"),
     ]
 
 

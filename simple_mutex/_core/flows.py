@@ -324,7 +324,13 @@ def acquire(
                 # (poll) from a server that is gone (the put raises).
                 found = None
                 if not fault.unsent:
-                    found = yield from _unclear_put(slot_keys[0], value, fault, deadline, now)
+                    try:
+                        found = yield from _unclear_put(slot_keys[0], value, fault, deadline, now)
+                    except MalfunctionError as unsettled:
+                        pause_for = ride_out(unsettled)
+                        if pause_for is None:
+                            raise
+                        yield Pause(pause_for)
                 if found is None:
                     wait_failed = True
                     continue
@@ -407,11 +413,11 @@ def release(cache_key: str, value: str, version: str) -> Flow[Released]:
     """Free our record by compare-and-delete; never another holder's.
 
     A delete whose reply was lost may have landed. A cache that resends it finds its own
-    release there (the contract's rule) and says freed, or marks the miss ``resent``; a
-    fault raised to us instead is settled by one read. Either way no record of ours left
-    means our delete landed (the caller judges, by its own clock, whether the lease
-    could have lapsed first), and our record still there is freed now. Only a fault on
-    that read too reaches the caller."""
+    release there (the contract's rule: a trace names the version freed) and says freed;
+    a fault raised to us instead is settled by one read: no record of ours left means
+    our delete landed (the caller judges, by its own clock, whether the lease could have
+    lapsed first), our record still there is freed now. Only a fault on that read too
+    reaches the caller."""
     try:
         woke = yield CompareAndDelete(cache_key, version)
     except MalfunctionError as fault:
@@ -424,14 +430,12 @@ def release(cache_key: str, value: str, version: str) -> Flow[Released]:
             woke = yield CompareAndDelete(cache_key, entry.version)
         except (MalfunctionError, SimpleCacheConditionError):
             raise fault  # noqa: B904 (the first fault is the one to report)
-    except SimpleCacheConditionError as miss:
+    except SimpleCacheConditionError:
         # A renewal whose reply was lost may have landed: our record then has a version we
         # never saw.
         entry = yield from settle(cache_key, value)
         if entry is None:
-            # Sent twice, the first may have freed it (and a waiter taken it since, so
-            # no trace the cache keeps can say): our release, as after a fault.
-            return FREED if miss.resent else NOT_FREED
+            return NOT_FREED
         try:
             woke = yield CompareAndDelete(cache_key, entry.version)
         except SimpleCacheConditionError:
@@ -487,20 +491,40 @@ def extend(
     return None
 
 
-def release_where(slot_keys: Sequence[str], owns: Owns) -> Flow[int]:
+def release_where(slot_keys: Sequence[str], owns: Owns, value: str) -> Flow[int]:
     """Free every record ``owns`` accepts, on the version read: a record that changed in
-    between is left alone."""
+    between is left alone. Each is freed as ``free_for`` frees it (``value``: the record
+    it is moved to first)."""
     freed = 0
     for cache_key in slot_keys:
         entry = yield Get(cache_key)
         if entry is None or not owns(entry):
             continue
-        try:
-            yield CompareAndDelete(cache_key, entry.version)
-        except SimpleCacheConditionError:
-            continue
-        freed += 1
+        if (yield from free_for(cache_key, entry.version, value)):
+            freed += 1
     return freed
+
+
+FREEING_LEASE = 5.0
+"""How long a record moved aside by ``free_for`` lives if its delete never comes."""
+
+
+def free_for(cache_key: str, version: str, value: str) -> Flow[bool]:
+    """Free the record at ``version`` on its holder's behalf (an operator, a parent
+    whose child died): first move it to ``value``, a record of our own at a version of
+    its own, then delete that. A cache's trace of a release then names our version, so
+    the holder's own release, if it still comes, misses and reports the loss; it can
+    never take our release for its own (a release resent after a lost reply does, by
+    design). False when the record changed since ``version`` was read."""
+    try:
+        moved: Entry = yield CompareAndSet(cache_key, value, FREEING_LEASE, version)
+    except SimpleCacheConditionError:
+        return False
+    try:
+        yield CompareAndDelete(cache_key, moved.version)
+    except SimpleCacheConditionError:
+        return True  # lapsed in between: freed all the same
+    return True
 
 
 def abandon(slot_keys: Sequence[str], value: str) -> Flow[None]:

@@ -12,15 +12,18 @@ make, a compare-and-delete) and never prints it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from simple_mutex._core import flows
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key, split_slot
-from simple_mutex._core.records import Holder, holder_of, record_key
+from simple_mutex._core.records import Holder, encode_record, holder_of, new_token, record_key
+from simple_mutex._runtime.drivers import run
 from simple_mutex.busy.line import Line, Lines
 from simple_mutex.contract import ConditionalCache, Entry, Scannable, is_async
-from simple_mutex.errors import ConstraintTypeError, SimpleCacheConditionError
+from simple_mutex.errors import ConstraintTypeError
 
 DEFAULT_PREFIX = "mutex."
 """The prefix of ``Mutex`` (and of Celery and RQ locks unless configured otherwise)."""
@@ -129,20 +132,20 @@ def release(
     take-over keeps the fence but writes another owner's record. So: compare-and-delete
     on the version read; if that misses because the same record was renewed meanwhile (a
     ``renew=True`` holder does that every third of its lease, maybe while a person reads
-    the prompt), again on the new version. Any other miss refuses."""
+    the prompt), again on the new version. Any other miss refuses. Freed as
+    ``flows.free_for`` frees (moved to a record of ours first), so the holder's own
+    release still reports the loss."""
     who = _describe(lock)
     version = lock.version
+    aside = encode_record(new_token(), f"freed by {by}", time.time())
     for _ in range(attempts):
-        try:
-            cache.compare_and_delete(lock.cache_key, version=version)
-        except SimpleCacheConditionError:
-            now = cache.get(lock.cache_key)
-            if now is None or now.fence != lock.fence or now.value != lock.record:
-                break
-            version = now.version  # the same holder, renewed: still the one to free
-            continue
-        log.warning("%s freed %s", by, who)
-        return True
+        if run(cache, flows.free_for(lock.cache_key, version, aside)):
+            log.warning("%s freed %s", by, who)
+            return True
+        now = cache.get(lock.cache_key)
+        if now is None or now.fence != lock.fence or now.value != lock.record:
+            break
+        version = now.version  # the same holder, renewed: still the one to free
     log.warning("%s did not free %s: it was freed or changed hands since it was read", by, who)
     return False
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -762,7 +763,9 @@ def test_a_server_frozen_mid_wait_ends_the_acquire_by_its_timeout_and_one_socket
     assert holder.release()
 
 
-def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_path: Path):
+def test_sentinel_url_finds_the_master(
+    redis_servers: list[RedisServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     """redis+sentinel:// asks a real Sentinel for the master, and locks work through it."""
     master = own_redis(redis_servers, tmp_path, free_port())
     conf = tmp_path / "sentinel.conf"
@@ -785,6 +788,15 @@ def test_sentinel_url_finds_the_master(redis_servers: list[RedisServer], tmp_pat
     assert RedisCache(master_client).replicas == 1  # a Sentinel's master, given directly
     assert RedisCache(master_client, replicas=0).replicas == 0
     assert RedisCache(redis.Redis(port=master.port)).replicas == 0  # a plain client
+
+    class Traced(type(master_client)):  # type: ignore[misc]
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            return super().execute_command(*args, **options)
+
+    traced = Traced(connection_pool=master_client.connection_pool)
+    with caplog.at_level(logging.WARNING, logger="simple_mutex"):
+        assert RedisCache(traced).replicas == 0  # WAIT cannot follow the write: said
+    assert "cannot wait for a replica" in caplog.text
     cache = from_url(url + "&replicas=0")
     mutex = Mutex(cache, lease=30)
     lease = mutex.acquire("via-sentinel", timeout=1)

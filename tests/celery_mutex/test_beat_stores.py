@@ -41,6 +41,8 @@ def test_django_celery_beat_records_only_the_tick_this_beat_sent(tmp_path: Path)
     assert stores["died"] == {"total_run_count": 0, "last_run_at": None}
     assert stores["sent"]["total_run_count"] == 1
     assert stores["sent"]["last_run_at"] is not None
+    # Two beats winning in turn: the table counts every run, not each beat's own.
+    assert stores["turns"] == [1, 2, 3, 4]
 
 
 def test_redbeat_records_only_the_tick_this_beat_sent() -> None:

@@ -18,7 +18,9 @@ import contextlib
 import datetime as dt
 import json
 import sys
+import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 from celery import Celery
@@ -101,7 +103,29 @@ def django_scenario(db: str, cache: str) -> dict[str, Any]:
             "total_run_count": task.total_run_count,
             "last_run_at": None if task.last_run_at is None else task.last_run_at.isoformat(),
         }
+    found["turns"] = turns(Guarded, app, every, PeriodicTask)
     return found
+
+
+def turns(guarded: Any, app: Celery, every: Any, model: Any) -> list[int]:
+    """Two beats sharing the table win four ticks in turn: the stored run count after
+    each (each beat's own copy counts only its own sends)."""
+    import celery_mutex.beat as guard
+
+    name = f"turns-{RUN}"
+    model.objects.create(name=name, task="not.imported.turns", interval=every)
+    beats = [guarded(app=app), guarded(app=app)]
+    start, counts = time.time(), []
+    for n in range(4):
+        guard.time = SimpleNamespace(time=lambda n=n: start + 3600 * n)  # a slot each
+        beat = beats[n % 2]
+        entry = beat.schedule[name]
+        beat.reserve(entry)
+        beat.apply_entry(entry, producer=None)
+        beat.sync()
+        counts.append(model.objects.get(name=name).total_run_count)
+    guard.time = time
+    return counts
 
 
 def redbeat_scenario(redis_url: str, cache: str) -> dict[str, Any]:

@@ -318,13 +318,6 @@ class PostgresCore(CacheBase):
             reply = yield statement
         except SessionEnded:
             reply = yield statement
-            try:
-                return statement.finish(reply)
-            except SimpleCacheConditionError as miss:
-                # The first may have run after all (a reply lost, not a session ended
-                # idle): say so, the engine decides (a release found freed by itself).
-                miss.resent = True
-                raise
         return statement.finish(reply)
 
     def _note_unsettled(self, conn: Any) -> None:

@@ -51,7 +51,6 @@ from .protocol import (
     blpop_command,
     load_command,
     mark_command,
-    note_resent,
     own_connection,
     persistence_of,
     refused,
@@ -189,7 +188,6 @@ class AsyncRedisCache(RedisLayout):
 
     async def compare_and_delete(self, key: str, *, version: str) -> bool:
         request = self._delete_request(key, version)
-        note_resent(False)  # a client of its own path never sets it: nothing stale
         freed, _ = await self._call_script(DELETE, "compare_and_delete", key, request)
         return self._delete_reply(key, version, freed)
 
@@ -459,14 +457,12 @@ async def _run(conn: Any, args: tuple[Any, ...]) -> Any:
     sleeps, one immediate retry for an idle connection the server closed, and a
     connection left mid-reply (a fault, a cancellation) is closed, never reused."""
     try:
-        note_resent(False)
         try:
             reply = await _send_and_read(conn, args)
         except ConnectionError as exc:
             await conn.disconnect()
             if refused(exc):
                 raise
-            note_resent(True)
             reply = await _send_and_read(conn, args)
     except ResponseError:
         raise  # a whole reply, read to its end: the connection is in step

@@ -12,7 +12,8 @@ one of them expires::
     {base}:f               string  the last fence granted, PX max(2 x ttl, 60 s)
     {base}:h, {base}:h#N   string  "1": the entry (slot N) was granted and not freed since;
                                    set by a grant and each renewal, PX max(2 x ttl, 60 s);
-                                   a release sets it to the version it freed, PX 60 s
+                                   a release sets it to the version it freed, PX 60 s, and
+                                   the grant after a release to "1 <that version>"
     {base}:w               string  waiters are blocked, PX 3 s (renewed by each failed put)
     {base}:signal          list    one wake-up token, PX 1 s; only around a hand-off
 
@@ -20,16 +21,18 @@ The held mark outlives the entry it marks (PX lapses it first): a grant that fin
 took over from a holder that never freed the key (``Entry.took_over``), for as long as
 the mark is kept after the holder's last grant or renewal. After a release it names the
 version freed, so a release sent again (the client resends a command whose connection
-broke before the reply came) finds its own earlier release, not a lost lease.
+broke before the reply came) finds its own earlier release, not a lost lease, even when
+the waiter that release woke holds the key already. An operator's release first moves the
+record to a version of its own, so a holder's release never mistakes it for its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -65,21 +68,6 @@ with contextlib.suppress(ImportError):
 # The settings through which a connection can be told its client name and version.
 _DRIVER_SETTINGS = ("driver_info", "lib_name", "lib_version")
 
-_resends = threading.local()
-
-
-def note_resent(resent: bool) -> None:
-    """Record whether this thread's last command on the cache's own connections went
-    out twice (``sync._run``, ``asyncio._run``: one resend after a broken connection).
-    Read at once after the command, before any other runs on this thread (an asyncio
-    face reads it with no ``await`` in between)."""
-    _resends.last = resent
-
-
-def last_resent() -> bool:
-    return bool(getattr(_resends, "last", False))
-
-
 MAX_BLOCK_S = 2.0  # longest single BLPOP; the engine simply calls wait again
 WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLPOP
 SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
@@ -106,8 +94,9 @@ fence = string.format('%d', fence)
 if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
     local held = redis.call('GET', KEYS[4])
-    redis.call('SET', KEYS[4], 1, 'PX', ARGV[3])
-    if held == '1' then return -tonumber(fence) end
+    local took = held == '1' or (held and string.sub(held, 1, 2) == '1 ')
+    redis.call('SET', KEYS[4], (held and not took) and ('1 ' .. held) or '1', 'PX', ARGV[3])
+    if took then return -tonumber(fence) end
     return tonumber(fence)
 end
 local cur = redis.pcall('GET', KEYS[1])
@@ -140,14 +129,16 @@ return n
 # ARGV[1] expected version, ARGV[2] how long the held mark keeps the version freed (ms)
 # Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
 # lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
-# waiting, or when the held mark says this very version was freed and nothing granted
-# since (our own release sent again after its reply was lost), 0 when absent or at
-# another version. The last fence stays; the held mark names the version freed (the
-# next grant takes over nothing).
+# waiting, or when the held mark says this very version was freed, with nothing or one
+# grant since (our own release sent again after its reply was lost, a waiter it woke
+# holding the key already), 0 when absent or at another version. The last fence stays;
+# the held mark names the version freed (the next grant takes over nothing, and keeps
+# that name after its "1").
 DELETE = f"""
 local cur = redis.call('GET', KEYS[1])
 if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then
-    if redis.call('GET', KEYS[4]) == ARGV[1] then return 1 end
+    local held = redis.call('GET', KEYS[4])
+    if held == ARGV[1] or held == '1 ' .. ARGV[1] then return 1 end
     return 0
 end
 redis.call('DEL', KEYS[1])
@@ -234,7 +225,17 @@ class RedisLayout:
             # A Sentinel-managed master is one a failover is expected to replace, and a
             # grant it had not yet passed on would be lost in it (a waiter then holds the
             # key beside its holder): wait for one replica unless told replicas=0.
-            replicas = 1 if same_connection and _sentinel_managed(client) else 0
+            sentinel = _sentinel_managed(client)
+            if sentinel and not same_connection:
+                logging.getLogger("simple_mutex").warning(
+                    "%s: this Sentinel master's commands go through a wrapped or replaced "
+                    "execute_command (tracing?), so a grant cannot wait for a replica "
+                    "(WAIT must follow it on the same connection): a failover may lose a "
+                    "grant and let a second holder in. Give the cache the master itself, "
+                    "or pass replicas=0 to accept it",
+                    type(self).__name__,
+                )
+            replicas = 1 if same_connection and sentinel else 0
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ConstraintValueError(
                 f"{type(self).__name__} replicas must be an int >= 0, got {replicas!r}"
@@ -420,10 +421,7 @@ class RedisLayout:
 
     def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
         if not freed:
-            miss = SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
-            # Sent twice: the first may have freed it, and a waiter taken it since.
-            miss.resent = last_resent()
-            raise miss
+            raise SimpleCacheConditionError(f"redis: {key!r} is not at version {version}")
         return bool(freed == 2)  # a waiter was signalled
 
     # -- waited_on ----------------------------------------------------------------------------

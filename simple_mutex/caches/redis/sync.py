@@ -54,7 +54,6 @@ from .protocol import (
     RedisLayout,
     Request,
     load_command,
-    note_resent,
     own_connection,
     persistence_of,
     refused,
@@ -189,7 +188,6 @@ class RedisCache(RedisLayout):
 
     def compare_and_delete(self, key: str, *, version: str) -> bool:
         request = self._delete_request(key, version)
-        note_resent(False)  # a client of its own path never sets it: nothing stale
         freed, _ = self._call_script(DELETE, "compare_and_delete", key, request)
         return self._delete_reply(key, version, freed)
 
@@ -350,7 +348,6 @@ def _run(
     connection error is retried once, at once, for the pooled connection the server
     closed while it sat idle (a retried write finds its own value)."""
     send = _send_and_read if exchange is None else exchange
-    note_resent(False)
     try:
         try:
             reply = send(conn, args)
@@ -358,7 +355,6 @@ def _run(
             conn.disconnect()
             if refused(exc):
                 raise
-            note_resent(True)
             reply = send(conn, args)
     except ResponseError:
         raise  # a whole reply, read to its end: the connection is in step
