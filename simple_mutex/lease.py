@@ -280,7 +280,9 @@ class Lease:
             in_time = state.live and time.monotonic() < self._deadline
             self._move(RELEASING)  # no more background renewals: we mean to let go
         try:
-            outcome = yield from flows.release(self._cache_key, self._value, self._version)
+            outcome = yield from flows.release(
+                self._cache_key, self._value, self._version, self.fence
+            )
         except MalfunctionError as exc:
             if not in_time:
                 with self._lock:

@@ -611,7 +611,7 @@ def test_a_renewal_whose_record_keeps_changing_under_it_is_a_fault():
 
 def test_release_is_one_compare_and_delete_and_reports_a_woken_waiter():
     """A release is one compare-and-delete on our version; the cache's wake-up is kept."""
-    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), True)
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1", OURS.fence), True)
     assert outcome == Released(freed=True, woke=True)
     assert ops == [CompareAndDelete("mutex.k", "v1")]
 
@@ -619,7 +619,7 @@ def test_release_is_one_compare_and_delete_and_reports_a_woken_waiter():
 def test_a_release_miss_frees_our_record_at_the_version_it_reads():
     """A renewal whose reply was lost moved our version: the read finds it, and the
     second delete uses it."""
-    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), miss(), OURS, False)
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1", OURS.fence), miss(), OURS, False)
     assert outcome == Released(freed=True, woke=False)
     assert ops == [
         CompareAndDelete("mutex.k", "v1"),
@@ -631,7 +631,7 @@ def test_a_release_miss_frees_our_record_at_the_version_it_reads():
 @pytest.mark.parametrize("seen", [THEIRS, None])
 def test_a_release_never_frees_another_holders_record(seen):
     """When the read shows someone else (or nothing), nothing more is written."""
-    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), miss(), seen)
+    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1", OURS.fence), miss(), seen)
     assert outcome == Released(freed=False, woke=False)
     assert [type(op) for op in ops] == [CompareAndDelete, Get]
 
@@ -641,7 +641,7 @@ def test_a_release_fault_that_was_never_sent_propagates_for_the_lease_to_decide(
     lease may retry), with nothing read."""
     fault = MalfunctionError("refused", unsent=True)
     with pytest.raises(MalfunctionError) as info:
-        drive(flows.release("mutex.k", VALUE, "v1"), fault)
+        drive(flows.release("mutex.k", VALUE, "v1", OURS.fence), fault)
     assert info.value is fault
 
 
@@ -651,14 +651,27 @@ def test_a_release_fault_whose_delete_landed_is_settled_by_one_read(seen):
     (none, or the waiter's the release woke), which is freed. The lease judges by its
     own clock whether the record could have lapsed first; another holder's record is
     never written."""
-    outcome, ops = drive(flows.release("mutex.k", VALUE, "v1"), MalfunctionError("x"), seen)
+    outcome, ops = drive(
+        flows.release("mutex.k", VALUE, "v1", OURS.fence), MalfunctionError("x"), seen
+    )
     assert outcome == Released(freed=True, woke=False)
+    assert ops == [CompareAndDelete("mutex.k", "v1"), Get("mutex.k")]
+
+
+def test_a_release_fault_on_a_record_taken_over_under_our_fence_is_not_freed():
+    """The read after the fault finds another holder under our own fence: a take-over
+    (on_busy="replace") moved our record, which therefore was still there when our
+    delete was sent. Not freed by us: the lease reports the loss."""
+    replacer = Entry(OTHER, "v9", OURS.fence, 1e9)
+    flow = flows.release("mutex.k", VALUE, "v1", OURS.fence)
+    outcome, ops = drive(flow, MalfunctionError("x"), replacer)
+    assert outcome == Released(freed=False, woke=False)
     assert ops == [CompareAndDelete("mutex.k", "v1"), Get("mutex.k")]
 
 
 def test_a_release_fault_whose_delete_was_lost_deletes_again():
     """The delete never arrived: the read finds our record, freed at the version read."""
-    flow = flows.release("mutex.k", VALUE, "v1")
+    flow = flows.release("mutex.k", VALUE, "v1", OURS.fence)
     outcome, ops = drive(flow, MalfunctionError("x"), OURS, True)
     assert outcome == Released(freed=True, woke=True)
     assert ops == [
@@ -672,7 +685,7 @@ def test_a_release_fault_the_read_cannot_settle_goes_up_unchanged():
     """The read fails too: the first fault goes up, not a verdict."""
     fault = MalfunctionError("x")
     with pytest.raises(MalfunctionError) as info:
-        drive(flows.release("mutex.k", VALUE, "v1"), fault, MalfunctionError("y"))
+        drive(flows.release("mutex.k", VALUE, "v1", OURS.fence), fault, MalfunctionError("y"))
     assert info.value is fault
 
 

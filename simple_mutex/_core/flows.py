@@ -409,22 +409,28 @@ def renew(
     )
 
 
-def release(cache_key: str, value: str, version: str) -> Flow[Released]:
+def release(cache_key: str, value: str, version: str, fence: int) -> Flow[Released]:
     """Free our record by compare-and-delete; never another holder's.
 
     A delete whose reply was lost may have landed. A cache that resends it finds its own
     release there (the contract's rule: a trace names the version freed) and says freed;
-    a fault raised to us instead is settled by one read: no record of ours left means
-    our delete landed (the caller judges, by its own clock, whether the lease could have
-    lapsed first), our record still there is freed now. Only a fault on that read too
-    reaches the caller."""
+    a fault raised to us instead is settled by one read. No record, or another holder's
+    under a new fence (a waiter granted the key since): our delete landed (the caller
+    judges, by its own clock, whether the lease could have lapsed first). Another
+    holder's under our fence (``fence``): it was taken over, never freed by us, so not
+    freed. Our record still there is freed now. Only a fault on that read too reaches
+    the caller."""
     try:
         woke = yield CompareAndDelete(cache_key, version)
     except MalfunctionError as fault:
         if fault.unsent:
             raise
         try:
-            entry = yield from settle(cache_key, value)
+            entry = yield Get(cache_key)
+            if entry is not None and entry.value != value:
+                # A take-over (on_busy="replace") keeps the fence; a grant after a
+                # release writes a new one.
+                return NOT_FREED if entry.fence == fence else FREED
             if entry is None:
                 return FREED
             woke = yield CompareAndDelete(cache_key, entry.version)
