@@ -5,7 +5,6 @@ sweeping: ``simple_mutex.busy.line.driver``). Started by ``worker_ready`` and st
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from simple_mutex.busy.line import Lines, driver
-from simple_mutex.busy.policy import QueuePolicy
+from simple_mutex.busy.policy import QueuePolicy, most_patient
 
 from . import line
 from .config import Config, config_of
@@ -85,26 +84,21 @@ class Space:
     tasks: dict[str, tuple[Any, Config]]
 
     def of_line(self, key: str) -> tuple[line.TaskPublisher, QueuePolicy]:
-        """The publisher and bounds of ``key``'s line: those of the task its first
-        parked call names. A line with no parked call (a running one alone, whose task
-        the record does not name) gets the most patient bounds of the tasks here: a
-        sweep that waited another task's shorter ``gap_for`` for a dead holder's
-        redelivered copy ended its turn early, and the copy was dropped as a duplicate."""
+        """The publisher and bounds of ``key``'s line: the task its first parked call
+        names publishes, and the bounds are the most patient of the tasks its parked
+        calls name (tasks of several kinds may share a key). A line with no parked call
+        (a running one alone, whose task the record does not name) gets the most
+        patient bounds of every task here: a sweep that waited another task's shorter
+        ``gap_for`` for a dead holder's redelivered copy ended its turn early, and the
+        copy was dropped as a duplicate."""
         record = self.lines.read(key)
+        named = []
         for parked in [] if record is None else record.parked.values():
             name = parked.message.get("task") if isinstance(parked.message, Mapping) else None
             if name in self.tasks:
-                task, cfg = self.tasks[name]
-                return line.TaskPublisher(task), cfg.policy.queue
-        task, _ = next(iter(self.tasks.values()))
-        return line.TaskPublisher(task), self.most_patient()
-
-    def most_patient(self) -> QueuePolicy:
-        """The longest ``gap_for`` (and so ``promote_grace``) and ``park_for`` of the tasks
-        here."""
-        bounds = [cfg.policy.queue for _, cfg in self.tasks.values()]
-        return dataclasses.replace(
-            bounds[0],
-            gap_for=max(b.gap_for for b in bounds),
-            park_for=max(b.park_for for b in bounds),
-        )
+                named.append(self.tasks[name])
+        task = named[0][0] if named else next(iter(self.tasks.values()))[0]
+        chosen = named or list(self.tasks.values())
+        bounds = most_patient(cfg.policy.queue for _, cfg in chosen)
+        assert bounds is not None  # a Space holds one task at least
+        return line.TaskPublisher(task), bounds

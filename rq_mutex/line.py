@@ -54,7 +54,7 @@ from simple_mutex import Lease, LineFullError, MalfunctionError
 from simple_mutex.busy import line as ln
 from simple_mutex.busy import skip_marker, unreachable
 from simple_mutex.busy.line import driver
-from simple_mutex.busy.policy import BusyPolicy, QueuePolicy
+from simple_mutex.busy.policy import BusyPolicy, QueuePolicy, most_patient
 from simple_mutex.busy.port import Published
 
 log = logging.getLogger("rq_mutex")
@@ -163,21 +163,17 @@ def message_of(job_id: str, origin: str, queue: QueuePolicy) -> dict[str, Any]:
 
 def policy_in(line: ln.Line | None, default: QueuePolicy) -> QueuePolicy:
     """The sweep's bounds the line's parked jobs carry (``message_of``): the most patient
-    of them (the longest ``gap_for`` and ``park_for``), as jobs of several functions may
-    share a key; ``default`` when none is parked (then no bound applies: a gap is judged
-    only behind a parked job, and only parked jobs age)."""
-    bounds = []
+    of them, as jobs of several functions may share a key; ``default`` when none is
+    parked (then no bound applies: a gap is judged only behind a parked job, and only
+    parked jobs age)."""
+    carried = []
     for parked in [] if line is None else line.parked.values():
         found = parked.message
         if isinstance(found, Mapping):
             gap_for, park_for = found.get("gap_for"), found.get("park_for")
             if isinstance(gap_for, int | float) and isinstance(park_for, int | float):
-                bounds.append((float(gap_for), float(park_for)))
-    if not bounds:
-        return default
-    return dataclasses.replace(
-        default, gap_for=max(g for g, _ in bounds), park_for=max(p for _, p in bounds)
-    )
+                carried.append(dataclasses.replace(default, gap_for=gap_for, park_for=park_for))
+    return most_patient(carried) or default
 
 
 # The tickets an enqueue_many took so far, to give back if it fails before it pushes them

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeAlias, get_args
 
@@ -137,6 +137,21 @@ class QueuePolicy:
         (a crash between a release and its publish): a copy too many is a duplicate, and
         runs once."""
         return min(30.0, self.gap_for)
+
+
+def most_patient(policies: Iterable[QueuePolicy]) -> QueuePolicy | None:
+    """The bounds a sweep applies to a line whose calls come from several task or job
+    functions: the longest ``gap_for`` (and so ``promote_grace``) and ``park_for`` of
+    ``policies`` (the other fields the first's), so no function's call is stepped over
+    or dropped sooner than its own options allow; None when there are none."""
+    found = list(policies)
+    if not found:
+        return None
+    return dataclasses.replace(
+        found[0],
+        gap_for=max(p.gap_for for p in found),
+        park_for=max(p.park_for for p in found),
+    )
 
 
 @dataclass(frozen=True)

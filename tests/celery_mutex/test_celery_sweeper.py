@@ -64,3 +64,21 @@ def test_each_line_is_swept_by_its_own_tasks_bounds() -> None:
     assert bounds.gap_for == max(cfg.policy.queue.gap_for for _, cfg in space.tasks.values())
     assert bounds.gap_for >= 120  # plain's default, longer than quick's 10 s
     assert Sweeper(app).every() <= 2  # the shortest sweep_every of the tasks
+
+
+def test_a_line_holding_calls_of_two_tasks_is_swept_by_the_most_patient() -> None:
+    """Calls of ``quick`` (gap_for 10 s) and ``plain`` (120 s) parked in one line,
+    ``quick``'s first: ``quick`` publishes, but the sweep waits ``plain``'s 120 s before
+    stepping over a gap, so ``plain``'s call is not stepped over sooner than its own
+    options allow."""
+    app, plain, quick = _app()
+    [space] = [space for space in Sweeper(app).spaces() if quick.name in space.tasks]
+    _park(quick, "b.2")
+    _park(plain, "b.2")
+    publisher, bounds = space.of_line("b.2")
+    assert publisher.task.name == quick.name
+    assert bounds.gap_for == plain_gap(plain) > 10
+
+
+def plain_gap(task: Any) -> float:
+    return config_of(task).policy.queue.gap_for
