@@ -256,8 +256,7 @@ class _LockSpace:
         process (a worker's parent freeing a killed child's lock). A record that changed
         in between is left alone."""
         self._sync("release_where")
-        aside = encode_record(new_token(), "freed for its holder", time.time())
-        flow = flows.release_where(self._slot_keys(key), self._owned(key, owns), aside)
+        flow = flows.release_where(self._slot_keys(key), self._owned(key, owns))
         return self._run(key, flow) > 0
 
     def holders(self, key: str) -> list[Holder]:

@@ -710,23 +710,32 @@ def test_take_over_finds_nothing_when_no_record_is_accepted():
     assert ops == [Get("s")]
 
 
-def test_release_where_moves_each_accepted_record_aside_then_deletes_it():
-    """Each accepted record is first moved to the releaser's own record (a version of
-    its own), then deleted at that version: a cache's trace of the release then names a
-    version its holder never had, so the holder's own later release reports the loss
-    instead of taking it for its own. A record that changed since the read is skipped."""
-    aside = Entry("ASIDE", "v20", 9, 1e9)
-    flow = flows.release_where(["s", "s#1", "s#2"], owned_by_theirs, "ASIDE")
-    freed, ops = drive(flow, THEIRS, aside, True, None, THEIRS, miss())
+def test_release_where_frees_accepted_records_on_the_version_read():
+    """Each accepted record is deleted on the version read; a changed one is skipped."""
+    flow = flows.release_where(["s", "s#1", "s#2"], owned_by_theirs)
+    freed, ops = drive(flow, THEIRS, True, None, THEIRS, miss())
     assert freed == 1
     assert ops == [
         Get("s"),
-        CompareAndSet("s", "ASIDE", flows.FREEING_LEASE, "v9"),
-        CompareAndDelete("s", "v20"),
+        CompareAndDelete("s", "v9"),
         Get("s#1"),
         Get("s#2"),
-        CompareAndSet("s#2", "ASIDE", flows.FREEING_LEASE, "v9"),
+        CompareAndDelete("s#2", "v9"),
     ]
+
+
+def test_free_for_moves_the_record_aside_then_deletes_it():
+    """An operator's release: first to the releaser's own record (a version of its own),
+    then deleted there, so a cache's trace names a version the holder never had."""
+    aside = Entry("ASIDE", "v20", 9, 1e9)
+    freed, ops = drive(flows.free_for("s", "v9", "ASIDE"), aside, True)
+    assert freed is True
+    assert ops == [
+        CompareAndSet("s", "ASIDE", flows.FREEING_LEASE, "v9"),
+        CompareAndDelete("s", "v20"),
+    ]
+    changed, _ = drive(flows.free_for("s", "v9", "ASIDE"), miss())
+    assert changed is False
 
 
 def test_abandon_frees_only_slots_holding_our_value_and_swallows_faults():
