@@ -289,9 +289,13 @@ def test_a_dead_attempt_leaves_its_retrys_lock_alone(killable_worker):
     assert holder is not None
     assert holder.label.endswith(f"[{result.id}]")
     os.kill(pid, signal.SIGKILL)
-    # Celery's pool notices a dead child at its next maintenance; on a loaded machine (a
-    # CI run with four test workers) that once took longer than 10 s.
-    wait_until(lambda: "WorkerLostError" in workers.log_text("w0"), 30, "the loss reported")
+    # billiard reports a dead child's job only after its lost-worker wait (Celery's
+    # worker_lost_wait, 10 s) at a maintenance tick (every 5 s); on a loaded machine (a CI
+    # run with four test workers) that once took longer than 30 s.
+    try:
+        wait_until(lambda: "WorkerLostError" in workers.log_text("w0"), 90, "the loss reported")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; w0's log ends:\n{workers.log_text('w0')[-4000:]}") from None
     time.sleep(0.5)  # the parent's handler runs as Celery reports it
     assert workers.locks.locked(key), "the dead attempt's parent freed its retry's lock"
     still = workers.locks.holder(key)
