@@ -82,6 +82,11 @@ class OwnedLocks:
             return self.space.release_where(key, lambda held: _split(held)[0] == owner)
         return self.space.release_where(key, lambda held: _split(held) == (owner, attempt))
 
+    def evict_owner(self, key: str, owner: str, *, by: str) -> bool:
+        """Free every permit of ``key`` that ``owner`` holds while its call may still run
+        (a newer call replacing it): its own release then reports the loss."""
+        return self.space.evict(key, lambda held: _split(held)[0] == owner, by=by)
+
     def holder(self, key: str) -> Holder | None:
         """A current holder of ``key``, if any; None also when it cannot be read (it is
         for logs, markers and a second try)."""

@@ -65,7 +65,7 @@ def take(task: Any, cfg: Config, key: str, owner: str, take_once: Callable[[], L
     label = f"{task.name}[{task.request.id}]"
 
     def free(victim: str) -> bool:
-        freed = cfg.locks.release_owner(key, owner_of(victim), attempt=None)
+        freed = cfg.locks.evict_owner(key, owner_of(victim), by=label)
         if freed:
             marks.mark(owner_of(victim), label)
         return freed

@@ -102,7 +102,7 @@ def take(job: Job, space: Mutex | Semaphore, key: str, take_once: Callable[[], L
         return victim
 
     def free(victim: str) -> bool:
-        freed = space.release_where(key, attempts_of(victim))
+        freed = space.evict(key, attempts_of(victim), by=LABEL + job.id)
         if freed and victim in victims:  # its later attempts (Retry, requeue) give way
             marks.mark(_mark_of(victims[victim]), LABEL + job.id)
         return freed

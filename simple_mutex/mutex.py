@@ -18,6 +18,7 @@ from ._core.durations import Duration, positive_seconds, timeout_seconds
 from ._core.flows import Flow, Grant
 from ._core.keys import check_key, check_prefix, encode_key, is_hashed, slot_key
 from ._core.records import (
+    EVICTED_BY,
     Holder,
     check_token,
     encode_record,
@@ -258,6 +259,19 @@ class _LockSpace:
         self._sync("release_where")
         flow = flows.release_where(self._slot_keys(key), self._owned(key, owns))
         return self._run(key, flow) > 0
+
+    def evict(self, key: str, owns: Callable[[str], bool], *, by: str) -> bool:
+        """Free every permit of ``key`` whose holder's token ``owns`` accepts while that
+        holder may still be running (``on_busy="replace"`` stopping it): its own release,
+        when it comes, reports the lost lease instead of taking the eviction for its own.
+        ``by`` names the evicting call in the record that stands for a moment in the
+        holder's place. A record that changed in between is left alone."""
+        self._sync("evict")
+        check_label(by)
+        slot_keys = self._slot_keys(key)
+        spelled = key if is_hashed(slot_keys[0][len(self.prefix) :]) else None
+        aside = encode_record(new_token(), EVICTED_BY + by, time.time(), spelled)
+        return self._run(key, flows.evict(slot_keys, self._owned(key, owns), aside)) > 0
 
     def holders(self, key: str) -> list[Holder]:
         """Who holds the key's permits now (never their tokens)."""

@@ -738,6 +738,23 @@ def test_free_for_moves_the_record_aside_then_deletes_it():
     assert changed is False
 
 
+def test_evict_moves_each_accepted_record_aside_before_deleting_it():
+    """A replaced holder may still run: each accepted record is freed as free_for frees
+    (its own release must miss, not find its version freed); a changed one is skipped."""
+    aside = Entry("ASIDE", "v20", 9, 1e9)
+    flow = flows.evict(["s", "s#1", "s#2"], owned_by_theirs, "ASIDE")
+    freed, ops = drive(flow, THEIRS, aside, True, None, THEIRS, miss())
+    assert freed == 1
+    assert ops == [
+        Get("s"),
+        CompareAndSet("s", "ASIDE", flows.FREEING_LEASE, "v9"),
+        CompareAndDelete("s", "v20"),
+        Get("s#1"),
+        Get("s#2"),
+        CompareAndSet("s#2", "ASIDE", flows.FREEING_LEASE, "v9"),
+    ]
+
+
 def test_abandon_frees_only_slots_holding_our_value_and_swallows_faults():
     """An interrupted acquire frees what it may have written, best effort."""
     flow = flows.abandon(["s", "s#1", "s#2"], VALUE)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sqlite3
@@ -36,6 +37,7 @@ from servers import EtcdCluster, RedisServer, free_port, own_redis, s3_bucket, s
 
 from simple_mutex import DiskCache, Lease, Mutex, Semaphore, cache_from_url
 from simple_mutex._runtime.interrupt import LeaseInterrupt
+from simple_mutex.busy import replace
 from simple_mutex.caches import AsyncRedisCache, RedisCache
 from simple_mutex.errors import (
     ConstraintError,
@@ -364,6 +366,37 @@ def test_an_operators_release_inside_the_block_is_still_a_lost_lease(tier, key):
     with pytest.raises(SimpleMutexLeaseExpiredError):
         lease.__exit__(None, None, None)  # the block ends: its release finds the loss
     assert lease.lost
+
+
+@pytest.mark.parametrize("tier", ["redis", "postgres", "mongo"], indirect=True)
+def test_a_replaced_holders_own_release_is_still_a_lost_lease(tier, key):
+    """on_busy="replace": a newer call evicts the running holder and takes the key with a
+    larger fence. When the holder's block ends before its stop lands, its own release must
+    report the loss, though the cache remembers the version it freed: the eviction moved
+    the record to one of its own first. (Freed by a plain compare-and-delete, the
+    holder's release found "its" version freed and ended quietly.)"""
+    mutex = Mutex(cache_from_url(tier.url(tier.port)), lease=30)
+    old = mutex.acquire(key, timeout=5, token="old.0", label="old[old]").__enter__()
+    stopped: list[str] = []
+    new = replace.take(
+        replace.Takeover(
+            key=key,
+            call="new[new]",
+            take_once=lambda: mutex.acquire(key, timeout=0, token="new.0", label="new[new]"),
+            holder=lambda: mutex.holder(key),
+            victim_of=lambda held: replace.call_in_brackets(held.label),
+            free=lambda victim: mutex.evict(key, lambda t: t == f"{victim}.0", by="new[new]"),
+            stop=stopped.append,
+            log=logging.getLogger("test"),
+        )
+    )
+    assert stopped == ["old"]
+    assert new.fence > old.fence
+    with pytest.raises(SimpleMutexLeaseExpiredError):
+        old.__exit__(None, None, None)  # the replaced block ends: its release finds the loss
+    assert old.lost
+    assert mutex.holder(key).label == "new[new]"  # type: ignore[union-attr]
+    new.release()
 
 
 def test_a_release_whose_reply_is_lost_is_not_a_lost_lease(tier, key):

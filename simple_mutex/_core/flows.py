@@ -515,6 +515,22 @@ def release_where(slot_keys: Sequence[str], owns: Owns) -> Flow[int]:
     return freed
 
 
+def evict(slot_keys: Sequence[str], owns: Owns, value: str) -> Flow[int]:
+    """Free every record ``owns`` accepts whose holder may still be running (a newer call
+    replacing it), each as ``free_for`` frees: moved to ``value`` first, then deleted. The
+    holder's own release, when it comes, then misses and reports the loss; a plain
+    compare-and-delete would let a cache that remembers its releases answer that release
+    as if it were the holder's own."""
+    freed = 0
+    for cache_key in slot_keys:
+        entry = yield Get(cache_key)
+        if entry is None or not owns(entry):
+            continue
+        if (yield from free_for(cache_key, entry.version, value)):
+            freed += 1
+    return freed
+
+
 FREEING_LEASE = 5.0
 """How long a record moved aside by ``free_for`` lives if its delete never comes."""
 

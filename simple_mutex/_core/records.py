@@ -43,6 +43,11 @@ def check_token(token: object) -> str:
     return token
 
 
+EVICTED_BY = "evicted by "
+"""How the label of a record that stands for a moment in an evicted holder's place
+begins (``Mutex.evict``): no holder to stop, it is deleted right after it is written."""
+
+
 def encode_record(token: str, label: str | None, acquired_at: float, key: str | None = None) -> str:
     """The JSON record. Formatted by hand (json.dumps was a third of an in-memory cycle):
     the token is hex and the pid an int, so only host and label need escaping. ``key`` is

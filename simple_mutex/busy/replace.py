@@ -8,9 +8,10 @@ One round, in the new call (a worker's call; a synchronous one waits instead)::
     new call                       lock record                 old holder
     try once: busy                 {old token, fence f}
     read the holder's label
-    compare-and-delete the old     (gone)
-      call's record, on the
-      version read
+    evict the old call's record    {ours, "evicted by"}
+      (Mutex.evict): moved to one  (gone)
+      of ours on the version read,
+      then deleted
     ask its worker to stop it  ->  the worker signals the process running it
                                    (STOP_SIGNAL), or, when the body runs in the worker's
                                    own process, calls check_now()
@@ -52,6 +53,7 @@ from simple_mutex import (
     SimpleMutexAcquireTimeoutError,
     SimpleMutexError,
 )
+from simple_mutex._core.records import EVICTED_BY
 
 STOP_SIGNAL = signal.SIGUSR2
 """What a worker sends the process that runs a replaced call. SIGUSR1 is billiard's soft
@@ -72,7 +74,7 @@ class Takeover:
     can stop (another kind of record, or an earlier attempt of this very call). It raises
     ``NewerCall`` when the holder is a call sent after this one: the newest wins, so this
     one gives way."""
-    free: Callable[[str], bool]  # compare-and-delete that call's record(s)
+    free: Callable[[str], bool]  # evict that call's record(s) (``Mutex.evict``)
     stop: Callable[[str], None]  # ask that call's worker to stop it (no reply awaited)
     log: logging.Logger
 
@@ -99,8 +101,8 @@ def take(over: Takeover) -> Lease:
         except SimpleMutexAcquireTimeoutError as exc:
             busy = exc
         holder = unstoppable = over.holder()
-        if holder is None:
-            continue  # freed meanwhile
+        if holder is None or (holder.label or "").startswith(EVICTED_BY):
+            continue  # freed meanwhile, or another replacing call is freeing it now
         victim = over.victim_of(holder)
         if victim is None:
             continue  # nothing here can stop it: take_once waits its turn (or fails)

@@ -23,7 +23,7 @@ def _over(locks: Mutex, key: str, stopped: list[str], **changes: object) -> Take
         "take_once": lambda: locks.acquire(key, timeout=0, token="n.0", label="new[n]"),
         "holder": lambda: locks.holder(key),
         "victim_of": lambda held: call_in_brackets(held.label),
-        "free": lambda victim: locks.release_where(key, lambda t: t.startswith(victim + ".")),
+        "free": lambda victim: locks.evict(key, lambda t: t.startswith(victim + "."), by="new[n]"),
         "stop": stopped.append,
         "log": logging.getLogger("test"),
         **changes,
