@@ -1,4 +1,4 @@
-"""``celery -A proj mutex list|show|release|watch|serve``: the ``simple-mutex`` commands
+"""``celery -A proj mutex list|show|release|step-over|watch|serve``: the ``simple-mutex`` commands
 on the app's own lock cache (``app.conf.mutex_cache``, prefix ``app.conf.mutex_prefix``),
 registered through Celery's ``celery.commands`` entry point. The work is
 ``simple_mutex.admin.commands`` and ``simple_mutex.admin.serve``, shared with
@@ -83,15 +83,30 @@ def show(ctx: click.Context, key: str, prefix: str | None) -> None:
 @click.pass_context
 def release(ctx: click.Context, key: str, prefix: str | None, slot: int | None, yes: bool) -> None:
     """Free the holder of KEY, exactly the one read (refused if it changed since)."""
-
-    def ask(question: str) -> str:
-        answer: Any = click.prompt(question, default="", show_default=False)
-        return str(answer)
-
     _run(ctx, lambda cache, default: commands.release_lock(
-        cache, key, prefix or default, sys.stdout, slot=slot, yes=yes, ask=ask,
+        cache, key, prefix or default, sys.stdout, slot=slot, yes=yes, ask=_ask,
         by="celery mutex release",
     ))  # fmt: skip
+
+
+@mutex.command(name="step-over")
+@click.argument("key")
+@click.argument("ticket", type=int)
+@_PREFIX
+@click.option("--yes", is_flag=True, help="do not ask first")
+@click.pass_context
+def step_over(ctx: click.Context, key: str, ticket: int, prefix: str | None, yes: bool) -> None:
+    """Step over TICKET of KEY's line (`show KEY` lists them): that call never runs, and
+    the calls behind it go on at a worker's next sweep."""
+    _run(ctx, lambda cache, default: commands.step_over_call(
+        cache, key, ticket, prefix or default, sys.stdout, yes=yes, ask=_ask,
+        by="celery mutex step-over",
+    ))  # fmt: skip
+
+
+def _ask(question: str) -> str:
+    answer: Any = click.prompt(question, default="", show_default=False)
+    return str(answer)
 
 
 @mutex.command()
@@ -111,7 +126,7 @@ def watch(ctx: click.Context, prefix: str | None, interval: float) -> None:
 @click.option("--host", default="127.0.0.1", help="the address to listen on")
 @click.option("--port", type=int, default=8765, help="the port (0: any free one)")
 @click.option("--interval", type=float, default=1.0, help="seconds between reads of the cache")
-@click.option("--actions", is_flag=True, help=f"allow releasing from the page ({TOKEN_ENV})")
+@click.option("--actions", is_flag=True, help=f"allow the page's actions ({TOKEN_ENV})")
 @click.pass_context
 def serve(
     ctx: click.Context, prefix: str | None, host: str, port: int, interval: float, actions: bool

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from simple_mutex._core import flows
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key, split_slot
 from simple_mutex._core.records import Holder, encode_record, holder_of, new_token, record_key
 from simple_mutex._runtime.drivers import run
-from simple_mutex.busy.line import Line, Lines
+from simple_mutex.busy.line import DEFAULT_PARK_FOR, Line, Lines, SteppedOver, decode
 from simple_mutex.contract import ConditionalCache, Entry, Scannable, is_async
 from simple_mutex.errors import ConstraintTypeError
 
@@ -100,6 +101,82 @@ def lines_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, Line]
         if line is not None:  # else it expired between the listing and the read
             found[key] = line
     return found
+
+
+def step_over(
+    cache: object, key: str, ticket: int, prefix: str = DEFAULT_PREFIX, *, by: str = "an operator"
+) -> SteppedOver:
+    """Step over ticket ``ticket`` of ``key``'s line (``decisions.step_over``): that call
+    never runs, and the calls behind it go on once a worker's sweep publishes the next
+    (within its ``sweep_every``, 5 s by default). A running ticket is refused. A record
+    goes to the ``simple_mutex`` logger, naming the call when the line holds its message.
+    The record keeps at least the time it had left to live."""
+    checked = scannable(cache)  # a blocking cache: an asyncio one is refused, naming the fix
+    cache_key = Lines(checked, lease=1, lock_prefix=prefix).cache_key(key)
+    [found] = run(checked, flows.read([cache_key]))  # type: ignore[arg-type]
+    left = 0.0 if found is None else found.expires_at - time.time()
+    lines = Lines(checked, lease=1, park_for=max(DEFAULT_PARK_FOR, left), lock_prefix=prefix)
+    done = lines.step_over(key, ticket)
+    if done.done:
+        log.warning("%s stepped over ticket %d (%s) of the line of %r", by, ticket,
+                    call_of(done.message), key)  # fmt: skip
+    return done
+
+
+def named_tickets(line: Line) -> list[int]:
+    """The tickets of ``line`` still to run or running, in order: those its record names,
+    not every number up to ``next`` (a record's numbers are its writers' word: one far
+    ahead must not cost a loop of that length)."""
+    running = line.running.ticket if line.running is not None else None
+    named = {*line.parked, *line.issued, *([running] if running is not None else [])}
+    return sorted(t for t in named if line.turn <= t < line.next)
+
+
+def calls_in(line: Line, limit: int) -> list[dict[str, Any]]:
+    """The first ``limit`` calls of ``line`` in ticket order, each with its ``ticket``,
+    ``state`` (``running``, ``parked``, or ``sent``: handed a ticket, not arrived),
+    ``since`` (Unix time) and ``call`` (what its message names; None for one sent); a
+    parked one also with ``promoted`` and ``due``."""
+    running = line.running
+    calls: list[dict[str, Any]] = []
+    for number in named_tickets(line)[:limit]:
+        entry = line.parked.get(number)
+        if running is not None and number == running.ticket:
+            calls.append({"ticket": number, "state": "running", "since": running.since,
+                          "call": call_of(entry.message) if entry else None})  # fmt: skip
+        elif entry is not None:
+            calls.append({"ticket": number, "state": "parked", "since": entry.at,
+                          "promoted": entry.promoted, "due": entry.due,
+                          "call": call_of(entry.message)})  # fmt: skip
+        elif number in line.issued:
+            calls.append({"ticket": number, "state": "sent", "since": line.issued[number],
+                          "call": None})  # fmt: skip
+    return calls
+
+
+def call_of(message: object) -> str:
+    """What a line's message names: ``task[id]`` (Celery), ``job id`` (RQ), else "?"
+    (a ticket sent that never arrived: the line has no message of it)."""
+    if not isinstance(message, Mapping):
+        return "?"
+    task, call = message.get("task"), message.get("id")
+    if isinstance(task, str) and isinstance(call, str):
+        return f"{task}[{call}]"
+    return f"job {call}" if isinstance(call, str) else "?"
+
+
+def line_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> Line | None:
+    """The line of ``key`` beside the locks under ``prefix``, if it has one. Found by a
+    scan of its cache key, as ``locks_of`` finds a key's permits: a Redis user limited
+    to its lock prefix may list keys it may not read, and where it has no line it reads
+    nothing."""
+    checked = scannable(cache)
+    cache_key = Lines(checked, lease=1, lock_prefix=prefix).cache_key(key)
+    name = str(getattr(cache, "name", type(cache).__name__))
+    for found, entry in checked.scan(cache_key):
+        if found == cache_key:
+            return decode(entry.value, key, name)
+    return None
 
 
 def waiting_in(line: Line) -> int:

@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from simple_mutex.admin import LiveLock, lines_by_key, live_locks, waited_on, waiting_in
+from simple_mutex.admin import (
+    LiveLock,
+    call_of,
+    calls_in,
+    lines_by_key,
+    live_locks,
+    named_tickets,
+    waited_on,
+    waiting_in,
+)
 from simple_mutex.admin.commands import as_json, lapsed_into, now, who
 from simple_mutex.busy.line import Line
 
@@ -89,37 +98,12 @@ def state(snap: Snapshot, events: list[dict[str, Any]], *, actions: bool) -> dic
     }
 
 
-def call_of(message: object) -> str:
-    """What a parked message names: ``task[id]`` (Celery), ``job id`` (RQ)."""
-    if not isinstance(message, Mapping):
-        return "?"
-    task, call = message.get("task"), message.get("id")
-    if isinstance(task, str) and isinstance(call, str):
-        return f"{task}[{call}]"
-    return f"job {call}" if isinstance(call, str) else "?"
-
-
 def line_state(key: str, line: Line, held: bool, now_s: float) -> dict[str, Any]:
     """One line, its calls in ticket order (each ``running``, ``parked`` or ``sent``:
     handed a ticket, not arrived yet), and what is stuck in it, said as the reason."""
-    calls: list[dict[str, Any]] = []
+    calls = calls_in(line, CALLS_SHOWN)
     stuck: list[str] = []
     running = line.running.ticket if line.running is not None else None
-    # The tickets the record names, not every number up to ``next`` (a record's numbers
-    # are its writers' word: one far ahead must not cost a loop of that length).
-    named = {*line.parked, *line.issued, *([running] if running is not None else [])}
-    for number in sorted(t for t in named if line.turn <= t < line.next)[:CALLS_SHOWN]:
-        entry = line.parked.get(number)
-        if number == running and line.running is not None:
-            calls.append({"ticket": number, "state": "running", "since": line.running.since,
-                          "call": call_of(entry.message) if entry else None})  # fmt: skip
-        elif entry is not None:
-            calls.append({"ticket": number, "state": "parked", "since": entry.at,
-                          "promoted": entry.promoted, "due": entry.due,
-                          "call": call_of(entry.message)})  # fmt: skip
-        elif number in line.issued:
-            calls.append({"ticket": number, "state": "sent", "since": line.issued[number],
-                          "call": None})  # fmt: skip
     if line.running is not None and not held:
         then = (
             "its broker delivers it again, and the line waits for that copy"
@@ -149,7 +133,7 @@ def line_state(key: str, line: Line, held: bool, now_s: float) -> dict[str, Any]
     return {
         "key": key,
         "held": held,
-        "more": max(0, len(named) - CALLS_SHOWN),
+        "more": max(0, len(named_tickets(line)) - CALLS_SHOWN),
         "turn": line.turn,
         "waiting": waiting_in(line),
         "calls": calls,

@@ -5,6 +5,7 @@
     simple-mutex list URL [--prefix P] [--json]
     simple-mutex show URL KEY [--prefix P]
     simple-mutex release URL KEY [--prefix P] [--slot N] [--yes]
+    simple-mutex step-over URL KEY TICKET [--prefix P] [--yes]
     simple-mutex watch URL [--prefix P] [--interval S]
     simple-mutex serve URL [--prefix P] [--host H] [--port N] [--interval S] [--actions]
     simple-mutex timeline FILE_OR_DIR... -o OUT.html
@@ -55,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
     freeing = command("release", "free the holder of one key, exactly the one read", key=True)
     freeing.add_argument("--slot", type=int, help="which permit of a semaphore to free")
     freeing.add_argument("--yes", action="store_true", help="do not ask first")
+    stepping = command(
+        "step-over", "step over one call of a key's line: it never runs (show KEY lists them)",
+        key=True,
+    )  # fmt: skip
+    stepping.add_argument("ticket", type=int, metavar="TICKET", help="the call's ticket")
+    stepping.add_argument("--yes", action="store_true", help="do not ask first")
     watching = command("watch", "a live table of holders and takeovers, until Ctrl-C")
     watching.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
 
@@ -73,8 +80,8 @@ def serve_options(add: Callable[..., object]) -> None:
     add("--port", type=int, default=8765, help="the port (default 8765; 0: any free one)")
     add("--interval", type=float, default=1.0, help="seconds between reads of the cache")
     add("--actions", action="store_true",
-        help=f"allow releasing from the page, with a token ({TOKEN_ENV}, or a new one) "
-             "in the address it prints")  # fmt: skip
+        help=f"allow releasing and stepping over from the page, with a token "
+             f"({TOKEN_ENV}, or a new one) in the address it prints")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,6 +112,10 @@ def run(cache: ConditionalCache, args: argparse.Namespace) -> int:
         if args.command == "release":
             return commands.release_lock(
                 cache, args.key, args.prefix, out, slot=args.slot, yes=args.yes
+            )
+        if args.command == "step-over":
+            return commands.step_over_call(
+                cache, args.key, args.ticket, args.prefix, out, yes=args.yes
             )
         if args.command == "serve":
             return serve(cache, args.prefix, out, host=args.host, port=args.port,

@@ -1,4 +1,5 @@
-"""What the operator commands do, given a cache: ``list``, ``show``, ``release``, ``watch``.
+"""What the operator commands do, given a cache: ``list``, ``show``, ``release``,
+``step-over``, ``watch``.
 
 ``simple-mutex`` (``simple_mutex.admin.cli``) and ``celery mutex`` (``celery_mutex.command``)
 differ only in how they find the cache (a URL, or the app's ``mutex_cache``); both call
@@ -16,7 +17,21 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any, TextIO
 
-from simple_mutex.admin import LiveLock, live_locks, locks_of, parked_by_key, release, waited_on
+from simple_mutex.admin import (
+    LiveLock,
+    call_of,
+    calls_in,
+    line_of,
+    live_locks,
+    locks_of,
+    named_tickets,
+    parked_by_key,
+    release,
+    step_over,
+    waited_on,
+    waiting_in,
+)
+from simple_mutex.busy.line import Line
 from simple_mutex.contract import ConditionalCache
 from simple_mutex.errors import MalfunctionError
 
@@ -24,6 +39,7 @@ Ask = Callable[[str], str]
 
 _JSON_FIELDS = ("key", "host", "pid", "label", "acquired_at", "expires_at", "fence", "slot")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+LINE_SHOWN = 50  # calls of a line ``show`` prints; a longer line says how many more
 
 
 def one_line(problem: BaseException | str) -> str:
@@ -85,12 +101,14 @@ def list_locks(cache: object, prefix: str, out: TextIO, *, json_output: bool = F
 
 
 def show_lock(cache: object, key: str, prefix: str, out: TextIO) -> int:
-    """One key in full, every permit of a semaphore; 1 when it is free."""
+    """One key in full, every permit of a semaphore, then its line's calls in order
+    (the tickets ``step-over`` takes); 1 when it is free."""
     locks = locks_of(cache, key, prefix)
-    waiting = parked_by_key(cache, prefix).get(key)
-    in_line = "" if waiting is None else f"parked:      {waiting} in its line\n"
+    line = line_of(cache, key, prefix)
+    in_line = "" if line is None else f"parked:      {waiting_in(line)} in its line\n"
+    calls = "" if line is None else line_calls(line, now())
     if not locks:
-        out.write(f"{key!r} is free (nothing held under prefix {prefix!r})\n{in_line}")
+        out.write(f"{key!r} is free (nothing held under prefix {prefix!r})\n{in_line}{calls}")
         return 1
     out.write(in_line)
     moment = now()
@@ -107,6 +125,60 @@ def show_lock(cache: object, key: str, prefix: str, out: TextIO) -> int:
             f"expires at:  {stamp(held.expires_at)} (in {span(held.expires_at - moment)})\n"
             "\n"
         )
+    out.write(calls)
+    return 0
+
+
+def line_calls(line: Line, moment: datetime) -> str:
+    """A line's calls in ticket order, one row each: ticket, state (running, parked, or
+    sent and not arrived), the call (a task's name and id, a job's id) and since when."""
+    rows = [["TICKET", "STATE", "CALL", "SINCE"]]
+    for call in calls_in(line, LINE_SHOWN):
+        since = datetime.fromtimestamp(call["since"], timezone.utc)
+        state = "sent, not arrived" if call["state"] == "sent" else call["state"]
+        rows.append([str(call["ticket"]), state, call["call"] or "?", span(moment - since)])
+    if len(rows) == 1:
+        return "line:        no call in it\n"
+    more = len(named_tickets(line)) - LINE_SHOWN
+    tail = f"\n... and {more} more" if more > 0 else ""
+    return f"line (turn {line.turn}):\n{columns(rows)}{tail}\n"
+
+
+def step_over_call(
+    cache: object,
+    key: str,
+    ticket: int,
+    prefix: str,
+    out: TextIO,
+    *,
+    yes: bool = False,
+    ask: Ask = input,
+    by: str = "simple-mutex step-over",
+) -> int:
+    """Step over ticket ``ticket`` of ``key``'s line, after asking unless ``yes``: that
+    call never runs, and the calls behind it go on at a worker's next sweep. 1 when
+    there is no such line or waiting ticket, it runs, or the answer is not yes."""
+    line = line_of(cache, key, prefix)
+    if line is None:
+        out.write(f"{key!r} has no line under prefix {prefix!r}: nothing to step over\n")
+        return 1
+    parked = line.parked.get(ticket)
+    what = f"ticket {ticket} ({call_of(parked.message) if parked else 'sent, not arrived'})"
+    question = f"step over {what} of the line of {key!r}? It will never run."
+    if not yes and not confirmed(ask, question):
+        out.write("not stepped over\n")
+        return 1
+    done = step_over(cache, key, ticket, prefix, by=by)
+    if done.was == "running":
+        out.write(f"refused: ticket {ticket} of {key!r} is running; it ends itself, or "
+                  "free its lock with `release` if its holder is stuck\n")  # fmt: skip
+        return 1
+    if not done.done:
+        out.write(f"refused: ticket {ticket} is not waiting in the line of {key!r} (it "
+                  f"ran, ended or was never handed out; the turn is {line.turn})\n")  # fmt: skip
+        return 1
+    out.write(f"stepped over ticket {ticket} ({call_of(done.message)}) of the line of "
+              f"{key!r}: it will not run; a worker's next sweep sends the next call\n")  # fmt: skip
     return 0
 
 
@@ -137,14 +209,9 @@ def release_lock(
         return 1
     lock = locks[0]
     described = describe(lock)
-    if not yes:
-        try:
-            answer = ask(f"free {described}? [y/N] ")
-        except EOFError:
-            answer = ""
-        if answer.strip().lower() not in ("y", "yes"):
-            out.write("not freed\n")
-            return 1
+    if not yes and not confirmed(ask, f"free {described}?"):
+        out.write("not freed\n")
+        return 1
     if not release(cache, lock, by=by):
         out.write(
             f"refused: {key!r} slot {lock.slot} was freed or changed hands since it was "
@@ -153,6 +220,15 @@ def release_lock(
         return 1
     out.write(f"freed {described}\n")
     return 0
+
+
+def confirmed(ask: Ask, question: str) -> bool:
+    """Whether the operator answers yes to ``question`` (no answer at all: no)."""
+    try:
+        answer = ask(f"{question} [y/N] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
 
 
 def watch_locks(
@@ -331,7 +407,11 @@ def table(
             row = [clip(key), "-", "(none)", "-", "-", "-", "-"]
             row += ["-"] * (len(heads) - len(row) - 1) + [str(parked[key])]
             keyed.append((key, 0, row))
-    rows = [heads] + [row for _, _, row in sorted(keyed, key=lambda k: (k[0], k[1]))]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
+    return columns([heads] + [row for _, _, row in sorted(keyed, key=lambda k: (k[0], k[1]))])
+
+
+def columns(rows: list[list[str]]) -> str:
+    """Rows of cells as aligned text columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
     return "\n".join(line.rstrip() for line in lines)

@@ -67,25 +67,36 @@ const secs = (s) => {
 const clock = (iso) => new Date(iso).toLocaleTimeString();
 const ago = (epoch, now) => secs(now - epoch);
 
-async function release(lock) {
+function release(lock) {
   const holder = lock.host + " pid " + lock.pid + (lock.label ? " (" + lock.label + ")" : "");
   if (!confirm("Free " + lock.key + " slot " + lock.slot + ", held by " + holder +
                " with fence " + lock.fence + "?\\nIts work loses its lease.")) return;
+  act("/release", {key: lock.key, slot: lock.slot, fence: lock.fence});
+}
+
+async function act(path, body) {
   const said = document.getElementById("said");
   try {
-    const reply = await fetch("/release", {
+    const reply = await fetch(path, {
       method: "POST",
       headers: {"Content-Type": "application/json", "X-Simple-Mutex-Token": token || ""},
-      body: JSON.stringify({key: lock.key, slot: lock.slot, fence: lock.fence}),
+      body: JSON.stringify(body),
     });
-    const body = await reply.json();
-    said.textContent = body.text || body.error || reply.statusText;
-    said.style.color = body.freed ? "#0b5" : "#b3261e";
+    const answer = await reply.json();
+    said.textContent = answer.text || answer.error || reply.statusText;
+    said.style.color = answer.done ? "#0b5" : "#b3261e";
   } catch (err) {
-    said.textContent = "release failed: " + err;
+    said.textContent = path.slice(1) + " failed: " + err;
     said.style.color = "#b3261e";
   }
   refresh();
+}
+
+function stepOver(line, call) {
+  const what = "#" + call.ticket + (call.call ? " (" + call.call + ")" : " (sent, not arrived)");
+  if (!confirm("Step over " + what + " in the line of " + line.key +
+               "?\\nIt will never run; the calls behind it go on.")) return;
+  act("/step-over", {key: line.key, ticket: call.ticket});
 }
 
 function drawLocks(state) {
@@ -141,6 +152,11 @@ function drawLines(state) {
                       sent, "call " + call.state);
       chip.dataset.ticket = call.ticket;
       chip.dataset.state = call.state;
+      if (state.actions && token && call.state !== "running") {
+        const button = el("button", "step over");
+        button.addEventListener("click", () => stepOver(line, call));
+        chip.append(" ", button);
+      }
       calls.append(chip);
     }
     if (line.more) calls.append(el("span", "and " + line.more + " more", "call"));
@@ -171,7 +187,7 @@ async function refresh() {
     const parked = state.lines.reduce((n, line) => n + line.waiting, 0);
     document.getElementById("status").textContent =
       "refreshed " + clock(state.at) + " \\u00b7 " + state.locks.length + " held \\u00b7 " +
-      parked + " parked" + (state.actions && token ? " \\u00b7 releasing on" : "");
+      parked + " parked" + (state.actions && token ? " \\u00b7 actions on" : "");
     error.textContent = state.error || "";
     error.style.display = state.error ? "block" : "none";
   } catch (err) {

@@ -1,14 +1,15 @@
 """``simple-mutex serve URL`` (and ``celery -A proj mutex serve``): a local web page of
-every held key and every line, refreshed live, with a release button when enabled.
+every held key and every line, refreshed live, with its actions when enabled: release a
+holder, step over a waiting call of a line.
 
 One thread reads the cache every ``interval`` (``board.read``) and keeps the page's JSON;
 every viewer gets that copy, so ten open tabs cost what one does. The server is the
 standard library's, bound to loopback unless told otherwise.
 
-Releasing is off unless the server was started with ``--actions``: it then takes a token
+The actions are off unless the server was started with ``--actions``: it then takes a token
 (``SIMPLE_MUTEX_PAGE_TOKEN``, or one drawn from ``secrets``) and prints the page's address
 with the token after ``#``, a part of a URL a browser never sends, so it reaches no log;
-the page sends it back in a header on each release. A request from another origin cannot
+the page sends it back in a header on each action. A request from another origin cannot
 set that header without a preflight this server never grants, and a request whose
 ``Host`` is a name other than ``localhost`` or the one given to ``--host`` (DNS
 rebinding) is refused; an address literal on the right port is accepted.
@@ -16,6 +17,7 @@ rebinding) is refused; an address literal on the right port is accepted.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
@@ -31,7 +33,7 @@ from typing import Any, TextIO
 from urllib.parse import quote
 
 from simple_mutex.admin import board as boards
-from simple_mutex.admin import release
+from simple_mutex.admin import call_of, named_tickets, release, step_over
 from simple_mutex.admin.commands import describe, now, one_line, stamp
 from simple_mutex.admin.page import PAGE
 from simple_mutex.contract import ConditionalCache
@@ -46,7 +48,7 @@ EVENTS_KEPT = 200
 POLICY = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
 )
-MAX_BODY = 4096  # a release names a key (at most 1,024 characters), a slot and a fence
+MAX_BODY = 4096  # an action names a key (at most 1,024 characters) and two numbers
 
 
 class Board:
@@ -113,12 +115,33 @@ class Board:
                 return False, f"refused: {described} was freed or changed hands since"
         return False, f"refused: {key!r} slot {slot} with fence {fence} is not on the page"
 
+    def step_over(self, key: str, ticket: int) -> tuple[bool, str]:
+        """Step over ``ticket`` of ``key``'s line, a call the page showed waiting (parked,
+        or sent and not arrived): it never runs (``admin.step_over``)."""
+        with self._lock:
+            line = None if self._last is None else self._last.lines.get(key)
+        if (
+            line is None
+            or ticket not in named_tickets(line)
+            or (line.running is not None and line.running.ticket == ticket)
+        ):
+            return False, f"refused: ticket {ticket} of {key!r} is not waiting on the page"
+        done = step_over(self.cache, key, ticket, self.prefix, by="simple-mutex serve")
+        if not done.done:
+            return False, f"refused: ticket {ticket} of {key!r} is {done.was} now"
+        text = f"ticket {ticket} ({call_of(done.message)}) of {key!r}: it will not run"
+        with self._lock:
+            self._events.append({"at": now().isoformat(), "kind": "stepped over", "key": key,
+                                 "text": f"from this page: {text}"})  # fmt: skip
+        self.refresh()
+        return True, f"stepped over {text}"
+
 
 def handler(
     board: Board, token: str | None, host_ok: Callable[[str], bool]
 ) -> type[BaseHTTPRequestHandler]:
     """The request handler of one board: ``GET /`` the page, ``GET /state`` its JSON,
-    ``POST /release`` (with the token) a release."""
+    ``POST /release`` and ``POST /step-over`` (with the token) its actions."""
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "simple-mutex"
@@ -159,30 +182,36 @@ def handler(
         def do_POST(self) -> None:
             if not self._host_ok():
                 return
-            if self.path != "/release":
+            if self.path not in ("/release", "/step-over"):
                 self._answer(HTTPStatus.NOT_FOUND, {"error": "no such action"})
                 return
             given = self.headers.get(TOKEN_HEADER, "")
             if token is None or not hmac.compare_digest(given.encode(), token.encode()):
-                self._answer(HTTPStatus.FORBIDDEN, {"error": "releasing is off, or the "
+                self._answer(HTTPStatus.FORBIDDEN, {"error": "actions are off, or the "
                              "token is wrong: start serve with --actions and open the "
                              "address it prints"})  # fmt: skip
                 return
             try:
-                key, slot, fence = _release_request(self)
+                body = _body(self)
+                if self.path == "/release":
+                    key, slot, fence = _named(body, ("key", str), ("slot", int), ("fence", int))
+                    act = functools.partial(board.release, key, slot, fence)
+                else:
+                    key, ticket = _named(body, ("key", str), ("ticket", int))
+                    act = functools.partial(board.step_over, key, ticket)
             except ValueError as exc:
                 self._answer(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
                 return
             try:
-                freed, text = board.release(key, slot, fence)
+                done, text = act()
             except MalfunctionError as exc:
                 self._answer(HTTPStatus.BAD_GATEWAY, {"error": one_line(exc)})
                 return
             except ConstraintError as exc:  # a key no lock can have
                 self._answer(HTTPStatus.BAD_REQUEST, {"error": one_line(exc)})
                 return
-            self._answer(HTTPStatus.OK if freed else HTTPStatus.CONFLICT,
-                         {"freed": freed, "text": text})  # fmt: skip
+            self._answer(HTTPStatus.OK if done else HTTPStatus.CONFLICT,
+                         {"done": done, "text": text})  # fmt: skip
 
     return Handler
 
@@ -208,26 +237,30 @@ def _host_ok(given: str, bound_host: str, port: int) -> bool:
     return True
 
 
-def _release_request(request: BaseHTTPRequestHandler) -> tuple[str, int, int]:
-    """``{"key": str, "slot": int, "fence": int}`` from a POST body, checked."""
+def _body(request: BaseHTTPRequestHandler) -> dict[str, Any]:
+    """An action's JSON object from a POST body, of at most ``MAX_BODY`` bytes."""
     try:
         length = int(request.headers.get("Content-Length", "0"))
     except ValueError:
         raise ValueError("Content-Length must be a number") from None
     if not 0 < length <= MAX_BODY:
-        raise ValueError(f"a release is a JSON object of at most {MAX_BODY} bytes")
+        raise ValueError(f"an action is a JSON object of at most {MAX_BODY} bytes")
     try:
         body = json.loads(request.rfile.read(length))
     except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the limit
-        raise ValueError("a release is a JSON object") from None
-    key, slot, fence = (
-        (body.get(n) for n in ("key", "slot", "fence"))
-        if isinstance(body, dict)
-        else (None, None, None)
-    )
-    if not isinstance(key, str) or type(slot) is not int or type(fence) is not int:
-        raise ValueError('a release names {"key": str, "slot": int, "fence": int}')
-    return key, slot, fence
+        raise ValueError("an action is a JSON object") from None
+    if not isinstance(body, dict):
+        raise ValueError("an action is a JSON object")
+    return body
+
+
+def _named(body: dict[str, Any], *fields: tuple[str, type]) -> tuple[Any, ...]:
+    """The values of ``fields`` (name, exact type: a bool is no int) from ``body``."""
+    found = tuple(body.get(name) for name, _ in fields)
+    if any(type(value) is not kind for value, (_, kind) in zip(found, fields, strict=True)):
+        wanted = ", ".join(f'"{name}": {kind.__name__}' for name, kind in fields)
+        raise ValueError(f"this action names {{{wanted}}}")
+    return found
 
 
 def serve(
@@ -266,7 +299,10 @@ def serve(
     out.write(f"simple-mutex serve: prefix {prefix!r}, every {interval:g} s, at {address}"
               f"{secret} (Ctrl-C ends)\n")  # fmt: skip
     if actions:
-        out.write("releasing is on: anyone with the address above can free a lock\n")
+        out.write(
+            "actions are on: anyone with the address above can free a lock or step "
+            "over a waiting call\n"
+        )
     out.flush()
     stopped = threading.Event()
 

@@ -200,27 +200,61 @@ def test_the_board_refuses_a_holder_that_changed_while_keeping_its_fence() -> No
     assert cache.get(cache_key) is not None  # the new holder keeps it
 
 
-def test_a_release_request_is_checked_before_anything_is_read() -> None:
+def test_an_action_request_is_checked_before_anything_is_read() -> None:
     import io
     import types
 
-    from simple_mutex.admin.serve import MAX_BODY, _release_request
+    from simple_mutex.admin.serve import MAX_BODY, _body, _named
 
     def request(body: bytes, length: int | None = None) -> object:
         size = str(len(body) if length is None else length)
         return types.SimpleNamespace(headers={"Content-Length": size}, rfile=io.BytesIO(body))
 
-    assert _release_request(request(b'{"key": "k", "slot": 0, "fence": 3}')) == ("k", 0, 3)  # type: ignore[arg-type]
+    def release(body: bytes, length: int | None = None) -> tuple[object, ...]:
+        fields = (("key", str), ("slot", int), ("fence", int))
+        return _named(_body(request(body, length)), *fields)  # type: ignore[arg-type]
+
+    assert release(b'{"key": "k", "slot": 0, "fence": 3}') == ("k", 0, 3)
+    step = _named(_body(request(b'{"key": "k", "ticket": 4}')), ("key", str), ("ticket", int))  # type: ignore[arg-type]
+    assert step == ("k", 4)
     for body, length in (
         (b"[" * 4000, None),  # nested past the recursion limit
         (b"\xff\xfe", None),
         (b'{"key": "k", "slot": 0, "fence": 1.5}', None),
+        (b'{"key": "k", "slot": true, "fence": 1}', None),  # a bool is no int
         (b'["k", 0, 3]', None),
         (b"{}", MAX_BODY + 1),
         (b"{}", -1),
     ):
-        with pytest.raises(ValueError, match="release"):
-            _release_request(request(body, length))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="action"):
+            release(body, length)
+
+
+def test_the_board_steps_over_only_a_call_it_showed_waiting() -> None:
+    """From the page: a parked call of a line is stepped over (an event says so, the
+    line moves on without it); the running call, a ticket the page never showed, and the
+    same call twice are refused."""
+    cache = InMemoryCache()
+    _line_with_three(cache, "order.7")  # ticket 1 on its way, 2..4 parked
+    board = Board(cache, "mutex.", actions=True)
+    board.refresh()
+    assert board.step_over("order.7", 9) == (
+        False, "refused: ticket 9 of 'order.7' is not waiting on the page"
+    )  # fmt: skip
+    done, text = board.step_over("order.7", 3)
+    assert done, text
+    assert text == "stepped over ticket 3 (shop.charge[c1]) of 'order.7': it will not run"
+    state = json.loads(board.json())
+    [line] = state["lines"]
+    assert [c["ticket"] for c in line["calls"]] == [1, 2, 4]
+    assert state["events"][-1]["kind"] == "stepped over"
+    again, text = board.step_over("order.7", 3)
+    assert not again
+    lines = Lines(cache, lease=30)
+    ticket = lines.read("order.7").ticket(1)  # type: ignore[union-attr]
+    assert type(lines.start("order.7", ticket)).__name__ == "Run"
+    board.refresh()
+    assert board.step_over("order.7", 1)[0] is False  # running: it ends itself
 
 
 def test_the_host_check_takes_addresses_and_the_served_name_not_other_names() -> None:

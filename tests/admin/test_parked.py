@@ -163,6 +163,16 @@ def test_no_line_no_parked_column(scene: Scene) -> None:
         lease.release()
 
 
+def celery_project(where: Path, prefix: str) -> None:
+    """A Celery app ``proj`` in ``where`` whose lock cache is this module's Redis."""
+    (where / "proj.py").write_text(
+        "from celery import Celery\n"
+        "app = Celery('proj', broker='memory://')\n"
+        f"app.conf.mutex_cache = {URL!r}\n"
+        f"app.conf.mutex_prefix = {prefix!r}\n"
+    )
+
+
 def test_the_commands_as_subprocesses(scene: Scene, tmp_path: Path) -> None:
     """``simple-mutex list`` and ``celery -A proj mutex list --json`` show the same."""
     listed = subprocess.run(
@@ -171,12 +181,7 @@ def test_the_commands_as_subprocesses(scene: Scene, tmp_path: Path) -> None:
     )  # fmt: skip
     assert listed.returncode == 0, listed.stderr
     assert rows_of(listed.stdout)["busy"][-1] == "2"
-    (tmp_path / "proj.py").write_text(
-        "from celery import Celery\n"
-        "app = Celery('proj', broker='memory://')\n"
-        f"app.conf.mutex_cache = {URL!r}\n"
-        f"app.conf.mutex_prefix = {scene.prefix!r}\n"
-    )
+    celery_project(tmp_path, scene.prefix)
     done = subprocess.run(
         [str(BIN / "celery"), "-A", "proj", "mutex", "list", "--json"], capture_output=True,
         text=True, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
@@ -184,6 +189,83 @@ def test_the_commands_as_subprocesses(scene: Scene, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     parked = {row["key"]: row.get("parked") for row in json.loads(done.stdout)}
     assert parked == {"busy": 2, "idle": 1, "plain": None}
+
+
+def test_show_lists_a_lines_calls_in_ticket_order(scene: Scene) -> None:
+    """``show`` prints each call of the key's line with its ticket: what ``step-over``
+    takes. The running ticket's parked copy is shown once, as running."""
+    shown = io.StringIO()
+    assert show_lock(scene.cache, "busy", scene.prefix, shown) == 0
+    text = shown.getvalue()
+    table = text[text.index("line (turn 1):") :].splitlines()[1:]
+    assert [row.split()[:2] for row in table] == [
+        ["TICKET", "STATE"], ["1", "running"], ["2", "parked"], ["3", "parked"],
+    ]  # fmt: skip
+    idle = io.StringIO()
+    show_lock(scene.cache, "idle", scene.prefix, idle)
+    rows = idle.getvalue()[idle.getvalue().index("line (turn 1):") :].splitlines()[2:]
+    assert [row.split()[:2] for row in rows] == [["1", "sent,"], ["2", "parked"]]
+    assert "sent, not arrived" in rows[0]
+
+
+def test_an_operator_steps_over_a_head_that_never_arrived(scene: Scene) -> None:
+    """``idle``'s ticket 1 was sent and never arrived; ticket 2 waits behind it, and would
+    wait ``gap_for`` (120 s by default). ``simple-mutex step-over URL idle 1`` forgets it
+    at once and promotes nothing: the next sweep of a worker sends ticket 2, and ticket
+    1, should it arrive after all, is dropped as a duplicate. The running ticket and one
+    not in the line are refused, and a "no" at the prompt steps over nothing."""
+    lines = Lines(scene.cache, lease=60, prefix="line." + scene.prefix, lock_prefix=scene.prefix)
+    assert lines.sweep("idle", promote_grace=30, gap_for=120).publish == ()  # it waits
+
+    def step(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "simple-mutex"), "step-over", URL, *args, "--prefix", scene.prefix],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    running = step("busy", "1", "--yes")
+    assert running.returncode == 1
+    assert "is running" in running.stdout
+    assert step("idle", "9", "--yes").returncode == 1
+    declined = subprocess.run(
+        [str(BIN / "simple-mutex"), "step-over", URL, "idle", "1", "--prefix", scene.prefix],
+        input="n\n", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert declined.returncode == 1
+    assert "not stepped over" in declined.stdout
+    assert lines.read("idle").turn == 1  # type: ignore[union-attr]
+
+    done = step("idle", "1", "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stepped over ticket 1" in done.stdout
+    assert "stepped over ticket 1 (?) of the line of 'idle'" in done.stderr  # the log names it
+    line = lines.read("idle")
+    assert line is not None
+    assert line.turn == 2
+    assert line.parked[2].promoted is None  # nothing promoted by the operator's tool
+    swept = lines.sweep("idle", promote_grace=30, gap_for=120)
+    assert [p.ticket for p in swept.publish] == [2]
+    assert type(lines.arrive("idle", line.ticket(1), {"n": 1})).__name__ == "Duplicate"
+    assert step("idle", "1", "--yes").returncode == 1  # done: nothing left to step over
+
+
+def test_celery_mutex_step_over_names_the_parked_call(scene: Scene, tmp_path: Path) -> None:
+    """``celery -A proj mutex step-over KEY TICKET`` on the app's cache: a parked call
+    behind the running one is stepped over and named; the running one stays."""
+    celery_project(tmp_path, scene.prefix)
+    done = subprocess.run(
+        [str(BIN / "celery"), "-A", "proj", "mutex", "step-over", "busy", "2", "--yes"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stepped over ticket 2" in done.stdout
+    lines = Lines(scene.cache, lease=60, prefix="line." + scene.prefix, lock_prefix=scene.prefix)
+    line = lines.read("busy")
+    assert line is not None
+    assert sorted(line.parked) == [1, 3]
+    assert line.running is not None
+    assert line.running.ticket == 1
 
 
 def test_the_parked_gauge_reads_the_lines_at_each_scrape(scene: Scene) -> None:

@@ -1,10 +1,11 @@
 """``simple-mutex serve`` as an operator uses it: real ``rq worker -w rq_mutex.Worker``
 processes run an ``on_busy="queue"`` line on Redis, the page is opened in Chromium
-(Playwright), and the operator frees the stuck holder from it.
+(Playwright), and the operator steps over a parked job and frees the stuck holder from it.
 
-The page shows the held key with its job, the three jobs parked behind it in order, and
-once the holder is released (confirmed in the browser's dialog, with the token the
-server printed) the three run in order and the holder's job fails with its lost lease.
+The page shows the held key with its job, the three jobs parked behind it in order; the
+last is stepped over, and once the holder is released (each confirmed in the browser's
+dialog, with the token the server printed) the other two run in order, the stepped-over
+one never, and the holder's job fails with its lost lease.
 Without the token, or from another Host, the server refuses. A screenshot is kept
 (``SIMPLE_MUTEX_SCREENSHOT`` names where, for the docs).
 """
@@ -16,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -123,6 +125,12 @@ def test_an_operator_frees_a_stuck_holder_from_the_live_page(line, served) -> No
         if shot:
             page.screenshot(path=shot, full_page=True)
         page.on("dialog", lambda dialog: dialog.accept())
+        # The last parked job must not run after all: stepped over from its line.
+        parked.nth(2).locator("button").click()
+        page.locator("#said").filter(has_text="stepped over").wait_for(timeout=10_000)
+        assert f"job {behind[2].id}" in page.locator("#said").inner_text()
+        wait_until(lambda: parked.count() == 2, 20, "two parked calls left on the page")
+        page.locator('#events li[data-kind="stepped over"]').wait_for(timeout=10_000)
         row.locator("button").click()
         page.locator("#said").filter(has_text="freed").wait_for(timeout=10_000)
         assert key in page.locator("#said").inner_text()
@@ -134,8 +142,10 @@ def test_an_operator_frees_a_stuck_holder_from_the_live_page(line, served) -> No
     assert error is not None
     assert "freed or taken while it still had time" in (error.exc_string or "")
     conn.delete(jobs.held(run))
-    wait_until(lambda: all(j.get_status(refresh=True) == JobStatus.FINISHED for j in behind),
+    wait_until(lambda: all(j.get_status(refresh=True) == JobStatus.FINISHED for j in behind[:2]),
                60, "the parked jobs to run")  # fmt: skip
-    assert [j.return_value() for j in behind] == [1, 2, 3]
+    assert [j.return_value() for j in behind[:2]] == [1, 2]
+    time.sleep(6)  # a sweep (every 5 s) would have sent the stepped-over job by now
     started = [json.loads(r) for r in conn.lrange(f"rqt:{run}:log", 0, -1)]
-    assert [r["item"] for r in sorted(started, key=lambda r: r["start"])] == [1, 2, 3]
+    assert [r["item"] for r in sorted(started, key=lambda r: r["start"])] == [1, 2]
+    assert behind[2].get_status(refresh=True) != JobStatus.FINISHED

@@ -66,9 +66,10 @@ from simple_mutex.busy.line import (
     revoke,
     send,
     start,
+    step_over,
+    sweep,
     take,
 )
-from simple_mutex.busy.line import sweep as sweep
 from simple_mutex.testing import FaultyCache
 
 pytestmark = pytest.mark.fast
@@ -260,6 +261,34 @@ def test_revoke_of_the_head_passes_the_turn_on_and_promotes():
 def test_revoke_of_a_running_ticket_is_its_end():
     line = started(line_of(2), 1)
     assert revoke(line, T(1), 1.0) == end(line, T(1), 1.0)
+
+
+def test_an_operators_step_over_of_the_head_promotes_nothing_and_the_sweep_sends_the_next():
+    """Stepped over, the head never runs (its late copy is a duplicate); the turn moves on
+    but nothing is promoted (an operator's tool has no broker): the next sweep publishes
+    the new head at once, where a gap would have waited gap_for."""
+    line, _ = arrival(line_of(2), T(2), "m2", 0.0, lock_free=True)  # 1 sent, never came
+    _, swept = sweep(line, 1.0, lock_free=True, **KNOBS)
+    assert swept.publish == ()  # the gap: 2 waits
+    line, stepped = step_over(line, 1)
+    assert (stepped.was, stepped.done, line.turn) == ("sent", True, 2)
+    assert line.parked[2].promoted is None
+    _, swept = sweep(line, 1.0, lock_free=True, **KNOBS)
+    assert swept.publish == (Publish(2, "m2"),)
+    assert arrive(line, T(1), lock_free=True) == Duplicate(1)
+
+
+def test_an_operator_may_step_over_a_parked_call_or_a_skipped_one_but_not_a_running_one():
+    line, _ = arrival(line_of(3), T(3), "m3", 0.0, lock_free=False)
+    line = started(line, 1)
+    assert step_over(line, 1) == (line, ln.SteppedOver(1, "running"))
+    assert step_over(line, 9)[1].was == "not waiting"
+    after, stepped = step_over(line, 3)
+    assert (stepped.was, stepped.message, after.ended) == ("parked", "m3", frozenset({3}))
+    assert step_over(after, 3)[1].done is False  # once
+    skipped = replace(line, skipped={0: 5.0})
+    gone, stepped = step_over(skipped, 0)
+    assert (stepped.was, gone.skipped) == ("skipped", {})
 
 
 # -- the sweep -------------------------------------------------------------------------------
@@ -541,6 +570,7 @@ class World:
         self.crash_pending: set[int] = set()
         self.crashed: set[int] = set()
         self.revoked: set[int] = set()
+        self.stepped: set[int] = set()  # stepped over by an operator
         self.expired: set[int] = set()
         self.skipped: set[int] = set()
         self.parked_once: set[int] = set()
@@ -555,14 +585,17 @@ class World:
         return self.holder is None and not self.lapsing
 
     def done(self) -> set[int]:
-        return self.finished | self.crashed | self.revoked | self.expired | self.skipped
+        return (
+            self.finished | self.crashed | self.revoked | self.stepped | self.expired
+            | self.skipped
+        )  # fmt: skip
 
     def step(self, sending: bool, faults: bool) -> None:
         actions = ["deliver"] * 6 + ["finish"] * 3 + ["sweep", "tick"]
         if sending:
             actions += ["send"] * 4
         if faults:
-            actions += ["retry", "crash", "revoke"]
+            actions += ["retry", "crash", "revoke", "step_over"]
         getattr(self, self.rng.choice(actions))(faults)
         roundtrip(self.line)
         if self.lapsing and self.rng.random() < 0.2:
@@ -607,6 +640,7 @@ class World:
                 if n in self.crash_pending:
                     self.crash_pending.discard(n)  # the broker's copy runs it again
                     self.redelivered.add(n)
+                assert n not in self.stepped, f"ticket {n} ran after it was stepped over"
                 if late:
                     assert n in self.skipped, f"{n} ran late but was never skipped"
                 else:
@@ -653,6 +687,20 @@ class World:
         self.flight = [t for t in self.flight if t != n]
         if published is not None:
             self.flight.append(published.ticket)
+
+    def step_over(self, faults: bool) -> None:
+        """An operator steps over a call not running: unlike a revoke, its copies stay in
+        flight (nobody told the broker), and the line must drop them when they come."""
+        running = self.line.running.ticket if self.line.running is not None else None
+        open_ = [n for n in self.sent if n not in self.done() and n != running]
+        if not open_:
+            return
+        n = self.rng.choice(open_)
+        self.line, stepped = step_over(self.line, n)
+        assert stepped.done, f"ticket {n} was not stepped over: {stepped}"
+        self.stepped.add(n)
+        self.skipped.discard(n)  # a skipped gap stepped over for good: it never runs late
+        self.crash_pending.discard(n)
 
     def sweep(self, faults: bool) -> None:
         self.now += self.rng.random() * 4
@@ -712,16 +760,16 @@ def test_the_property_run_sees_every_outcome():
         for _ in range(300):
             world.step(sending=True, faults=True)
         world.drain()
-        for name in ("lost", "crashed", "revoked", "expired", "skipped", "parked_once",
-                     "redelivered"):  # fmt: skip
+        for name in ("lost", "crashed", "revoked", "stepped", "expired", "skipped",
+                     "parked_once", "redelivered"):  # fmt: skip
             if getattr(world, name):
                 seen.add(name)
         if any(late for _, late in world.starts):
             seen.add("late")
         if len(world.starts) > len({n for n, _ in world.starts}):
             seen.add("retried")
-    assert seen >= {"lost", "crashed", "revoked", "expired", "skipped", "parked_once", "late",
-                    "retried", "redelivered"}  # fmt: skip
+    assert seen >= {"lost", "crashed", "revoked", "stepped", "expired", "skipped",
+                    "parked_once", "late", "retried", "redelivered"}  # fmt: skip
 
 
 # -- the read-modify-write on real tiers ------------------------------------------------------
@@ -894,7 +942,7 @@ def test_every_step_has_both_faces_with_the_same_parameters():
     steps = [n for n in steps if n not in ("cache_key", "lock_key", "event", "unkept")]
     assert steps == [
         "arrive", "end", "keys", "over", "read", "retry", "revoke", "send", "send_collapsed",
-        "start", "sweep", "take",
+        "start", "step_over", "sweep", "take",
     ]  # fmt: skip
     for name in steps:
         blocking, twin = getattr(Lines, name), getattr(Lines, name + "_async")

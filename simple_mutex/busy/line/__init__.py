@@ -7,7 +7,7 @@ per key at ``line.<key>``, beside the lock, and every decision taken on it.
   ``Superseded`` call that lost its place to a newer one.
 * ``decisions``: each step of the design as a pure function of (record, inputs, now),
   and the outcomes they return (``Duplicate``, ``RunLate``, ``Run``, ``Park``,
-  ``Publish``, ``Swept``): no clock, no cache.
+  ``Publish``, ``Swept``, ``SteppedOver``): no clock, no cache.
 * ``store``: the read-modify-write that applies a step (``update``, an engine flow) and
   ``Lines``, which runs it blocking or on asyncio, keys encoded as the locks' are.
 
@@ -24,6 +24,7 @@ from .decisions import (
     Publish,
     Run,
     RunLate,
+    SteppedOver,
     Swept,
     arrival,
     arrive,
@@ -34,6 +35,7 @@ from .decisions import (
     send,
     send_collapsed,
     start,
+    step_over,
     sweep,
     take,
 )
@@ -60,6 +62,7 @@ __all__ = [
     "Run",
     "RunLate",
     "Running",
+    "SteppedOver",
     "Superseded",
     "Swept",
     "Ticket",
@@ -79,6 +82,7 @@ __all__ = [
     "send",
     "send_collapsed",
     "start",
+    "step_over",
     "sweep",
     "take",
     "ticket_of",

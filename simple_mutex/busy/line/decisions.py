@@ -384,6 +384,40 @@ def revoke(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None
     return forgotten, None
 
 
+@dataclass(frozen=True)
+class SteppedOver:
+    """What an operator's step-over found at ticket ``ticket``: ``was`` is "parked"
+    (``message`` is its call), "sent" (handed out, never arrived), "skipped" (stepped
+    over by the line already, and forgotten now) when it was done; "running" or "not
+    waiting" when nothing was done."""
+
+    ticket: int
+    was: str
+    message: Message = None
+
+    @property
+    def done(self) -> bool:
+        return self.was in ("parked", "sent", "skipped")
+
+
+def step_over(line: Line, t: int) -> tuple[Line, SteppedOver]:
+    """An operator steps over ticket ``t`` (a head whose message was lost, a call that
+    must not run): it never runs, and if it arrives later it is dropped as a duplicate.
+    Unlike ``revoke`` nothing is promoted: an operator's tool has no broker to publish
+    with, so the next head, never sent for its turn, is published by the next sweep of a
+    worker (or started by the running call's end). A running ticket is refused: it ends
+    itself, or, its holder gone, a sweep ends it."""
+    if line.running is not None and line.running.ticket == t:
+        return line, SteppedOver(t, "running")
+    parked = line.parked.get(t)
+    message = None if parked is None else parked.message
+    if t in line.skipped:
+        return _forget(line, t), SteppedOver(t, "skipped", message)
+    if not line.turn <= t < line.next or t in line.ended:
+        return line, SteppedOver(t, "not waiting")
+    return _forget(line, t), SteppedOver(t, "parked" if parked else "sent", message)
+
+
 def _forget(line: Line, t: int) -> Line:
     """``t`` (not running) will never run: out of every field; the turn steps past it
     when it was the head."""

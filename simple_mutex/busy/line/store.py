@@ -43,7 +43,7 @@ from simple_mutex.errors import (
 
 from . import decisions
 from .collapse import Collapse, Superseded
-from .decisions import Arrival, Publish, Swept
+from .decisions import Arrival, Publish, SteppedOver, Swept
 from .record import Line, Message, Ticket, decode, encode, new_line
 
 R = TypeVar("R")
@@ -434,6 +434,13 @@ class Lines:
         return self._flow(key, lambda line, _: decisions.revoke(line, ticket, self.clock()))
 
     revoke, revoke_async = faces("revoke", _revoke)
+
+    def _step_over(self, key: str, ticket: int) -> Flow[SteppedOver]:
+        """An operator steps over ``ticket`` of ``key``'s line (``decisions.step_over``):
+        it never runs; the next head waits for a worker's sweep to publish it."""
+        return self._flow(key, lambda line, _: decisions.step_over(line, ticket))
+
+    step_over, step_over_async = faces("step_over", _step_over)
 
     def _sweep(self, key: str, *, promote_grace: float, gap_for: float) -> Flow[Swept]:
         """One sweep of ``key``'s line: what to publish, what was skipped or expired."""
