@@ -198,7 +198,11 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
 
             gone: tuple[Superseded, ...] = ()
             if collapse is None:
-                ticket, parked = cfg.lines.send(key, message_for, queue_max=cfg.policy.queue.max)
+                # A call sent straight to the broker leaves a copy in the line: should
+                # its message be slow or lost, the line sends that copy in its place.
+                ticket, parked = cfg.lines.send(
+                    key, message_for, queue_max=cfg.policy.queue.max, keep_copy=True
+                )
             else:
                 ticket, parked, gone = cfg.lines.send_collapsed(
                     key, message_for, collapse, queue_max=cfg.policy.queue.max

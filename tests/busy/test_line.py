@@ -263,6 +263,70 @@ def test_revoke_of_a_running_ticket_is_its_end():
     assert revoke(line, T(1), 1.0) == end(line, T(1), 1.0)
 
 
+def test_a_head_sent_with_a_copy_is_sent_again_in_its_place_not_stepped_over():
+    """A call sent straight to the broker leaves its copy in the line. Its message slow or
+    lost past gap_for, the sweep sends the copy as the head (promoted, its turn kept): the
+    calls behind still wait, and whichever copy comes first runs, the other a duplicate.
+    Without a copy the same gap is stepped over, and the head would run late."""
+    line, (first, parked) = send(new_line(K, E), 0.0, lambda t: f"m{t.number}", keep_copy=True)
+    assert (parked, line.copies) == (False, {1: "m1"})
+    line, (_, parked) = send(line, 0.0, lambda t: f"m{t.number}", keep_copy=True)
+    assert parked is True
+    assert ln.decode(ln.encode(line), K) == line  # the copy is part of the record
+    _, swept = sweep(line, 59.0, lock_free=True, **KNOBS)
+    assert (swept.publish, swept.resent) == ((), ())  # gap_for (60 s) not over yet
+    line, swept = sweep(line, 61.0, lock_free=True, **KNOBS)
+    assert (swept.publish, swept.resent, swept.skipped) == ((Publish(1, "m1"),), (1,), ())
+    assert (line.turn, line.parked[1].promoted, line.copies) == (1, 61.0, {})
+    line, decided = start(line, first, 62.0, redelivers=False)
+    assert decided == Run(1)  # the first copy to come runs, in order
+    line, nxt = end(line, first, 63.0)
+    assert nxt == Publish(2, "m2")
+    assert arrive(line, first, lock_free=True) == Duplicate(1)  # the other, whenever
+    plain, _ = arrival(line_of(2), T(2), "m2", 0.0, lock_free=False)
+    _, swept = sweep(plain, 61.0, lock_free=True, **KNOBS)
+    assert swept.skipped == (1,)  # no copy: the old rule
+
+
+def test_a_lost_head_with_nobody_behind_is_sent_again_too():
+    line, _ = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    _, swept = sweep(line, 61.0, lock_free=True, **KNOBS)
+    assert swept.resent == (1,)
+
+
+def test_a_redelivering_holder_that_died_runs_again_from_the_lines_copy():
+    """acks_late on a broker that redelivers only after its visibility_timeout: the copy
+    is kept while the call runs; its holder dead and the broker's copy not come within
+    gap_for of the lapse, the line's copy runs the call again in its own turn, instead of
+    the turn passing on and the call being lost."""
+    line, (first, _) = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    line, _ = start(line, first, 1.0, redelivers=True)
+    assert ln.decode(ln.encode(line), K).copies == {1: "m1"}  # kept while it runs
+    line, swept = sweep(line, 10.0, lock_free=True, **KNOBS)  # its lock lapsed: wait
+    assert swept == ln.Swept()
+    line, swept = sweep(line, 71.0, lock_free=True, **KNOBS)
+    assert (swept.crashed, swept.resent, swept.publish) == (None, (1,), (Publish(1, "m1"),))
+    assert arrive(line, first, lock_free=True) == Run(1)
+    early, _ = start(send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)[0], first, 1.0,
+                     redelivers=False)  # fmt: skip
+    assert ln.encode(early) == ln.encode(replace(early, copies={}))  # early ack: no copy kept
+
+
+def test_a_retry_drops_the_copy_of_its_first_message():
+    line, (first, _) = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    line, _ = start(line, first, 1.0, redelivers=True)
+    line = retry(line, first, 2.0)
+    assert line.copies == {}
+
+
+def test_a_record_with_a_copy_of_no_live_ticket_is_refused():
+    line, _ = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    record = json.loads(ln.encode(line))
+    record["copies"] = {"7": "m7"}
+    with pytest.raises(MalfunctionError, match="copies"):
+        ln.decode(json.dumps(record), K)
+
+
 def test_an_operators_step_over_of_the_head_promotes_nothing_and_the_sweep_sends_the_next():
     """Stepped over, the head never runs (its late copy is a duplicate); the turn moves on
     but nothing is promoted (an operator's tool has no broker): the next sweep publishes
@@ -556,6 +620,10 @@ class World:
         # from 40 on run on a broker that redelivers a dead holder's task.
         park_for = 15.0 if seed % 4 == 0 else 1e9
         self.redelivers = seed >= 40
+        # Every third seed sends as Celery does: the line keeps a copy of each call sent
+        # straight to the broker, and no call is lost or stepped over for lack of its
+        # message (a retried one, whose copy is gone, still may be).
+        self.copies = seed % 3 == 1
         self.redelivered: set[int] = set()
         self.knobs = {"promote_grace": 2.0, "gap_for": 8.0, "park_for": park_for}
         self.line = new_line(K, E)
@@ -571,6 +639,7 @@ class World:
         self.crashed: set[int] = set()
         self.revoked: set[int] = set()
         self.stepped: set[int] = set()  # stepped over by an operator
+        self.resent: set[int] = set()  # sent again from the line's copy
         self.expired: set[int] = set()
         self.skipped: set[int] = set()
         self.parked_once: set[int] = set()
@@ -604,8 +673,15 @@ class World:
         self.slow = [(n, at) for n, at in self.slow if at > self.now]
 
     def send(self, faults: bool) -> None:
-        self.line, ticket = take(self.line, self.now)
-        self.sent.append(ticket.number)
+        if self.copies:
+            self.line, (ticket, parked) = send(self.line, self.now, lambda t: t.number,
+                                               keep_copy=True)  # fmt: skip
+            self.sent.append(ticket.number)
+            if parked:
+                return  # in the line: published when its turn comes
+        else:
+            self.line, ticket = take(self.line, self.now)
+            self.sent.append(ticket.number)
         roll = self.rng.random()
         if faults and roll < 0.04:
             self.lost.add(ticket.number)  # the broker lost it
@@ -708,6 +784,7 @@ class World:
         self.flight += [p.ticket for p in swept.publish]
         self.expired |= set(swept.expired)
         self.skipped |= set(swept.skipped)
+        self.resent |= set(swept.resent)
         if swept.crashed is not None:
             assert swept.crashed in self.crash_pending, f"{swept.crashed} ended as crashed"
             self.crash_pending.discard(swept.crashed)
@@ -746,6 +823,11 @@ def test_random_interleavings_keep_order_run_once_and_lose_nothing_parked(seed):
     everything = set(world.sent)
     assert world.parked_once - world.done() == set(), "parked, never run nor expired"
     assert everything - world.lost - world.done() == set(), "sent, never accounted for"
+    if world.copies:  # the line's copies make up for every message the broker lost
+        assert everything - world.done() == set(), "a call whose message was lost never ran"
+        assert world.lost - world.revoked - world.stepped - world.expired <= {
+            n for n, _ in world.starts
+        }, "a lost call neither ran nor ended"
     assert world.crash_pending == set(), "a crashed holder's ticket was never ended"
     first = [n for n, late in world.starts if not late]
     assert first == sorted(first), "tickets started out of ticket order"
@@ -761,7 +843,7 @@ def test_the_property_run_sees_every_outcome():
             world.step(sending=True, faults=True)
         world.drain()
         for name in ("lost", "crashed", "revoked", "stepped", "expired", "skipped",
-                     "parked_once", "redelivered"):  # fmt: skip
+                     "parked_once", "redelivered", "resent"):  # fmt: skip
             if getattr(world, name):
                 seen.add(name)
         if any(late for _, late in world.starts):
@@ -769,7 +851,7 @@ def test_the_property_run_sees_every_outcome():
         if len(world.starts) > len({n for n, _ in world.starts}):
             seen.add("retried")
     assert seen >= {"lost", "crashed", "revoked", "stepped", "expired", "skipped",
-                    "parked_once", "late", "retried", "redelivered"}  # fmt: skip
+                    "parked_once", "late", "retried", "redelivered", "resent"}  # fmt: skip
 
 
 # -- the read-modify-write on real tiers ------------------------------------------------------

@@ -358,6 +358,57 @@ def test_a_whole_worker_killed_with_early_ack_passes_the_turn_on(amqp_line: Line
     assert line.overlaps(run, killed=0) == []
 
 
+# -- a head whose message is slow or lost: the line's own copy ------------------------------
+
+
+def test_a_head_whose_message_is_lost_runs_in_its_place_and_its_late_copy_never(
+    redis_line: Line, run: str
+) -> None:
+    """The broker loses the head's message (taken off its queue before any worker saw
+    it); the two calls behind it wait parked. gap_for after the send, a sweep sends the
+    line's own copy of the head in its place: the three run in send order, each once.
+    The lost message then turns up after all (put back on the queue): it is a duplicate,
+    and runs nothing. (Before the line kept copies, the head was stepped over: 1 and 2
+    ran, and 0 never did, or ran last when its message came.)"""
+    line = redis_line
+    step = line.task("step")
+    results = [step.apply_async((run, 0, n)) for n in range(3)]
+    broker = line.record  # the broker is this Redis too (REDIS_URL)
+    assert broker.llen(line.queue) == 1  # only the head went to the broker: 1, 2 parked
+    lost = broker.lpop(line.queue)
+    assert lost is not None
+    line.start_worker("w0", 2)
+    assert [r.get(timeout=GET) for r in results] == [0, 1, 2]
+    assert line.starts(run)[0] == [0, 1, 2]
+    broker.rpush(line.queue, lost)  # the slow copy arrives at last
+    wait_until(lambda: broker.llen(line.queue) == 0, 30, "the late copy to be taken")
+    time.sleep(2.0)  # time for it to have run, had it run
+    assert line.starts(run)[0] == [0, 1, 2]
+    assert line.app.AsyncResult(results[0].id).get(timeout=GET) == 0
+    assert "did not come; the line sent its own copy" in line.log_text("w0")
+
+
+def test_acks_late_on_a_redis_broker_keeps_a_killed_holders_call(
+    redis_line: Line, run: str
+) -> None:
+    """acks_late + reject_on_worker_lost on a Redis broker: the head's whole worker is
+    SIGKILLed mid-run. Kombu delivers its message again only after visibility_timeout (an
+    hour by default); the line does not wait for it nor give up on the call: gap_for
+    after the dead holder's lease lapsed, the other worker's sweep sends the line's copy,
+    and the head runs again before anything sent after it. (Before, its turn passed on
+    and the call stayed PENDING until the broker's copy came, then was dropped.)"""
+    line = redis_line
+    redelivered = line.task("step_redelivered")
+    head = _running_on_w0(line, redelivered, run, "the head")
+    followers = [redelivered.apply_async((run, 0, n)) for n in range(1, 4)]
+    time.sleep(1.0)  # the followers park behind the running head
+    _kill_tree(line.procs[0].pid)
+    assert head.get(timeout=GET) == 0
+    assert [f.get(timeout=GET) for f in followers] == [1, 2, 3]
+    assert line.starts(run)[0] == [0, 0, 1, 2, 3]  # the head ran again, first
+    assert line.overlaps(run) == []
+
+
 # -- keep latest and debounce (issue 25) -----------------------------------------------------
 
 

@@ -94,6 +94,9 @@ class Swept:
     """Parked messages older than ``park_for``, dropped (an ``expired`` event each)."""
     crashed: int | None = None
     """The running ticket whose lock lapsed with no redelivery to wait for: ended."""
+    resent: tuple[int, ...] = ()
+    """Heads sent again from the line's own copy (``Line.copies``) in their own place:
+    their message never came, or their holder died and the broker's copy did not come."""
 
 
 # -- the decisions ------------------------------------------------------------------------------
@@ -124,15 +127,20 @@ def send(
     message_for: Callable[[Ticket], Message],
     *,
     queue_max: int | None = None,
+    keep_copy: bool = False,
 ) -> tuple[Line, tuple[Ticket, bool]]:
     """A send with no countdown that parks at once when a ticket is ahead of it (one
     running, or the turn not yet its own): its message goes into the line, not to the
     broker, so a burst for one key costs no delivery per call, and is published when its
     turn comes. Returns the ticket and whether it was parked (False: publish it now).
-    ``message_for`` builds the message, which carries its ticket."""
+    ``message_for`` builds the message, which carries its ticket. ``keep_copy``: a call
+    sent to the broker leaves its copy in the line (``Line.copies``), which a sweep sends
+    again if the broker's never comes."""
     line, ticket = take(line, now, queue_max=queue_max)
     t = ticket.number
     if t == line.turn and line.running is None:
+        if keep_copy:
+            line = replace(line, copies={**line.copies, t: message_for(ticket)})
         return line, (ticket, False)  # nobody ahead: to the broker, and it runs
     parked = {**line.parked, t: Parked(message_for(ticket), now)}
     return replace(line, issued=_without(line.issued, t), parked=parked), (ticket, True)
@@ -363,8 +371,11 @@ def retry(line: Line, ticket: Ticket, now: float, *, after: float = 0.0) -> Line
     if ticket.epoch != line.epoch or running is None or running.ticket != ticket.number:
         return line
     t = ticket.number
-    # The retry's own message carries the ticket on; a parked copy of it is stale.
-    line = replace(line, running=None, parked=_without(line.parked, t))
+    # The retry's own message carries the ticket on; a parked copy of it, and the line's
+    # own copy of the first message, are stale.
+    line = replace(
+        line, running=None, parked=_without(line.parked, t), copies=_without(line.copies, t)
+    )  # (the copy is dropped by hand: the ticket goes back to issued, where it would live)
     if t >= line.turn:
         return replace(line, issued={**line.issued, t: now + after})
     return replace(line, skipped={**line.skipped, t: now + after})
@@ -491,6 +502,7 @@ def sweep(
     parked ticket waits behind."""
     line, expired = _expire(line, now, park_for)
     publish: list[Publish] = []
+    resent: list[int] = []
     skipped: list[int] = []
     crashed: int | None = None
     running = line.running
@@ -509,6 +521,13 @@ def sweep(
             line = replace(line, running=replace(running, lapsed=now))
         elif running.redelivers and running.lapsed is not None and now - running.lapsed < gap_for:
             pass  # the broker's copy is on its way
+        elif running.redelivers and t == line.turn and t in line.copies:
+            # The broker's copy did not come (a Redis broker redelivers only after its
+            # visibility_timeout, an hour by default): the line's own copy runs the call
+            # again in its own turn, and the broker's, when it comes, is a duplicate.
+            line, sent = _resend(line, t, now)
+            publish.append(sent)
+            resent.append(t)
         else:
             crashed = t
             line, promoted = _advance(replace(line, running=None), t, now)
@@ -524,19 +543,43 @@ def sweep(
                     line = replace(line, parked={**line.parked, head: entry})
                     publish.append(Publish(head, entry.message, entry.at))
                 break
-            due = line.issued.get(line.turn)
-            behind = [p.at for t, p in line.parked.items() if t > line.turn]
+            gap = line.turn
+            due = line.issued.get(gap)
+            if due is not None and gap in line.copies:
+                # Slow or lost, its place stays its own: gap_for after it was due, the
+                # line's copy goes out, and whichever copy comes first runs (the other is
+                # a duplicate). Nobody need wait behind: a lost call is not left lost.
+                if now - due >= gap_for:
+                    line, sent = _resend(line, gap, now)
+                    publish.append(sent)
+                    resent.append(gap)
+                break
+            behind = [p.at for t, p in line.parked.items() if t > gap]
             if due is None or not behind:
                 # Nobody waits behind the gap: stepping over it would gain nothing and
                 # could put a message still in a slow broker queue out of order.
                 break
             if now - max(due, min(behind)) < gap_for:
                 break  # gap_for runs from when it was due and someone waited behind it
-            gap = line.turn
             skipped.append(gap)
             line = replace(line, issued=_without(line.issued, gap))
             line = _step(replace(line, skipped={**line.skipped, gap: now}), gap)
-    return line, Swept(tuple(publish), tuple(skipped), tuple(expired), crashed)
+    return line, Swept(tuple(publish), tuple(skipped), tuple(expired), crashed, tuple(resent))
+
+
+def _resend(line: Line, t: int, now: float) -> tuple[Line, Publish]:
+    """Ticket ``t`` (the head, on its way, or running and its holder dead) becomes a
+    parked call made of the line's copy, promoted now: sent again in its own place."""
+    entry = Parked(line.copies[t], now, promoted=now)
+    running = None if line.running is not None and line.running.ticket == t else line.running
+    line = replace(
+        line,
+        issued=_without(line.issued, t),
+        parked={**line.parked, t: entry},
+        running=running,
+        copies=_without(line.copies, t),
+    )
+    return line, Publish(t, entry.message, entry.at)
 
 
 def _expire(line: Line, now: float, park_for: float) -> tuple[Line, list[int]]:

@@ -353,6 +353,9 @@ def report(swept: Swept, key: str, log: logging.Logger) -> None:
     a dead holder, a lost message, a call that waited too long)."""
     if swept.crashed is not None:
         log.warning("sweep: ticket %d of %r ended: its holder died", swept.crashed, key)
+    for again in swept.resent:
+        log.warning("sweep: ticket %d of %r did not come; the line sent its own copy, in "
+                    "its place", again, key)  # fmt: skip
     for gap in swept.skipped:
         log.warning("sweep: ticket %d of %r never arrived; stepped over", gap, key)
     for gone in swept.expired:

@@ -108,6 +108,19 @@ class Line:
     """ticket -> when it was skipped: one that never arrives is forgotten after
     ``park_for``."""
     running: Running | None = None
+    copies: Mapping[int, Message] = field(default_factory=dict)
+    """ticket -> the line's own copy of a call it sent straight to the broker (a send that
+    keeps one: Celery's), kept while it is on its way (issued) and, when its broker
+    redelivers, while it runs. A sweep sends it again in its own place when its message
+    never came (``gap_for``) or its holder died and the broker's copy did not come: no
+    call is stepped over, or lost, because time passed. Only the live ones are written
+    (``live_copies``)."""
+
+    def __post_init__(self) -> None:
+        # A copy lives exactly as long as its ticket is on its way or running with a
+        # broker that redelivers: every decision that moves a ticket on drops it here.
+        if self.copies:
+            object.__setattr__(self, "copies", live_copies(self))
 
     @property
     def waiting(self) -> int:
@@ -116,6 +129,14 @@ class Line:
 
     def ticket(self, number: int) -> Ticket:
         return Ticket(self.epoch, number)
+
+
+def live_copies(line: Line) -> dict[int, Message]:
+    """The copies still of use: of a ticket on its way, or running with a broker that
+    redelivers (its holder may die, and that copy may never come)."""
+    running = line.running
+    kept = {running.ticket} if running is not None and running.redelivers else set()
+    return {t: m for t, m in line.copies.items() if t in line.issued or t in kept}
 
 
 def new_line(key: str, epoch: str | None = None) -> Line:
@@ -148,6 +169,8 @@ def encode(line: Line) -> str:
             "lapsed": line.running.lapsed,
         },
     }
+    if line.copies:  # absent when empty: a line without copies reads as it always did
+        record["copies"] = {str(t): m for t, m in sorted(line.copies.items())}
     try:
         return json.dumps(record, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -181,7 +204,7 @@ def _checked(record: object, key: str) -> Line:
         raise _Malformed("not a JSON object")
     expected = {"v", "key", "epoch", "next", "turn", "issued", "parked", "ended", "skipped",
                 "running"}  # fmt: skip
-    if set(record) != expected:
+    if set(record) - {"copies"} != expected:
         raise _Malformed(f"fields {sorted(record)}, not {sorted(expected)}")
     if record["v"] != VERSION or type(record["v"]) is not int:
         raise _Malformed(f"version {record['v']!r}")
@@ -220,7 +243,13 @@ def _checked(record: object, key: str) -> Line:
         raise _Malformed("a ticket is in two of issued, parked, ended, running")
     if set().union(*sets) != set(open_range):
         raise _Malformed(f"tickets of [{turn}, {nxt}) missing from the record")
-    return Line(key, epoch, nxt, turn, issued, parked, ended, skipped, running)
+    line = Line(key, epoch, nxt, turn, issued, parked, ended, skipped, running)
+    if "copies" in record:
+        copies = {_ticket(t): m for t, m in _object(record["copies"], "copies")}
+        line = Line(key, epoch, nxt, turn, issued, parked, ended, skipped, running, copies)
+        if not copies or line.copies != copies:
+            raise _Malformed(f"copies {sorted(copies)} of tickets neither sent nor running")
+    return line
 
 
 def _number(value: object, name: str) -> int:

@@ -334,13 +334,21 @@ class Lines:
     take, take_async = faces("take", _take)
 
     def _send(
-        self, key: str, message_for: Callable[[Ticket], Message], *, queue_max: int | None = None
+        self,
+        key: str,
+        message_for: Callable[[Ticket], Message],
+        *,
+        queue_max: int | None = None,
+        keep_copy: bool = False,
     ) -> Flow[tuple[Ticket, bool]]:
         """A send's ticket, its message parked at once when a ticket is ahead of it
-        (True: parked, publish nothing; False: publish it now). See ``send()``."""
+        (True: parked, publish nothing; False: publish it now, and with ``keep_copy`` the
+        line keeps a copy to send again if it never comes). See ``decisions.send``."""
         return self._flow(
             key,
-            lambda line, _: decisions.send(line, self.clock(), message_for, queue_max=queue_max),
+            lambda line, _: decisions.send(
+                line, self.clock(), message_for, queue_max=queue_max, keep_copy=keep_copy
+            ),
         )
 
     send, send_async = faces("send", _send)
