@@ -135,7 +135,8 @@ class QueuePolicy:
     def promote_grace(self) -> float:
         """How long a promoted head may take to start before a sweep publishes it again
         (a crash between a release and its publish): a copy too many is a duplicate, and
-        runs once."""
+        runs once. Each later publish waits twice as long as the one before, up to ten
+        minutes (``line.decisions.resend_after``): a backlog is not filled with copies."""
         return min(30.0, self.gap_for)
 
 

@@ -358,6 +358,26 @@ def test_an_operator_may_step_over_a_parked_call_or_a_skipped_one_but_not_a_runn
 # -- the sweep -------------------------------------------------------------------------------
 
 
+def test_a_head_that_does_not_start_is_sent_again_less_often_each_time():
+    """Behind a long backlog a promoted head is sent again after promote_grace (5 s here),
+    then after twice that each time: 200 s of sweeps every second publish it 6 times, not
+    40. The count lives in the record; a new promotion starts it over."""
+    line, _ = arrival(line_of(1), T(1), "m1", 0.0, lock_free=False)
+    times = []
+    for now in range(201):
+        line, swept = sweep(line, float(now), lock_free=True, **KNOBS)
+        line = roundtrip(line)
+        times += [now for _ in swept.publish]
+    assert times == [0, 5, 15, 35, 75, 155]
+    assert line.parked[1].resent == 5
+    assert ln.decisions.resend_after(5.0, 40) == ln.decisions.RESEND_AT_MOST
+    behind = send(line, 201.0, lambda t: "m2")[0]
+    behind = started(behind, 1, 202.0)
+    behind, promoted = end(behind, T(1), 203.0)
+    assert promoted == Publish(2, "m2")
+    assert behind.parked[2].resent == 0
+
+
 def test_the_sweep_publishes_a_parked_head_nobody_ran_but_not_twice_within_the_grace():
     line, _ = arrival(line_of(1), T(1), "m1", 0.0, lock_free=False)
     busy, swept = sweep(line, 1.0, lock_free=False, **KNOBS)

@@ -388,6 +388,32 @@ def test_a_head_whose_message_is_lost_runs_in_its_place_and_its_late_copy_never(
     assert "did not come; the line sent its own copy" in line.log_text("w0")
 
 
+def test_a_head_slow_behind_a_backlog_is_not_sent_again_every_few_seconds(
+    redis_line: Line, run: str
+) -> None:
+    """One worker slot, busy for 24 s with another key's call right after the head of
+    this key ends: the next call, published for its turn, waits behind it. The sweep
+    sends it again after promote_grace (3 s here), then twice as long each time: it is
+    delivered 4 times (the publish and 3 sends, at about 3, 9 and 21 s), not every 3 s
+    (9 times), and runs once, after the head."""
+    line = redis_line
+    step = line.task("step")
+    line.start_worker("w0", 1)
+    head = step.apply_async((run, 0, 0, 1.0))
+    behind = step.apply_async((run, 0, 1))  # parked at the send, behind the head
+    blocker = step.apply_async((run, 1, 0, 24.0))  # another key: takes the only slot
+    assert [head.get(timeout=GET), behind.get(timeout=GET)] == [0, 1]
+    assert blocker.get(timeout=GET) == 0
+    # The copies wait in the broker's queue while the slot is busy; then each is taken
+    # (and dropped as a duplicate).
+    wait_until(lambda: line.record.llen(line.queue) == 0, 30, "the copies to be taken")
+    time.sleep(1.0)
+    delivered = line.log_text("w0").count(f"[{behind.id}] received")
+    print(f"the call behind the head was delivered {delivered} times in its 24 s wait")
+    assert 3 <= delivered <= 5, delivered
+    assert line.starts(run)[0] == [0, 1]
+
+
 def test_acks_late_on_a_redis_broker_keeps_a_killed_holders_call(
     redis_line: Line, run: str
 ) -> None:

@@ -472,7 +472,7 @@ def _promote(line: Line, now: float) -> tuple[Line, Publish | None]:
     entry = line.parked[head]
     if entry.due is not None and entry.due > now:
         return line, None  # a debounced call: the sweep publishes it when it is due
-    promoted = replace(entry, promoted=now)
+    promoted = replace(entry, promoted=now, resent=0)
     return replace(line, parked={**line.parked, head: promoted}), Publish(
         head, entry.message, entry.at
     )
@@ -512,7 +512,7 @@ def sweep(
         t = running.ticket
         if t in line.parked:
             # The broker's copy came while the dead holder's lock was held, and parked.
-            entry = replace(line.parked[t], promoted=now)
+            entry = replace(line.parked[t], promoted=now, resent=0)
             line = replace(line, running=None, parked={**line.parked, t: entry})
             if t < line.turn:  # it ran late (its gap stepped over): so does its copy
                 line = replace(line, skipped={**line.skipped, t: now})
@@ -536,12 +536,10 @@ def sweep(
         while True:
             head = _head(line)
             if head is not None:
-                entry = line.parked[head]
-                ready = entry.due is None or entry.due <= now  # a debounced call waits
-                if ready and (entry.promoted is None or now - entry.promoted >= promote_grace):
-                    entry = replace(entry, promoted=now)
-                    line = replace(line, parked={**line.parked, head: entry})
-                    publish.append(Publish(head, entry.message, entry.at))
+                again = _published_again(line.parked[head], now, promote_grace)
+                if again is not None:
+                    line = replace(line, parked={**line.parked, head: again})
+                    publish.append(Publish(head, again.message, again.at))
                 break
             gap = line.turn
             due = line.issued.get(gap)
@@ -565,6 +563,32 @@ def sweep(
             line = replace(line, issued=_without(line.issued, gap))
             line = _step(replace(line, skipped={**line.skipped, gap: now}), gap)
     return line, Swept(tuple(publish), tuple(skipped), tuple(expired), crashed, tuple(resent))
+
+
+RESEND_AT_MOST = 600.0
+"""The longest a sweep waits between two publishes of a head that has not started."""
+
+
+def resend_after(promote_grace: float, resent: int) -> float:
+    """How long after its last publish a head that has not started is published again,
+    having been so ``resent`` times already: ``promote_grace``, then twice that, and so
+    on, up to ``RESEND_AT_MOST`` (or ``promote_grace``, if longer)."""
+    return min(promote_grace * 2.0 ** min(resent, 32), max(promote_grace, RESEND_AT_MOST))
+
+
+def _published_again(entry: Parked, now: float, promote_grace: float) -> Parked | None:
+    """The head ``entry`` as a sweep publishes it now, or None when it is not to be: a
+    head nobody sent for its turn goes at once (a debounced one once it is due); one sent
+    and not started (lost in a crash between a release and its publish, or slow behind a
+    backlog) goes again after ``resend_after``, less often each time, so a long backlog
+    does not fill with copies of it."""
+    if entry.due is not None and entry.due > now:
+        return None  # a debounced call waits for its quiet time
+    if entry.promoted is None:
+        return replace(entry, promoted=now)
+    if now - entry.promoted >= resend_after(promote_grace, entry.resent):
+        return replace(entry, promoted=now, resent=entry.resent + 1)
+    return None
 
 
 def _resend(line: Line, t: int, now: float) -> tuple[Line, Publish]:

@@ -72,6 +72,10 @@ class Parked:
     due: float | None = None
     """``on_busy="debounce"``: not published before this time (None: when its turn comes).
     Its ``at`` is then the first call of the burst, which ``max_delay`` counts from."""
+    resent: int = 0
+    """How many times a sweep published it again since it was promoted, for not having
+    started: each waits twice as long as the one before (``decisions.resend_after``), so
+    a head slow behind a backlog is not delivered again every few seconds."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ def encode(line: Line) -> str:
         "parked": {
             str(t): {"message": p.message, "at": p.at, "promoted": p.promoted}
             | ({} if p.due is None else {"due": p.due})
+            | ({"resent": p.resent} if p.resent else {})
             for t, p in sorted(line.parked.items())
         },
         "ended": sorted(line.ended),
@@ -277,15 +282,20 @@ def _object(value: object, name: str) -> list[tuple[str, Any]]:
 
 
 def _parked(value: object) -> Parked:
-    # "due" only for a debounced call: a queue's records stay as they were before debounce.
-    if not isinstance(value, dict) or set(value) - {"due"} != {"message", "at", "promoted"}:
+    # "due" only for a debounced call, "resent" only once a sweep sent it again: a queue's
+    # records stay as they were before either.
+    optional = {"due", "resent"}
+    if not isinstance(value, dict) or set(value) - optional != {"message", "at", "promoted"}:
         raise _Malformed(f"parked entry {value!r:.80}")
-    promoted = value["promoted"]
+    promoted, resent = value["promoted"], value.get("resent", 0)
+    if type(resent) is not int or not 0 <= resent <= 64 or (resent and promoted is None):
+        raise _Malformed(f"resent {resent!r:.20}")
     return Parked(
         value["message"],
         _time(value["at"], "parked"),
         None if promoted is None else _time(promoted, "promoted"),
         _time(value["due"], "due") if "due" in value else None,
+        resent,
     )
 
 
