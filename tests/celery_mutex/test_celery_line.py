@@ -31,6 +31,7 @@ from celery.exceptions import TaskRevokedError
 from celery_support import line_app
 from celery_support.line_app import LINE, MAX_DELAY, PERIOD, SECTION
 from celery_support.processes import REDIS_URL, Processes
+from servers import PostgresServer, RedisServer, free_port
 from workers import wait_until
 
 # isort: split
@@ -356,6 +357,64 @@ def test_a_whole_worker_killed_with_early_ack_passes_the_turn_on(amqp_line: Line
     assert lease / 2 <= delay <= lease + sweep + 5.0
     assert line.starts(run)[0] == [0, 1, 2, 3, 4]  # the head ran once (early ack)
     assert line.overlaps(run, killed=0) == []
+
+
+# -- the lock cache restarts ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _restartable(kind: str) -> Iterator[tuple[str, Any]]:
+    """A lock cache of this test's own that keeps what it acknowledged: a Redis with
+    `appendonly yes` (each write fsynced) or a PostgreSQL. (Its URL, a restart.)"""
+    if kind == "postgres":
+        pg = PostgresServer()
+        pg.pg_ctl("start")
+        try:
+            yield with_query(pg.url, table="celery_locks"), lambda: pg.pg_ctl("restart")
+        finally:
+            pg.remove()
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(free_port(), Path(tmp), "--appendonly", "yes",
+                             "--appendfsync", "always")  # fmt: skip
+        server.start()
+
+        def restart() -> None:
+            server.shutdown()  # nosave: only the append-only file keeps the lines
+            server.start()
+
+        try:
+            yield f"redis://127.0.0.1:{server.port}/0", restart
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("kind", ["redis-aof", "postgres"])
+def test_parked_calls_outlive_a_restart_of_a_persistent_lock_cache(run: str, kind: str) -> None:
+    """The locks and lines in a cache of their own that keeps what it acknowledged: five
+    calls park behind a running head, and the cache is restarted while the head runs.
+    Every parked call still runs, once, in send order. (On a Redis that keeps nothing the
+    same restart loses them all, and a worker warns of it at its start:
+    tests/busy/test_line_unkept.py.)"""
+    with _restartable(kind) as (cache, restart):
+        lines = _line(REDIS_URL, workers=1, cache=cache)
+        line = next(lines)
+        try:
+            step = line.task("step")
+            head = step.apply_async((run, 0, 0, 6.0))
+            wait_until(lambda: line.starts(run).get(0), 30, "the head to start")
+            parked = [step.apply_async((run, 0, n)) for n in range(1, 6)]
+            time.sleep(0.5)
+            restart()
+            assert [p.get(timeout=GET) for p in parked] == [1, 2, 3, 4, 5]
+            assert line.starts(run)[0] == [0, 1, 2, 3, 4, 5]
+            assert line.overlaps(run) == []
+            # It ran once; its lease may have been lost in the restart (a renewal met a
+            # refused connection), which fails it: either way it is over.
+            head.get(timeout=GET, propagate=False)
+        finally:
+            with contextlib.suppress(StopIteration):
+                next(lines)
 
 
 # -- a head whose message is slow or lost: the line's own copy ------------------------------
