@@ -43,3 +43,11 @@ def fresh(request: Any, *, running: bool = False) -> CallState:
     state = CallState(running=running)
     setattr(request, ATTRIBUTE, state)
     return state
+
+
+def attempt_of(request: Any) -> int | None:
+    """Which attempt (``retries``) a worker Request or a task Context is, if it says."""
+    found = getattr(request, "retries", None)
+    if found is None:
+        found = (getattr(request, "request_dict", None) or {}).get("retries")
+    return found if isinstance(found, int) and not isinstance(found, bool) else None

@@ -23,6 +23,8 @@ from simple_mutex.caches.adapt import as_cache
 from simple_mutex.contract import ConditionalCache
 from simple_mutex.errors import ConstraintValueError
 
+from .line import end_stepped_over
+
 
 def _cache_of(ctx: click.Context) -> tuple[ConditionalCache, str]:
     conf = ctx.find_root().obj.app.conf
@@ -96,11 +98,12 @@ def release(ctx: click.Context, key: str, prefix: str | None, slot: int | None, 
 @click.option("--yes", is_flag=True, help="do not ask first")
 @click.pass_context
 def step_over(ctx: click.Context, key: str, ticket: int, prefix: str | None, yes: bool) -> None:
-    """Step over TICKET of KEY's line (`show KEY` lists them): that call never runs, and
-    the calls behind it go on at a worker's next sweep."""
+    """Step over TICKET of KEY's line (`show KEY` lists them): that call never runs (its
+    result is stored REVOKED), and the calls behind it go on at a worker's next sweep."""
+    app = ctx.find_root().obj.app
     _run(ctx, lambda cache, default: commands.step_over_call(
         cache, key, ticket, prefix or default, sys.stdout, yes=yes, ask=_ask,
-        by="celery mutex step-over",
+        by="celery mutex step-over", ended=lambda message: end_stepped_over(app, message),
     ))  # fmt: skip
 
 

@@ -437,6 +437,20 @@ class TaskPublisher:
         )
 
 
+def end_stepped_over(app: Any, message: object) -> None:
+    """An operator stepped over the call ``message`` (``celery mutex step-over``): it
+    will never run, so its result is stored REVOKED, as an expired call's is, and its
+    ``AsyncResult`` resolves. A message that names no task of ``app`` is left alone."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("id"), str):
+        return
+    task = app.tasks.get(message.get("task"))
+    if task is None:
+        return
+    task_id = message["id"]
+    _store_ending(task, task_id, "step-over",
+                  lambda b: b.mark_as_revoked(task_id, "stepped over by an operator"))  # fmt: skip
+
+
 def _storing(task_id: str, result: object) -> Callable[[Any], object]:
     return lambda backend: backend.store_result(task_id, result, states.SUCCESS)
 
@@ -516,6 +530,9 @@ class TaskCall(TaskPublisher):
         request = self.request
         return message_of(self.task, request.args or (), request.kwargs or {}, ticket)
 
+    def attempt(self) -> int | None:
+        return call_state.attempt_of(self.request)
+
     def redelivers(self) -> bool:
         return redelivers(self.task)
 
@@ -580,13 +597,17 @@ def ending(task: Any, exc: BaseException | None) -> Callable[[], None]:
     key, ticket = found
     lines = config_of(task).lines
     again: float | None = None
+    retried: int | None = None  # the attempt whose later copies are duplicates
     if isinstance(exc, Retry):
         again = _delay(exc.when, exc.when)
+        retried = call_state.attempt_of(task.request)
     elif isinstance(exc, Reject) and exc.requeue and task.acks_late:
-        again = 0.0  # its message goes back to the queue: the call comes again, in its turn
+        # Its message goes back to the queue: the call comes again, in its turn, as the
+        # same attempt (so no attempt is named: that copy must run).
+        again = 0.0
     return driver.end(
         TaskPublisher(task), lines, key, ticket, config_of(task).policy.queue,
-        again_after=again, who=task.name,
+        again_after=again, who=task.name, attempt=retried,
     )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._celery import runs_in_children
+from .call_state import attempt_of
 from .enqueue import unmark
 from .exits import exit_watch
 from .line import end_of_dead
@@ -79,14 +80,6 @@ def remember(consumer: Any, request: Any) -> None:
 def request_of(task_id: str) -> Any:
     """The worker's Request of ``task_id``, if this process received it and still has it."""
     return _received.requests.get(task_id)
-
-
-def attempt_of(request: Any) -> int | None:
-    """Which attempt (``retries``) a worker Request or a task Context is, if it says."""
-    found = getattr(request, "retries", None)
-    if found is None:
-        found = (getattr(request, "request_dict", None) or {}).get("retries")
-    return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def _retried_since(task_id: str, attempt: int | None) -> bool:

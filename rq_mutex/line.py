@@ -305,6 +305,9 @@ class JobCall(JobPublisher):
     def message(self, ticket: ln.Ticket) -> dict[str, Any]:
         return message_of(self.job.id, self.job.origin, self.bounds)
 
+    def attempt(self) -> int | None:
+        return None  # RQ's retry is the same job again: no attempt number to tell copies
+
     def redelivers(self) -> bool:
         return bool(self.job.retries_left)
 

@@ -49,6 +49,10 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("test_faults.py", "replicaof"): (1, "the failover of the test's own replica"),
     ("servers.py", "shutdown"): (1, "RedisServer.shutdown: a server the test started"),
     ("caches/test_redis.py", "shutdown"): (2, "RedisServer.shutdown: the test's own server"),
+    ("celery_mutex/test_celery_line.py", "shutdown"): (
+        1,
+        "RedisServer.shutdown: the test's own append-only lock cache, restarted",
+    ),
     ("caches/test_redis.py", "script_flush"): (1, "on the test's own redis-server"),
     ("caches/test_redis.py", "SCRIPT FLUSH"): (2, "the docstrings of that test and another's"),
     ("caches/test_redis_async.py", "client_kill"): (

@@ -104,11 +104,19 @@ def lines_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, Line]
 
 
 def step_over(
-    cache: object, key: str, ticket: int, prefix: str = DEFAULT_PREFIX, *, by: str = "an operator"
+    cache: object,
+    key: str,
+    ticket: int,
+    prefix: str = DEFAULT_PREFIX,
+    *,
+    by: str = "an operator",
+    call: str | None = None,
 ) -> SteppedOver:
     """Step over ticket ``ticket`` of ``key``'s line (``decisions.step_over``): that call
     never runs, and the calls behind it go on once a worker's sweep publishes the next
-    (within its ``sweep_every``, 5 s by default). A running ticket is refused. A record
+    (within its ``sweep_every``, 5 s by default). A running ticket is refused, and so,
+    given ``call`` (what ``call_of`` named when the operator was asked), is a ticket
+    whose call is another now (a keep-latest line's newer call took its place). A record
     goes to the ``simple_mutex`` logger, naming the call when the line holds its message.
     The record keeps at least the time it had left to live."""
     checked = scannable(cache)  # a blocking cache: an asyncio one is refused, naming the fix
@@ -116,7 +124,8 @@ def step_over(
     [found] = run(checked, flows.read([cache_key]))  # type: ignore[arg-type]
     left = 0.0 if found is None else found.expires_at - time.time()
     lines = Lines(checked, lease=1, park_for=max(DEFAULT_PARK_FOR, left), lock_prefix=prefix)
-    done = lines.step_over(key, ticket)
+    accepts = None if call is None else (lambda message: call_of(message) == call)
+    done = lines.step_over(key, ticket, accepts=accepts)
     if done.done:
         log.warning("%s stepped over ticket %d (%s) of the line of %r", by, ticket,
                     call_of(done.message), key)  # fmt: skip
@@ -142,15 +151,17 @@ def calls_in(line: Line, limit: int) -> list[dict[str, Any]]:
     for number in named_tickets(line)[:limit]:
         entry = line.parked.get(number)
         if running is not None and number == running.ticket:
+            known = entry.message if entry else line.copies.get(number)
             calls.append({"ticket": number, "state": "running", "since": running.since,
-                          "call": call_of(entry.message) if entry else None})  # fmt: skip
+                          "call": None if known is None else call_of(known)})  # fmt: skip
         elif entry is not None:
             calls.append({"ticket": number, "state": "parked", "since": entry.at,
                           "promoted": entry.promoted, "due": entry.due,
                           "call": call_of(entry.message)})  # fmt: skip
         elif number in line.issued:
+            copy = line.copies.get(number)  # a call sent with a copy: the line knows it
             calls.append({"ticket": number, "state": "sent", "since": line.issued[number],
-                          "call": None})  # fmt: skip
+                          "call": None if copy is None else call_of(copy)})  # fmt: skip
     return calls
 
 

@@ -31,7 +31,7 @@ from simple_mutex.admin import (
     waited_on,
     waiting_in,
 )
-from simple_mutex.busy.line import Line
+from simple_mutex.busy.line import Line, Message
 from simple_mutex.contract import ConditionalCache
 from simple_mutex.errors import MalfunctionError
 
@@ -154,21 +154,29 @@ def step_over_call(
     yes: bool = False,
     ask: Ask = input,
     by: str = "simple-mutex step-over",
+    ended: Callable[[Message], None] | None = None,
 ) -> int:
     """Step over ticket ``ticket`` of ``key``'s line, after asking unless ``yes``: that
     call never runs, and the calls behind it go on at a worker's next sweep. 1 when
-    there is no such line or waiting ticket, it runs, or the answer is not yes."""
+    there is no such line or waiting ticket, it runs, it is another call than the one
+    asked about, or the answer is not yes. ``ended``: told the stepped-over call's
+    message, if the line had it (``celery mutex`` stores its result REVOKED)."""
     line = line_of(cache, key, prefix)
     if line is None:
         out.write(f"{key!r} has no line under prefix {prefix!r}: nothing to step over\n")
         return 1
-    parked = line.parked.get(ticket)
-    what = f"ticket {ticket} ({call_of(parked.message) if parked else 'sent, not arrived'})"
+    shown = {c["ticket"]: c for c in calls_in(line, len(named_tickets(line)))}.get(ticket)
+    call = None if shown is None else shown["call"]
+    what = f"ticket {ticket} ({call or 'sent, not arrived'})"
     question = f"step over {what} of the line of {key!r}? It will never run."
     if not yes and not confirmed(ask, question):
         out.write("not stepped over\n")
         return 1
-    done = step_over(cache, key, ticket, prefix, by=by)
+    done = step_over(cache, key, ticket, prefix, by=by, call=call)
+    if done.was == "changed":
+        out.write(f"refused: ticket {ticket} of {key!r} is another call now "
+                  f"({call_of(done.message)}); nothing stepped over\n")  # fmt: skip
+        return 1
     if done.was == "running":
         out.write(f"refused: ticket {ticket} of {key!r} is running; it ends itself, or "
                   "free its lock with `release` if its holder is stuck\n")  # fmt: skip
@@ -177,6 +185,8 @@ def step_over_call(
         out.write(f"refused: ticket {ticket} is not waiting in the line of {key!r} (it "
                   f"ran, ended or was never handed out; the turn is {line.turn})\n")  # fmt: skip
         return 1
+    if ended is not None:
+        ended(done.message)  # the task queue's own record of the call's ending
     out.write(f"stepped over ticket {ticket} ({call_of(done.message)}) of the line of "
               f"{key!r}: it will not run; a worker's next sweep sends the next call\n")  # fmt: skip
     return 0

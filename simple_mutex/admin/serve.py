@@ -33,7 +33,8 @@ from typing import Any, TextIO
 from urllib.parse import quote
 
 from simple_mutex.admin import board as boards
-from simple_mutex.admin import call_of, named_tickets, release, step_over
+from simple_mutex.admin import call_of, calls_in, release, step_over
+from simple_mutex.admin.board import CALLS_SHOWN
 from simple_mutex.admin.commands import describe, now, one_line, stamp
 from simple_mutex.admin.page import PAGE
 from simple_mutex.contract import ConditionalCache
@@ -120,13 +121,11 @@ class Board:
         or sent and not arrived): it never runs (``admin.step_over``)."""
         with self._lock:
             line = None if self._last is None else self._last.lines.get(key)
-        if (
-            line is None
-            or ticket not in named_tickets(line)
-            or (line.running is not None and line.running.ticket == ticket)
-        ):
+        shown = {} if line is None else {c["ticket"]: c for c in calls_in(line, CALLS_SHOWN)}
+        if ticket not in shown or shown[ticket]["state"] == "running":
             return False, f"refused: ticket {ticket} of {key!r} is not waiting on the page"
-        done = step_over(self.cache, key, ticket, self.prefix, by="simple-mutex serve")
+        done = step_over(self.cache, key, ticket, self.prefix, by="simple-mutex serve",
+                         call=shown[ticket]["call"])  # fmt: skip
         if not done.done:
             return False, f"refused: ticket {ticket} of {key!r} is {done.was} now"
         text = f"ticket {ticket} ({call_of(done.message)}) of {key!r}: it will not run"

@@ -72,6 +72,11 @@ class Call(Publisher, Protocol):
     def message(self, ticket: Ticket) -> Message:
         """What the line keeps of the call while it is parked: enough to publish it."""
 
+    def attempt(self) -> int | None:
+        """Which attempt of the call this delivery is (Celery's ``retries``), so that a
+        copy of an attempt before its retry is known for a duplicate; None when the
+        queue's retries carry no such number the line can trust (RQ's)."""
+
     def redelivers(self) -> bool:
         """Whether the queue delivers the call again if its worker dies mid-run (the
         line then waits for that copy rather than stepping over the turn)."""

@@ -101,8 +101,11 @@ def take(over: Takeover) -> Lease:
         except SimpleMutexAcquireTimeoutError as exc:
             busy = exc
         holder = unstoppable = over.holder()
-        if holder is None or (holder.label or "").startswith(EVICTED_BY):
-            continue  # freed meanwhile, or another replacing call is freeing it now
+        if holder is None:
+            continue  # freed meanwhile
+        if (holder.label or "").startswith(EVICTED_BY):
+            unstoppable = None  # another replacing call is freeing it: not a holder
+            continue
         victim = over.victim_of(holder)
         if victim is None:
             continue  # nothing here can stop it: take_once waits its turn (or fails)

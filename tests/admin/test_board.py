@@ -251,6 +251,11 @@ def test_the_board_steps_over_only_a_call_it_showed_waiting() -> None:
     again, text = board.step_over("order.7", 3)
     assert not again
     lines = Lines(cache, lease=30)
+    for n in range(boards.CALLS_SHOWN):  # a long line: the page shows its first calls
+        lines.send("order.7", lambda ticket, n=n: {"task": "shop.charge", "id": f"d{n}"})
+    board.refresh()
+    last = lines.read("order.7").next - 1  # type: ignore[union-attr]
+    assert board.step_over("order.7", last)[0] is False  # waiting, but never on the page
     ticket = lines.read("order.7").ticket(1)  # type: ignore[union-attr]
     assert type(lines.start("order.7", ticket)).__name__ == "Run"
     board.refresh()

@@ -167,10 +167,21 @@ def celery_project(where: Path, prefix: str) -> None:
     """A Celery app ``proj`` in ``where`` whose lock cache is this module's Redis."""
     (where / "proj.py").write_text(
         "from celery import Celery\n"
-        "app = Celery('proj', broker='memory://')\n"
+        f"app = Celery('proj', broker='memory://', backend={URL!r})\n"
         f"app.conf.mutex_cache = {URL!r}\n"
         f"app.conf.mutex_prefix = {prefix!r}\n"
+        "@app.task(name='proj.t')\n"
+        "def t():\n"
+        "    pass\n"
     )
+
+
+def celery_mutex_command(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A proj mutex ARGS`` in ``project`` (``celery_project``)."""
+    return subprocess.run(
+        [str(BIN / "celery"), "-A", "proj", "mutex", *args], capture_output=True, text=True,
+        timeout=60, cwd=project, env={**os.environ, "PYTHONPATH": str(project)},
+    )  # fmt: skip
 
 
 def test_the_commands_as_subprocesses(scene: Scene, tmp_path: Path) -> None:
@@ -251,19 +262,26 @@ def test_an_operator_steps_over_a_head_that_never_arrived(scene: Scene) -> None:
 
 def test_celery_mutex_step_over_names_the_parked_call(scene: Scene, tmp_path: Path) -> None:
     """``celery -A proj mutex step-over KEY TICKET`` on the app's cache: a parked call
-    behind the running one is stepped over and named; the running one stays."""
+    behind the running one is stepped over and named; the running one stays. A Celery
+    call stepped over so has its result stored REVOKED: its caller's ``get()`` ends."""
     celery_project(tmp_path, scene.prefix)
-    done = subprocess.run(
-        [str(BIN / "celery"), "-A", "proj", "mutex", "step-over", "busy", "2", "--yes"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )  # fmt: skip
+    lines = Lines(scene.cache, lease=60, prefix="line." + scene.prefix, lock_prefix=scene.prefix)
+    call_id = uuid.uuid4().hex
+    _, parked = lines.send("busy", lambda t: {"task": "proj.t", "id": call_id})
+    assert parked  # ticket 4, behind 1 (running), 2 and 3
+    stepped = celery_mutex_command(tmp_path, "step-over", "busy", "4", "--yes")
+    assert stepped.returncode == 0, stepped.stdout + stepped.stderr
+    assert f"proj.t[{call_id}]" in stepped.stdout
+    from celery import Celery
+
+    reader = Celery("reader", backend=URL, set_as_current=False)
+    assert reader.AsyncResult(call_id).state == "REVOKED"
+    done = celery_mutex_command(tmp_path, "step-over", "busy", "2", "--yes")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "stepped over ticket 2" in done.stdout
-    lines = Lines(scene.cache, lease=60, prefix="line." + scene.prefix, lock_prefix=scene.prefix)
     line = lines.read("busy")
     assert line is not None
-    assert sorted(line.parked) == [1, 3]
+    assert sorted(line.parked) == [1, 3]  # 4 was stepped over above
     assert line.running is not None
     assert line.running.ticket == 1
 

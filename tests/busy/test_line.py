@@ -288,6 +288,35 @@ def test_a_head_sent_with_a_copy_is_sent_again_in_its_place_not_stepped_over():
     assert swept.skipped == (1,)  # no copy: the old rule
 
 
+def test_a_copy_of_an_attempt_before_the_retry_is_a_duplicate():
+    """The line's copy goes out, the original comes first, runs as attempt 0 and retries:
+    a copy of attempt 0 arriving after is a duplicate; the retry (attempt 1) runs. A queue
+    that names no attempt (None) is judged as before."""
+    line, (first, _) = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    line, _ = sweep(line, 61.0, lock_free=True, **KNOBS)  # the copy goes out
+    line, decided = start(line, first, 62.0, redelivers=False, attempt=0)
+    assert decided == Run(1)
+    line = roundtrip(retry(line, first, 63.0, after=5.0, attempt=0))
+    assert line.retried == {1: 1}
+    assert arrive(line, first, lock_free=True, attempt=0) == Duplicate(1)
+    assert arrive(line, first, lock_free=True, attempt=1) == Run(1)
+    assert arrive(line, first, lock_free=True) == Run(1)  # no attempt named: as before
+    line, _ = start(line, first, 64.0, redelivers=False, attempt=1)
+    line, _ = end(line, first, 65.0)
+    assert line.retried == {}  # over: nothing left of it
+
+
+def test_a_record_naming_the_retry_of_no_waiting_ticket_is_refused():
+    line = line_of(2)
+    record = json.loads(ln.encode(line))
+    record["retried"] = {"1": 1}
+    assert ln.decode(json.dumps(record), K).retried == {1: 1}
+    for bad in ({"7": 1}, {"1": 0}, {"1": True}, {}):
+        record["retried"] = bad
+        with pytest.raises(MalfunctionError, match=r"retried|attempt"):
+            ln.decode(json.dumps(record), K)
+
+
 def test_a_lost_head_with_nobody_behind_is_sent_again_too():
     line, _ = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
     _, swept = sweep(line, 61.0, lock_free=True, **KNOBS)
@@ -350,6 +379,8 @@ def test_an_operator_may_step_over_a_parked_call_or_a_skipped_one_but_not_a_runn
     after, stepped = step_over(line, 3)
     assert (stepped.was, stepped.message, after.ended) == ("parked", "m3", frozenset({3}))
     assert step_over(after, 3)[1].done is False  # once
+    other = step_over(line, 3, accepts=lambda message: message == "m-older")
+    assert other == (line, ln.SteppedOver(3, "changed", "m3"))  # not the call shown
     skipped = replace(line, skipped={0: 5.0})
     gone, stepped = step_over(skipped, 0)
     assert (stepped.was, gone.skipped) == ("skipped", {})

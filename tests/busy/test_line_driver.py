@@ -65,6 +65,9 @@ class Delivery(Queue):
     def message(self, ticket: Ticket) -> dict[str, Any]:
         return {"id": self.id}
 
+    def attempt(self) -> int | None:
+        return None
+
     def redelivers(self) -> bool:
         return False
 

@@ -473,6 +473,29 @@ def test_a_head_slow_behind_a_backlog_is_not_sent_again_every_few_seconds(
     assert line.starts(run)[0] == [0, 1]
 
 
+def test_a_copy_sent_before_a_retry_never_runs_that_attempt_again(
+    redis_line: Line, run: str
+) -> None:
+    """The only slot is busy 8 s with another key's call; a call that retries once waits
+    behind it past gap_for, so the line sends its copy (and again later). When the slot
+    frees, attempt 0 runs and retries; the copies of attempt 0 that come after are
+    duplicates (the line knows the ticket's retry is attempt 1), and the retry runs once:
+    two runs in all, not one per copy."""
+    line = redis_line
+    line.start_worker("w0", 1)
+    blocker = line.task("step").apply_async((run, 1, 0, 8.0))  # another key: the slot
+    wait_until(lambda: line.starts(run).get(1), 30, "the blocker to start")
+    flaky = line.task("step_or_retry").apply_async((run, 0, 0, 0))  # retries at n=0
+    assert flaky.get(timeout=GET) == 0
+    assert blocker.get(timeout=GET) == 0
+    wait_until(lambda: line.record.llen(line.queue) == 0, 30, "the copies to be taken")
+    time.sleep(1.5)  # time for a copy taken last to have run, had it run
+    log = line.log_text("w0")
+    assert log.count(f"[{flaky.id}] received") >= 3, "no copy was sent: nothing tested"
+    assert line.starts(run)[0] == [0, 0]  # attempt 0 and its retry, once each
+    assert "is a duplicate" in log
+
+
 def test_acks_late_on_a_redis_broker_keeps_a_killed_holders_call(
     redis_line: Line, run: str
 ) -> None:

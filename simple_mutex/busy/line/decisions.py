@@ -153,16 +153,21 @@ def arrive(
     lock_free: bool,
     collapse: Collapse = None,
     message: Message = None,
+    attempt: int | None = None,
 ) -> Arrival:
     """What a worker that got ``ticket``'s message does (the design's step 2). With
     ``collapse``, ``message`` (the arriving one) tells a copy of a call whose place a
     newer call took (same ticket, another identity: ``Superseded``), and under
-    ``Debounce`` a call never parked waits, parked, for its quiet time."""
+    ``Debounce`` a call never parked waits, parked, for its quiet time. ``attempt``
+    (Celery's ``retries``): a delivery of an attempt before the ticket's retry is a
+    duplicate (None: the queue cannot tell)."""
     t = ticket.number
     if ticket.epoch != line.epoch or t >= line.next:
         # No place in this line (its record expired and started again, or a failover
         # lost the write that handed it out): it runs, under the lock, said so.
         return RunLate(t, "stranger")
+    if attempt is not None and attempt < line.retried.get(t, 0):
+        return Duplicate(t)  # a copy sent before the retry: that attempt is over
     running = line.running
     if running is not None and running.ticket == t:
         if not running.redelivers:
@@ -214,11 +219,14 @@ def arrival(
     *,
     lock_free: bool,
     collapse: Collapse = None,
+    attempt: int | None = None,
 ) -> tuple[Line, Arrival]:
     """``arrive``, and the park it may call for, as one change (write-then-ack). With
     ``collapse`` the park takes the place of the waiting calls (listed in the ``Park``),
     or, when a newer call waits, this one is ``Superseded`` and leaves the line."""
-    decided = arrive(line, ticket, lock_free=lock_free, collapse=collapse, message=message)
+    decided = arrive(
+        line, ticket, lock_free=lock_free, collapse=collapse, message=message, attempt=attempt
+    )
     if isinstance(decided, Park):
         copy = line.running is not None and line.running.ticket == ticket.number
         if collapse is None or copy:
@@ -333,11 +341,14 @@ def start(
     redelivers: bool,
     collapse: Collapse = None,
     message: Message = None,
+    attempt: int | None = None,
 ) -> tuple[Line, Arrival]:
     """Mark ``ticket`` running; its caller holds the lock. The decision is taken again
     on the record as it is now: anything but ``Run`` or ``RunLate`` tells the caller to
     release the lock and act on that instead (``Park``: call ``arrival``)."""
-    decided = arrive(line, ticket, lock_free=True, collapse=collapse, message=message)
+    decided = arrive(
+        line, ticket, lock_free=True, collapse=collapse, message=message, attempt=attempt
+    )
     match decided:
         case Run(t) | RunLate(t, "skipped"):
             issued, parked = _without(line.issued, t), _without(line.parked, t)
@@ -364,9 +375,13 @@ def end(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
     return _advance(replace(line, running=None, parked=_without(line.parked, t)), t, now)
 
 
-def retry(line: Line, ticket: Ticket, now: float, *, after: float = 0.0) -> Line:
+def retry(
+    line: Line, ticket: Ticket, now: float, *, after: float = 0.0, attempt: int | None = None
+) -> Line:
     """The task's own ``Task.retry``: not an end. Its ticket keeps the turn (a late one
-    goes back to ``skipped``), due again after the retry's countdown."""
+    goes back to ``skipped``), due again after the retry's countdown. ``attempt``: the
+    attempt that retries (Celery's ``retries``); a later delivery of it or of any attempt
+    before is a duplicate."""
     running = line.running
     if ticket.epoch != line.epoch or running is None or running.ticket != ticket.number:
         return line
@@ -376,9 +391,10 @@ def retry(line: Line, ticket: Ticket, now: float, *, after: float = 0.0) -> Line
     line = replace(
         line, running=None, parked=_without(line.parked, t), copies=_without(line.copies, t)
     )  # (the copy is dropped by hand: the ticket goes back to issued, where it would live)
+    retried = line.retried if attempt is None else {**line.retried, t: attempt + 1}
     if t >= line.turn:
-        return replace(line, issued={**line.issued, t: now + after})
-    return replace(line, skipped={**line.skipped, t: now + after})
+        return replace(line, issued={**line.issued, t: now + after}, retried=retried)
+    return replace(line, skipped={**line.skipped, t: now + after}, retried=retried)
 
 
 def revoke(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
@@ -399,8 +415,9 @@ def revoke(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None
 class SteppedOver:
     """What an operator's step-over found at ticket ``ticket``: ``was`` is "parked"
     (``message`` is its call), "sent" (handed out, never arrived), "skipped" (stepped
-    over by the line already, and forgotten now) when it was done; "running" or "not
-    waiting" when nothing was done."""
+    over by the line already, and forgotten now) when it was done; "running", "not
+    waiting" or "changed" (another call than the operator was shown) when nothing was
+    done."""
 
     ticket: int
     was: str
@@ -411,7 +428,9 @@ class SteppedOver:
         return self.was in ("parked", "sent", "skipped")
 
 
-def step_over(line: Line, t: int) -> tuple[Line, SteppedOver]:
+def step_over(
+    line: Line, t: int, accepts: Callable[[Message], bool] | None = None
+) -> tuple[Line, SteppedOver]:
     """An operator steps over ticket ``t`` (a head whose message was lost, a call that
     must not run): it never runs, and if it arrives later it is dropped as a duplicate.
     Unlike ``revoke`` nothing is promoted: an operator's tool has no broker to publish
@@ -421,7 +440,11 @@ def step_over(line: Line, t: int) -> tuple[Line, SteppedOver]:
     if line.running is not None and line.running.ticket == t:
         return line, SteppedOver(t, "running")
     parked = line.parked.get(t)
-    message = None if parked is None else parked.message
+    message = line.copies.get(t) if parked is None else parked.message
+    if accepts is not None and not accepts(message):
+        # The operator was shown another call at this ticket (a keep-latest line's newer
+        # call has taken its place since): stepping over this one was never asked for.
+        return line, SteppedOver(t, "changed", message)
     if t in line.skipped:
         return _forget(line, t), SteppedOver(t, "skipped", message)
     if not line.turn <= t < line.next or t in line.ended:

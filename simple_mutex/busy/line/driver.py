@@ -84,7 +84,7 @@ def arrive(
     ticket = call.ticket() or call.take(lines, key)
     for _ in range(ARRIVALS):
         message = call.message(ticket)
-        decided = lines.arrive(key, ticket, message, collapse=collapse)
+        decided = lines.arrive(key, ticket, message, collapse=collapse, attempt=call.attempt())
         match decided:
             case Superseded():
                 return _superseded(call, key, decided)
@@ -129,7 +129,12 @@ def arrive(
                 except SimpleMutexAcquireTimeoutError:
                     continue  # taken meanwhile: decide again (it parks)
                 started = lines.start(
-                    key, ticket, redelivers=call.redelivers(), collapse=collapse, message=message
+                    key,
+                    ticket,
+                    redelivers=call.redelivers(),
+                    collapse=collapse,
+                    message=message,
+                    attempt=call.attempt(),
                 )
                 if isinstance(started, Superseded):
                     lease.release()
@@ -216,12 +221,14 @@ def end(
     *,
     again_after: float | None,
     who: str,
+    attempt: int | None = None,
 ) -> Callable[[], None]:
     """Before the lock is released: the turn moves on (``again_after`` None) or stays
-    for the queue's own retry, due in that many seconds. Returns what to do once it is
-    released: publish the next parked call (or sweep the key)."""
+    for the queue's own retry of ``attempt``, due in that many seconds. Returns what to
+    do once it is released: publish the next parked call (or sweep the key)."""
     return pass_on(
-        lines, key, ticket, again_after=again_after, who=who, log=publisher.log,
+        lines, key, ticket, again_after=again_after, attempt=attempt, who=who,
+        log=publisher.log,
         publish=lambda promoted: publish(publisher, lines, key, promoted, by="end"),
         sweep=lambda: sweep_key(publisher, lines, key, bounds),
     )  # fmt: skip
@@ -233,6 +240,7 @@ def pass_on(
     ticket: Ticket,
     *,
     again_after: float | None,
+    attempt: int | None = None,
     publish: Callable[[Publish], object],
     sweep: Callable[[], object],
     who: str,
@@ -245,7 +253,7 @@ def pass_on(
     arrived between this write and the release, found the lock still held and parked).
     ``who`` names the run in the log; nothing here raises into the run's own outcome."""
     try:
-        promoted = lines.over(key, ticket, again_after=again_after)
+        promoted = lines.over(key, ticket, again_after=again_after, attempt=attempt)
     except MalfunctionError as fault:
         # The lock is still released; a sweep finds the turn's holder gone and moves on.
         log.warning("%s: the line of %r moves on at the next sweep: %s", who, key, fault)

@@ -120,11 +120,23 @@ class Line:
     call is stepped over, or lost, because time passed. Only the live ones are written
     (``live_copies``)."""
 
+    retried: Mapping[int, int] = field(default_factory=dict)
+    """ticket -> the attempt its task queue's retry carries (Celery's ``retries``): a
+    delivery of an earlier attempt (a copy the line or a sweep sent before the retry) is
+    a duplicate, never a second run of that attempt. Kept while the ticket waits (sent,
+    parked, or skipped and still to come) or runs."""
+
     def __post_init__(self) -> None:
         # A copy lives exactly as long as its ticket is on its way or running with a
-        # broker that redelivers: every decision that moves a ticket on drops it here.
+        # broker that redelivers, a retry's attempt as long as its ticket waits or runs:
+        # every decision that moves a ticket on drops them here.
         if self.copies:
             object.__setattr__(self, "copies", live_copies(self))
+        if self.retried:
+            running = {self.running.ticket} if self.running is not None else set()
+            waits = (self.issued, self.parked, self.skipped, running)
+            live = {t: n for t, n in self.retried.items() if any(t in w for w in waits)}
+            object.__setattr__(self, "retried", live)
 
     @property
     def waiting(self) -> int:
@@ -176,6 +188,8 @@ def encode(line: Line) -> str:
     }
     if line.copies:  # absent when empty: a line without copies reads as it always did
         record["copies"] = {str(t): m for t, m in sorted(line.copies.items())}
+    if line.retried:  # as copies
+        record["retried"] = {str(t): n for t, n in sorted(line.retried.items())}
     try:
         return json.dumps(record, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -209,7 +223,7 @@ def _checked(record: object, key: str) -> Line:
         raise _Malformed("not a JSON object")
     expected = {"v", "key", "epoch", "next", "turn", "issued", "parked", "ended", "skipped",
                 "running"}  # fmt: skip
-    if set(record) - {"copies"} != expected:
+    if set(record) - {"copies", "retried"} != expected:
         raise _Malformed(f"fields {sorted(record)}, not {sorted(expected)}")
     if record["v"] != VERSION or type(record["v"]) is not int:
         raise _Malformed(f"version {record['v']!r}")
@@ -248,13 +262,20 @@ def _checked(record: object, key: str) -> Line:
         raise _Malformed("a ticket is in two of issued, parked, ended, running")
     if set().union(*sets) != set(open_range):
         raise _Malformed(f"tickets of [{turn}, {nxt}) missing from the record")
-    line = Line(key, epoch, nxt, turn, issued, parked, ended, skipped, running)
-    if "copies" in record:
-        copies = {_ticket(t): m for t, m in _object(record["copies"], "copies")}
-        line = Line(key, epoch, nxt, turn, issued, parked, ended, skipped, running, copies)
-        if not copies or line.copies != copies:
-            raise _Malformed(f"copies {sorted(copies)} of tickets neither sent nor running")
+    copies = {_ticket(t): m for t, m in _object(record.get("copies", {}), "copies")}
+    retried = {_ticket(t): _attempt(n) for t, n in _object(record.get("retried", {}), "retried")}
+    line = Line(key, epoch, nxt, turn, issued, parked, ended, skipped, running, copies, retried)
+    if "copies" in record and (not copies or line.copies != copies):
+        raise _Malformed(f"copies {sorted(copies)} of tickets neither sent nor running")
+    if "retried" in record and (not retried or line.retried != retried):
+        raise _Malformed(f"retried {sorted(retried)} of tickets neither waiting nor running")
     return line
+
+
+def _attempt(value: object) -> int:
+    if type(value) is not int or not 1 <= value <= 1_000_000:
+        raise _Malformed(f"attempt {value!r:.20}")
+    return value
 
 
 def _number(value: object, name: str) -> int:

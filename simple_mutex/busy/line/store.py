@@ -374,14 +374,26 @@ class Lines:
     send_collapsed, send_collapsed_async = faces("send_collapsed", _send_collapsed)
 
     def _arrive(
-        self, key: str, ticket: Ticket, message: Message, *, collapse: Collapse = None
+        self,
+        key: str,
+        ticket: Ticket,
+        message: Message,
+        *,
+        collapse: Collapse = None,
+        attempt: int | None = None,
     ) -> Flow[Arrival]:
         """What to do with ``ticket``'s message; a ``Park`` is written before this
         returns (acknowledge the message only after)."""
         return self._flow(
             key,
             lambda line, free: decisions.arrival(
-                line, ticket, message, self.clock(), lock_free=free, collapse=collapse
+                line,
+                ticket,
+                message,
+                self.clock(),
+                lock_free=free,
+                collapse=collapse,
+                attempt=attempt,
             ),
             with_lock=True,
         )
@@ -396,6 +408,7 @@ class Lines:
         redelivers: bool = False,
         collapse: Collapse = None,
         message: Message = None,
+        attempt: int | None = None,
     ) -> Flow[Arrival]:
         """Mark ``ticket`` running (call it holding the lock); see ``start()``."""
         return self._flow(
@@ -407,6 +420,7 @@ class Lines:
                 redelivers=redelivers,
                 collapse=collapse,
                 message=message,
+                attempt=attempt,
             ),
         )
 
@@ -418,21 +432,30 @@ class Lines:
 
     end, end_async = faces("end", _end)
 
-    def _over(self, key: str, ticket: Ticket, *, again_after: float | None) -> Flow[Publish | None]:
+    def _over(
+        self, key: str, ticket: Ticket, *, again_after: float | None, attempt: int | None = None
+    ) -> Flow[Publish | None]:
         """A run of ``ticket`` is over. ``again_after`` set: it will run again (its task
-        queue's own retry, due in that many seconds) and keeps its turn (``retry``); None:
-        it ended (``end``: the message to publish once the lock is released, if any)."""
+        queue's own retry, due in that many seconds) and keeps its turn (``retry``, of
+        ``attempt``); None: it ended (``end``: the message to publish once the lock is
+        released, if any)."""
         if again_after is None:
             return (yield from self._end(key, ticket))
-        yield from self._retry(key, ticket, after=again_after)
+        yield from self._retry(key, ticket, after=again_after, attempt=attempt)
         return None
 
     over, over_async = faces("over", _over)
 
-    def _retry(self, key: str, ticket: Ticket, *, after: float = 0.0) -> Flow[None]:
-        """The task retries itself: its ticket keeps the turn."""
+    def _retry(
+        self, key: str, ticket: Ticket, *, after: float = 0.0, attempt: int | None = None
+    ) -> Flow[None]:
+        """The task retries itself: its ticket keeps the turn (see ``decisions.retry``)."""
         return self._flow(
-            key, lambda line, _: (decisions.retry(line, ticket, self.clock(), after=after), None)
+            key,
+            lambda line, _: (
+                decisions.retry(line, ticket, self.clock(), after=after, attempt=attempt),
+                None,
+            ),
         )
 
     retry, retry_async = faces("retry", _retry)
@@ -443,10 +466,13 @@ class Lines:
 
     revoke, revoke_async = faces("revoke", _revoke)
 
-    def _step_over(self, key: str, ticket: int) -> Flow[SteppedOver]:
+    def _step_over(
+        self, key: str, ticket: int, *, accepts: Callable[[Message], bool] | None = None
+    ) -> Flow[SteppedOver]:
         """An operator steps over ``ticket`` of ``key``'s line (``decisions.step_over``):
-        it never runs; the next head waits for a worker's sweep to publish it."""
-        return self._flow(key, lambda line, _: decisions.step_over(line, ticket))
+        it never runs; the next head waits for a worker's sweep to publish it.
+        ``accepts``: whether the call found there is the one the operator was shown."""
+        return self._flow(key, lambda line, _: decisions.step_over(line, ticket, accepts))
 
     step_over, step_over_async = faces("step_over", _step_over)
 
