@@ -65,14 +65,20 @@ def test_a_replaced_holders_retry_does_not_run_after_the_newer_job(docs, queue, 
 
 
 def test_an_older_job_starting_late_gives_way_to_the_newer_holder(docs, queue, rq_workers):
-    """A job enqueued first with ``enqueue_in(2 s)`` starts while a job enqueued after it
+    """A job enqueued first with ``enqueue_in`` starts while a job enqueued after it
     holds the key: the older one finishes superseded without running, the newer one is
-    not disturbed (all its writes land)."""
+    not disturbed (all its writes land). The older one is moved up from RQ's schedule
+    once the newer one writes (a fixed 2 s delay raced the newer one's start on a loaded
+    machine: the older then ran first, and was rightly replaced and failed)."""
     rq_workers(*WORKER, "--with-scheduler")
     rq_workers(*WORKER)
     doc = "d"
-    older = queue.enqueue_in(timedelta(seconds=2), replace_jobs.writer, docs.run, doc, "older", 10)
+    older = queue.enqueue_in(timedelta(seconds=600), replace_jobs.writer, docs.run, doc,
+                             "older", 10)  # fmt: skip
     new = queue.enqueue(replace_jobs.writer, docs.run, doc, "new", 250)  # 5 s and more
+    docs.first_write(doc, "new")
+    queue.scheduled_job_registry.remove(older)
+    queue.enqueue_job(older)  # its time has come: it starts while the newer job holds
     assert ends(new, 90) == JobStatus.FINISHED, exc_text(new)
     superseded_by(older, new)
     assert [r["name"] for r in docs.rows("started", doc)] == ["new"]
