@@ -306,6 +306,54 @@ def test_a_copy_of_an_attempt_before_the_retry_is_a_duplicate():
     assert line.retried == {}  # over: nothing left of it
 
 
+def test_what_the_record_keeps_of_a_retry_outlives_a_gap_skip_and_a_retry_naming_none():
+    """A retried ticket whose retry is slow is stepped over as a gap: the attempt it
+    waits for is kept, so a copy of the attempt before is still a duplicate (it ran late,
+    once, before). A retry that names no attempt keeps the mark an earlier one left."""
+    line, (first, _) = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    line, _ = start(line, first, 1.0, redelivers=False, attempt=0)
+    line = retry(line, first, 2.0, attempt=0)
+    line, _ = send(line, 3.0, lambda t: "m2")  # parked behind the retry's gap
+    line, swept = sweep(line, 100.0, lock_free=True, **KNOBS)
+    assert swept.skipped == (1,)
+    assert roundtrip(line).retried == {1: 1}
+    assert arrive(line, first, lock_free=True, attempt=0) == Duplicate(1)
+    again, _ = start(line_of(1), T(1), 1.0, redelivers=False, attempt=0)
+    again = retry(again, T(1), 2.0, attempt=0)
+    again, _ = start(again, T(1), 3.0, redelivers=False)  # a delivery naming no attempt
+    assert retry(again, T(1), 4.0).retried == {1: 1}
+
+
+def test_a_resend_count_that_stops_counting_still_reads_back():
+    """A head resent all day long: its count stops at RESENT_COUNTED, and the record
+    keeps reading back (the wait stopped growing at RESEND_AT_MOST long before)."""
+    line, _ = arrival(line_of(1), T(1), "m1", 0.0, lock_free=False)
+    line, _ = sweep(line, 0.0, lock_free=True, **KNOBS)
+    entry = replace(line.parked[1], resent=ln.decisions.RESENT_COUNTED)
+    line = replace(line, parked={1: entry})
+    line, swept = sweep(line, 700.0, lock_free=True, **KNOBS)  # past RESEND_AT_MOST
+    assert swept.publish == (Publish(1, "m1"),)
+    assert roundtrip(line).parked[1].resent == ln.decisions.RESENT_COUNTED
+
+
+def test_the_brokers_copy_of_a_late_holder_stays_parked_when_the_turn_moves_on():
+    """Ticket 1, stepped over, runs late on a broker that redelivers; its worker dies and
+    the broker's copy parks while the dead lock is held. The turn's own ticket is then
+    revoked: the copy of 1 stays parked (it is the running ticket's), and once the lock
+    is free a sweep publishes it, instead of ending 1 as crashed with its copy dropped."""
+    line, _ = send(line_of(1), 0.0, lambda t: "m2")  # 1 never came; 2 parked behind it
+    line, swept = sweep(line, 100.0, lock_free=True, **KNOBS)
+    assert swept.skipped == (1,)
+    line, decided = start(line, T(1), 101.0, redelivers=True)
+    assert decided == RunLate(1, "skipped")
+    line, decided = arrival(line, T(1), "m1", 102.0, lock_free=False)  # the broker's copy
+    assert isinstance(decided, Park)
+    line, _ = revoke(line, T(2), 103.0)
+    assert 1 in roundtrip(line).parked
+    line, swept = sweep(line, 104.0, lock_free=True, **KNOBS)
+    assert (swept.crashed, [p.ticket for p in swept.publish]) == (None, [1])
+
+
 def test_a_record_naming_the_retry_of_no_waiting_ticket_is_refused():
     line = line_of(2)
     record = json.loads(ln.encode(line))

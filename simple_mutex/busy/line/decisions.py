@@ -387,14 +387,21 @@ def retry(
         return line
     t = ticket.number
     # The retry's own message carries the ticket on; a parked copy of it, and the line's
-    # own copy of the first message, are stale.
-    line = replace(
-        line, running=None, parked=_without(line.parked, t), copies=_without(line.copies, t)
-    )  # (the copy is dropped by hand: the ticket goes back to issued, where it would live)
+    # own copy of the first message, are stale (dropped by hand: the ticket goes back to
+    # issued, where a copy would live). One write, so that no step between leaves the
+    # ticket nowhere, which would drop what the record keeps of it (``retried``).
     retried = line.retried if attempt is None else {**line.retried, t: attempt + 1}
-    if t >= line.turn:
-        return replace(line, issued={**line.issued, t: now + after}, retried=retried)
-    return replace(line, skipped={**line.skipped, t: now + after}, retried=retried)
+    due = now + after
+    in_turn = t >= line.turn
+    return replace(
+        line,
+        running=None,
+        parked=_without(line.parked, t),
+        copies=_without(line.copies, t),
+        retried=retried,
+        issued={**line.issued, t: due} if in_turn else line.issued,
+        skipped=line.skipped if in_turn else {**line.skipped, t: due},
+    )
 
 
 def revoke(line: Line, ticket: Ticket, now: float) -> tuple[Line, Publish | None]:
@@ -483,7 +490,12 @@ def _step(line: Line, done: int) -> Line:
     while turn in ended:
         ended.discard(turn)
         turn += 1
-    parked = {t: p for t, p in line.parked.items() if t >= turn or t in line.skipped}
+    # Kept: a late ticket still to come, and the broker's copy of the running one (it may
+    # run late, behind the turn, and its worker die).
+    running = line.running.ticket if line.running is not None else None
+    parked = {
+        t: p for t, p in line.parked.items() if t >= turn or t in line.skipped or t == running
+    }
     return replace(line, turn=turn, ended=frozenset(ended), parked=parked)
 
 
@@ -583,13 +595,19 @@ def sweep(
             if now - max(due, min(behind)) < gap_for:
                 break  # gap_for runs from when it was due and someone waited behind it
             skipped.append(gap)
-            line = replace(line, issued=_without(line.issued, gap))
-            line = _step(replace(line, skipped={**line.skipped, gap: now}), gap)
+            # One write: the gap moves from issued to skipped, keeping what the record
+            # holds of it (a retry's attempt).
+            gapped = replace(
+                line, issued=_without(line.issued, gap), skipped={**line.skipped, gap: now}
+            )
+            line = _step(gapped, gap)
     return line, Swept(tuple(publish), tuple(skipped), tuple(expired), crashed, tuple(resent))
 
 
 RESEND_AT_MOST = 600.0
 """The longest a sweep waits between two publishes of a head that has not started."""
+RESENT_COUNTED = 32
+"""Resends past this are not counted: the wait reached ``RESEND_AT_MOST`` long before."""
 
 
 def resend_after(promote_grace: float, resent: int) -> float:
@@ -610,7 +628,7 @@ def _published_again(entry: Parked, now: float, promote_grace: float) -> Parked 
     if entry.promoted is None:
         return replace(entry, promoted=now)
     if now - entry.promoted >= resend_after(promote_grace, entry.resent):
-        return replace(entry, promoted=now, resent=entry.resent + 1)
+        return replace(entry, promoted=now, resent=min(entry.resent + 1, RESENT_COUNTED))
     return None
 
 

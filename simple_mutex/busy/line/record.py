@@ -309,7 +309,7 @@ def _parked(value: object) -> Parked:
     if not isinstance(value, dict) or set(value) - optional != {"message", "at", "promoted"}:
         raise _Malformed(f"parked entry {value!r:.80}")
     promoted, resent = value["promoted"], value.get("resent", 0)
-    if type(resent) is not int or not 0 <= resent <= 64 or (resent and promoted is None):
+    if type(resent) is not int or not 0 <= resent <= 32 or (resent and promoted is None):
         raise _Malformed(f"resent {resent!r:.20}")
     return Parked(
         value["message"],
@@ -328,6 +328,8 @@ def _running(value: object) -> Running | None:
     if type(value["redelivers"]) is not bool:
         raise _Malformed(f"redelivers {value['redelivers']!r}")
     lapsed = value["lapsed"]
+    if lapsed is not None and not value["redelivers"]:
+        raise _Malformed("lapsed, with no redelivery to wait for")
     return Running(
         _number(value["ticket"], "running"),
         _time(value["since"], "running"),
