@@ -146,23 +146,27 @@ def calls_in(line: Line, limit: int) -> list[dict[str, Any]]:
     ``state`` (``running``, ``parked``, or ``sent``: handed a ticket, not arrived),
     ``since`` (Unix time) and ``call`` (what its message names; None for one sent); a
     parked one also with ``promoted`` and ``due``."""
-    running = line.running
-    calls: list[dict[str, Any]] = []
-    for number in named_tickets(line)[:limit]:
-        entry = line.parked.get(number)
-        if running is not None and number == running.ticket:
-            known = entry.message if entry else line.copies.get(number)
-            calls.append({"ticket": number, "state": "running", "since": running.since,
-                          "call": None if known is None else call_of(known)})  # fmt: skip
-        elif entry is not None:
-            calls.append({"ticket": number, "state": "parked", "since": entry.at,
-                          "promoted": entry.promoted, "due": entry.due,
-                          "call": call_of(entry.message)})  # fmt: skip
-        elif number in line.issued:
-            copy = line.copies.get(number)  # a call sent with a copy: the line knows it
-            calls.append({"ticket": number, "state": "sent", "since": line.issued[number],
-                          "call": None if copy is None else call_of(copy)})  # fmt: skip
-    return calls
+    found = (call_at(line, number) for number in named_tickets(line)[:limit])
+    return [call for call in found if call is not None]
+
+
+def call_at(line: Line, number: int) -> dict[str, Any] | None:
+    """Ticket ``number`` of ``line`` as ``calls_in`` gives it; None when it is none of
+    running, parked or sent."""
+    running, entry = line.running, line.parked.get(number)
+    if running is not None and number == running.ticket:
+        known = entry.message if entry else line.copies.get(number)
+        return {"ticket": number, "state": "running", "since": running.since,
+                "call": None if known is None else call_of(known)}  # fmt: skip
+    if entry is not None:
+        return {"ticket": number, "state": "parked", "since": entry.at,
+                "promoted": entry.promoted, "due": entry.due,
+                "call": call_of(entry.message)}  # fmt: skip
+    if number in line.issued:
+        copy = line.copies.get(number)  # a call sent with a copy: the line knows it
+        return {"ticket": number, "state": "sent", "since": line.issued[number],
+                "call": None if copy is None else call_of(copy)}  # fmt: skip
+    return None
 
 
 def call_of(message: object) -> str:

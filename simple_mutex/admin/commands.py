@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from simple_mutex.admin import (
     LiveLock,
+    call_at,
     call_of,
     calls_in,
     line_of,
@@ -165,7 +166,7 @@ def step_over_call(
     if line is None:
         out.write(f"{key!r} has no line under prefix {prefix!r}: nothing to step over\n")
         return 1
-    shown = {c["ticket"]: c for c in calls_in(line, len(named_tickets(line)))}.get(ticket)
+    shown = call_at(line, ticket)
     call = None if shown is None else shown["call"]
     what = f"ticket {ticket} ({call or 'sent, not arrived'})"
     question = f"step over {what} of the line of {key!r}? It will never run."
