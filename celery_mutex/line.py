@@ -216,7 +216,23 @@ def at_send(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
                 return task.AsyncResult(task_id)
             options["task_id"] = task_id
         else:
-            ticket = cfg.lines.take(key, queue_max=cfg.policy.queue.max, after=after)
+            # A countdown, an ETA, a link or a place in a canvas: the call goes through
+            # the broker, and the line keeps its copy (when its options travel as JSON)
+            # to send in its place should it not come gap_for after it is due.
+            copy_for = None
+            carried = _carried_by_copy(options) if collapse is None else None
+            if carried is not None:
+                task_id = options.get("task_id") or uuid()
+                options["task_id"] = task_id
+
+                def copy_for(ticket: Ticket) -> dict[str, Any]:
+                    return _sent_message(
+                        task, task_id, args, kwargs, options, ticket, carried=carried
+                    )
+
+            ticket = cfg.lines.take(
+                key, queue_max=cfg.policy.queue.max, after=after, copy_for=copy_for
+            )
     except LineFullError:
         if cfg.policy.queue.on_full == "raise":
             raise
@@ -276,16 +292,46 @@ def _parks_at_send(options: Mapping[str, Any]) -> bool:
     )
 
 
+# The apply_async options a copy does not carry: when it is sent (gap_for after the call
+# was due) it goes at once; the rest are how a send is made, or given to send_task anew.
+_NOT_IN_A_COPY = frozenset(
+    {"countdown", "eta", "task_id", "headers", "producer", "connection", "router",
+     "result_cls", "publisher", "add_to_parent", "task_type"}
+)  # fmt: skip
+
+
+def _carried_by_copy(options: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The options a copy of this send carries (a link, a chain, a chord, a group id,
+    routing), or None when one of them does not travel as JSON: such a call keeps no
+    copy, and its gap is judged as before copies."""
+    carried = {
+        name: value
+        for name, value in options.items()
+        if name not in _NOT_IN_A_COPY and value is not None
+    }
+    return carried if _is_json(carried) else None
+
+
 def _sent_message(
-    task: Any, task_id: str, args: Any, kwargs: Any, options: Mapping[str, Any], ticket: Ticket
+    task: Any,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    options: Mapping[str, Any],
+    ticket: Ticket,
+    *,
+    carried: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    kept = {n: v for n, v in options.items() if n in _KEPT_AT_SEND and v is not None}
+    """The call as the line keeps it: parked at its send (the options ``_KEPT_AT_SEND``),
+    or as its copy (the options ``carried``)."""
+    if carried is None:
+        carried = {n: v for n, v in options.items() if n in _KEPT_AT_SEND and v is not None}
     return {
         "task": task.name,
         "id": task_id,
         "args": list(args or ()),
         "kwargs": dict(kwargs or {}),
-        "options": kept,
+        "options": dict(carried),
         "headers": {**(options.get("headers") or {}), HEADER: _header(ticket)},
     }
 

@@ -288,6 +288,26 @@ def test_a_head_sent_with_a_copy_is_sent_again_in_its_place_not_stepped_over():
     assert swept.skipped == (1,)  # no copy: the old rule
 
 
+def test_a_head_sent_later_with_a_copy_is_sent_again_once_due_not_stepped_over():
+    """A send with a countdown (or a link, a canvas place: through the broker either way)
+    keeps its copy too. Its gap clock runs from when it is due: gap_for after that, the
+    copy goes out in its place while the call parked behind it waits; nothing is stepped
+    over. Without a copy the same gap is stepped over."""
+    line, first = take(new_line(K, E), 0.0, after=30.0, copy_for=lambda t: f"m{t.number}")
+    assert line.copies == {1: "m1"}
+    line, _ = send(line, 1.0, lambda t: f"m{t.number}")  # parked behind it
+    _, swept = sweep(line, 89.0, lock_free=True, **KNOBS)
+    assert (swept.publish, swept.skipped) == ((), ())  # due at 30, gap_for 60: not yet
+    line, swept = sweep(line, 91.0, lock_free=True, **KNOBS)
+    assert (swept.publish, swept.resent, swept.skipped) == ((Publish(1, "m1"),), (1,), ())
+    line, decided = start(line, first, 92.0, redelivers=False)
+    assert decided == Run(1)
+    plain, _ = take(new_line(K, E), 0.0, after=30.0)
+    plain, _ = send(plain, 1.0, lambda t: f"m{t.number}")
+    _, swept = sweep(plain, 91.0, lock_free=True, **KNOBS)
+    assert swept.skipped == (1,)  # no copy: the old rule
+
+
 def test_a_copy_of_an_attempt_before_the_retry_is_a_duplicate():
     """The line's copy goes out, the original comes first, runs as attempt 0 and retries:
     a copy of attempt 0 arriving after is a duplicate; the retry (attempt 1) runs. A queue
@@ -772,12 +792,16 @@ class World:
         self.slow = [(n, at) for n, at in self.slow if at > self.now]
 
     def send(self, faults: bool) -> None:
-        if self.copies:
+        if self.copies and self.rng.random() < 0.7:
             self.line, (ticket, parked) = send(self.line, self.now, lambda t: t.number,
                                                keep_copy=True)  # fmt: skip
             self.sent.append(ticket.number)
             if parked:
                 return  # in the line: published when its turn comes
+        elif self.copies:  # a countdown's send: to the broker, its copy kept
+            self.line, ticket = take(self.line, self.now, after=self.rng.random() * 3,
+                                     copy_for=lambda t: t.number)  # fmt: skip
+            self.sent.append(ticket.number)
         else:
             self.line, ticket = take(self.line, self.now)
             self.sent.append(ticket.number)

@@ -447,6 +447,28 @@ def test_a_head_whose_message_is_lost_runs_in_its_place_and_its_late_copy_never(
     assert "did not come; the line sent its own copy" in line.log_text("w0")
 
 
+def test_a_countdown_head_whose_message_is_lost_runs_in_its_place_with_its_link(
+    redis_line: Line, run: str
+) -> None:
+    """The head is sent with a countdown and a link, so it goes through the broker (it
+    cannot park at its send), and its message is lost. gap_for after it was due, the
+    line sends its own copy, link included: the three calls run in send order, each
+    once, and the link runs after the head. (Before, such a head kept no copy and was
+    stepped over: 1 and 2 ran, and 0 and its link never did.)"""
+    line = redis_line
+    step = line.task("step")
+    head = step.apply_async((run, 0, 0), countdown=1, link=step.si(run, 2, 0))
+    behind = [step.apply_async((run, 0, n)) for n in (1, 2)]
+    broker = line.record  # the broker is this Redis too (REDIS_URL)
+    assert broker.llen(line.queue) == 1  # only the head went to the broker: 1, 2 parked
+    assert broker.lpop(line.queue) is not None
+    line.start_worker("w0", 2)
+    assert [r.get(timeout=GET) for r in (head, *behind)] == [0, 1, 2]
+    assert line.starts(run)[0] == [0, 1, 2]
+    wait_until(lambda: line.starts(run).get(2) == [0], 30, "the head's link to run")
+    assert "did not come; the line sent its own copy" in line.log_text("w0")
+
+
 def test_a_head_slow_behind_a_backlog_is_not_sent_again_every_few_seconds(
     redis_line: Line, run: str
 ) -> None:

@@ -103,10 +103,17 @@ class Swept:
 
 
 def take(
-    line: Line, now: float, *, queue_max: int | None = None, after: float = 0.0
+    line: Line,
+    now: float,
+    *,
+    queue_max: int | None = None,
+    after: float = 0.0,
+    copy_for: Callable[[Ticket], Message] | None = None,
 ) -> tuple[Line, Ticket]:
     """A send: the next ticket. ``after`` is the task's countdown: it holds the line from
-    the send, and its gap clock starts when it is due. A full line raises."""
+    the send, and its gap clock starts when it is due. ``copy_for``: the call's message,
+    kept as its copy (``Line.copies``) for a sweep to send in its place should the
+    broker's not come ``gap_for`` after it was due. A full line raises."""
     if queue_max is not None and line.waiting >= queue_max:
         raise LineFullError(
             f"the line of key {line.key!r} is full: {line.waiting} tasks wait or run "
@@ -116,9 +123,13 @@ def take(
         )
     if line.next >= MAX_TICKET:
         raise MalfunctionError(f"the line of key {line.key!r} ran out of tickets", key=line.key)
-    ticket = line.next
-    issued = {**line.issued, ticket: now + after}
-    return replace(line, next=ticket + 1, issued=issued), line.ticket(ticket)
+    t = line.next
+    issued = {**line.issued, t: now + after}
+    line = replace(line, next=t + 1, issued=issued)
+    ticket = line.ticket(t)
+    if copy_for is not None:
+        line = replace(line, copies={**line.copies, t: copy_for(ticket)})
+    return line, ticket
 
 
 def send(

@@ -324,11 +324,21 @@ class Lines:
 
     read, read_async = faces("read", _read)
 
-    def _take(self, key: str, *, queue_max: int | None = None, after: float = 0.0) -> Flow[Ticket]:
-        """A send's ticket; raises LineFullError when ``queue_max`` are waiting."""
+    def _take(
+        self,
+        key: str,
+        *,
+        queue_max: int | None = None,
+        after: float = 0.0,
+        copy_for: Callable[[Ticket], Message] | None = None,
+    ) -> Flow[Ticket]:
+        """A send's ticket; raises LineFullError when ``queue_max`` are waiting. With
+        ``copy_for``, the line keeps the call's copy (``decisions.take``)."""
         return self._flow(
             key,
-            lambda line, _: decisions.take(line, self.clock(), queue_max=queue_max, after=after),
+            lambda line, _: decisions.take(
+                line, self.clock(), queue_max=queue_max, after=after, copy_for=copy_for
+            ),
         )
 
     take, take_async = faces("take", _take)
