@@ -177,22 +177,33 @@ class MalfunctionError(SimpleMutexError):
     was refused): a write that failed so cannot have landed, and needs no read-back.
     ``withheld`` is True when the server took the write but it must not count (too few
     replicas acknowledged it): it is never read back as a grant, and what may remain of
-    it is freed in the background."""
+    it is freed in the background. ``lasting`` is True when the server refused for a
+    reason that does not pass by itself (permission denied, a malformed record, a server
+    that broke the contract): a waiter raises it at once instead of riding it out as it
+    rides out a connection refused, reset or timed out, or an election."""
 
     unsent = False
     withheld = False
+    lasting = False
 
     def __init__(
-        self, message: str, key: str | None = None, *, unsent: bool = False, withheld: bool = False
+        self,
+        message: str,
+        key: str | None = None,
+        *,
+        unsent: bool = False,
+        withheld: bool = False,
+        lasting: bool = False,
     ) -> None:
         super().__init__(message, key)
         self.unsent = unsent
         self.withheld = withheld
+        self.lasting = lasting
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The flags travel as state: Celery and RQ pickle the error to report it, and a
         # rebuilt one must still say whether the write can have landed.
-        state = {"unsent": self.unsent, "withheld": self.withheld}
+        state = {"unsent": self.unsent, "withheld": self.withheld, "lasting": self.lasting}
         return _rebuild, (type(self), self.message, self.key), state
 
     def about(self, key: str, cache_keys: Iterable[str]) -> MalfunctionError:

@@ -548,6 +548,36 @@ def test_a_withheld_write_is_never_ridden_out():
     assert Pause not in [type(op) for op in driver.ops]
 
 
+@pytest.mark.parametrize("hand_over", [False, True], ids=["plain", "fused"])
+def test_a_lasting_refusal_while_waiting_is_raised_at_once(hand_over):
+    """Permission denied, or a malformed record, after the cache said the key is held:
+    waiting does not mend it, so it is raised at once, not ridden out to the deadline."""
+    denied = MalfunctionError("redis cache failed during put_if_absent: NOPERM", lasting=True)
+    driver, error = acquire(scripted(held(), denied), hand_over=hand_over, timeout=40)
+    assert error is denied
+    assert Get not in [type(op) for op in driver.ops]  # a refused put is not read back
+    assert Pause not in [type(op) for op in driver.ops]
+    assert driver.clock.t - driver.issued_at[0] < 1.5  # one poll, not 40 s
+
+
+def test_a_lasting_refusal_met_after_transient_faults_ends_the_ride_out():
+    """Riding out an election, the waiter meets a refusal (its rights were revoked
+    meanwhile): that one is raised at once, though time is left."""
+    denied = MalfunctionError("etcd cache failed during get: Forbidden", lasting=True)
+    driver, error = acquire(scripted(held(), fault(), fault(), fault(), denied), timeout=40)
+    assert error is denied
+    assert driver.clock.t - driver.issued_at[0] < 5
+
+
+def test_the_lasting_mark_survives_pickling():
+    """Celery and RQ pickle the error to report it: it still says it was lasting."""
+    import pickle
+
+    error = pickle.loads(pickle.dumps(MalfunctionError("no rights", key="k", lasting=True)))
+    assert error.lasting
+    assert error.key == "k"
+
+
 # -- renew, release, take-over, release-where, abandon: the same unclear-outcome rule -----
 
 

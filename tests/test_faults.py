@@ -33,6 +33,7 @@ import redis
 import redis.asyncio
 from faults import FaultProxy
 from procs import FORK, hold_with_writer, taken_from_paused
+from redis_acl import lock_user
 from servers import EtcdCluster, RedisServer, free_port, own_redis, s3_bucket, scripts
 
 from simple_mutex import DiskCache, Lease, Mutex, Semaphore, cache_from_url
@@ -506,6 +507,68 @@ def test_redis_fences_never_go_back_when_the_server_forgets(redis_servers, tmp_p
     with mutex.acquire(key, timeout=5) as lease:
         assert lease.fence > max(fences)
     assert fences == sorted(set(fences))
+
+
+class Ending(threading.Thread):
+    """Waits in ``acquire(key, timeout)``; records when and how the wait ended."""
+
+    def __init__(self, mutex: Mutex, key: str, timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.mutex, self.key, self.timeout = mutex, key, timeout
+        self.ended: tuple[float, Any] | None = None  # (monotonic, fence or error)
+
+    def run(self) -> None:
+        try:
+            with self.mutex.acquire(self.key, timeout=self.timeout) as lease:
+                self.ended = (time.monotonic(), lease.fence)
+        except MalfunctionError as exc:
+            self.ended = (time.monotonic(), exc)
+
+
+def test_a_redis_waiter_rides_out_a_restart_within_its_timeout(redis_servers, tmp_path, key):
+    """The same rule as etcd's election: a waiter in ``acquire(timeout=30)`` while its
+    Redis (no persistence) is SIGKILLed and restarted 1 s later meets refused and reset
+    connections, rides them out, and is granted the key the restart forgot."""
+    server = own_redis(redis_servers, tmp_path, free_port())
+    holder = redis_mutex(server.port).acquire(key, timeout=5)
+    waiter = Ending(Mutex(redis_mutex(server.port).cache, lease=30, interval=0.2), key, 30)
+    waiter.start()
+    time.sleep(0.5)  # blocked on the key
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(5)  # type: ignore[union-attr]
+    time.sleep(1.0)  # down: the waiter's tries are refused
+    server.start()
+    restarted = time.monotonic()
+    waiter.join(40)
+    assert waiter.ended is not None, "the waiter never returned"
+    at, fence = waiter.ended
+    assert isinstance(fence, int), fence  # granted, not the fault
+    assert fence > holder.fence
+    print(f"\nRedis SIGKILLed under a waiter, back 1 s later: granted {at - restarted:.2f} s after")
+
+
+def test_a_redis_waiter_whose_rights_are_revoked_raises_at_once(redis_servers, tmp_path, key):
+    """A waiter logged in as a user with exactly ``acl_rules()``: its rights revoked while
+    it waits (timeout=30), its next try is refused (NOPERM), and that is raised at once,
+    naming the missing right, not ridden out to the deadline as a restart is."""
+    server = own_redis(redis_servers, tmp_path, free_port())
+    admin = redis.Redis(port=server.port)
+    redis_mutex(server.port).acquire(key, timeout=5)
+    with lock_user(admin, RedisCache.acl_rules(prefixes=("mutex.",))) as (user, password):
+        client = redis.Redis(port=server.port, username=user, password=password, socket_timeout=1)
+        waiter = Ending(Mutex(RedisCache(client), lease=30, interval=0.2), key, 30)
+        waiter.start()
+        time.sleep(0.5)  # blocked on the key
+        admin.execute_command("ACL", "SETUSER", user, "resetkeys")
+        revoked = time.monotonic()
+        waiter.join(40)
+    assert waiter.ended is not None, "the waiter never returned"
+    at, error = waiter.ended
+    print(f"\nRedis rights revoked under a waiter: raised {at - revoked:.2f} s after")
+    assert at - revoked < 10  # its next try (0.2 s apart), not its 30 s timeout
+    assert isinstance(error, MalfunctionError)
+    assert error.lasting
+    assert "lacks" in str(error)
 
 
 def test_redis_acquire_ends_within_its_timeout_plus_one_socket_timeout(key):

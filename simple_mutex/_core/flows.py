@@ -73,7 +73,8 @@ def _broke_contract(
     return MalfunctionError(
         f"{getattr(cache, 'name', type(cache).__name__)} cache broke the cache contract: "
         f"{type(op).__name__} on {op.key!r} returned {shown}, not {what} "
-        "(simple_mutex.contract describes what each method must return)"
+        "(simple_mutex.contract describes what each method must return)",
+        lasting=True,  # the backend's code is wrong: waiting does not fix it
     )
 
 
@@ -253,13 +254,15 @@ def acquire(
 
     def ride_out(fault: MalfunctionError) -> float | None:
         """How long to pause before trying again, or None to raise ``fault``: never
-        before an answer, for a write the server took but that must not count (it is
-        being withdrawn), past the deadline, or after FAULT_RIDE_OUT of faults in a row."""
+        before an answer, for a refusal that does not pass by itself (``lasting``:
+        permission denied, a malformed record), for a write the server took but that
+        must not count (it is being withdrawn), past the deadline, or after
+        FAULT_RIDE_OUT of faults in a row."""
         nonlocal faulty_since
         moment = now()
         faulty_since = moment if faulty_since is None else faulty_since
         left = None if deadline is None else deadline - moment
-        if not answered or fault.withheld or (left is not None and left <= 0):
+        if not answered or fault.lasting or fault.withheld or (left is not None and left <= 0):
             return None
         if moment - faulty_since >= FAULT_RIDE_OUT:
             return None
@@ -321,7 +324,10 @@ def acquire(
             except MalfunctionError as fault:
                 # The wait or the put failed; the put may have landed all the same. Not
                 # ours: wait the plain way once, which tells a broken wake-up channel
-                # (poll) from a server that is gone (the put raises).
+                # (poll) from a server that is gone (the put raises). A lasting refusal
+                # is raised at once, as the plain put would raise it.
+                if fault.lasting:
+                    raise
                 found = None
                 if not fault.unsent:
                     try:
@@ -361,10 +367,13 @@ def _unclear_put(
     now: Callable[[], float],
 ) -> Flow[Entry | None]:
     """A put that failed may have landed (its reply lost): our entry if it did, None if
-    not. Raises ``fault`` without settling when the put was never sent, or the wait is
+    not. Raises ``fault`` without settling when the put was never sent, the fault is
+    lasting (a refused put; a read would meet the same refusal or record), or the wait is
     over (a read-back may cost another socket timeout): the caller then frees what may
     have landed, in the background (Mutex.acquire)."""
-    if fault.unsent or fault.withheld or (deadline is not None and now() >= deadline):
+    if fault.unsent or fault.withheld or fault.lasting:
+        raise fault
+    if deadline is not None and now() >= deadline:
         raise fault
     return (yield from settle(cache_key, value))
 

@@ -31,13 +31,23 @@ def driver_imports(backend: str) -> Iterator[None]:
 
 
 def fault(
-    backend: str, operation: str, key: str, exc: BaseException, place: str = ""
+    backend: str,
+    operation: str,
+    key: str,
+    exc: BaseException,
+    place: str = "",
+    *,
+    lasting: bool = False,
 ) -> MalfunctionError:
-    """A driver's error as users see it: which cache, doing what, on which key, and why."""
+    """A driver's error as users see it: which cache, doing what, on which key, and why.
+    ``lasting``: the backend's mapping judged it a refusal that does not pass by itself
+    (permission denied), which a waiter raises at once; any other fault it rides out."""
     detail = str(exc).strip()
     cause = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
     return MalfunctionError(
-        f"{backend} cache{place} failed during {operation} on {key!r}: {cause}", key=key
+        f"{backend} cache{place} failed during {operation} on {key!r}: {cause}",
+        key=key,
+        lasting=lasting,
     )
 
 
@@ -48,6 +58,7 @@ def malformed(backend: str, operation: str, key: str, detail: str) -> Malfunctio
         f"{backend} cache found a malformed entry for {key!r} during {operation} ({detail}); "
         "is another program writing under this prefix?",
         key=key,
+        lasting=True,  # waiting does not repair a record
     )
 
 

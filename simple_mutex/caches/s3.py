@@ -74,6 +74,12 @@ _MAX_PREFIX = 256
 _ATTEMPTS = 5  # conditional writes per put_if_absent before calling the key contended
 _CONFLICT_RETRIES = 3  # 409 ConditionalRequestConflict: retried, briefly
 _MAX_HINTS = 4096
+# Refusals that do not pass by itself (no rights, bad credentials, no bucket): a waiter
+# raises them at once, and rides out any other fault (a timeout, SlowDown, a 503).
+_DENIED = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
+     "AllAccessDisabled"}
+)  # fmt: skip
 # A create that lands this long after its clock was read re-floors its fence. The
 # assumption: nothing deletes a lock object within a minute of its last write (a
 # lifecycle rule counts days).
@@ -414,7 +420,8 @@ class S3Cache(SleepingWait, CacheBase):
             yield
         except (ClientError, BotoCoreError) as exc:
             where = f" at s3://{self.bucket}/{self.prefix}"
-            raise fault(self.name, operation, key, exc, where) from exc
+            denied = isinstance(exc, ClientError) and _code(exc) in _DENIED
+            raise fault(self.name, operation, key, exc, where, lasting=denied) from exc
 
     # -- takeover hints -------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from .core import DEFAULT_PREFIX, KV, EtcdCore, Flow, Step, Watch
 with driver_imports("etcd"):
     import aetcd  # type: ignore[import-untyped, unused-ignore]
     from aetcd import exceptions as grpc_errors  # type: ignore[import-untyped, unused-ignore]
-    from aetcd import rtypes, transactions  # type: ignore[import-untyped, unused-ignore]
+    from aetcd import rpc, rtypes, transactions  # type: ignore[import-untyped, unused-ignore]
 
 T = TypeVar("T")
 
@@ -84,6 +84,15 @@ class AsyncEtcdCache(EtcdCore):
         # loop is refused before a call: gRPC would fail it too, but only after making
         # a coroutine it never awaits.
         self._first_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+
+    def _lasting(self, exc: Exception) -> bool:
+        # aetcd has classes for UNAUTHENTICATED and INVALID_ARGUMENT; PERMISSION_DENIED
+        # is a plain ClientError raised from the gRPC error. UNAVAILABLE (a member down,
+        # no leader) and DEADLINE_EXCEEDED are ridden out.
+        if isinstance(exc, grpc_errors.UnauthenticatedError | grpc_errors.InvalidArgumentError):
+            return True
+        code = getattr(exc.__cause__, "code", None)
+        return callable(code) and code() == rpc.StatusCode.PERMISSION_DENIED
 
     def __repr__(self) -> str:
         return f"AsyncEtcdCache(prefix={self.prefix!r})"

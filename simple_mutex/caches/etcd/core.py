@@ -195,9 +195,16 @@ class EtcdCore(CacheBase):
             return self._bound_elsewhere(str(exc)[:120])
         if not isinstance(exc, self.driver_errors):
             return None
-        error = fault(self.name, step.operation, step.key, exc)
+        error = fault(self.name, step.operation, step.key, exc, lasting=self._lasting(exc))
         error.__cause__ = exc
         return error
+
+    def _lasting(self, exc: Exception) -> bool:
+        """Is ``exc`` (one of ``driver_errors``) a refusal that does not pass by itself
+        (permission denied, not logged in, a request etcd calls invalid, a reply that is
+        not etcd's)? A waiter raises it at once. Anything else it rides out: a member down
+        or timing out, no leader, a proposal dropped in an election. Each face's own."""
+        return False
 
     def _bound_elsewhere(self, detail: str) -> ConstraintTypeError:
         """The error for a client used on another event loop than its first."""

@@ -64,6 +64,12 @@ with driver_imports("etcd"):
 
 T = TypeVar("T")
 API_PATH = "/v3/"  # etcd >= 3.4: no discovery request per client
+# The gateway's answers that do not pass by themselves: etcd3gw raises a plain
+# Etcd3Exception carrying the reason of a status it has no class for (gRPC's
+# INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND). Its own classes
+# (member unavailable or timing out, no leader: 503, 504, 500) and requests' errors
+# are ridden out by a waiter, as is a 429 (too many requests).
+_REFUSALS = frozenset({"Bad Request", "Unauthorized", "Forbidden", "Not Found"})
 
 
 class BadReply(Exception):
@@ -111,6 +117,11 @@ class EtcdCache(EtcdCore):
         super().__init__(prefix)
         self._clients: list[Any] = clients
         self._owned = close_clients  # close() closes them: made from a URL, or after a fork
+
+    def _lasting(self, exc: Exception) -> bool:
+        if isinstance(exc, BadReply):
+            return True
+        return type(exc) is gateway.Etcd3Exception and bool(_REFUSALS & set(exc.args))
 
     def __repr__(self) -> str:
         members = ",".join(f"{c.host}:{c.port}" for c in self._clients)

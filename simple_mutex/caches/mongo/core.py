@@ -47,6 +47,9 @@ with driver_imports("mongo"):
 
 DEFAULT_GC_AFTER = 86_400.0  # TTL garbage collection, seconds after a lease ended
 _INDEX_NAME = "simple_mutex_gc"
+# The server's codes for a refusal that does not pass by itself (Unauthorized,
+# AuthenticationFailed): a waiter raises it at once, and rides out any other fault.
+_DENIED = (13, 18)
 _WTIMEOUT_MS = 10_000  # a majority write waits at most this for the secondaries
 # Set by from_url unless the URL says otherwise: nothing may hang on a dead server.
 _URL_TIMEOUTS = {
@@ -234,10 +237,12 @@ class MongoCore(CacheBase):
                 f"mongo cache could not create its TTL index on "
                 f"{self.database}.{self.collection_name}.expires_at "
                 f"(expireAfterSeconds={int(self.gc_after or 0)}): {exc!r}; drop or align an "
-                "existing index on expires_at, or pass gc_after=None"
+                "existing index on expires_at, or pass gc_after=None",
+                lasting=True,
             )
         else:
-            error = fault(self.name, call.operation, call.key, exc)
+            denied = isinstance(exc, OperationFailure) and exc.code in _DENIED
+            error = fault(self.name, call.operation, call.key, exc, lasting=denied)
         error.__cause__ = exc
         return error
 

@@ -78,6 +78,14 @@ _COLLECT_ROWS = 256  # rows one collection pass deletes at most: 4 per grant on 
 # (operator), datatype mismatch, no unique key for ON CONFLICT.
 _OTHER_SHAPE = ("42703", "42883", "42804", "42P10")
 
+
+def _denied(sqlstate: str | None) -> bool:
+    """A refusal that does not pass by itself, which a waiter raises at once: a login
+    refused (class 28) or a missing privilege. Anything else (a session ended, the server
+    starting or shutting down, a standby not yet promoted) it rides out."""
+    return sqlstate is not None and (sqlstate.startswith("28") or sqlstate == "42501")
+
+
 # Every name a statement uses is qualified: the table with its schema, functions and
 # types with pg_catalog. So a schema placed earlier on the role's search_path (one another
 # role may create objects in) cannot put its own table or clock_timestamp() in their
@@ -386,7 +394,7 @@ class PostgresCore(CacheBase):
             detail = f"table {self.table!r} is not a lock table: {str(cause).strip()}"
             error = malformed(self.name, operation, key, detail)
         else:
-            error = fault(self.name, operation, key, cause)
+            error = fault(self.name, operation, key, cause, lasting=_denied(cause.sqlstate))
             if ended:
                 error = SessionEnded(error.message, key)
         error.__cause__ = cause

@@ -50,7 +50,14 @@ from simple_mutex.errors import (
 )
 
 with driver_imports("redis"):
-    from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
+    from redis.exceptions import (
+        AuthenticationError,
+        AuthorizationError,
+        ConnectionError,
+        RedisError,
+        ResponseError,
+        TimeoutError,
+    )
 
 # redis-py 8 reads its own version from the installed metadata each time it builds a
 # connection whose settings name no ``driver_info`` (a URL's pool names none), and that
@@ -277,14 +284,17 @@ class RedisLayout:
     def _fault(self, operation: str, key: str, exc: RedisError) -> MalfunctionError:
         """The one mapping of a redis-py error: a malformed entry for a key of another type,
         else a fault naming redis, where, the operation and the key, and the ACL word a
-        refused command lacked; ``unsent`` when the request provably never left."""
+        refused command lacked; ``unsent`` when the request provably never left;
+        ``lasting`` for a refused login or a missing ACL permission (a waiter raises it at
+        once: a restart, a reset or a timeout it rides out)."""
         if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
             return malformed(self.name, operation, key, "a Redis key of another type")
-        error = fault(self.name, operation, key, exc, _where(self.client))
-        if isinstance(exc, ConnectionError | TimeoutError):
-            error.message += "; is Redis up and reachable there?"
         redis_key = None if operation == "scan" else self._entry_key(key)
         missing = missing_permission(exc, operation, redis_key)
+        denied = missing is not None or isinstance(exc, AuthenticationError | AuthorizationError)
+        error = fault(self.name, operation, key, exc, _where(self.client), lasting=denied)
+        if isinstance(exc, ConnectionError | TimeoutError) and not denied:
+            error.message += "; is Redis up and reachable there?"
         if missing is not None:
             # NOPERM says "a key" or "this command" at best; the operator needs the word.
             error.message += (
