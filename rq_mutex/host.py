@@ -47,6 +47,10 @@ EXPECTED: tuple[tuple[str, Callable[[], Any], Callable[[Any], bool]], ...] = (
      _starts_with(["self"])),
     ("Worker.dequeue_timeout (a property)", lambda: RQWorker.dequeue_timeout,
      lambda found: isinstance(found, property)),
+    ("Queue.intermediate_queue_key (a property)", lambda: Queue.intermediate_queue_key,
+     lambda found: isinstance(found, property)),
+    ("Queue.started_job_registry (a property)", lambda: Queue.started_job_registry,
+     lambda found: isinstance(found, property)),
     ("Job._dependency_ids (set by Job())", lambda: Job.__init__.__code__.co_names,
      lambda names: "_dependency_ids" in names),
 )  # fmt: skip

@@ -115,7 +115,9 @@ def at_send(
     job.meta = dict(job.meta or {})
     try:
         if collapse is None:
-            ticket, parked = lines.send(key, lambda _: message, queue_max=queue.max)
+            # Sent to its queue, it leaves its copy in the line: should it never start (its
+            # worker died holding it), a sweep publishes that copy in its place.
+            ticket, parked = lines.send(key, lambda _: message, queue_max=queue.max, keep_copy=True)
         else:
             ticket, parked, gone = lines.send_collapsed(
                 key, lambda _: message, collapse, queue_max=queue.max
@@ -162,13 +164,13 @@ def message_of(job_id: str, origin: str, queue: QueuePolicy) -> dict[str, Any]:
 
 
 def policy_in(line: ln.Line | None, default: QueuePolicy) -> QueuePolicy:
-    """The sweep's bounds the line's parked jobs carry (``message_of``): the most patient
-    of them, as jobs of several functions may share a key; ``default`` when none is
-    parked (then no bound applies: a gap is judged only behind a parked job, and only
-    parked jobs age)."""
+    """The sweep's bounds the line's parked jobs and copies carry (``message_of``): the
+    most patient of them, as jobs of several functions may share a key; ``default`` when
+    the line holds neither (then no bound applies: a gap is judged only behind a parked
+    job or with a copy, and only parked jobs age)."""
     carried = []
-    for parked in [] if line is None else line.parked.values():
-        found = parked.message
+    messages = [] if line is None else [p.message for p in line.parked.values()]
+    for found in [*messages, *([] if line is None else line.copies.values())]:
         if isinstance(found, Mapping):
             gap_for, park_for = found.get("gap_for"), found.get("park_for")
             if isinstance(gap_for, int | float) and isinstance(park_for, int | float):
@@ -264,7 +266,10 @@ class JobPublisher:
         "gone"; one not saved yet by the producer that parked it at its send is "not
         now" for ``SAVED_WITHIN`` seconds, then gone."""
         patience = PATIENCE if by == "end" else 0.0
-        found = _parked_job(self.connection, key, what.ticket, what.message, self.lines, patience)
+        found = _parked_job(
+            self.connection, key, what.ticket, what.message, self.lines, patience,
+            rescue=by == "sweep",
+        )  # fmt: skip
         if isinstance(found, Job):
             _enqueue_parked(self.connection, found)
             log.debug("published job %s, ticket %d of %r, by %s", found.id, what.ticket, key, by)
@@ -419,11 +424,15 @@ def ending(
 
 
 def _enqueue_parked(connection: Any, job: Job, *, at_front: bool = False) -> None:
-    """Publish-then-forget: onto its queue first, then out of the registry. At the back,
-    as any enqueue: at the front, promotions under load kept jumping the first job of
-    other keys, which waited past gap_for and were stepped over (run out of order)."""
-    Queue(job.origin, connection=connection).enqueue_job(job, at_front=at_front)
+    """Publish-then-forget: onto its queue first, then out of the registry (and out of
+    the queue's intermediate list, where a worker that died left a job it had popped:
+    RQ's maintenance would fail it there later). At the back, as any enqueue: at the
+    front, promotions under load kept jumping the first job of other keys, which waited
+    past gap_for and were stepped over (run out of order)."""
+    queue = Queue(job.origin, connection=connection)
+    queue.enqueue_job(job, at_front=at_front)
     ScheduledJobRegistry(job.origin, connection=connection).remove(job)  # type: ignore[no-untyped-call]
+    connection.lrem(queue.intermediate_queue_key, 0, job.id)
 
 
 _GONE, _YOUNG = "gone", "young"
@@ -436,11 +445,15 @@ def _parked_job(
     message: ln.Message,
     lines: ln.Lines | None,
     patience: float,
+    *,
+    rescue: bool = False,
 ) -> Job | str | None:
     """The parked job to enqueue; None when it is not ours to enqueue now (queued
     already, or its horse is still parking it), ``_GONE`` when it will never run, and
     ``_YOUNG`` when no such job exists yet (a producer still saving one it parked at its
-    send, or one that died before it could: the caller tells them apart by age)."""
+    send, or one that died before it could: the caller tells them apart by age). With
+    ``rescue`` (a sweep's publish, long after the last), a queued or started job that no
+    worker will run (``_stranded``) is enqueued again."""
     job_id = message.get("id") if isinstance(message, Mapping) else None
     origin = message.get("queue") if isinstance(message, Mapping) else None
     if not isinstance(job_id, str) or not isinstance(origin, str):
@@ -459,6 +472,10 @@ def _parked_job(
         if connection.zscore(registry.key, job_id) is not None:
             return job
         status = job.get_status(refresh=False)
+        if rescue and lines is not None and _stranded(connection, job, lines, key, ticket):
+            log.warning("job %s, ticket %d of %r, was taken by a worker that died before it "
+                        "began it: enqueued again", job_id, ticket, key)  # fmt: skip
+            return job
         if status not in (JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.QUEUED):
             log.warning("job %s, ticket %d of %r, ended %s without its turn: stepped over",
                         job_id, ticket, key, status)  # fmt: skip
@@ -468,6 +485,50 @@ def _parked_job(
         if status == JobStatus.STARTED and lines is not None and driver.running(lines, key, ticket):
             return None  # its horse saw the turn come before it parked, and runs it
         time.sleep(0.01)
+
+
+STRANDED_AFTER = 1.0
+"""How long a job popped off its queue may stay unbegun before it counts as stranded: a
+live worker begins a job (its horse's first write) well within this of popping it."""
+
+
+def _stranded(connection: Any, job: Job, lines: ln.Lines, key: str, ticket: int) -> bool:
+    """Whether ``job``, the line's head, was popped off its queue by a worker that died
+    before its horse began the body: RQ then keeps it QUEUED in the queue's intermediate
+    list, or STARTED with an execution nobody heartbeats any more, until its maintenance
+    fails it minutes later, and the line would wait that long for a job that never runs.
+    A job still in its queue is slow, not lost; one whose horse began it in the line, or
+    whose execution is still heartbeated, is running. A job judged stranded by mistake (a
+    worker paused past ``STRANDED_AFTER``) runs once all the same: its second copy finds
+    its ticket taken and is a duplicate."""
+    queue = Queue(job.origin, connection=connection)
+    deadline = time.monotonic() + STRANDED_AFTER
+    while True:
+        if connection.lpos(queue.key, job.id) is not None:
+            return False
+        if driver.running(lines, key, ticket):
+            return False
+        status = job.get_status(refresh=True)
+        if status == JobStatus.STARTED:
+            return _abandoned(connection, queue, job)
+        if status != JobStatus.QUEUED:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
+
+
+def _abandoned(connection: Any, queue: Queue, job: Job) -> bool:
+    """Whether every execution of the started ``job`` has stopped being heartbeated (its
+    entries in the started registry, ``<job id>:<execution id>``, are past their score).
+    Those entries are removed, so that RQ's cleanup never fails the job's next run."""
+    registry = queue.started_job_registry.key
+    entries = list(connection.zscan_iter(registry, match=f"{job.id}:*"))
+    now = time.time()
+    if not entries or any(score == math.inf or score > now for _, score in entries):
+        return False
+    connection.zrem(registry, *(member for member, _ in entries))
+    return True
 
 
 # -- sweeping ----------------------------------------------------------------------------------

@@ -331,6 +331,26 @@ def test_a_whole_worker_sigkilled_mid_line(conn, run, queue, rq_workers):
     assert_one_at_a_time(conn, run, killed=1)
 
 
+def test_a_head_taken_by_a_worker_that_died_before_its_horse_runs_in_its_place(
+    conn, run, queue, rq_workers
+):
+    """Item 0 is popped off its queue by a worker that dies before it forks a horse
+    (done here as RQ's dequeue does it: LMOVE into the queue's intermediate list, and
+    nothing after); items 1 and 2 wait parked behind it. RQ keeps item 0 QUEUED there
+    until its maintenance fails it, minutes later. The line's sweep sends item 0 again
+    in its place, from the line's copy: 0, 1, 2 run in order, each once. (Before, item 0
+    was stepped over gap_for after items 1 and 2 began to wait: 1 and 2 ran, and 0 was
+    failed by RQ's maintenance about 20 minutes later, never run.)"""
+    sent = [queue.enqueue(jobs.in_line, run, "e", i, hold=0.05) for i in range(3)]
+    assert queue.count == 1  # 1 and 2 parked at the send
+    assert conn.lmove(queue.key, queue.intermediate_queue_key) == sent[0].id.encode()
+    rq_workers(*WORKER)
+    wait_until(lambda: ended(sent), 60, "the line to run")
+    assert order(conn, run)["e"] == [0, 1, 2]
+    assert [j.get_status() for j in sent] == [JobStatus.FINISHED] * 3
+    assert conn.lpos(queue.intermediate_queue_key, sent[0].id) is None  # RQ fails nothing
+
+
 def started_items(conn: redis.Redis, run: str) -> set[int]:
     return {r["item"] for r in records(conn, run, "started")}
 
