@@ -25,15 +25,7 @@ LONGER = {"celery": 25.0, "rq": 25.0}
 # Anomalies a tier's run may show from a known, reported library bug (tier -> (kind, a
 # phrase of its detail, the bug)): the test then xfails with it, printed, instead of
 # failing CI until the fix lands; anything else still fails. Delete an entry with its fix.
-KNOWN: dict[str, tuple[str, str, str]] = {
-    "rq": (
-        "lost-task",
-        checker.BEHIND_STRANDED,
-        "rq_mutex line: a head popped by a worker SIGKILLed before it forked a horse stays "
-        "STARTED, and its line waits until RQ's maintenance (10 min) fails it as abandoned; "
-        "the calls behind it are delayed, not lost (docs/guides/rq.md, known limits)",
-    ),
-}
+KNOWN: dict[str, tuple[str, str, str]] = {}
 
 
 @pytest.mark.parametrize("tier", [*runner.LIB_TIERS, "celery", "rq", "beat", "cron"])

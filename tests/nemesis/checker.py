@@ -716,9 +716,9 @@ BEHIND_STRANDED = "behind the stranded head"
 
 def _stranded_ahead(sub: Event, submitted: dict[str, Event], stranded: set[str]) -> str | None:
     """RQ: the stranded task (popped by a worker killed before it forked a horse) that
-    holds an earlier ticket of ``sub``'s line, if any. Such a head stays STARTED until RQ
-    calls it abandoned, and the line waits for it: the calls behind it are delayed past
-    the run, not lost (a known limit, ``KNOWN`` in tests/test_nemesis.py)."""
+    holds an earlier ticket of ``sub``'s line, if any, named in the anomaly's detail: a
+    sweep sends such a head again in its place (``rq_mutex.line``), so a call lost or
+    left behind it is a failure of that rescue, which the detail points at."""
     mine = sub.get("ticket")
     if not sub.get("queued") or not isinstance(mine, dict):
         return None
