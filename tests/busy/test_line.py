@@ -308,6 +308,25 @@ def test_a_head_sent_later_with_a_copy_is_sent_again_once_due_not_stepped_over()
     assert swept.skipped == (1,)  # no copy: the old rule
 
 
+def test_a_holder_started_from_the_line_keeps_its_message_as_the_copy():
+    """A redelivering call run from the line's own copy (its first holder died) dies too:
+    its message is still the line's copy, so a sweep sends it a third time, in its turn,
+    instead of ending the turn and losing the call until the broker's redelivery."""
+    line, (first, _) = send(new_line(K, E), 0.0, lambda t: "m1", keep_copy=True)
+    line, _ = send(line, 0.0, lambda t: "m2")  # parked behind
+    line, _ = start(line, first, 1.0, redelivers=True)
+    for now in (10.0, 100.0):  # the holder dies, the lease lapses, gap_for passes
+        line, swept = sweep(line, now, lock_free=True, **KNOBS)
+    assert swept.resent == (1,)
+    line, decided = start(line, first, 101.0, redelivers=True)
+    assert (decided, line.copies) == (Run(1), {1: "m1"})
+    for now in (110.0, 200.0):  # the second holder dies as well
+        line, swept = sweep(line, now, lock_free=True, **KNOBS)
+    assert (swept.resent, swept.crashed) == ((1,), None)
+    unkept, _ = start(line, first, 201.0, redelivers=False)
+    assert unkept.copies == {}  # a broker that redelivers nothing: no copy is of use
+
+
 def test_a_copy_of_an_attempt_before_the_retry_is_a_duplicate():
     """The line's copy goes out, the original comes first, runs as attempt 0 and retries:
     a copy of attempt 0 arriving after is a duplicate; the retry (attempt 1) runs. A queue

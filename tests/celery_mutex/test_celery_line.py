@@ -539,6 +539,29 @@ def test_acks_late_on_a_redis_broker_keeps_a_killed_holders_call(
     assert line.overlaps(run) == []
 
 
+def test_acks_late_on_a_redis_broker_keeps_a_call_whose_holder_dies_twice(
+    redis_line: Line, run: str
+) -> None:
+    """As above, and the worker running the head again from the line's copy is SIGKILLed
+    too: that run's message is still the line's copy, so a third worker's sweep sends it
+    once more, and the head runs a third time, before anything sent after it. (Before,
+    the second death ended the head's turn: 1, 2 ran, and the head stayed PENDING until
+    the broker's copy came an hour later, to be dropped as a duplicate.)"""
+    line = redis_line
+    redelivered = line.task("step_redelivered")
+    head = _running_on_w0(line, redelivered, run, "the head")
+    followers = [redelivered.apply_async((run, 0, n)) for n in range(1, 3)]
+    time.sleep(1.0)  # the followers park behind the running head
+    _kill_tree(line.procs[0].pid)
+    wait_until(lambda: len(line.starts(run).get(0, [])) >= 2, 60, "the head to run again")
+    line.start_worker("w2", 2)
+    _kill_tree(line.procs[1].pid)  # w1, running the head's second run
+    assert head.get(timeout=GET) == 0
+    assert [f.get(timeout=GET) for f in followers] == [1, 2]
+    assert line.starts(run)[0] == [0, 0, 0, 1, 2]  # the head ran a third time, first
+    assert line.overlaps(run) == []
+
+
 # -- keep latest and debounce (issue 25) -----------------------------------------------------
 
 

@@ -364,9 +364,17 @@ def start(
         case Run(t) | RunLate(t, "skipped"):
             issued, parked = _without(line.issued, t), _without(line.parked, t)
             skipped, running = _without(line.skipped, t), Running(t, now, redelivers)
+            copies = line.copies
+            entry = line.parked.get(t)
+            if redelivers and collapse is None and entry is not None and t not in copies:
+                # Started from the line (a parked call published, or the line's own copy
+                # sent again): its message is the copy a sweep sends should this holder
+                # die too and the broker's redelivery not come.
+                copies = {**copies, t: entry.message}
             return replace(
-                line, issued=issued, parked=parked, skipped=skipped, running=running
-            ), decided
+                line, issued=issued, parked=parked, skipped=skipped, running=running,
+                copies=copies,
+            ), decided  # fmt: skip
         case RunLate() | Park() | Duplicate() | Superseded():
             return line, decided  # a stranger runs without a mark; the others do not run
         case unknown:
