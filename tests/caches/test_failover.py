@@ -49,11 +49,15 @@ def test_failover(tier: str, option: int, promised: bool) -> None:
     events = outcome.figures
     # The run really was one: every client streamed, every kill was followed by a
     # promotion, and grants came on the new primaries too.
-    assert events["histories"] == CLIENTS * TRIALS + 1, outcome.workdir  # and the nemesis
+    histories = (CLIENTS + failover.WAITERS) * TRIALS + 1  # and the nemesis
+    assert events["histories"] == histories, outcome.workdir
     assert len(outcome.switches) == TRIALS
+    # Every kill came just after a grant of the waited key, with its waiter polling.
+    assert all(kill is not None for kill in outcome.kills), outcome.kills
     assert all(s < 30 for s in outcome.switches), outcome.switches
     assert all(p < 30 for p in outcome.pauses), f"grants did not resume: {outcome.pauses}"
     assert outcome.count(*FENCES) == 0, [str(a) for a in outcome.anomalies]
     if promised:
         assert outcome.count(*TWO_HOLDERS) == 0, [str(a) for a in outcome.anomalies]
+        assert outcome.held_twice == 0, outcome.twice
     failover.cleanup(outcome)
