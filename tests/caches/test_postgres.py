@@ -488,6 +488,16 @@ def _standby_gone(server: PostgresServer) -> None:
     with psycopg.connect(server.url, autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
         conn.execute("SELECT pg_reload_conf()")
+    # The reload reaches each session by a signal: wait until a new session has the
+    # setting (the postmaster has sent the signal), then for open ones to take it.
+    deadline = time.monotonic() + 10
+    while True:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            if conn.execute("SHOW synchronous_standby_names").fetchone() == ("*",):
+                break
+        assert time.monotonic() < deadline, "the server did not reload its settings"
+        time.sleep(0.05)
+    time.sleep(0.5)
 
 
 def _row(server: PostgresServer, key: str) -> tuple[Any, ...] | None:

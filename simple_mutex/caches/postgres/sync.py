@@ -294,41 +294,41 @@ class PostgresCache(PostgresCore):
 
 class _Watchdog:
     """The process's one thread that cancels statements past their bound (``arm``): a
-    timer per statement would cost a thread each. It sleeps while nothing is armed; a
-    forked child starts its own on its first statement."""
+    timer per statement would cost a thread each. It sleeps while nothing is armed, and
+    starts on the first statement (a forked child's too: the parent's did not come along)."""
 
     POLL_S = 0.1  # how late past its bound a statement may be cancelled
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self._armed: dict[CommitWatch, psycopg.Connection[Any]] = {}
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
+        self._starting = threading.Lock()
+        self._started = False
 
     def arm(self, watch: CommitWatch, conn: psycopg.Connection[Any]) -> None:
         self._armed[watch] = conn
-        if self._pid != os.getpid():
-            self._start()
+        if not self._started:
+            with self._starting:
+                if not self._started:
+                    threading.Thread(target=self._run, name="simple-mutex-pg-watchdog",
+                                     daemon=True).start()  # fmt: skip
+                    self._started = True
         if not self._wake.is_set():
             self._wake.set()
 
     def disarm(self, watch: CommitWatch) -> None:
         self._armed.pop(watch, None)
 
-    def _start(self) -> None:
-        self._pid, self._wake = os.getpid(), threading.Event()
-        self._thread = threading.Thread(target=self._run, name="simple-mutex-pg-watchdog",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
-
     def _run(self) -> None:
-        wake = self._wake
         while True:
-            wake.wait()
-            wake.clear()
+            self._wake.wait()
+            self._wake.clear()
             while self._armed:  # cleared first: an arm after this loop sets it again
                 now = time.monotonic()
-                for watch, conn in list(self._armed.items()):
+                for watch, conn in self._armed.copy().items():  # one C call: atomic
                     if not watch.fired and now >= watch.deadline:
                         watch.fired = True
                         # Its own thread: sending a cancel opens a connection, and the
@@ -343,6 +343,8 @@ def _cancel(conn: psycopg.Connection[Any]) -> None:
 
 
 _WATCHDOG = _Watchdog()
+# A forked child has no watchdog thread, and a lock the parent's threads held stays held.
+os.register_at_fork(after_in_child=_WATCHDOG.reset)
 
 
 def from_url(url: str) -> PostgresCache:
