@@ -26,7 +26,11 @@ The clients are the nemesis's own (``workload``), writing their fences to a SQLi
 fenced store no fault touches. Each failover is recorded as ``fault`` (kind
 ``primary-kill``), ``promoted`` and ``rejoined`` events in the same history.
 
-Figures: grants, failed acquires, the checker's anomalies by kind (``overlap``: two
+Two clients of their own take turns on one more key (``WAITED``): the primary dies just
+after a grant of it, while the other polls it, and ``twice`` says per failover whether
+that waiter was granted the key inside the live lease (``_held_twice``).
+
+Figures: grants, failed acquires, held twice, the checker's anomalies by kind (``overlap``: two
 holders inside their leases at once; ``refused-while-protected``: a later grant's fence
 written while a holder still believed it held the key; ``fence-order`` /
 ``fence-repeat`` / ``stale-write``: fences going backwards; ``vanished``: a record gone
