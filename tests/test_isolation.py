@@ -80,6 +80,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
         "tables named with a uuid or the run (and a hostile table name, refused)",
     ),
     ("caches/test_postgres.py", "DROP SCHEMA"): (1, "evil_<run>: the module's own"),
+    ("caches/test_postgres.py", "ALTER SYSTEM"): (1, "on the test's own server (own_server)"),
     ("caches/test_postgres.py", "DROP ROLE"): (2, "<run>_dml, <run>_role: the module's roles"),
     ("caches/test_postgres.py", "DROP OWNED"): (2, "by the module's own roles"),
     ("caches/test_fences.py", "DROP ROLE"): (1, "a role named for the run"),

@@ -3,13 +3,17 @@ three Sentinels, PostgreSQL with a streaming standby, etcd's three members, each
 loopback servers of the test's own (tests/nemesis/failover.py). The primary's machine
 dies just after a grant (SIGKILL; the replication link, lagging 50 ms, drops what it
 still carries), the standby is promoted (etcd: the leader dies, the two others elect
-one), clients go on; the nemesis's history checker counts what that did.
+one), clients go on; the nemesis's history checker counts what that did. Two more
+clients take turns on a key of their own, so that one waits, polling every 20 ms, while
+the other holds it; the primary dies just after a grant of that key, and each failover
+says whether the waiter was then granted it inside that grant's live lease.
 
 What the project promises is asserted: fences never go backwards on any tier (a fence is
 floored by the server's clock, the same machine's here; etcd's is the raft revision),
 and with ``replicas=1`` / a synchronous standby / etcd an acknowledged grant survives
-the failover (no two holders, no record vanishing under its holder). What it does not promise (an
-asynchronous replica or standby may lose a grant) is printed, not asserted: those
+the failover (no two holders, the waiter never let in beside its holder, no record
+vanishing under its holder). What it does not promise (an asynchronous replica or standby
+may lose a grant, and the waiter then holds the key too) is printed, not asserted: those
 figures are docs/guides/leases.md's failover table. ``FAILOVER_TRIALS`` (default 3)
 sets the failovers per setup.
 """
@@ -49,11 +53,15 @@ def test_failover(tier: str, option: int, promised: bool) -> None:
     events = outcome.figures
     # The run really was one: every client streamed, every kill was followed by a
     # promotion, and grants came on the new primaries too.
-    assert events["histories"] == CLIENTS * TRIALS + 1, outcome.workdir  # and the nemesis
+    histories = (CLIENTS + failover.WAITERS) * TRIALS + 1  # and the nemesis
+    assert events["histories"] == histories, outcome.workdir
     assert len(outcome.switches) == TRIALS
+    # Every kill came just after a grant of the waited key, with its waiter polling.
+    assert all(kill is not None for kill in outcome.kills), outcome.kills
     assert all(s < 30 for s in outcome.switches), outcome.switches
     assert all(p < 30 for p in outcome.pauses), f"grants did not resume: {outcome.pauses}"
     assert outcome.count(*FENCES) == 0, [str(a) for a in outcome.anomalies]
     if promised:
         assert outcome.count(*TWO_HOLDERS) == 0, [str(a) for a in outcome.anomalies]
+        assert outcome.held_twice == 0, outcome.twice
     failover.cleanup(outcome)

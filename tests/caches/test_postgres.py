@@ -474,3 +474,89 @@ def test_server_restart_mid_test(own_server: PostgresServer):
     assert again.fence > held.fence
     assert again.release()
     cache.close()
+
+
+# A statement_timeout of 1 s: the call's bound is that and a 0.5 s grace (commit_bound),
+# then up to the watchdog's 0.1 s poll; "generous" adds seconds for a loaded machine.
+SYNC_BOUND = 1.5
+GENEROUS = 5.0
+
+
+def _standby_gone(server: PostgresServer) -> None:
+    """The primary now waits for a synchronous standby none streams as: one that is gone,
+    or a promoted standby still configured synchronous (its old primary's settings)."""
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        conn.execute("SELECT pg_reload_conf()")
+    # The reload reaches each session by a signal: wait until a new session has the
+    # setting (the postmaster has sent the signal), then for open ones to take it.
+    deadline = time.monotonic() + 10
+    while True:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            if conn.execute("SHOW synchronous_standby_names").fetchone() == ("*",):
+                break
+        assert time.monotonic() < deadline, "the server did not reload its settings"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def _row(server: PostgresServer, key: str) -> tuple[Any, ...] | None:
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT value FROM simple_mutex_locks WHERE key = %s", (key,)
+        ).fetchone()
+
+
+def _timed(call: Any) -> tuple[Any, float]:
+    """``call()`` on a thread: what it returned or raised, and how long it took (a call
+    that never returns fails the test at GENEROUS seconds instead of hanging it; the
+    fixture's stop of the server then ends it)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            out.append(call())
+        except Exception as exc:  # what it raised is what the test checks
+            out.append(exc)
+        out.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(SYNC_BOUND + GENEROUS)
+    assert not thread.is_alive(), "the call waited for the standby past its bound"
+    return out[0], out[1]
+
+
+def test_with_its_synchronous_standby_gone_every_call_ends_within_its_bound(
+    own_server: PostgresServer,
+) -> None:
+    """A primary whose synchronous standby is gone holds every commit: the statement ran,
+    then the commit waits, where statement_timeout no longer counts. The cache cancels it
+    at its bound; PostgreSQL answers a success with a WARNING, the write on this server
+    only. So a grant is withdrawn and reported (MalfunctionError naming postgres and the
+    operation), a renewal does not count, and a release counts (the key is free here)."""
+    url = f"{own_server.url}?options=-c%20statement_timeout%3D1000"
+    cache = PostgresCache(url)
+    assert cache.commit_bound == SYNC_BOUND
+    mutex = Mutex(cache, lease=30)
+    held = mutex.acquire("held", timeout=5)  # before: the commits are acknowledged
+    _standby_gone(own_server)
+
+    error, took = _timed(lambda: mutex.try_acquire("new"))
+    assert isinstance(error, MalfunctionError), repr(error)
+    assert str(error).startswith("postgres cache: no synchronous standby acknowledged the grant")
+    assert "withdrawn" in str(error)
+    assert error.key == "new"
+    assert took < SYNC_BOUND + GENEROUS
+    assert _row(own_server, "mutex.new") == (None,)  # committed locally, then withdrawn
+
+    error, took = _timed(lambda: held.renew(lease=60))
+    assert isinstance(error, MalfunctionError), repr(error)
+    assert "renewal" in str(error)
+    assert took < SYNC_BOUND + GENEROUS
+
+    released, took = _timed(held.release)
+    assert released is True, repr(released)  # freed here; a failover may bring it back
+    assert took < SYNC_BOUND + GENEROUS
+    assert _row(own_server, "mutex.held") == (None,)

@@ -23,7 +23,16 @@ from async_crowds import LIMIT, contend, count_under_lock, os_threads
 from async_facade import BlockingFace
 from contract import CacheContract, ContractSmoke, NotifyContract, NotifySmoke, unique_key
 from psycopg_pool import AsyncConnectionPool
-from test_postgres import POSTGRES_URL, admin_of
+from servers import PostgresServer
+from test_postgres import (  # noqa: F401  (own_server: a fixture)
+    GENEROUS,
+    POSTGRES_URL,
+    SYNC_BOUND,
+    _row,
+    _standby_gone,
+    admin_of,
+    own_server,
+)
 
 from simple_mutex import ConstraintError, MalfunctionError, Mutex, Semaphore
 from simple_mutex.caches import as_cache
@@ -454,3 +463,32 @@ def test_a_given_connection_serves_one_loop_at_a_time(admin: psycopg.Connection[
     assert run(cycle(mutex)) > 0  # the first loop has closed: this one takes it over
     run(conn.close())
     holder.close()
+
+
+def test_with_its_synchronous_standby_gone_an_async_try_acquire_ends_within_its_bound(
+    own_server: PostgresServer,  # noqa: F811  (the fixture, imported above)
+) -> None:
+    """As test_postgres.py's: the commit's wait for a standby that is gone is cancelled
+    at the call's bound by a timer on the loop; the grant is withdrawn and reported, a
+    renewal does not count, a release counts."""
+    url = f"{own_server.url}?options=-c%20statement_timeout%3D1000"
+
+    async def main() -> None:
+        cache = AsyncPostgresCache(url)
+        assert cache.commit_bound == SYNC_BOUND
+        mutex = Mutex(cache, lease=30)
+        held = await mutex.acquire_async("held", timeout=5)
+        _standby_gone(own_server)
+        bound = SYNC_BOUND + GENEROUS
+        start = time.monotonic()
+        with pytest.raises(MalfunctionError, match=r"no synchronous standby .* grant"):
+            await asyncio.wait_for(mutex.try_acquire_async("new"), bound)
+        assert time.monotonic() - start < bound
+        with pytest.raises(MalfunctionError, match="renewal"):
+            await asyncio.wait_for(held.renew_async(lease=60), bound)
+        assert await asyncio.wait_for(held.release_async(), bound) is True
+        await cache.close()
+
+    run(main())
+    assert _row(own_server, "mutex.new") == (None,)  # committed locally, then withdrawn
+    assert _row(own_server, "mutex.held") == (None,)

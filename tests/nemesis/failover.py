@@ -26,7 +26,11 @@ The clients are the nemesis's own (``workload``), writing their fences to a SQLi
 fenced store no fault touches. Each failover is recorded as ``fault`` (kind
 ``primary-kill``), ``promoted`` and ``rejoined`` events in the same history.
 
-Figures: grants, failed acquires, the checker's anomalies by kind (``overlap``: two
+Two clients of their own take turns on one more key (``WAITED``): the primary dies just
+after a grant of it, while the other polls it, and ``twice`` says per failover whether
+that waiter was granted the key inside the live lease (``_held_twice``).
+
+Figures: grants, failed acquires, held twice, the checker's anomalies by kind (``overlap``: two
 holders inside their leases at once; ``refused-while-protected``: a later grant's fence
 written while a holder still believed it held the key; ``fence-order`` /
 ``fence-repeat`` / ``stale-write``: fences going backwards; ``vanished``: a record gone
@@ -66,6 +70,18 @@ WORKLOAD = {
     "keys": KEYS, "permits": {}, "threads": 0, "in_process": {},
     "leases": [6.0, 10.0], "renew": 0.5, "timeouts": [0.5, 2.0, 4.0], "steps": [10, 40],
     "step_sleep": 0.15, "think": 0.05, "interval": 0.05,
+}  # fmt: skip
+# The waited key: two clients of their own take turns on it, so that whenever one holds it
+# the other waits, polling every 20 ms, through the failover. The primary is killed just
+# after a grant of this key: if the grant is lost, the waiter is the second holder. No
+# renewal (the holder believes in its whole lease, as a body without renew= does), and a
+# body of 7 to 8 s: longer than a Sentinel's promotion (~2.4 s) and the clients'
+# reconnection after it, shorter than the lease.
+WAITED = "w"
+WAITERS = 2
+WAITER = {
+    **WORKLOAD, "keys": [WAITED], "leases": [10.0], "renew": 0.0, "timeouts": [30.0],
+    "steps": [70, 80], "step_sleep": 0.2, "think": 0.02, "interval": 0.02,
 }  # fmt: skip
 
 
@@ -412,6 +428,15 @@ class Outcome:
     switches: list[float]  # per failover: the kill to the promotion the nemesis saw
     workdir: Path
     counts: Counter[str] = field(default_factory=Counter)
+    # Per failover: how long before the end of the live lease of the grant the primary
+    # was killed after (its holder's release or believed deadline, the earlier) the
+    # waiter was granted the key; None: not inside it.
+    twice: list[float | None] = field(default_factory=list)
+    kills: list[str | None] = field(default_factory=list)  # the grant each kill came after
+
+    @property
+    def held_twice(self) -> int:
+        return sum(t is not None for t in self.twice)
 
     def count(self, *kinds: str) -> int:
         return sum(self.counts[k] for k in kinds)
@@ -420,9 +445,11 @@ class Outcome:
         c = self.counts
         pause = max(self.pauses, default=float("nan"))
         switch = max(self.switches, default=float("nan"))
+        early = max((t for t in self.twice if t is not None), default=0.0)
         return (
             f"{self.tier:<17} {self.setup:<21} {self.failovers:>3} {self.figures['grants']:>6} "
-            f"{self.figures['failed']:>6} {c['overlap']:>7} {c['refused-while-protected']:>7} "
+            f"{self.figures['failed']:>6} {self.held_twice:>5} {early:>6.2f} "
+            f"{c['overlap']:>7} {c['refused-while-protected']:>7} "
             f"{c['vanished']:>8} {self.count('fence-order', 'fence-repeat', 'stale-write'):>5} "
             f"{switch:>8.2f} {pause:>7.2f} {self.others()}"
         )
@@ -434,13 +461,16 @@ class Outcome:
 
 
 HEADER = (
-    f"{'tier':<17} {'setup':<21} {'k':>3} {'grants':>6} {'failed':>6} {'overlap':>7} "
+    f"{'tier':<17} {'setup':<21} {'k':>3} {'grants':>6} {'failed':>6} {'twice':>5} "
+    f"{'before':>6} {'overlap':>7} "
     f"{'refused':>7} {'vanished':>8} {'fence':>5} {'switch s':>8} {'grant s':>7} other"
 )
 COUNTED = {"overlap", "refused-while-protected", "vanished", "fence-order", "fence-repeat",
            "stale-write"}  # fmt: skip
 LEGEND = (
     "k failovers; failed: acquires that raised (the primary down, or too few replicas); "
+    "twice: failovers after which the waiter was granted the key inside the live lease of "
+    "the grant the primary died after (before: the most seconds before that lease's end); "
     "overlap / refused: two holders inside their leases (checker); vanished: a record gone "
     "under a holder in its lease; fence: fences backwards or repeated; switch s / grant s: "
     "the longest kill-to-promotion / kill-to-next-grant"
@@ -526,7 +556,31 @@ def failover_run(tier: str, option: int, trials: int = 4, clients: int = 5, seed
     figures["failed"] = sum(e["op"] == "failed" for e in events)
     return Outcome(tier, _setup(tier, option), trials, figures, anomalies,
                    _after(events, "granted"), _after(events, "promoted"), workdir,
-                   Counter(a.kind for a in anomalies))  # fmt: skip
+                   Counter(a.kind for a in anomalies), _held_twice(events),
+                   [e.get("after") for e in events if e["op"] == "fault"
+                    and e["kind"] == "primary-kill"])  # fmt: skip
+
+
+def _held_twice(events: list[history.Event]) -> list[float | None]:
+    """Per kill of a primary: was the next grant of the waited key made inside the live
+    lease of the grant the primary died after, and how long before that lease's end
+    (its holder's release, or its believed deadline, whichever came first)?"""
+    grants = [e for e in events if e["op"] == "granted" and e["key"] == WAITED]
+    by_id = {e["id"]: e for e in grants}
+    released = {e["id"]: e for e in events if e["op"] == "released"}
+    found: list[float | None] = []
+    for kill in (e for e in events if e["op"] == "fault" and e["kind"] == "primary-kill"):
+        first = by_id.get(kill.get("after"))
+        if first is None:
+            found.append(None)
+            continue
+        end = first["deadline"]
+        if first["id"] in released:
+            end = min(end, released[first["id"]]["t0"])
+        later = [e["t"] for e in grants if e["t"] > first["t"] and e["id"] != first["id"]]
+        second = min(later, default=float("inf"))
+        found.append(end - second if second < end else None)
+    return found
 
 
 def _trial(pair_for: PairFor, home: Path, trial: int, rec: history.Recorder, hist: Path,
@@ -540,9 +594,9 @@ def _trial(pair_for: PairFor, home: Path, trial: int, rec: history.Recorder, his
         procs = _clients(pair, home, hist, store, stop, clients, seed + trial)
         try:
             watch = Grants(hist, home.name)
-            watch.wait_started(clients)
+            watch.wait_started(clients + WAITERS)
             time.sleep(lead)
-            granted = watch.next_grant()
+            granted = watch.next_grant(key=WAITED, timeout=15)
             port = pair.kill_primary()
             rec("fault", kind="primary-kill", target="server", port=port, trial=trial,
                 after=granted)  # fmt: skip
@@ -592,13 +646,14 @@ class Grants:
             started += sum(e["op"] == "start" for e in self._new())
             time.sleep(0.02)
 
-    def next_grant(self, timeout: float = 10) -> str | None:
-        """Wait for a grant recorded from now on; its op id (None: none came)."""
+    def next_grant(self, key: str | None = None, timeout: float = 10) -> str | None:
+        """Wait for a grant (of ``key``, if given) recorded from now on; its op id (None:
+        none came)."""
         list(self._new())  # what is there already is not "next"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for e in self._new():
-                if e["op"] == "granted":
+                if e["op"] == "granted" and key in (None, e["key"]):
                     return str(e["id"])
             time.sleep(0.002)
         return None
@@ -616,11 +671,13 @@ def _clients(pair: Pair, home: Path, hist: Path, store: str, stop: Path, clients
              seed: int) -> list[subprocess.Popen[bytes]]:  # fmt: skip
     base = {**WORKLOAD, "seed": seed, "history": str(hist), "cache": pair.client_cache(),
             "store": store, "stop": str(stop), "until": time.monotonic() + 600}  # fmt: skip
+    waiter = {**base, **WAITER, "seed": seed}
     procs = []
-    for i in range(clients):
-        name = f"{home.name}.w{i}"
+    names = [(f"{home.name}.w{i}", base) for i in range(clients)]
+    names += [(f"{home.name}.waiter{i}", waiter) for i in range(WAITERS)]
+    for name, cfg in names:
         path = home / f"{name}.json"
-        path.write_text(json.dumps({**base, "name": name}))
+        path.write_text(json.dumps({**cfg, "name": name}))
         with open(home / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "nemesis.workload", str(path)], env=ENV,

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
 from simple_mutex._runtime.steps import drive_async
@@ -30,7 +31,7 @@ from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
-from .statements import LOST_RACE, PostgresCore, Statement
+from .statements import LOST_RACE, CommitWatch, PostgresCore, Statement, Unreplicated
 from .sync import PostgresCache
 
 with driver_imports("postgres"):
@@ -118,7 +119,7 @@ class AsyncPostgresCache(PostgresCore):
             if await (await conn.execute(lookup, (name,))).fetchone() != (None,):
                 continue
             try:
-                with contextlib.suppress(*LOST_RACE):
+                with contextlib.suppress(*LOST_RACE), self._watched(conn):
                     async with conn.transaction():
                         await conn.execute(self._sql[statement])
             except psycopg.errors.InsufficientPrivilege as exc:
@@ -160,10 +161,31 @@ class AsyncPostgresCache(PostgresCore):
 
     async def _perform(self, statement: Statement[Any]) -> Any:
         async with self._connection() as conn:
-            cursor = await conn.execute(statement.sql, statement.params)
-            if statement.rows == "count":
-                return cursor.rowcount
-            return await (cursor.fetchall() if statement.rows == "all" else cursor.fetchone())
+            with self._watched(conn) as watch:
+                cursor = await conn.execute(statement.sql, statement.params)
+                reply: Any
+                if statement.rows == "count":
+                    reply = cursor.rowcount
+                else:
+                    rows = cursor.fetchall() if statement.rows == "all" else cursor.fetchone()
+                    reply = await rows
+        if watch.unreplicated:
+            raise Unreplicated(reply)
+        return reply
+
+    @contextlib.contextmanager
+    def _watched(self, conn: psycopg.AsyncConnection[Any]) -> Iterator[CommitWatch]:
+        """As ``PostgresCache._watched``: a timer on the loop cancels the statement still
+        in flight ``commit_bound`` seconds on; its notices are read (``CommitWatch``)."""
+        loop = asyncio.get_running_loop()
+        watch = CommitWatch(time.monotonic() + self.commit_bound)
+        conn.add_notice_handler(watch.notice)
+        timer = loop.call_later(self.commit_bound, _fire, watch, conn)
+        try:
+            yield watch
+        finally:
+            timer.cancel()
+            conn.remove_notice_handler(watch.notice)
 
     def _drop(self, sessions: _Sessions, error: psycopg.Error | None) -> None:
         conn = sessions.conn
@@ -265,6 +287,22 @@ class _Sessions:
         self.turn = asyncio.Lock()
         self.listener: psycopg.AsyncConnection[Any] | None = None
         self.listening = asyncio.Lock()
+
+
+_CANCELLING: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+
+
+def _fire(watch: CommitWatch, conn: psycopg.AsyncConnection[Any]) -> None:
+    """Cancel the statement in flight on ``conn`` (a task: sending a cancel connects)."""
+    watch.fired = True
+    task = asyncio.get_running_loop().create_task(_cancel(conn))
+    _CANCELLING.add(task)
+    task.add_done_callback(_CANCELLING.discard)
+
+
+async def _cancel(conn: psycopg.AsyncConnection[Any]) -> None:
+    with contextlib.suppress(psycopg.Error, OSError):
+        await conn.cancel_safe(timeout=5)
 
 
 def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:

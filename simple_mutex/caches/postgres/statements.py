@@ -58,6 +58,19 @@ _CONNECT_DEFAULTS = {
     "tcp_user_timeout": "10000",
 }
 _STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
+# A commit's wait for a synchronous standby runs after the statement, where
+# statement_timeout no longer counts (the server disables it before committing): a
+# standby that is gone, or a promoted one still configured synchronous with none
+# streaming, holds every write for ever. The face cancels the statement itself this long
+# after its statement_timeout (the server's own timeout answers a slow statement first);
+# a cancelled wait is answered as a success with a WARNING, the write committed here but
+# on no standby.
+_CANCEL_GRACE_S = 0.5
+_TIMEOUT_SETTING = re.compile(
+    r"statement_timeout\s*=\s*'?(\d+(?:\.\d+)?)\s*(ms|s|min|h|d)?", re.IGNORECASE
+)
+_UNITS_S = {"ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+SYNC_REP_CANCELLED = "01000"  # the WARNING's SQLSTATE (its text may be translated)
 # The server session of a statement an interrupt left in flight: ended, then waited for.
 # Only our own role's sessions, and only while that statement still runs.
 _END_BACKEND = (
@@ -141,13 +154,20 @@ RETURNING fence, {_EPOCH}
 # woken waiter finds the key free. A row already freed at this very version (nothing
 # granted since: a grant writes a new version) is our own release sent again after its
 # reply was lost: it counts as freed, not as a lost lease.
-_DELETE = f"""
-WITH freed AS (
+_FREE = f"""
+freed AS (
     UPDATE {{t}} SET value = NULL, expires_at = pg_catalog.clock_timestamp()
     WHERE key = %(key)s AND version = %(version)s AND ({_LIVE} OR value IS NULL)
     RETURNING key
 )
-SELECT pg_catalog.pg_notify(%(channel)s, '') FROM freed
+"""
+_DELETE = f"WITH {_FREE} SELECT pg_catalog.pg_notify(%(channel)s, '') FROM freed"
+# The same release, undoing a grant no synchronous standby acknowledged, committed without
+# waiting for one (synchronous_commit local, for this transaction only): a standby that
+# never had the grant needs no news of its withdrawal, and the call is bounded.
+_WITHDRAW = f"""
+WITH here AS (SELECT pg_catalog.set_config('synchronous_commit', 'local', true)), {_FREE}
+SELECT pg_catalog.pg_notify(%(channel)s, '') FROM freed, here
 """
 # Rows freed or expired more than gc_after ago (a live row expires after now), the oldest
 # first; rows another session has locked are left for a later pass, never waited for.
@@ -247,11 +267,13 @@ class PostgresCore(CacheBase):
             name: text.format(t=quoted, i=index)
             for name, text in (
                 ("schema", _SCHEMA), ("index", _INDEX), ("put", _PUT), ("get", _GET),
-                ("cas", _CAS), ("delete", _DELETE), ("live", _LIVE_COUNT),
+                ("cas", _CAS), ("delete", _DELETE), ("withdraw", _WITHDRAW),
+                ("live", _LIVE_COUNT),
                 ("collect", _COLLECT), ("scan", _SCAN),
             )
         }  # fmt: skip
         self._ready = False  # the table is known to exist
+        self.commit_bound = commit_bound(self._conninfo)
         super().__init__()
         self._own_state()
 
@@ -326,7 +348,44 @@ class PostgresCore(CacheBase):
             reply = yield statement
         except SessionEnded:
             reply = yield statement
+        except UnreplicatedCommit as unreplicated:
+            return (yield from self._unreplicated(statement, unreplicated.reply))
         return statement.finish(reply)
+
+    def _unreplicated(self, statement: Statement[T], reply: Any) -> Flow[T]:
+        """A write committed here whose wait for a synchronous standby was cancelled at the
+        call's bound: no standby has it, so a failover now would lose it. As on Redis with
+        ``replicas=N``: a grant is withdrawn (without waiting for a standby) and reported
+        as a fault, a renewal does not count; a release counts (the key is free here; if
+        a failover brings the record back, it lapses with its lease, held by no one)."""
+        result = statement.finish(reply)
+        key = statement.key
+        if statement.operation == "put_if_absent":
+            assert isinstance(result, Entry)
+            params = {"key": key, "version": result.version, "channel": self._channel(key)}
+            try:
+                withdraw = Statement("put_if_absent", key, self._sql["withdraw"], params,
+                                     _found_row)  # fmt: skip
+                undone = yield withdraw
+            except MalfunctionError:
+                undone = False
+            raise self._unreplicated_write(key, "grant", bool(undone))
+        if statement.operation == "compare_and_set":
+            raise self._unreplicated_write(key, "renewal", None)
+        return result
+
+    def _unreplicated_write(self, key: str, what: str, undone: bool | None) -> MalfunctionError:
+        fate = {True: ", so it was withdrawn", False: ", so it does not count (it lapses "
+                "with its lease)", None: "; it does not count"}[undone]  # fmt: skip
+        return MalfunctionError(
+            f"postgres cache: no synchronous standby acknowledged the {what} of {key!r} "
+            f"within {self.commit_bound:g} s (its commit stopped waiting for one: it is on "
+            f"this server only){fate}; is a standby streaming (pg_stat_replication), or is "
+            "synchronous_standby_names naming one that is gone?",
+            key=key,
+            unsent=bool(undone),
+            withheld=undone is not None,  # a grant: never read back as one
+        )
 
     def _note_unsettled(self, conn: Any) -> None:
         """Called as a session is dropped after an interrupt (a job timeout's exception,
@@ -384,6 +443,8 @@ class PostgresCore(CacheBase):
         operation on its key (``SessionEnded`` when the session had been ended: the flow
         sends the statement again); a table of another shape is a malformed entry; None
         for anything else (a signal handler's exception, a bug): it propagates as is."""
+        if isinstance(exc, Unreplicated):
+            return UnreplicatedCommit(exc.reply)
         ended = isinstance(exc, EndedSession)
         cause = exc.__cause__ if ended else exc
         if not isinstance(cause, psycopg.Error):
@@ -510,6 +571,55 @@ LOST_RACE = (
 
 class SessionEnded(MalfunctionError):
     """A reused session the server had ended: the statement sent on it never ran."""
+
+
+class Unreplicated(Exception):
+    """What a face raises when a statement succeeded but its commit's wait for a
+    synchronous standby was cancelled (``CommitWatch.unreplicated``): ``reply`` is what it
+    read back; ``PostgresCore._failed`` maps it (to ``UnreplicatedCommit``)."""
+
+    def __init__(self, reply: Any) -> None:
+        super().__init__("the commit is on this server only")
+        self.reply = reply
+
+
+class UnreplicatedCommit(MalfunctionError):
+    """A write committed on the primary only; the flow decides what it means there."""
+
+    def __init__(self, reply: Any) -> None:
+        super().__init__("postgres: the commit is on this server only")
+        self.reply = reply
+
+
+class CommitWatch:
+    """One statement's watch, armed by a face: cancelled (``fire``, by the face's timer)
+    once past ``PostgresCore.commit_bound``, and told the statement's notices. A
+    cancelled wait for synchronous replication comes back as a success with a WARNING
+    (SQLSTATE 01000), the write committed here only; whoever cancelled it (our timer,
+    an operator), it does not count as replicated."""
+
+    __slots__ = ("deadline", "fired", "unreplicated")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.fired = False
+        self.unreplicated = False
+
+    def notice(self, diagnostic: Any) -> None:
+        if diagnostic.sqlstate == SYNC_REP_CANCELLED:
+            self.unreplicated = True
+
+
+def commit_bound(conninfo: str) -> float:
+    """Seconds after which a face cancels a statement still in flight: the session's
+    ``statement_timeout`` (the conninfo's ``options``, else ours; 0, "none", counts as
+    ours) and a grace for the server's own timeout to answer first."""
+    options = str(conninfo_to_dict(conninfo).get("options", ""))
+    found = _TIMEOUT_SETTING.search(options)
+    seconds = 0.0
+    if found is not None:
+        seconds = float(found.group(1)) * _UNITS_S[(found.group(2) or "ms").lower()]
+    return (seconds or _STATEMENT_TIMEOUT_MS / 1000) + _CANCEL_GRACE_S
 
 
 class EndedSession(Exception):

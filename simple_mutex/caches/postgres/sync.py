@@ -42,6 +42,7 @@ asyncio connections) in ``statements.py``. Rationale: docs/design/postgres.md.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -56,8 +57,10 @@ from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
 from .statements import (
     LOST_RACE,
+    CommitWatch,
     PostgresCore,
     Statement,
+    Unreplicated,
     _with_defaults,
     schema_statements,
 )
@@ -132,7 +135,8 @@ class PostgresCache(PostgresCore):
             if conn.execute(lookup, (name,)).fetchone() != (None,):
                 continue
             try:
-                with contextlib.suppress(*LOST_RACE), conn.transaction():
+                # Bounded too: a table on this server only is still a table to use.
+                with contextlib.suppress(*LOST_RACE), self._watched(conn), conn.transaction():
                     conn.execute(self._sql[statement])
             except psycopg.errors.InsufficientPrivilege as exc:
                 self._denied(statement, exc)
@@ -179,11 +183,30 @@ class PostgresCache(PostgresCore):
         return drive(self._running(statement), self._perform, self._failed)
 
     def _perform(self, statement: Statement[Any]) -> Any:
-        with self._session_guard(), self._connection() as conn:
+        with self._session_guard(), self._connection() as conn, self._watched(conn) as watch:
             cursor = conn.execute(statement.sql, statement.params)
+            reply: Any
             if statement.rows == "count":
-                return cursor.rowcount
-            return cursor.fetchall() if statement.rows == "all" else cursor.fetchone()
+                reply = cursor.rowcount
+            else:
+                reply = cursor.fetchall() if statement.rows == "all" else cursor.fetchone()
+        if watch.unreplicated:
+            raise Unreplicated(reply)
+        return reply
+
+    @contextmanager
+    def _watched(self, conn: psycopg.Connection[Any]) -> Iterator[CommitWatch]:
+        """Around one statement on ``conn``: cancelled by the watchdog thread if still in
+        flight ``commit_bound`` seconds on (a commit waiting for a synchronous standby
+        that is gone), its notices read (``CommitWatch``)."""
+        watch = CommitWatch(time.monotonic() + self.commit_bound)
+        conn.add_notice_handler(watch.notice)
+        _WATCHDOG.arm(watch, conn)
+        try:
+            yield watch
+        finally:
+            _WATCHDOG.disarm(watch)
+            conn.remove_notice_handler(watch.notice)
 
     def _drop(self, error: psycopg.Error | None) -> None:
         """Forget the connection after a fault, so the next call opens a fresh one."""
@@ -267,6 +290,61 @@ class PostgresCache(PostgresCore):
                 # Listen only while waiting: an idle listening session that reads nothing
                 # would hold back the server's notification queue for every database user.
                 conn.execute("UNLISTEN *")
+
+
+class _Watchdog:
+    """The process's one thread that cancels statements past their bound (``arm``): a
+    timer per statement would cost a thread each. It sleeps while nothing is armed, and
+    starts on the first statement (a forked child's too: the parent's did not come along)."""
+
+    POLL_S = 0.1  # how late past its bound a statement may be cancelled
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._armed: dict[CommitWatch, psycopg.Connection[Any]] = {}
+        self._wake = threading.Event()
+        self._starting = threading.Lock()
+        self._started = False
+
+    def arm(self, watch: CommitWatch, conn: psycopg.Connection[Any]) -> None:
+        self._armed[watch] = conn
+        if not self._started:
+            with self._starting:
+                if not self._started:
+                    threading.Thread(target=self._run, name="simple-mutex-pg-watchdog",
+                                     daemon=True).start()  # fmt: skip
+                    self._started = True
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def disarm(self, watch: CommitWatch) -> None:
+        self._armed.pop(watch, None)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._armed:  # cleared first: an arm after this loop sets it again
+                now = time.monotonic()
+                for watch, conn in self._armed.copy().items():  # one C call: atomic
+                    if not watch.fired and now >= watch.deadline:
+                        watch.fired = True
+                        # Its own thread: sending a cancel opens a connection, and the
+                        # server may be unreachable; the others are watched meanwhile.
+                        threading.Thread(target=_cancel, args=(conn,), daemon=True).start()
+                time.sleep(self.POLL_S)
+
+
+def _cancel(conn: psycopg.Connection[Any]) -> None:
+    with contextlib.suppress(psycopg.Error, OSError):
+        conn.cancel_safe(timeout=5)
+
+
+_WATCHDOG = _Watchdog()
+# A forked child has no watchdog thread, and a lock the parent's threads held stays held.
+os.register_at_fork(after_in_child=_WATCHDOG.reset)
 
 
 def from_url(url: str) -> PostgresCache:
