@@ -15,7 +15,7 @@ import os
 
 import nemesis  # noqa: F401  (sys.path)
 import pytest
-from nemesis import checker, runner
+from nemesis import runner
 
 pytestmark = pytest.mark.system
 
