@@ -109,7 +109,7 @@ def at_send(
     if not takes_its_place_at_send(job):
         return
     queue, collapse = policy.queue, ln.collapse_for(policy)
-    message = message_of(job.id, origin, queue)
+    message = message_of(job.id, origin, policy)
     gone: tuple[ln.Superseded, ...] = ()
     # The caller's meta= dict may be passed to other enqueues: this job gets its own.
     job.meta = dict(job.meta or {})
@@ -157,10 +157,13 @@ def release_superseded(connection: Any, key: str, gone: tuple[ln.Superseded, ...
             _enqueue_parked(connection, found, at_front=True)  # it only finishes, at once
 
 
-def message_of(job_id: str, origin: str, queue: QueuePolicy) -> dict[str, Any]:
+def message_of(job_id: str, origin: str, policy: BusyPolicy) -> dict[str, Any]:
     """What the line holds for a parked job: its id and queue, and the sweep's bounds of
-    its job function (a worker's sweep has no job code: it reads them here)."""
-    return {"id": job_id, "queue": origin, "gap_for": queue.gap_for, "park_for": queue.park_for}
+    its job function (a worker's sweep has no job code: it reads them here), its lease
+    among them (how long a job taken and never begun is waited for: ``_stranded``)."""
+    queue = policy.queue
+    return {"id": job_id, "queue": origin, "gap_for": queue.gap_for,
+            "park_for": queue.park_for, "lease": policy.lease}  # fmt: skip
 
 
 def policy_in(line: ln.Line | None, default: QueuePolicy) -> QueuePolicy:
@@ -308,7 +311,7 @@ class JobCall(JobPublisher):
         return _take(self.job, lines, key)
 
     def message(self, ticket: ln.Ticket) -> dict[str, Any]:
-        return message_of(self.job.id, self.job.origin, self.bounds)
+        return message_of(self.job.id, self.job.origin, self.policy)
 
     def attempt(self) -> int | None:
         return None  # RQ's retry is the same job again: no attempt number to tell copies
@@ -472,7 +475,7 @@ def _parked_job(
         if connection.zscore(registry.key, job_id) is not None:
             return job
         status = job.get_status(refresh=False)
-        if rescue and lines is not None and _stranded(connection, job, lines, key, ticket):
+        if rescue and lines is not None and _stranded(connection, job, lines, key, ticket, message):
             log.warning("job %s, ticket %d of %r, was taken by a worker that died before it "
                         "began it: enqueued again", job_id, ticket, key)  # fmt: skip
             return job
@@ -487,48 +490,62 @@ def _parked_job(
         time.sleep(0.01)
 
 
-STRANDED_AFTER = 1.0
-"""How long a job popped off its queue may stay unbegun before it counts as stranded: a
-live worker begins a job (its horse's first write) well within this of popping it."""
+UNBEGUN = "rq_mutex:unbegun:"  # + job id and ticket: when a sweep first found it unbegun
 
 
-def _stranded(connection: Any, job: Job, lines: ln.Lines, key: str, ticket: int) -> bool:
-    """Whether ``job``, the line's head, was popped off its queue by a worker that died
+def _stranded(
+    connection: Any, job: Job, lines: ln.Lines, key: str, ticket: int, message: ln.Message
+) -> bool:
+    """Whether ``job``, the line's head, was taken off its queue by a worker that died
     before its horse began the body: RQ then keeps it QUEUED in the queue's intermediate
     list, or STARTED with an execution nobody heartbeats any more, until its maintenance
     fails it minutes later, and the line would wait that long for a job that never runs.
     A job still in its queue is slow, not lost; one whose horse began it in the line, or
-    whose execution is still heartbeated, is running. A job judged stranded by mistake (a
-    worker paused past ``STRANDED_AFTER``) runs once all the same: its second copy finds
-    its ticket taken and is a duplicate."""
+    whose execution is heartbeated, is running. A job seen unbegun so is stranded once it
+    has stayed so for its lease, as a holder paused past its lease has lost its lock: the
+    first sweep that finds it marks when (``UNBEGUN``), a later one judges. A worker
+    paused longer than that, then resuming, runs nothing twice: its copy finds the turn
+    taken and is a duplicate (which RQ records on the job id, as any duplicate)."""
     queue = Queue(job.origin, connection=connection)
-    deadline = time.monotonic() + STRANDED_AFTER
-    while True:
-        if connection.lpos(queue.key, job.id) is not None:
-            return False
-        if driver.running(lines, key, ticket):
-            return False
-        status = job.get_status(refresh=True)
-        if status == JobStatus.STARTED:
-            return _abandoned(connection, queue, job)
-        if status != JobStatus.QUEUED:
-            return False
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.1)
-
-
-def _abandoned(connection: Any, queue: Queue, job: Job) -> bool:
-    """Whether every execution of the started ``job`` has stopped being heartbeated (its
-    entries in the started registry, ``<job id>:<execution id>``, are past their score).
-    Those entries are removed, so that RQ's cleanup never fails the job's next run."""
-    registry = queue.started_job_registry.key
-    entries = list(connection.zscan_iter(registry, match=f"{job.id}:*"))
-    now = time.time()
-    if not entries or any(score == math.inf or score > now for _, score in entries):
+    mark = f"{UNBEGUN}{job.id}:{ticket}"
+    status = job.get_status(refresh=True)
+    unbegun = (
+        connection.lpos(queue.key, job.id) is None
+        and not driver.running(lines, key, ticket)
+        and (
+            status == JobStatus.QUEUED
+            or (status == JobStatus.STARTED and _unheartbeated(connection, queue, job))
+        )
+    )
+    if not unbegun:
+        connection.delete(mark)
         return False
-    connection.zrem(registry, *(member for member, _ in entries))
+    found = message.get("lease") if isinstance(message, Mapping) else None
+    lease = float(found) if isinstance(found, int | float) and found > 0 else lines.lease
+    connection.set(mark, repr(time.time()), nx=True, px=int(2 * lease * 1000) + 60_000)
+    first = connection.get(mark)
+    if first is None or time.time() - float(first) < lease:
+        return False
+    connection.delete(mark)
+    if status == JobStatus.STARTED:
+        # The dead execution's entries go, so that RQ's cleanup never fails the next run.
+        registry = queue.started_job_registry.key
+        connection.zrem(registry, *_executions(connection, registry, job))
     return True
+
+
+def _executions(connection: Any, registry: str, job: Job) -> list[Any]:
+    return [member for member, _ in connection.zscan_iter(registry, match=f"{job.id}:*")]
+
+
+def _unheartbeated(connection: Any, queue: Queue, job: Job) -> bool:
+    """Whether every execution of the started ``job`` has stopped being heartbeated: its
+    entries in the started registry (``<job id>:<execution id>``) are all past their
+    score."""
+    registry = queue.started_job_registry.key
+    scores = [connection.zscore(registry, m) for m in _executions(connection, registry, job)]
+    now = time.time()
+    return bool(scores) and all(s is not None and s != math.inf and s <= now for s in scores)
 
 
 # -- sweeping ----------------------------------------------------------------------------------
