@@ -8,16 +8,20 @@ import pytest
 
 from rq_mutex.line import message_of, policy_in
 from simple_mutex.busy.line.record import Line, Parked
-from simple_mutex.busy.policy import QueuePolicy
+from simple_mutex.busy.policy import BusyPolicy, QueuePolicy
 
 pytestmark = pytest.mark.fast
 
 DEFAULT = QueuePolicy()
 
 
+def _policy(gap_for: float, park_for: float) -> BusyPolicy:
+    return BusyPolicy(on_busy="queue", queue=QueuePolicy(gap_for=gap_for, park_for=park_for))
+
+
 def line_with(*bounds: tuple[float, float]) -> Line:
     parked = {
-        n + 2: Parked(message_of(f"job-{n}", "q", QueuePolicy(gap_for=g, park_for=p)), at=0.0)
+        n + 2: Parked(message_of(f"job-{n}", "q", _policy(g, p)), at=0.0)
         for n, (g, p) in enumerate(bounds)
     }
     return Line(key="k", epoch="e", next=len(bounds) + 2, turn=1, parked=parked)
@@ -41,3 +45,12 @@ def test_a_parked_message_without_bounds_is_ignored():
     parked = {**line.parked, 9: Parked({"id": "x", "queue": "q"}, at=0.0)}
     found = policy_in(Line(key="k", epoch="e", next=10, turn=1, parked=parked), DEFAULT)
     assert (found.gap_for, found.park_for) == (300, 100)
+
+
+def test_a_copy_carries_its_bounds_too():
+    """A line whose head went to its queue (its copy kept) with nothing parked behind it
+    is swept by that job's bounds, not the worker's defaults."""
+    line = Line(key="k", epoch="e", next=2, turn=1, issued={1: 0.0},
+                copies={1: message_of("job-1", "q", _policy(600, 3600))})  # fmt: skip
+    found = policy_in(line, DEFAULT)
+    assert (found.gap_for, found.park_for) == (600, 3600)
