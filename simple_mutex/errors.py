@@ -181,6 +181,8 @@ class MalfunctionError(SimpleMutexError):
 
     unsent = False
     withheld = False
+    denied = False
+    """True when the server refused the request for want of rights (a Redis ACL)."""
 
     def __init__(
         self, message: str, key: str | None = None, *, unsent: bool = False, withheld: bool = False

@@ -59,11 +59,13 @@ def as_user(admin: redis.Redis, *rules: list[str]) -> Iterator[str]:
 
 
 def test_the_default_words_are_one_key_pattern_and_the_exact_commands() -> None:
-    """The words the guides print: the default prefix's hash-tagged head, the twelve
-    commands the library sends (Lua scripts' own included), no channel, no CONFIG."""
+    """The words the guides print: the default prefix's hash-tagged head, the eighteen
+    commands the library sends (Lua scripts' own included, the index's too), no channel,
+    no CONFIG."""
     assert RedisCache.acl_rules() == [
         "~{mutex.*", "+evalsha", "+script|load", "+get", "+set", "+del", "+exists",
-        "+pexpire", "+lpush", "+blpop", "+time", "+scan", "+select",
+        "+pexpire", "+lpush", "+blpop", "+time", "+scan", "+select", "+zadd", "+zrem",
+        "+zremrangebyscore", "+zrange", "+pttl", "+mget",
     ]  # fmt: skip
     assert AsyncRedisCache.acl_rules is RedisCache.acl_rules  # one list for both
     words = RedisCache.acl_rules(("mutex.", "semaphore."), cache_prefix="app:", replicas=True)
@@ -99,7 +101,7 @@ def test_every_script_call_names_only_keys_it_received() -> None:
             if command == "'TIME'":
                 assert not args
                 continue
-            assert re.fullmatch(r"KEYS\[\d\]", args[0]), call
+            assert re.fullmatch(r"KEYS\[(\d|i)\]", args[0]), call  # i: over the indexes
             if command == "'DEL'":
                 assert all(re.fullmatch(r"KEYS\[\d\]", a) for a in args), call
 
