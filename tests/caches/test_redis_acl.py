@@ -214,13 +214,17 @@ def test_celery_records_work_under_acl_prefixes(admin) -> None:
 
 def test_the_guides_print_the_words_acl_rules_returns() -> None:
     """The ACL SETUSER lines of the Redis and Celery guides are the rules of today's code
-    (for the defaults), so a new command cannot leave the guides behind."""
+    (for the defaults; the Redis guide's second, of a functions user, for the locks and
+    their lines), so a new command cannot leave the guides behind."""
     docs = os.path.join(ROOT, "docs", "guides")
-    for page, prefixes in (("redis.md", ("mutex.",)), ("celery.md", celery_mutex.acl_prefixes())):
+    function_user = RedisCache.acl_rules(("mutex.", "line.mutex."), functions=True)
+    for page, expected in (
+        ("redis.md", [RedisCache.acl_rules(("mutex.",)), function_user]),
+        ("celery.md", [RedisCache.acl_rules(celery_mutex.acl_prefixes())]),
+    ):
         with open(os.path.join(docs, page)) as f:
             lines = [line for line in f if line.startswith("ACL SETUSER")]
-        assert len(lines) == 1, page
-        assert lines[0].split("-@all ", 1)[1].split() == RedisCache.acl_rules(prefixes), page
+        assert [line.split("-@all ", 1)[1].split() for line in lines] == expected, page
 
 
 def test_celery_enqueue_markers_under_acl_prefixes(admin) -> None:

@@ -181,6 +181,33 @@ end
 return 1
 """
 
+_SCRIPT_NAMES = {"put": PUT, "cas": CAS, "delete": DELETE}
+FUNCTIONS_VERSION = hashlib.sha1(
+    "".join(_SCRIPT_NAMES.values()).encode(), usedforsecurity=False
+).hexdigest()[:12]
+"""Names the scripts of this version: a library loaded for other scripts is another."""
+FUNCTION_NAMES = {
+    script: f"simple_mutex_{name}_{FUNCTIONS_VERSION}" for name, script in _SCRIPT_NAMES.items()
+}
+"""The function that runs each script, in the library ``functions_library()`` returns."""
+
+
+def functions_library() -> str:
+    """The Redis functions library (``FUNCTION LOAD`` text, Redis >= 7.0) that runs the
+    three scripts by ``FCALL`` for a cache built with ``functions=True``: loaded once by
+    an administrator (``simple-mutex redis-functions URL``), so the lock user needs no
+    ``EVAL``/``EVALSHA``/``SCRIPT`` right, which would let it run any Lua (an endless
+    loop leaves every client of the server with ``BUSY``). The same Lua, its ``KEYS``
+    and ``ARGV`` now the function's two arguments; named for this version's scripts, so
+    two versions' libraries live side by side."""
+    functions = "\n".join(
+        f"redis.register_function('{FUNCTION_NAMES[script]}', function(KEYS, ARGV)\n"
+        f"{script.strip()}\nend)"
+        for script in _SCRIPT_NAMES.values()
+    )
+    return f"#!lua name=simple_mutex_{FUNCTIONS_VERSION}\n{functions}\n"
+
+
 # Every command a Redis cache sends, in its scripts or directly (asyncio's wake-up listener
 # sends SET, LPUSH and PEXPIRE itself), and nothing else: Redis 7 checks each command a
 # script calls against the user's ACL too. Not CONFIG: ``CONFIG GET *`` would also show
@@ -193,10 +220,22 @@ ACL_COMMANDS = (
     "evalsha", "script|load", "get", "set", "del", "exists", "pexpire", "lpush", "blpop",
     "time", "scan", "select", "zadd", "zrem", "zremrangebyscore", "zrange", "pttl", "mget",
 )  # fmt: skip
+# A cache with functions=True: FCALL of the functions an administrator loaded instead of
+# any Lua, no SCRIPT, no SCAN (``list`` reads the index), no SELECT (the user stays in
+# database 0: a URL's /db other than 0 is refused), so the user can neither stall the
+# server, nor list the keys of others, nor reach another database's.
+FUNCTION_ACL_COMMANDS = (
+    "fcall", "get", "set", "del", "exists", "pexpire", "lpush", "blpop", "time", "zadd",
+    "zrem", "zremrangebyscore", "zrange", "pttl", "mget",
+)  # fmt: skip
 
 
 def acl_rules(
-    prefixes: Sequence[str] = ("mutex.",), *, cache_prefix: str = "", replicas: bool = False
+    prefixes: Sequence[str] = ("mutex.",),
+    *,
+    cache_prefix: str = "",
+    replicas: bool = False,
+    functions: bool = False,
 ) -> list[str]:
     """The ``ACL SETUSER`` words a Redis user needs to take, hold, free, wait for and list
     the locks of a ``Mutex`` / ``Semaphore`` whose ``prefix`` is one of ``prefixes``, on a
@@ -204,7 +243,9 @@ def acl_rules(
     key of a lock, ``{base}:f``, ``:h``, ``:w``, ``:signal``, shares its entry's
     ``{base`` head) and the exact commands. No channel rule: nothing is published, so a
     user made with ``resetchannels`` (Redis 7's default) works. ``replicas=True`` adds
-    ``WAIT``, for a cache with ``replicas=N``."""
+    ``WAIT``, for a cache with ``replicas=N``. ``functions=True``: the words for a cache
+    built with ``functions=True`` (``FUNCTION_ACL_COMMANDS``): ``FCALL`` in place of
+    ``EVALSHA`` and ``SCRIPT LOAD``, and neither ``SCAN`` nor ``SELECT``."""
     cache_prefix = check_prefix(cache_prefix)
     if isinstance(prefixes, str) or not isinstance(prefixes, Sequence) or not prefixes:
         raise ConstraintTypeError(
@@ -214,7 +255,8 @@ def acl_rules(
     patterns = [
         f"~{_glob_escape(cache_prefix + '{' + check_prefix(prefix))}*" for prefix in prefixes
     ]
-    commands = [f"+{name}" for name in (*ACL_COMMANDS, *(("wait",) if replicas else ()))]
+    names = FUNCTION_ACL_COMMANDS if functions else ACL_COMMANDS
+    commands = [f"+{name}" for name in (*names, *(("wait",) if replicas else ()))]
     return [*dict.fromkeys(patterns), *commands]
 
 
@@ -251,6 +293,7 @@ class RedisLayout:
         replica_timeout: float = 0.5,
         allow_eviction: bool = False,
         index: bool = True,
+        functions: bool = False,
     ) -> None:
         same_connection = self._connect(client)
         if replicas is None:
@@ -291,6 +334,14 @@ class RedisLayout:
         # one slot only: the index (another slot) cannot be written there, so a Cluster
         # lists by SCAN, as index=False does.
         self.index = index and not _clustered(client)
+        if not isinstance(functions, bool) or (functions and not self.index):
+            raise ConstraintValueError(
+                f"{type(self).__name__}(functions=...) takes True or False, and True needs "
+                f"the index (a user without SCAN lists through it; not on a Cluster, nor "
+                f"with index=False), got functions={functions!r}, index={index!r}"
+            )
+        # FCALL of the library an administrator loaded (functions_library), not EVALSHA.
+        self.functions = functions
         self._indexed: tuple[str, ...] = ()  # the prefixes whose entries are indexed
         # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
         self._shas = {
@@ -346,6 +397,12 @@ class RedisLayout:
         error = fault(self.name, operation, key, exc, _where(self.client))
         if isinstance(exc, ConnectionError | TimeoutError):
             error.message += "; is Redis up and reachable there?"
+        if self.functions and "Function not found" in str(exc):
+            error.message += (
+                f"; this cache calls the functions of library simple_mutex_{FUNCTIONS_VERSION}"
+                ": an administrator loads them once (simple-mutex redis-functions URL, again "
+                "after a restart of a server that keeps no data)"
+            )
         redis_key = None if operation == "scan" else self._entry_key(key)
         missing = missing_permission(exc, operation, redis_key)
         if missing is not None:
@@ -394,6 +451,8 @@ class RedisLayout:
     # -- the scripts (put_if_absent, compare_and_set, compare_and_delete) -------------------
 
     def _script_command(self, script: str, request: Request) -> Command:
+        if self.functions:
+            return ("FCALL", FUNCTION_NAMES[script], *request)
         return ("EVALSHA", self._shas[script], *request)
 
     def _loaded(self, script: str, sha: bytes | str) -> None:

@@ -413,7 +413,9 @@ def _reply_or_error(conn: Any) -> Any:
         return exc  # a whole reply, read to its end
 
 
-_OWN_OPTIONS = {"allow_eviction", "replicas", "replica_timeout", "asyncio", "index"}
+_OWN_OPTIONS = {
+    "allow_eviction", "replicas", "replica_timeout", "asyncio", "index", "functions"
+}  # fmt: skip
 
 
 def from_url(url: str) -> Any:
@@ -428,7 +430,8 @@ def from_url(url: str) -> Any:
     [?socket_timeout=..&sentinel_password=..]`` asks the sentinels for the master of
     ``service``; the password is the master's (``sentinel_password`` is the sentinels'
     own, if they need one). ``allow_eviction=true``, ``replicas=N``,
-    ``replica_timeout=S`` and ``index=false`` in the query go to the cache. A
+    ``replica_timeout=S``, ``index=false`` and ``functions=true`` in the query go to
+    the cache. A
     ``redis+sentinel://`` URL means a failover is expected, and a grant the primary had
     not yet passed on is lost in one (a waiter then holds the key beside its first
     holder), so it waits for one replica by default: ``replicas=0`` says, by name, that
@@ -451,6 +454,7 @@ def from_url(url: str) -> Any:
             cache_class,
             allow_eviction=_yes(own.get("allow_eviction", "false")),
             index=_yes(own.get("index", "true")),
+            functions=_yes(own.get("functions", "false")),
             replicas=int(own["replicas"]) if "replicas" in own else None,
             replica_timeout=float(own.get("replica_timeout", "0.5")),
         )
