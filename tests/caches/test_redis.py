@@ -48,6 +48,7 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
+from simple_mutex.admin import live_locks, locks_of
 from simple_mutex.admin.commands import load_functions
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
 from simple_mutex.contract import Entry
@@ -847,6 +848,13 @@ def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[RedisServer], 
     release = ReleaseLater(0.3, leases[0].release)
     taken = semaphore.acquire("pool", timeout=POLL_INTERVAL * 2)
     assert release.woke() < WAKE_BOUND
+    # The operator's view: no index on a Cluster (another slot than the locks'), so
+    # list scans every master; show reads the key's slots in its one hash slot.
+    assert not cache.index
+    assert [lock.slot for lock in locks_of(cache, "pool", "semaphore.")] == sorted(
+        lock.slot for lock in live_locks(cache, "semaphore.")
+    )
+    assert len(live_locks(cache, "semaphore.")) == 2
     for lease in (taken, leases[1]):
         assert lease.release()
     cluster.close()
