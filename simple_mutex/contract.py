@@ -68,6 +68,13 @@ Implement the five methods of :class:`ConditionalCache` and pass the shared cont
     runs may or may not show. Operators' tools (``simple_mutex.admin``, the
     ``simple-mutex`` command) need it; locking never calls it.
 
+``index_prefix(prefix)`` (optional)
+    A cache that lists from an index of its own rather than its whole keyspace (Redis:
+    one per lock prefix) is told which prefixes to index: ``Mutex``, ``Semaphore`` and
+    ``Lines`` call it with theirs before they write. ``scan(prefix)`` of a noted prefix
+    then lists what any process wrote under it; entries written under no noted prefix
+    are not listed by such a cache.
+
 ``waited_on(key)`` (optional)
     True if a waiter is blocked on ``key`` now (or was within the last few seconds), as
     far as the cache's own wake-up bookkeeping tells (Redis's waiter mark, the disk

@@ -185,6 +185,8 @@ class MalfunctionError(SimpleMutexError):
     unsent = False
     withheld = False
     lasting = False
+    denied = False
+    """True when the server refused the request for want of rights (a Redis ACL)."""
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from ._core.timing import DEFAULT_INTERVAL, DEFAULT_LEASE
 from ._runtime import drivers
 from ._runtime.drivers import Handoffs, run, run_async
 from ._runtime.keeper import keeper
-from .caches.adapt import as_cache
+from .caches.adapt import as_cache, index_prefix
 from .contract import Entry, is_async
 from .errors import (
     ConstraintTypeError,
@@ -82,6 +82,7 @@ class _LockSpace:
         self.lease = positive_seconds(lease, "lease")
         self.interval = positive_seconds(interval, "interval")
         self.prefix = check_prefix(prefix)
+        index_prefix(self.cache, self.prefix)  # so `list` finds these locks cheaply
         self.label = label
         self._handoffs = Handoffs()
         self._encoded: dict[str, list[str]] = {}

@@ -48,6 +48,8 @@ class BlockingFace:
         self.driver_errors = cache.driver_errors  # what escapes stays a fault through the face
         if callable(getattr(cache, "scan", None)):  # the optional capability, if it has it
             self.scan = lambda prefix: iter(self.call(cache.scan(prefix)))
+        if callable(getattr(cache, "index_prefix", None)):  # a plain method: no loop needed
+            self.index_prefix = cache.index_prefix
 
     def __repr__(self) -> str:
         return f"BlockingFace({self.cache!r})"

@@ -35,6 +35,7 @@ from procs import FORK
 from workers import ReleaseLater
 
 from simple_mutex import ConditionalCache, SimpleCacheConditionError
+from simple_mutex.caches.adapt import index_prefix
 from simple_mutex.contract import Entry, Scannable
 
 
@@ -492,6 +493,7 @@ class CacheContract:
         """Live entries under the prefix (semaphore slots included) are listed, each as get
         returns it; freed keys, keys under a sibling prefix and other keys are not."""
         base = unique_key("scan") + "."
+        index_prefix(cache, base)  # as a Mutex under this prefix would
         held_keys = [base + "a", base + "b.c", base + "d#1"]
         for key in held_keys:
             cache.put_if_absent(key, f"value of {key}", ttl=30)
@@ -508,6 +510,7 @@ class CacheContract:
     def test_scan_never_lists_expired_entries(self, cache: ConditionalCache) -> None:
         """An entry whose ttl ran out is not listed, though a live neighbour is."""
         base = unique_key("scan") + "."
+        index_prefix(cache, base)
         cache.put_if_absent(base + "short", "v", ttl=self.short_ttl)
         cache.put_if_absent(base + "long", "v", ttl=30)
         self.let_expire()
@@ -522,6 +525,7 @@ class CacheContract:
         if special in self.foreign_key_chars:
             pytest.skip(f"this server does not keep {special!r} in a key verbatim")
         base = unique_key("scan") + "."
+        index_prefix(cache, base + "a" + special)
         ours = [base + "a" + special, base + "a" + special + "tail", base + "a" + special + "#1"]
         decoys = [base + "aX", base + "aXtail", base + "a", base + "ab" + special]
         for key in ours + decoys:

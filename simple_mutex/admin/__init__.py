@@ -11,20 +11,29 @@ make, a compare-and-delete) and never prints it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from simple_mutex._core import flows
-from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key, split_slot
+from simple_mutex._core.keys import (
+    check_key,
+    check_prefix,
+    decode_key,
+    encode_key,
+    slot_key,
+    split_slot,
+)
 from simple_mutex._core.records import Holder, encode_record, holder_of, new_token, record_key
 from simple_mutex._runtime.drivers import run
-from simple_mutex.busy.line import DEFAULT_PARK_FOR, Line, Lines, SteppedOver, decode
+from simple_mutex.busy.line import DEFAULT_PARK_FOR, Line, Lines, SteppedOver
 from simple_mutex.contract import ConditionalCache, Entry, Scannable, is_async
-from simple_mutex.errors import ConstraintTypeError
+from simple_mutex.errors import ConstraintTypeError, MalfunctionError
+from simple_mutex.mutex import MAX_PERMITS
 
 DEFAULT_PREFIX = "mutex."
 """The prefix of ``Mutex`` (and of Celery and RQ locks unless configured otherwise)."""
@@ -84,10 +93,22 @@ def live_locks(cache: object, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
 
 
 def locks_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
-    """The live permits of one ``key`` (every slot of a semaphore), in slot order."""
+    """The live permits of one ``key`` (every slot of a semaphore), in slot order. A
+    cache that reads many keys at once (``get_many``: Redis) reads that key's slots
+    only, every slot a semaphore may have (``MAX_PERMITS``: the permit count is the
+    holders' to know, and a holder takes a random free slot); others list them by
+    ``scan``, which each of them answers from an index of its keys."""
     check_prefix(prefix)
     base = prefix + encode_key(check_key(key))
-    found = scannable(cache).scan(base)
+    checked = scannable(cache)
+    read_many = getattr(cache, "get_many", None)
+    if callable(read_many):
+        slots = [slot_key(base, slot) for slot in range(MAX_PERMITS)]
+        found: Iterable[tuple[str, Entry]] = [
+            (slot, entry) for slot, entry in zip(slots, read_many(slots), strict=True) if entry
+        ]
+    else:
+        found = checked.scan(base)
     return _sorted(lock for lock in _decoded(cache, prefix, found) if lock.key == key)
 
 
@@ -96,11 +117,25 @@ def lines_by_key(cache: object, prefix: str = DEFAULT_PREFIX) -> dict[str, Line]
     ``"debounce"``, of Celery and RQ alike), by key."""
     lines = Lines(scannable(cache), lease=1, lock_prefix=prefix)
     found: dict[str, Line] = {}
-    for key in lines.keys():  # noqa: SIM118  (a scan, not a mapping's keys)
-        line = lines.read(key)
-        if line is not None:  # else it expired between the listing and the read
-            found[key] = line
+    with _unless_denied(lines.prefix):
+        for key in lines.keys():  # noqa: SIM118  (a scan, not a mapping's keys)
+            line = lines.read(key)
+            if line is not None:  # else it expired between the listing and the read
+                found[key] = line
     return found
+
+
+@contextlib.contextmanager
+def _unless_denied(where: str) -> Iterator[None]:
+    """Lines are read beside the locks, and a Redis user may have rights on the locks'
+    prefix only: a line it may not read is one it does not show (logged), not a
+    failure of the whole listing."""
+    try:
+        yield
+    except MalfunctionError as refused:
+        if not refused.denied:
+            raise
+        log.info("no rights to read the lines under %r: %s", where, refused.message)
 
 
 def step_over(
@@ -181,16 +216,13 @@ def call_of(message: object) -> str:
 
 
 def line_of(cache: object, key: str, prefix: str = DEFAULT_PREFIX) -> Line | None:
-    """The line of ``key`` beside the locks under ``prefix``, if it has one. Found by a
-    scan of its cache key, as ``locks_of`` finds a key's permits: a Redis user limited
-    to its lock prefix may list keys it may not read, and where it has no line it reads
-    nothing."""
+    """The line of ``key`` beside the locks under ``prefix``, if it has one: its record
+    read directly. None too where the cache refuses this user the line's prefix (a
+    Redis user limited to its lock prefix)."""
     checked = scannable(cache)
-    cache_key = Lines(checked, lease=1, lock_prefix=prefix).cache_key(key)
-    name = str(getattr(cache, "name", type(cache).__name__))
-    for found, entry in checked.scan(cache_key):
-        if found == cache_key:
-            return decode(entry.value, key, name)
+    lines = Lines(checked, lease=1, lock_prefix=prefix)
+    with _unless_denied(lines.prefix):
+        return lines.read(key)
     return None
 
 

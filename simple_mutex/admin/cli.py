@@ -9,6 +9,7 @@
     simple-mutex watch URL [--prefix P] [--interval S]
     simple-mutex serve URL [--prefix P] [--host H] [--port N] [--interval S] [--actions]
     simple-mutex timeline FILE_OR_DIR... -o OUT.html
+    simple-mutex redis-functions URL [--print]
 
 ``URL`` is what ``cache_from_url`` takes (``redis://``, ``postgresql://``, ``file:///``...);
 ``--prefix`` the lock prefix (``Mutex``'s ``mutex.`` by default; ``semaphore.`` for a
@@ -68,6 +69,16 @@ def parser() -> argparse.ArgumentParser:
     serving = command("serve", "a live web page of held keys, lines and events, until Ctrl-C")
     serve_options(serving.add_argument)
 
+    loading = sub.add_parser(
+        "redis-functions",
+        help="load the Redis functions a cache with functions=true calls (an administrator's "
+        "URL: FUNCTION LOAD)",
+    )
+    loading.add_argument("url", metavar="URL", help="the Redis, as an administrator")
+    loading.add_argument(
+        "--print", action="store_true", help="print the library (FUNCTION LOAD text) instead"
+    )
+
     drawing = sub.add_parser("timeline", help="draw journal files as one HTML page")
     drawing.add_argument("files", nargs="+", metavar="FILE_OR_DIR")
     drawing.add_argument("-o", "--output", required=True, metavar="OUT")
@@ -89,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     if args.command == "timeline":
         return timeline(args.files, args.output)
+    if args.command == "redis-functions" and args.print:
+        try:  # the library is built from the scripts' module, which needs redis-py
+            from simple_mutex.caches.redis.protocol import functions_library
+        except SimpleMutexError as exc:
+            return fail(exc)
+        sys.stdout.write(functions_library())
+        return 0
     if args.command in ("watch", "serve") and not 0 < args.interval <= 3600:
         return fail("--interval must be seconds in (0, 3600]")
     try:
@@ -117,6 +135,8 @@ def run(cache: ConditionalCache, args: argparse.Namespace) -> int:
             return commands.step_over_call(
                 cache, args.key, args.ticket, args.prefix, out, yes=args.yes
             )
+        if args.command == "redis-functions":
+            return commands.load_functions(cache, out)
         if args.command == "serve":
             return serve(cache, args.prefix, out, host=args.host, port=args.port,
                          interval=args.interval, actions=args.actions,

@@ -34,7 +34,7 @@ from simple_mutex.admin import (
 )
 from simple_mutex.busy.line import Line, Message
 from simple_mutex.contract import ConditionalCache
-from simple_mutex.errors import MalfunctionError
+from simple_mutex.errors import ConstraintTypeError, MalfunctionError
 
 Ask = Callable[[str], str]
 
@@ -230,6 +230,37 @@ def release_lock(
         )
         return 1
     out.write(f"freed {described}\n")
+    return 0
+
+
+def load_functions(cache: object, out: TextIO) -> int:
+    """Load the Redis functions library a cache with ``functions=True`` calls
+    (``FUNCTION LOAD REPLACE``: the same text again changes nothing), through the
+    client of ``cache``, a Redis cache on an administrator's URL."""
+    if getattr(cache, "name", None) != "redis":
+        raise ConstraintTypeError(
+            f"redis-functions loads Redis functions; {type(cache).__name__} is no Redis cache "
+            "(give a redis://, rediss:// or unix:// URL)"
+        )
+    # Here, not at the top: the other commands run where redis-py is not installed.
+    from redis.exceptions import RedisError
+
+    from simple_mutex.caches.redis.protocol import FUNCTION_NAMES, RedisLayout, functions_library
+
+    if not isinstance(cache, RedisLayout):
+        raise ConstraintTypeError(
+            f"redis-functions loads Redis functions; {type(cache).__name__} is no Redis cache "
+            "(give a redis://, rediss:// or unix:// URL)"
+        )
+    try:
+        name = cache.client.function_load(functions_library(), replace=True)
+    except RedisError as exc:
+        raise MalfunctionError(
+            f"redis: FUNCTION LOAD failed ({type(exc).__name__}: {exc}); it needs Redis >= "
+            "7.0 and a user with +function|load (an administrator's URL)"
+        ) from None
+    name = name.decode() if isinstance(name, bytes) else name
+    out.write(f"loaded Redis functions library {name}: {', '.join(FUNCTION_NAMES.values())}\n")
     return 0
 
 

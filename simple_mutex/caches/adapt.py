@@ -35,3 +35,11 @@ def as_cache(cache: object) -> ConditionalCache:
         f"cache must implement the ConditionalCache contract (InMemoryCache, DiskCache, "
         f"or a client of a supported server), got {type(cache).__name__}"
     )
+
+
+def index_prefix(cache: object, prefix: str) -> None:
+    """Tell ``cache`` that entries under ``prefix`` are written through it, if it keeps
+    an index of them for listing (``RedisCache.index_prefix``); else nothing."""
+    note = getattr(cache, "index_prefix", None)
+    if callable(note):
+        note(prefix)

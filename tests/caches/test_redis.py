@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -47,6 +48,8 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
+from simple_mutex.admin import live_locks, locks_of
+from simple_mutex.admin.commands import load_functions
 from simple_mutex.caches.redis import RedisCache, from_url, parse_sentinel_url
 from simple_mutex.contract import Entry
 
@@ -128,6 +131,29 @@ class TestRedisCacheContractAsLockUser(NotifySmoke, ContractSmoke):
     def cache(self, lock_url: str) -> Iterator[RedisCache]:
         conn = new_client(lock_url)
         yield RedisCache(conn, prefix=PREFIX)
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def function_url(client: redis.Redis) -> Iterator[str]:
+    """REDIS_URL as a user made from ``RedisCache.acl_rules(functions=True)`` alone (no
+    EVAL*, SCRIPT, SCAN nor SELECT), the library loaded first as an administrator."""
+    load_functions(RedisCache(client), io.StringIO())
+    rules = RedisCache.acl_rules(prefixes=("",), cache_prefix=PREFIX, functions=True)
+    with lock_user(client, rules) as (user, password):
+        yield url_as(REDIS_URL, user, password)
+
+
+class TestRedisCacheContractAsFunctionUser(NotifySmoke, ContractSmoke):
+    """The shared contract, hand-off included, by FCALL as the user that may call only
+    the loaded functions."""
+
+    wake_bound = 0.2
+
+    @pytest.fixture
+    def cache(self, function_url: str) -> Iterator[RedisCache]:
+        conn = new_client(function_url)
+        yield RedisCache(conn, prefix=PREFIX, functions=True)
         conn.close()
 
 
@@ -822,6 +848,13 @@ def test_cluster_mutex_semaphore_and_hand_off(redis_servers: list[RedisServer], 
     release = ReleaseLater(0.3, leases[0].release)
     taken = semaphore.acquire("pool", timeout=POLL_INTERVAL * 2)
     assert release.woke() < WAKE_BOUND
+    # The operator's view: no index on a Cluster (another slot than the locks'), so
+    # list scans every master; show reads the key's slots in its one hash slot.
+    assert not cache.index
+    assert [lock.slot for lock in locks_of(cache, "pool", "semaphore.")] == sorted(
+        lock.slot for lock in live_locks(cache, "semaphore.")
+    )
+    assert len(live_locks(cache, "semaphore.")) == 2
     for lease in (taken, leases[1]):
         assert lease.release()
     cluster.close()

@@ -59,11 +59,13 @@ def as_user(admin: redis.Redis, *rules: list[str]) -> Iterator[str]:
 
 
 def test_the_default_words_are_one_key_pattern_and_the_exact_commands() -> None:
-    """The words the guides print: the default prefix's hash-tagged head, the twelve
-    commands the library sends (Lua scripts' own included), no channel, no CONFIG."""
+    """The words the guides print: the default prefix's hash-tagged head, the eighteen
+    commands the library sends (Lua scripts' own included, the index's too), no channel,
+    no CONFIG."""
     assert RedisCache.acl_rules() == [
         "~{mutex.*", "+evalsha", "+script|load", "+get", "+set", "+del", "+exists",
-        "+pexpire", "+lpush", "+blpop", "+time", "+scan", "+select",
+        "+pexpire", "+lpush", "+blpop", "+time", "+scan", "+select", "+zadd", "+zrem",
+        "+zremrangebyscore", "+zrange", "+pttl", "+mget",
     ]  # fmt: skip
     assert AsyncRedisCache.acl_rules is RedisCache.acl_rules  # one list for both
     words = RedisCache.acl_rules(("mutex.", "semaphore."), cache_prefix="app:", replicas=True)
@@ -99,7 +101,7 @@ def test_every_script_call_names_only_keys_it_received() -> None:
             if command == "'TIME'":
                 assert not args
                 continue
-            assert re.fullmatch(r"KEYS\[\d\]", args[0]), call
+            assert re.fullmatch(r"KEYS\[(\d|i)\]", args[0]), call  # i: over the indexes
             if command == "'DEL'":
                 assert all(re.fullmatch(r"KEYS\[\d\]", a) for a in args), call
 
@@ -212,13 +214,17 @@ def test_celery_records_work_under_acl_prefixes(admin) -> None:
 
 def test_the_guides_print_the_words_acl_rules_returns() -> None:
     """The ACL SETUSER lines of the Redis and Celery guides are the rules of today's code
-    (for the defaults), so a new command cannot leave the guides behind."""
+    (for the defaults; the Redis guide's second, of a functions user, for the locks and
+    their lines), so a new command cannot leave the guides behind."""
     docs = os.path.join(ROOT, "docs", "guides")
-    for page, prefixes in (("redis.md", ("mutex.",)), ("celery.md", celery_mutex.acl_prefixes())):
+    function_user = RedisCache.acl_rules(("mutex.", "line.mutex."), functions=True)
+    for page, expected in (
+        ("redis.md", [RedisCache.acl_rules(("mutex.",)), function_user]),
+        ("celery.md", [RedisCache.acl_rules(celery_mutex.acl_prefixes())]),
+    ):
         with open(os.path.join(docs, page)) as f:
             lines = [line for line in f if line.startswith("ACL SETUSER")]
-        assert len(lines) == 1, page
-        assert lines[0].split("-@all ", 1)[1].split() == RedisCache.acl_rules(prefixes), page
+        assert [line.split("-@all ", 1)[1].split() for line in lines] == expected, page
 
 
 def test_celery_enqueue_markers_under_acl_prefixes(admin) -> None:

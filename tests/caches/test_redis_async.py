@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import threading
 import time
@@ -43,6 +44,7 @@ from simple_mutex import (
     SimpleMutexLeaseExpiredError,
     cache_from_url,
 )
+from simple_mutex.admin.commands import load_functions
 from simple_mutex.caches import AsyncRedisCache, RedisCache, as_cache
 from simple_mutex.contract import Entry, is_async
 
@@ -66,10 +68,12 @@ def client() -> Iterator[redis.Redis]:
 
 
 @contextlib.contextmanager
-def async_face(url: str = REDIS_URL, **options: Any) -> Iterator[BlockingFace]:
+def async_face(
+    url: str = REDIS_URL, *, functions: bool = False, **options: Any
+) -> Iterator[BlockingFace]:
     """An AsyncRedisCache on its own asyncio client, behind the blocking face."""
     aio = redis.asyncio.Redis.from_url(url, **options)
-    face = BlockingFace(AsyncRedisCache(aio, prefix=PREFIX))
+    face = BlockingFace(AsyncRedisCache(aio, prefix=PREFIX, functions=functions))
     yield face
     face.call(face.cache.aclose())
     # redis-py before 5.0.1 (the lower bounds run 4.6) names it close.
@@ -109,6 +113,23 @@ class TestAsyncRedisCacheContractAsLockUser(NotifySmoke, ContractSmoke):
         with (
             lock_user(client, rules) as (user, password),
             async_face(url_as(REDIS_URL, user, password)) as face,
+        ):
+            yield face
+
+
+class TestAsyncRedisCacheContractAsFunctionUser(NotifySmoke, ContractSmoke):
+    """...and by FCALL, as a user made from ``acl_rules(functions=True)``: no Lua of its
+    own, no SCAN, no SELECT (the library loaded first, as an administrator)."""
+
+    wake_bound = 0.2
+
+    @pytest.fixture
+    def cache(self, client: redis.Redis) -> Iterator[BlockingFace]:
+        load_functions(RedisCache(client), io.StringIO())
+        rules = RedisCache.acl_rules(prefixes=("",), cache_prefix=PREFIX, functions=True)
+        with (
+            lock_user(client, rules) as (user, password),
+            async_face(url_as(REDIS_URL, user, password), functions=True) as face,
         ):
             yield face
 

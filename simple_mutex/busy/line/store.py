@@ -32,7 +32,7 @@ from simple_mutex._core.durations import Duration, positive_seconds
 from simple_mutex._core.flows import CompareAndSet, Flow, Get, Pause, PutIfAbsent, settle
 from simple_mutex._core.keys import check_key, check_prefix, decode_key, encode_key
 from simple_mutex._runtime.drivers import run, run_async
-from simple_mutex.caches.adapt import as_cache
+from simple_mutex.caches.adapt import as_cache, index_prefix
 from simple_mutex.contract import AnyCache, Entry, Scannable, is_async
 from simple_mutex.errors import (
     ConstraintTypeError,
@@ -192,6 +192,7 @@ class Lines:
         self.prefix = line_prefix(lock_prefix) if prefix is None else check_prefix(prefix)
         if self.prefix == self.lock_prefix:
             raise bad_input(prefix, str, "a line's prefix must differ from its locks'")
+        index_prefix(self.cache, self.prefix)  # so a sweep and `list` find the lines cheaply
         self.clock = clock
         self._aio = is_async(self.cache)
 

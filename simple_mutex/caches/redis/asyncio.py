@@ -134,6 +134,13 @@ class AsyncRedisCache(RedisLayout):
     async def scan(self, prefix: str) -> list[tuple[str, Entry]]:
         """RedisCache.scan for asyncio: every live entry under ``prefix``, as ``get``
         reads it (a list: a scan is for operators' tools, not a hot path)."""
+        if self.index:
+            with self._faults("scan", prefix):
+                prune, members = self._index_commands(prefix, await self._execute("TIME"))
+                await self._execute(*prune)
+                names = await self._execute(*members)
+                payloads = [p for m in self._mget_commands(names) for p in await self._execute(*m)]
+            return self._indexed_entries(names, payloads, prefix)
         with self._faults("scan", prefix):
             pattern = self._scan_pattern(prefix)
             names = [name async for name in self.client.scan_iter(match=pattern, count=1000)]
@@ -143,6 +150,15 @@ class AsyncRedisCache(RedisLayout):
             if entry is not None:
                 found.append((key, entry))
         return found
+
+    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+        """RedisCache.get_many for asyncio: ``get`` of each of ``keys``, by ``MGET``."""
+        if not keys:
+            return []
+        with self._faults("get", keys[0]):
+            mgets = self._mget_commands(self._entry_keys(keys))
+            payloads = [payload for mget in mgets for payload in await self._execute(*mget)]
+        return [self._read_entry(key, p) for key, p in zip(keys, payloads, strict=True)]
 
     async def persistence(self) -> Persistence | None:
         """RedisCache.persistence for asyncio: what the server keeps across a restart."""

@@ -80,7 +80,23 @@ WAITER_MARK_MS = 3000  # > MAX_BLOCK_S: a blocked waiter's mark outlives its BLP
 SIGNAL_MS = 1000  # how long a token waits for a waiter that has not reached BLPOP yet
 _MIN_KEEP_MS = 60_000  # a freed key's last fence (a lapsed one's held mark) kept this long
 
-# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark, KEYS[4] held mark
+# The index of the entries under one lock prefix (``RedisLayout.index_prefix``): a
+# sorted set of entry keys scored by the server's time (ms) at which each lapses. A grant
+# or renewal (KEYS[i] the index, ``now`` the server's time in ms, ARGV[2] the ttl) drops
+# the members lapsed by now and adds or rescores its own; the index lives at least as
+# long as the fence and held mark it writes ({keep}), never shortened by a shorter lease.
+# ``pcall`` and type checks throughout: the index is for listing, and a refused or broken
+# index must never fail (nor undo) the grant it follows.
+INDEX_ADD = """\
+        redis.pcall('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+        redis.pcall('ZADD', KEYS[i], now + ARGV[2], KEYS[1])
+        local left = redis.pcall('PTTL', KEYS[i])
+        if type(left) == 'number' and left < tonumber({keep}) then
+            redis.pcall('PEXPIRE', KEYS[i], {keep})
+        end"""
+
+# KEYS[1] entry, KEYS[2] last fence, KEYS[3] waiter mark, KEYS[4] held mark, KEYS[5...]
+# the indexes the entry is listed in
 # ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] how long to keep the fence and
 # the held mark (ms)
 # Returns the new fence (an integer) when written, negated when the held mark was there
@@ -103,6 +119,10 @@ if redis.call('SET', KEYS[1], fence .. '.1 ' .. ARGV[1], 'NX', 'PX', ARGV[2]) th
     local held = redis.call('GET', KEYS[4])
     local took = held == '1' or (held and string.sub(held, 1, 2) == '1 ')
     redis.call('SET', KEYS[4], (held and not took) and ('1 ' .. held) or '1', 'PX', ARGV[3])
+    local now = t[1] * 1000 + math.floor(t[2] / 1000)
+    for i = 5, #KEYS do
+{INDEX_ADD.format(keep="ARGV[3]")}
+    end
     if took then return -tonumber(fence) end
     return tonumber(fence)
 end
@@ -115,24 +135,32 @@ redis.call('SET', KEYS[3], 1, 'PX', {WAITER_MARK_MS})
 return nil
 """
 
-# KEYS[1] entry, KEYS[2] held mark
+# KEYS[1] entry, KEYS[2] held mark, KEYS[3...] the indexes the entry is listed in
 # ARGV[1] "<expires ms> <value>", ARGV[2] ttl (ms), ARGV[3] expected version, ARGV[4] how
 # long to keep the held mark (ms): a lease renewed for longer than its grant kept it
 # must still be known as unfreed when it lapses
 # Returns the new write count n (the version becomes "<fence>.<n>") after replacing the
 # value and restarting the expiry; nil when the entry is absent (freed, expired) or at
 # another version.
-CAS = """
+CAS = f"""
 local cur = redis.call('GET', KEYS[1])
 if not cur or string.sub(cur, 1, #ARGV[3] + 1) ~= ARGV[3] .. ' ' then return nil end
 local fence, n = string.match(ARGV[3], '^(%d+)%.(%d+)$')
 n = n + 1
 redis.call('SET', KEYS[1], fence .. '.' .. n .. ' ' .. ARGV[1], 'PX', ARGV[2])
 redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
+if #KEYS > 2 then
+    local t = redis.call('TIME')
+    local now = t[1] * 1000 + math.floor(t[2] / 1000)
+    for i = 3, #KEYS do
+{INDEX_ADD.format(keep="ARGV[4]")}
+    end
+end
 return n
 """
 
-# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list, KEYS[4] held mark
+# KEYS[1] entry, KEYS[2] waiter mark, KEYS[3] signal list, KEYS[4] held mark, KEYS[5...]
+# the indexes the entry is listed in (the freed entry leaves them)
 # ARGV[1] expected version, ARGV[2] how long the held mark keeps the version freed (ms)
 # Returns 2 when the entry was freed and one wake-up token pushed for waiters marked
 # lately (the list is reset first, so tokens never pile up), 1 when freed with nobody
@@ -150,6 +178,7 @@ if not cur or string.sub(cur, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then
 end
 redis.call('DEL', KEYS[1])
 redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
+for i = 5, #KEYS do redis.pcall('ZREM', KEYS[i], KEYS[1]) end
 if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('DEL', KEYS[3])
     redis.call('LPUSH', KEYS[3], 1)
@@ -159,20 +188,61 @@ end
 return 1
 """
 
+_SCRIPT_NAMES = {"put": PUT, "cas": CAS, "delete": DELETE}
+FUNCTIONS_VERSION = hashlib.sha1(
+    "".join(_SCRIPT_NAMES.values()).encode(), usedforsecurity=False
+).hexdigest()[:12]
+"""Names the scripts of this version: a library loaded for other scripts is another."""
+FUNCTION_NAMES = {
+    script: f"simple_mutex_{name}_{FUNCTIONS_VERSION}" for name, script in _SCRIPT_NAMES.items()
+}
+"""The function that runs each script, in the library ``functions_library()`` returns."""
+
+
+def functions_library() -> str:
+    """The Redis functions library (``FUNCTION LOAD`` text, Redis >= 7.0) that runs the
+    three scripts by ``FCALL`` for a cache built with ``functions=True``: loaded once by
+    an administrator (``simple-mutex redis-functions URL``), so the lock user needs no
+    ``EVAL``/``EVALSHA``/``SCRIPT`` right, which would let it run any Lua (an endless
+    loop leaves every client of the server with ``BUSY``). The same Lua, its ``KEYS``
+    and ``ARGV`` now the function's two arguments; named for this version's scripts, so
+    two versions' libraries live side by side."""
+    functions = "\n".join(
+        f"redis.register_function('{FUNCTION_NAMES[script]}', function(KEYS, ARGV)\n"
+        f"{script.strip()}\nend)"
+        for script in _SCRIPT_NAMES.values()
+    )
+    return f"#!lua name=simple_mutex_{FUNCTIONS_VERSION}\n{functions}\n"
+
+
 # Every command a Redis cache sends, in its scripts or directly (asyncio's wake-up listener
 # sends SET, LPUSH and PEXPIRE itself), and nothing else: Redis 7 checks each command a
 # script calls against the user's ACL too. Not CONFIG: ``CONFIG GET *`` would also show
 # ``requirepass``; a user without it skips the eviction check (as on a managed server).
 # SELECT: redis-py sends it on connect for a URL's /db other than 0. SCRIPT LOAD: a
 # restarted server forgets the scripts. WAIT: only with replicas=N (acl_rules(replicas=True)).
+# The Z* commands, PTTL and MGET keep and read the index (``index_prefix``) and read many
+# slots at once (``get_many``).
 ACL_COMMANDS = (
     "evalsha", "script|load", "get", "set", "del", "exists", "pexpire", "lpush", "blpop",
-    "time", "scan", "select",
+    "time", "scan", "select", "zadd", "zrem", "zremrangebyscore", "zrange", "pttl", "mget",
+)  # fmt: skip
+# A cache with functions=True: FCALL of the functions an administrator loaded instead of
+# any Lua, no SCRIPT, no SCAN (``list`` reads the index), no SELECT (the user stays in
+# database 0: a URL's /db other than 0 is refused), so the user can neither stall the
+# server, nor list the keys of others, nor reach another database's.
+FUNCTION_ACL_COMMANDS = (
+    "fcall", "get", "set", "del", "exists", "pexpire", "lpush", "blpop", "time", "zadd",
+    "zrem", "zremrangebyscore", "zrange", "pttl", "mget",
 )  # fmt: skip
 
 
 def acl_rules(
-    prefixes: Sequence[str] = ("mutex.",), *, cache_prefix: str = "", replicas: bool = False
+    prefixes: Sequence[str] = ("mutex.",),
+    *,
+    cache_prefix: str = "",
+    replicas: bool = False,
+    functions: bool = False,
 ) -> list[str]:
     """The ``ACL SETUSER`` words a Redis user needs to take, hold, free, wait for and list
     the locks of a ``Mutex`` / ``Semaphore`` whose ``prefix`` is one of ``prefixes``, on a
@@ -180,7 +250,9 @@ def acl_rules(
     key of a lock, ``{base}:f``, ``:h``, ``:w``, ``:signal``, shares its entry's
     ``{base`` head) and the exact commands. No channel rule: nothing is published, so a
     user made with ``resetchannels`` (Redis 7's default) works. ``replicas=True`` adds
-    ``WAIT``, for a cache with ``replicas=N``."""
+    ``WAIT``, for a cache with ``replicas=N``. ``functions=True``: the words for a cache
+    built with ``functions=True`` (``FUNCTION_ACL_COMMANDS``): ``FCALL`` in place of
+    ``EVALSHA`` and ``SCRIPT LOAD``, and neither ``SCAN`` nor ``SELECT``."""
     cache_prefix = check_prefix(cache_prefix)
     if isinstance(prefixes, str) or not isinstance(prefixes, Sequence) or not prefixes:
         raise ConstraintTypeError(
@@ -190,7 +262,8 @@ def acl_rules(
     patterns = [
         f"~{_glob_escape(cache_prefix + '{' + check_prefix(prefix))}*" for prefix in prefixes
     ]
-    commands = [f"+{name}" for name in (*ACL_COMMANDS, *(("wait",) if replicas else ()))]
+    names = FUNCTION_ACL_COMMANDS if functions else ACL_COMMANDS
+    commands = [f"+{name}" for name in (*names, *(("wait",) if replicas else ()))]
     return [*dict.fromkeys(patterns), *commands]
 
 
@@ -226,6 +299,8 @@ class RedisLayout:
         replicas: int | None = None,
         replica_timeout: float = 0.5,
         allow_eviction: bool = False,
+        index: bool = True,
+        functions: bool = False,
     ) -> None:
         same_connection = self._connect(client)
         if replicas is None:
@@ -258,6 +333,23 @@ class RedisLayout:
         self.replica_timeout = positive_seconds(replica_timeout, "replica_timeout")
         self.allow_eviction = allow_eviction
         self._checked = allow_eviction  # the eviction policy is read on first use
+        if not isinstance(index, bool):
+            raise ConstraintTypeError(
+                f"{type(self).__name__}(index=...) takes True or False, got {index!r}"
+            )
+        # A Cluster keeps each lock's keys in its hash tag's slot, and a script may touch
+        # one slot only: the index (another slot) cannot be written there, so a Cluster
+        # lists by SCAN, as index=False does.
+        self.index = index and not _clustered(client)
+        if not isinstance(functions, bool) or (functions and not self.index):
+            raise ConstraintValueError(
+                f"{type(self).__name__}(functions=...) takes True or False, and True needs "
+                f"the index (a user without SCAN lists through it; not on a Cluster, nor "
+                f"with index=False), got functions={functions!r}, index={index!r}"
+            )
+        # FCALL of the library an administrator loaded (functions_library), not EVALSHA.
+        self.functions = functions
+        self._indexed: tuple[str, ...] = ()  # the prefixes whose entries are indexed
         # SHA-1s computed here, so start-up costs no round trip (NOSCRIPT loads them).
         self._shas = {
             s: hashlib.sha1(s.encode(), usedforsecurity=False).hexdigest()
@@ -266,6 +358,28 @@ class RedisLayout:
         self._max_block = max_block(connection_kwargs(client).get("socket_timeout"))
 
     acl_rules = staticmethod(acl_rules)
+
+    def index_prefix(self, prefix: str) -> None:
+        """List the entries this cache writes under the lock prefix ``prefix`` in its
+        index (``{prefix}:index``), so ``scan(prefix)`` reads them without reading the
+        whole keyspace. ``Mutex``, ``Semaphore`` and ``Lines`` call it with their prefix;
+        an entry under several noted prefixes is listed in each."""
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ConstraintValueError(
+                f"index_prefix takes a key prefix with no brace (the hash tag's), got {prefix!r}"
+            )
+        if self.index and prefix not in self._indexed:
+            self._indexed = (*self._indexed, prefix)
+
+    def _index_key(self, prefix: str) -> str:
+        """The index of the entries under ``prefix``: under the hash tag ``{prefix}``,
+        so the key pattern a user for that prefix has covers it; no entry's or side
+        key's name ends in ``}:index``."""
+        return f"{self.prefix}{{{prefix}}}:index"
+
+    def _indexes(self, key: str) -> tuple[str, ...]:
+        """The indexes that list ``key``: one per noted prefix it starts with."""
+        return tuple(self._index_key(p) for p in self._indexed if key.startswith(p))
 
     def _connect(self, client: Any) -> bool:
         """The subclass's I/O: refuse a client it cannot drive (ConstraintError), set up
@@ -295,7 +409,14 @@ class RedisLayout:
         error = fault(self.name, operation, key, exc, _where(self.client), lasting=denied)
         if isinstance(exc, ConnectionError | TimeoutError) and not denied:
             error.message += "; is Redis up and reachable there?"
+        if self.functions and "Function not found" in str(exc):
+            error.message += (
+                f"; this cache calls the functions of library simple_mutex_{FUNCTIONS_VERSION}"
+                ": an administrator loads them once (simple-mutex redis-functions URL, again "
+                "after a restart of a server that keeps no data)"
+            )
         if missing is not None:
+            error.denied = True
             # NOPERM says "a key" or "this command" at best; the operator needs the word.
             error.message += (
                 f"; the Redis user lacks {missing}: grant it the words "
@@ -340,6 +461,8 @@ class RedisLayout:
     # -- the scripts (put_if_absent, compare_and_set, compare_and_delete) -------------------
 
     def _script_command(self, script: str, request: Request) -> Command:
+        if self.functions:
+            return ("FCALL", FUNCTION_NAMES[script], *request)
         return ("EVALSHA", self._shas[script], *request)
 
     def _loaded(self, script: str, sha: bytes | str) -> None:
@@ -369,8 +492,10 @@ class RedisLayout:
         entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
         held = self._held_mark(entry_key, stem)
+        indexes = self._indexes(key) if self._indexed else ()
         request = (
-            4, entry_key, stem + ":f", stem + ":w", held, f"{expires} {value}", ms, _keep(ms)
+            4 + len(indexes), entry_key, stem + ":f", stem + ":w", held, *indexes,
+            f"{expires} {value}", ms, _keep(ms),
         )  # fmt: skip
         return request, expires
 
@@ -407,7 +532,10 @@ class RedisLayout:
         entry_key, stem = self._keys(key)
         ms, expires = _ttl(ttl)
         held = self._held_mark(entry_key, stem)
-        return (2, entry_key, held, f"{expires} {value}", ms, version, _keep(ms)), expires
+        indexes = self._indexes(key) if self._indexed else ()
+        request = (2 + len(indexes), entry_key, held, *indexes,
+                   f"{expires} {value}", ms, version, _keep(ms))  # fmt: skip
+        return request, expires
 
     def _cas_reply(self, key: str, value: str, version: str, expires: int, n: Any) -> Entry:
         if n is None:
@@ -427,7 +555,9 @@ class RedisLayout:
     def _delete_request(self, key: str, version: str) -> Request:
         entry_key, stem = self._keys(key)
         held = self._held_mark(entry_key, stem)
-        return (4, entry_key, stem + ":w", stem + ":signal", held, version, _MIN_KEEP_MS)
+        indexes = self._indexes(key) if self._indexed else ()
+        return (4 + len(indexes), entry_key, stem + ":w", stem + ":signal", held, *indexes,
+                version, _MIN_KEEP_MS)  # fmt: skip
 
     def _delete_reply(self, key: str, version: str, freed: Any) -> bool:
         if not freed:
@@ -472,6 +602,35 @@ class RedisLayout:
             if key is not None and key.startswith(prefix):
                 keys.append(key)
         return keys
+
+    # -- the index: scan and read many ------------------------------------------------------
+
+    def _index_commands(self, prefix: str, now: Any) -> tuple[Command, Command]:
+        """Given ``TIME``'s reply: drop the members lapsed by then, and read the rest."""
+        index = self._index_key(prefix)
+        seconds, micros = (int(part) for part in now)
+        ms = seconds * 1000 + micros // 1000
+        return ("ZREMRANGEBYSCORE", index, "-inf", ms), ("ZRANGE", index, 0, -1)
+
+    def _mget_commands(self, names: Sequence[bytes | str]) -> list[Command]:
+        """``MGET`` of ``names`` (Redis keys), ``MGET_CHUNK`` at a time."""
+        return [("MGET", *names[i : i + MGET_CHUNK]) for i in range(0, len(names), MGET_CHUNK)]
+
+    def _indexed_entries(
+        self, names: Sequence[bytes | str], payloads: Sequence[Any], prefix: str
+    ) -> list[tuple[str, Entry]]:
+        """The live entries under ``prefix`` among the index's members ``names`` and
+        their payloads (a freed or lapsed one reads None and is skipped)."""
+        found = []
+        for name, payload in zip(names, payloads, strict=True):
+            keys = self._scanned_keys([name], prefix)
+            entry = self._read_entry(keys[0], payload) if keys else None
+            if entry is not None:
+                found.append((keys[0], entry))
+        return found
+
+    def _entry_keys(self, keys: Sequence[str]) -> list[str]:
+        return [self._entry_key(key) for key in keys]
 
     # -- the eviction check -----------------------------------------------------------------
 
@@ -568,6 +727,14 @@ def token_back_commands(signal: str) -> tuple[Command, Command]:
     """Put a token back (its local waiter gave up meanwhile: one release must wake
     someone), with the life the release gave it."""
     return ("LPUSH", signal, 1), ("PEXPIRE", signal, SIGNAL_MS)
+
+
+MGET_CHUNK = 1000  # keys per MGET: a bounded request and reply
+
+
+def _clustered(client: Any) -> bool:
+    """Is ``client`` a Redis Cluster client (blocking or asyncio)?"""
+    return any(cls.__name__ == "RedisCluster" for cls in type(client).__mro__)
 
 
 def _glob_escape(literal: str) -> str:

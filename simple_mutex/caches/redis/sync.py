@@ -123,15 +123,35 @@ class RedisCache(RedisLayout):
         return self._read_entry(key, payload)
 
     def scan(self, prefix: str) -> Iterator[tuple[str, Entry]]:
-        """``SCAN`` (never ``KEYS``: it would stall the server) for the entry keys under
-        ``prefix`` (``protocol.py``), then each entry read as ``get`` reads it. A key
-        that lapses between the two steps is skipped."""
+        """The live entries under the lock prefix ``prefix``: the members of its index
+        (``index_prefix``; lapsed ones dropped first), read by ``MGET``, so the cost
+        follows the locks, not the database. With ``index=False`` or on a Cluster:
+        ``SCAN`` (never ``KEYS``: it would stall the server) for the entry keys, then
+        each entry read as ``get`` reads it. A key that lapses meanwhile is skipped."""
+        if self.index:
+            with self._faults("scan", prefix):
+                prune, members = self._index_commands(prefix, self._execute("TIME"))
+                self._execute(*prune)
+                names = self._execute(*members)
+                payloads = [p for mget in self._mget_commands(names) for p in self._execute(*mget)]
+            yield from self._indexed_entries(names, payloads, prefix)
+            return
         with self._faults("scan", prefix):
             names = list(self.client.scan_iter(match=self._scan_pattern(prefix), count=1000))
         for key in self._scanned_keys(names, prefix):
             entry = self.get(key)
             if entry is not None:
                 yield key, entry
+
+    def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+        """``get`` of each of ``keys``, by ``MGET`` (a thousand a request): for keys of
+        one lock (a semaphore's slots share its hash tag, so a Cluster takes them too)."""
+        if not keys:
+            return []
+        with self._faults("get", keys[0]):
+            mgets = self._mget_commands(self._entry_keys(keys))
+            payloads = [payload for mget in mgets for payload in self._execute(*mget)]
+        return [self._read_entry(key, p) for key, p in zip(keys, payloads, strict=True)]
 
     def close(self) -> None:
         """Close this cache's own connections (the client stays open; close it
@@ -393,7 +413,9 @@ def _reply_or_error(conn: Any) -> Any:
         return exc  # a whole reply, read to its end
 
 
-_OWN_OPTIONS = {"allow_eviction", "replicas", "replica_timeout", "asyncio"}
+_OWN_OPTIONS = {
+    "allow_eviction", "replicas", "replica_timeout", "asyncio", "index", "functions"
+}  # fmt: skip
 
 
 def from_url(url: str) -> Any:
@@ -407,11 +429,13 @@ def from_url(url: str) -> Any:
     ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
     [?socket_timeout=..&sentinel_password=..]`` asks the sentinels for the master of
     ``service``; the password is the master's (``sentinel_password`` is the sentinels'
-    own, if they need one). ``allow_eviction=true``, ``replicas=N`` and
-    ``replica_timeout=S`` in the query go to the cache. A ``redis+sentinel://`` URL
-    means a failover is expected, and a grant the primary had not yet passed on is lost
-    in one (a waiter then holds the key beside its first holder), so it waits for one
-    replica by default: ``replicas=0`` says, by name, that losing a grant is acceptable.
+    own, if they need one). ``allow_eviction=true``, ``replicas=N``,
+    ``replica_timeout=S``, ``index=false`` and ``functions=true`` in the query go to
+    the cache. A
+    ``redis+sentinel://`` URL means a failover is expected, and a grant the primary had
+    not yet passed on is lost in one (a waiter then holds the key beside its first
+    holder), so it waits for one replica by default: ``replicas=0`` says, by name, that
+    losing a grant is acceptable.
     """
     scheme = url.partition(":")[0].lower()
     head, _, query = url.partition("?")
@@ -429,6 +453,8 @@ def from_url(url: str) -> Any:
         make = functools.partial(
             cache_class,
             allow_eviction=_yes(own.get("allow_eviction", "false")),
+            index=_yes(own.get("index", "true")),
+            functions=_yes(own.get("functions", "false")),
             replicas=int(own["replicas"]) if "replicas" in own else None,
             replica_timeout=float(own.get("replica_timeout", "0.5")),
         )
