@@ -14,7 +14,7 @@ and with ``replicas=1`` / a synchronous standby / etcd an acknowledged grant sur
 the failover (no two holders, the waiter never let in beside its holder, no record
 vanishing under its holder). What it does not promise (an asynchronous replica or standby
 may lose a grant, and the waiter then holds the key too) is printed, not asserted: those
-figures are docs/guides/leases.md's failover table. ``FAILOVER_TRIALS`` (default 3)
+figures are docs/guides/leases.md's failover table. ``FAILOVER_TRIALS`` (default 2)
 sets the failovers per setup.
 """
 
@@ -28,7 +28,7 @@ from nemesis import failover
 
 pytestmark = pytest.mark.system
 
-TRIALS = int(os.environ.get("FAILOVER_TRIALS", "3"))
+TRIALS = int(os.environ.get("FAILOVER_TRIALS", "2"))
 CLIENTS = 5
 FENCES = ("fence-order", "fence-repeat", "stale-write")
 TWO_HOLDERS = ("overlap", "refused-while-protected", "vanished")
