@@ -501,9 +501,11 @@ def _stranded(
     list, or STARTED with an execution nobody heartbeats any more, until its maintenance
     fails it minutes later, and the line would wait that long for a job that never runs.
     A job still in its queue is slow, not lost; one whose horse began it in the line, or
-    whose execution is heartbeated, is running. A job seen unbegun so is stranded once it
-    has stayed so for its lease, as a holder paused past its lease has lost its lock: the
-    first sweep that finds it marks when (``UNBEGUN``), a later one judges. A worker
+    whose execution is heartbeated, is running. A STARTED job whose heartbeat lapsed is
+    stranded at once (its dead execution's entries go, so that RQ's cleanup never fails
+    its next run); a QUEUED one once it has stayed unbegun for its lease, as a holder
+    paused past its lease has lost its lock: the first sweep that finds it marks when
+    (``UNBEGUN``), a later one judges. A worker
     paused longer than that, then resuming, runs nothing twice: its copy finds the turn
     taken and is a duplicate (which RQ records on the job id, as any duplicate)."""
     queue = Queue(job.origin, connection=connection)
@@ -520,6 +522,12 @@ def _stranded(
     if not unbegun:
         connection.delete(mark)
         return False
+    if status == JobStatus.STARTED:
+        # Its horse's heartbeat lapsed: RQ's own proof of a dead worker, which needs no
+        # wait of ours (RQ's maintenance, every 10 minutes, would fail the job).
+        registry = queue.started_job_registry.key
+        connection.zrem(registry, *_executions(connection, registry, job))
+        return True
     found = message.get("lease") if isinstance(message, Mapping) else None
     lease = float(found) if isinstance(found, int | float) and found > 0 else lines.lease
     connection.set(mark, repr(time.time()), nx=True, px=int(2 * lease * 1000) + 60_000)
@@ -527,10 +535,6 @@ def _stranded(
     if first is None or time.time() - float(first) < lease:
         return False
     connection.delete(mark)
-    if status == JobStatus.STARTED:
-        # The dead execution's entries go, so that RQ's cleanup never fails the next run.
-        registry = queue.started_job_registry.key
-        connection.zrem(registry, *_executions(connection, registry, job))
     return True
 
 

@@ -351,6 +351,29 @@ def test_a_head_taken_by_a_worker_that_died_before_its_horse_runs_in_its_place(
     assert conn.lpos(queue.intermediate_queue_key, sent[0].id) is None  # RQ fails nothing
 
 
+def test_a_head_begun_by_a_horse_that_died_with_its_worker_runs_in_its_place(
+    conn, run, queue, rq_workers
+):
+    """As above, one step later: the dead worker's horse had marked item 0 STARTED (with
+    its execution in the started registry, heartbeated no more) before the line saw it
+    run. Once that heartbeat lapsed, a sweep sends it again; 0, 1, 2 run in order, and
+    the dead execution's entry is gone, so RQ's own cleanup never fails the job after
+    its run. (Made by hand as RQ leaves it: a SIGKILL
+    cannot be timed between a horse's first write and the line's.)"""
+    sent = [queue.enqueue(jobs.in_line, run, "e", i, hold=0.05) for i in range(3)]
+    assert conn.lmove(queue.key, queue.intermediate_queue_key) == sent[0].id.encode()
+    sent[0].set_status(JobStatus.STARTED)
+    dead = f"{sent[0].id}:dead-execution"
+    # Its heartbeat lapses 3 s from now: after the worker's start-up maintenance, which
+    # would fail a job abandoned already (RQ's own judgement; then it never runs).
+    conn.zadd(queue.started_job_registry.key, {dead: time.time() + 3})
+    rq_workers(*WORKER)
+    wait_until(lambda: ended(sent), 60, "the line to run")
+    assert order(conn, run)["e"] == [0, 1, 2]
+    assert [j.get_status() for j in sent] == [JobStatus.FINISHED] * 3
+    assert conn.zscore(queue.started_job_registry.key, dead) is None
+
+
 def started_items(conn: redis.Redis, run: str) -> set[int]:
     return {r["item"] for r in records(conn, run, "started")}
 
