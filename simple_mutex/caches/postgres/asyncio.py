@@ -31,11 +31,19 @@ from simple_mutex.caches._base import driver_imports
 from simple_mutex.contract import Entry
 from simple_mutex.errors import ConstraintError, MalfunctionError
 
-from .statements import LOST_RACE, CommitWatch, PostgresCore, Statement, Unreplicated
+from .statements import (
+    LOST_RACE,
+    NO_STANDBY_WAIT,
+    CommitWatch,
+    PostgresCore,
+    Statement,
+    Unreplicated,
+)
 from .sync import PostgresCache
 
 with driver_imports("postgres"):
     import psycopg
+    from psycopg.pq import TransactionStatus
 
 T = TypeVar("T")
 
@@ -119,8 +127,11 @@ class AsyncPostgresCache(PostgresCore):
             if await (await conn.execute(lookup, (name,))).fetchone() != (None,):
                 continue
             try:
+                fresh = conn.info.transaction_status == TransactionStatus.IDLE
                 with contextlib.suppress(*LOST_RACE), self._watched(conn):
                     async with conn.transaction():
+                        if fresh:  # a transaction of its own (not a pooled one's savepoint)
+                            await conn.execute(NO_STANDBY_WAIT)
                         await conn.execute(self._sql[statement])
             except psycopg.errors.InsufficientPrivilege as exc:
                 self._denied(statement, exc)

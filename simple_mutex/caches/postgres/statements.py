@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -66,10 +67,16 @@ _STATEMENT_TIMEOUT_MS = 10_000  # a single-row statement takes microseconds
 # a cancelled wait is answered as a success with a WARNING, the write committed here but
 # on no standby.
 _CANCEL_GRACE_S = 0.5
+# A setting in ``options`` (``-c statement_timeout=5s``; the server takes the last one
+# given, and reads "5\ s", an escaped space, as 5 s).
 _TIMEOUT_SETTING = re.compile(
-    r"statement_timeout\s*=\s*'?(\d+(?:\.\d+)?)\s*(ms|s|min|h|d)?", re.IGNORECASE
+    r"statement_timeout\s*=\s*'?(\d+(?:\.\d+)?)(?:\\?\s)*(us|ms|s|min|h|d)?", re.IGNORECASE
 )
-_UNITS_S = {"ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_UNITS_S = {"us": 1e-6, "ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+# Creating the table does not wait for a synchronous standby (for its own transaction
+# only): a gone standby would hold it a bound per statement, before the call's own. Any
+# grant made in it waits, and replicates the table's creation with it.
+NO_STANDBY_WAIT = "SELECT pg_catalog.set_config('synchronous_commit', 'local', true)"
 SYNC_REP_CANCELLED = "01000"  # the WARNING's SQLSTATE (its text may be translated)
 # The server session of a statement an interrupt left in flight: ended, then waited for.
 # Only our own role's sessions, and only while that statement still runs.
@@ -297,7 +304,7 @@ class PostgresCore(CacheBase):
     def _session_setup(self) -> str | None:
         """The statement a session this cache opens runs first, if any: a statement
         timeout, unless the conninfo sets its own."""
-        if "statement_timeout" in str(conninfo_to_dict(self._conninfo).get("options", "")):
+        if "statement_timeout" in session_options(self._conninfo):
             return None
         return f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}"
 
@@ -610,15 +617,21 @@ class CommitWatch:
             self.unreplicated = True
 
 
+def session_options(conninfo: str) -> str:
+    """The server settings a session of ``conninfo`` starts with: its ``options``, else
+    libpq's PGOPTIONS."""
+    return str(conninfo_to_dict(conninfo).get("options") or os.environ.get("PGOPTIONS", ""))
+
+
 def commit_bound(conninfo: str) -> float:
     """Seconds after which a face cancels a statement still in flight: the session's
     ``statement_timeout`` (the conninfo's ``options``, else ours; 0, "none", counts as
     ours) and a grace for the server's own timeout to answer first."""
-    options = str(conninfo_to_dict(conninfo).get("options", ""))
-    found = _TIMEOUT_SETTING.search(options)
+    found = _TIMEOUT_SETTING.findall(session_options(conninfo))
     seconds = 0.0
-    if found is not None:
-        seconds = float(found.group(1)) * _UNITS_S[(found.group(2) or "ms").lower()]
+    if found:
+        number, unit = found[-1]  # the server's reading: the last one given counts
+        seconds = float(number) * _UNITS_S[(unit or "ms").lower()]
     return (seconds or _STATEMENT_TIMEOUT_MS / 1000) + _CANCEL_GRACE_S
 
 

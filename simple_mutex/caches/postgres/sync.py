@@ -57,6 +57,7 @@ from simple_mutex.errors import ConstraintValueError, MalfunctionError
 
 from .statements import (
     LOST_RACE,
+    NO_STANDBY_WAIT,
     CommitWatch,
     PostgresCore,
     Statement,
@@ -67,6 +68,7 @@ from .statements import (
 
 with driver_imports("postgres"):
     import psycopg
+    from psycopg.pq import TransactionStatus
 
 T = TypeVar("T")
 
@@ -136,7 +138,10 @@ class PostgresCache(PostgresCore):
                 continue
             try:
                 # Bounded too: a table on this server only is still a table to use.
+                fresh = conn.info.transaction_status == TransactionStatus.IDLE
                 with contextlib.suppress(*LOST_RACE), self._watched(conn), conn.transaction():
+                    if fresh:  # a transaction of its own (not a pooled one's savepoint)
+                        conn.execute(NO_STANDBY_WAIT)
                     conn.execute(self._sql[statement])
             except psycopg.errors.InsufficientPrivilege as exc:
                 self._denied(statement, exc)
