@@ -205,13 +205,17 @@ class PostgresCache(PostgresCore):
         flight ``commit_bound`` seconds on (a commit waiting for a synchronous standby
         that is gone), its notices read (``CommitWatch``)."""
         watch = CommitWatch(time.monotonic() + self.commit_bound)
-        conn.add_notice_handler(watch.notice)
-        _WATCHDOG.arm(watch, conn)
         try:
+            # Armed inside the try: a signal handler's exception (a job timeout) landing
+            # between the two must not leave the watch armed, to cancel whatever this
+            # connection runs next once the bound is past.
+            conn.add_notice_handler(watch.notice)
+            _WATCHDOG.arm(watch, conn)
             yield watch
         finally:
             _WATCHDOG.disarm(watch)
-            conn.remove_notice_handler(watch.notice)
+            with contextlib.suppress(ValueError):  # never added
+                conn.remove_notice_handler(watch.notice)
 
     def _drop(self, error: psycopg.Error | None) -> None:
         """Forget the connection after a fault, so the next call opens a fresh one."""
