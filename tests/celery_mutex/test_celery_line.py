@@ -518,47 +518,32 @@ def test_a_copy_sent_before_a_retry_never_runs_that_attempt_again(
     assert "is a duplicate" in log
 
 
+@pytest.mark.parametrize("deaths", [1, 2], ids=["killed-once", "killed-twice"])
 def test_acks_late_on_a_redis_broker_keeps_a_killed_holders_call(
-    redis_line: Line, run: str
+    redis_line: Line, run: str, deaths: int
 ) -> None:
     """acks_late + reject_on_worker_lost on a Redis broker: the head's whole worker is
     SIGKILLed mid-run. Kombu delivers its message again only after visibility_timeout (an
     hour by default); the line does not wait for it nor give up on the call: gap_for
     after the dead holder's lease lapsed, the other worker's sweep sends the line's copy,
-    and the head runs again before anything sent after it. (Before, its turn passed on
-    and the call stayed PENDING until the broker's copy came, then was dropped.)"""
+    and the head runs again before anything sent after it. Killed twice: the worker
+    running it again from the line's copy dies too; that run's message is still the
+    line's copy, so a third worker's sweep sends it once more. (Before, its turn passed
+    on and the call stayed PENDING until the broker's copy came, then was dropped; the
+    second death did the same to the rerun.)"""
     line = redis_line
     redelivered = line.task("step_redelivered")
     head = _running_on_w0(line, redelivered, run, "the head")
     followers = [redelivered.apply_async((run, 0, n)) for n in range(1, 4)]
     time.sleep(1.0)  # the followers park behind the running head
     _kill_tree(line.procs[0].pid)
+    if deaths == 2:
+        wait_until(lambda: len(line.starts(run).get(0, [])) >= 2, 60, "the head to run again")
+        line.start_worker("w2", 2)
+        _kill_tree(line.procs[1].pid)  # w1, running the head's second run
     assert head.get(timeout=GET) == 0
     assert [f.get(timeout=GET) for f in followers] == [1, 2, 3]
-    assert line.starts(run)[0] == [0, 0, 1, 2, 3]  # the head ran again, first
-    assert line.overlaps(run) == []
-
-
-def test_acks_late_on_a_redis_broker_keeps_a_call_whose_holder_dies_twice(
-    redis_line: Line, run: str
-) -> None:
-    """As above, and the worker running the head again from the line's copy is SIGKILLed
-    too: that run's message is still the line's copy, so a third worker's sweep sends it
-    once more, and the head runs a third time, before anything sent after it. (Before,
-    the second death ended the head's turn: 1, 2 ran, and the head stayed PENDING until
-    the broker's copy came an hour later, to be dropped as a duplicate.)"""
-    line = redis_line
-    redelivered = line.task("step_redelivered")
-    head = _running_on_w0(line, redelivered, run, "the head")
-    followers = [redelivered.apply_async((run, 0, n)) for n in range(1, 3)]
-    time.sleep(1.0)  # the followers park behind the running head
-    _kill_tree(line.procs[0].pid)
-    wait_until(lambda: len(line.starts(run).get(0, [])) >= 2, 60, "the head to run again")
-    line.start_worker("w2", 2)
-    _kill_tree(line.procs[1].pid)  # w1, running the head's second run
-    assert head.get(timeout=GET) == 0
-    assert [f.get(timeout=GET) for f in followers] == [1, 2]
-    assert line.starts(run)[0] == [0, 0, 0, 1, 2]  # the head ran a third time, first
+    assert line.starts(run)[0] == [0] * (deaths + 1) + [1, 2, 3]  # the head first, again
     assert line.overlaps(run) == []
 
 
