@@ -364,9 +364,9 @@ def test_a_head_begun_by_a_horse_that_died_with_its_worker_runs_in_its_place(
     assert conn.lmove(queue.key, queue.intermediate_queue_key) == sent[0].id.encode()
     sent[0].set_status(JobStatus.STARTED)
     dead = f"{sent[0].id}:dead-execution"
-    # Its heartbeat lapses 3 s from now: after the worker's start-up maintenance, which
+    # Its heartbeat lapses 10 s from now: after the worker's start-up maintenance, which
     # would fail a job abandoned already (RQ's own judgement; then it never runs).
-    conn.zadd(queue.started_job_registry.key, {dead: time.time() + 3})
+    conn.zadd(queue.started_job_registry.key, {dead: time.time() + 10})
     rq_workers(*WORKER)
     wait_until(lambda: ended(sent), 60, "the line to run")
     assert order(conn, run)["e"] == [0, 1, 2]
